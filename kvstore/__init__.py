@@ -1,0 +1,60 @@
+"""kvstore: a persistent, crash-consistent NVMe tier for LLM attention KV-cache blocks.
+
+Public API (everything else is private and may change)::
+
+    async with kvstore.open(path, namespace=ns) as store:
+        keys = ns.chain_keys(token_ids)
+        await store.put_many(keys, blocks, parents=kvstore.chain_parents(keys))
+        n = await store.match_prefix(keys)
+        blocks = await store.get_many(keys[:n])
+"""
+
+from kvstore.blocking import BlockingStore, open_blocking
+from kvstore.errors import (
+    BlockTooLargeError,
+    CorruptionError,
+    FormatVersionError,
+    IndexCorruptionError,
+    InvalidKeyError,
+    KVStoreError,
+    NamespaceMismatchError,
+    OutputMismatchError,
+    ReadOnlyError,
+    StoreClosedError,
+    StoreFullError,
+    StoreIOError,
+    StoreLockedError,
+    UnsupportedTensorError,
+)
+from kvstore.format import FORMAT_VERSION
+from kvstore.keys import Namespace, chain_parents
+from kvstore.store import PutResult, Store, StoreStats, open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BlockTooLargeError",
+    "BlockingStore",
+    "CorruptionError",
+    "FormatVersionError",
+    "IndexCorruptionError",
+    "InvalidKeyError",
+    "KVStoreError",
+    "Namespace",
+    "NamespaceMismatchError",
+    "OutputMismatchError",
+    "PutResult",
+    "ReadOnlyError",
+    "Store",
+    "StoreClosedError",
+    "StoreFullError",
+    "StoreIOError",
+    "StoreLockedError",
+    "StoreStats",
+    "UnsupportedTensorError",
+    "__version__",
+    "chain_parents",
+    "open",
+    "open_blocking",
+]

@@ -1,0 +1,112 @@
+"""Every exception kvstore raises on purpose.
+
+One base class, :class:`KVStoreError`, so an engine can catch everything the store
+says in one clause.  Standard-library bases are mixed in where they fit, so code
+that already handles ``KeyError``/``TypeError``/``OSError`` keeps working.
+
+Corruption (bytes on disk that fail their checksum or do not parse) is kept apart
+from I/O failure (the kernel reported an error): the first is quarantined and
+answered as a miss, the second stops the store from acknowledging writes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVStoreError",
+    "StoreClosedError",
+    "StoreLockedError",
+    "FormatVersionError",
+    "NamespaceMismatchError",
+    "InvalidKeyError",
+    "UnsupportedTensorError",
+    "OutputMismatchError",
+    "BlockTooLargeError",
+    "StoreFullError",
+    "StoreIOError",
+    "ReadOnlyError",
+    "CorruptionError",
+    "IndexCorruptionError",
+]
+
+
+class KVStoreError(Exception):
+    """Base class of every error raised by kvstore."""
+
+
+class StoreClosedError(KVStoreError, RuntimeError):
+    """Raised by every store call made after ``close()`` (or after its ``async with`` exited)."""
+
+
+class StoreLockedError(KVStoreError, BlockingIOError):
+    """Raised by ``open()`` when another process (or another open in this process) holds the store.
+
+    One store directory is served by one ``Store`` object at a time: LMDB's writer lock and
+    the in-memory allocator both assume it.  Close the other owner, or open another path.
+    """
+
+
+class FormatVersionError(KVStoreError, ValueError):
+    """Raised by ``open()`` and by decoders when on-disk bytes carry a format version this
+    build does not know.  Upgrade kvstore (or run ``python -m kvstore fsck`` with the version
+    that wrote the store); nothing was modified."""
+
+
+class NamespaceMismatchError(KVStoreError, ValueError):
+    """Raised by ``open()`` when the store was created for another model/layout namespace.
+
+    Blocks of one model are meaningless (and dangerous) to another.  Pass
+    ``allow_new_namespace=True`` to keep several namespaces in one store on purpose.
+    """
+
+
+class InvalidKeyError(KVStoreError, TypeError):
+    """Raised by every call taking keys when a key is not 16 ``bytes``, or by key
+    derivation when token ids / extra keys cannot be encoded canonically."""
+
+
+class UnsupportedTensorError(KVStoreError, TypeError):
+    """Raised by ``put_many`` when a value is not a tensor kvstore can store byte-exactly
+    (unsupported dtype, meta/sparse/quantized tensor, too many dimensions)."""
+
+
+class OutputMismatchError(KVStoreError, ValueError):
+    """Raised by ``get_many(out=...)`` when a caller-provided tensor does not have the
+    stored block's dtype and number of elements.  Nothing is written into it."""
+
+
+class BlockTooLargeError(KVStoreError, ValueError):
+    """Raised by ``put_many`` when one block does not fit the staging arena or an extent.
+    Raise ``staging_bytes`` / ``extent_bytes`` in ``open()``."""
+
+
+class StoreFullError(KVStoreError, OSError):
+    """Raised by ``put_many`` when the file system has no room for a new extent (ENOSPC)
+    or the store's size limit is reached.  Nothing already stored is lost; the failed
+    batch is not acknowledged and may be retried after space is freed."""
+
+
+class StoreIOError(KVStoreError, OSError):
+    """Raised when the kernel reports an I/O error on the store's files."""
+
+
+class ReadOnlyError(KVStoreError, RuntimeError):
+    """Raised by write calls once the store has stopped acknowledging writes.
+
+    After a failed write or fdatasync the kernel may have dropped dirty pages, so the
+    store cannot promise durability any more (guarantee G5).  Reads keep working.
+    Reopen the store after the underlying problem is fixed; run ``fsck`` first.
+    """
+
+
+class CorruptionError(KVStoreError, ValueError):
+    """Raised by on-disk decoders when bytes fail their magic, length or checksum checks.
+
+    ``get_many`` never lets it escape: a corrupt block is counted, quarantined and
+    answered as a miss.  Tools (fsck, fuzz targets) see it directly.
+    """
+
+
+class IndexCorruptionError(CorruptionError):
+    """Raised by ``open()`` when the LMDB index cannot be read.  Run
+    ``python -m kvstore fsck PATH --rebuild-index`` to rebuild it from the extent files,
+    which describe themselves."""

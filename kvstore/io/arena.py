@@ -1,0 +1,106 @@
+"""The staging arena: one page-aligned anonymous mapping that all disk I/O goes through.
+
+O_DIRECT needs 4 KiB-aligned buffers; Python's ``bytearray`` is not aligned, an
+anonymous ``mmap`` is.  The arena is mapped once per store and carved into page runs
+for the I/O in flight; ``cuda_ext`` registers this same mapping as pinned memory so
+that NVMe -> host -> GPU needs no extra copy.  Tasks that find the arena full wait
+(anyio) until another transfer returns its run, which bounds the memory a store uses.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+
+import anyio
+import torch
+
+from kvstore.errors import BlockTooLargeError
+from kvstore.format import PAGE, round_up
+
+
+class ArenaRun:
+    """A page-aligned run of the arena, owned by one transfer until ``Arena.release``."""
+
+    __slots__ = ("offset", "length", "view", "tensor")
+
+    def __init__(self, arena: Arena, offset: int, length: int) -> None:
+        self.offset = offset
+        self.length = length
+        self.view = arena.view[offset:offset + length]
+        self.tensor = arena.tensor[offset:offset + length]
+
+
+class Arena:
+    """Page-aligned host memory for staging; ``acquire`` waits when it is exhausted."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.size = round_up(max(nbytes, PAGE))
+        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._map)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        # Free runs as two parallel sorted lists (start, length), coalesced on release.
+        self._starts: list[int] = [0]
+        self._lengths: list[int] = [self.size]
+        self._changed: anyio.Event | None = None  # made on first wait, on the event loop
+        self.closed = False
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(self._lengths)
+
+    def try_acquire(self, nbytes: int) -> ArenaRun | None:
+        need = round_up(nbytes)
+        for i, length in enumerate(self._lengths):
+            if length >= need:
+                start = self._starts[i]
+                if length == need:
+                    del self._starts[i], self._lengths[i]
+                else:
+                    self._starts[i] += need
+                    self._lengths[i] -= need
+                return ArenaRun(self, start, need)
+        return None
+
+    async def acquire(self, nbytes: int) -> ArenaRun:
+        if round_up(nbytes) > self.size:
+            raise BlockTooLargeError(
+                f"a transfer of {nbytes} bytes does not fit the {self.size}-byte staging "
+                "arena; open the store with a larger staging_bytes")
+        while (run := self.try_acquire(nbytes)) is None:
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+        return run
+
+    def release(self, run: ArenaRun) -> None:
+        run.view.release()
+        start, length = run.offset, run.length
+        i = bisect.bisect_left(self._starts, start)
+        if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start:
+            i -= 1
+            self._lengths[i] += length
+        else:
+            self._starts.insert(i, start)
+            self._lengths.insert(i, length)
+        if i + 1 < len(self._starts) and self._starts[i] + self._lengths[i] == self._starts[i + 1]:
+            self._lengths[i] += self._lengths.pop(i + 1)
+            del self._starts[i + 1]
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        del self.tensor
+        self.view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            # A caller still holds a view (e.g. a tensor that aliases the arena); the
+            # mapping is freed when that view goes away.
+            pass

@@ -1,0 +1,59 @@
+"""The contract every I/O engine implements (io_uring, thread pool, and the simulated
+disk of the crash tests).  ``tests/io/conformance.py`` holds the suite each one passes.
+
+An engine moves bytes between arena runs and files at 4 KiB-aligned offsets and makes
+them durable; it knows nothing of keys, slots or the index.  Rules every engine keeps:
+
+* ``write`` returns only when every op finished; any failure (error or short write)
+  raises :class:`~kvstore.errors.StoreIOError` after all ops of the call have ended, so
+  no buffer is still in the kernel's hands when the caller reuses it.
+* ``read`` never raises for one bad op: it returns a per-op result (bytes read, or the
+  ``OSError``), so one unreadable block is a miss and not a failed batch.
+* ``datasync`` is ordered after every ``write`` that returned before it was called.
+* No call blocks the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from anyio.abc import TaskGroup
+
+from kvstore.io.arena import ArenaRun
+
+
+@dataclass(frozen=True, slots=True)
+class IoOp:
+    """Transfer ``run`` (its whole length) to/from ``fd`` at byte ``offset``."""
+
+    fd: int
+    offset: int
+    run: ArenaRun
+
+
+@runtime_checkable
+class IOEngine(Protocol):
+    name: str
+    """Short name shown by ``stats()``: ``io_uring``, ``threads`` or ``simulated``."""
+    direct: bool
+    """Whether files are opened with O_DIRECT (reads then always come from the device)."""
+
+    async def start(self, task_group: TaskGroup) -> None:
+        """Start background work (completion reaping) in the store's task group."""
+        ...
+
+    def open_file(self, path: str, *, create: bool) -> int:
+        """Open (or create) a file for aligned I/O and return its descriptor."""
+        ...
+
+    def close_file(self, fd: int) -> None: ...
+
+    async def write(self, ops: Sequence[IoOp]) -> None: ...
+
+    async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]: ...
+
+    async def datasync(self, fds: Sequence[int]) -> None: ...
+
+    async def aclose(self) -> None: ...

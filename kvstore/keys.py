@@ -1,0 +1,188 @@
+"""Block keys: 16-byte content addresses, chained over a prefix and scoped by a namespace.
+
+A key names one block of KV for one model/layout.  The hash is BLAKE2b with a 16-byte
+(128-bit) digest and a per-purpose personalisation string, over canonical bytes only
+(no pickle, no Python ``hash``), so it is stable across processes, machines and Python
+versions.  FORMAT.md ("Keys") specifies the bytes and pins test vectors;
+``tests/test_keys.py`` checks them.
+
+* ``Namespace.digest`` = H_ns(canonical JSON of the namespace fields).
+* chained keys: ``h_0 = parent or digest``; ``h_i = H_blk(h_{i-1} || u32 n || tokens as
+  u32 LE || extra(i))`` for every *full* block of ``block_size`` tokens.
+* engine keys: ``H_eng(digest || tag || u32 len || hash bytes)`` wraps a hash an engine
+  computed itself (vLLM's block hashes), so it is scoped by the namespace as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+
+from kvstore.errors import InvalidKeyError
+from kvstore.format import KEY_BYTES
+
+HASH_VERSION = 1
+_PERSON_NS = b"kvstore-ns-v1"
+_PERSON_BLOCK = b"kvstore-blk-v1"
+_PERSON_ENGINE = b"kvstore-eng-v1"
+
+ExtraItem = Union[int, str, bytes]
+"""One per-block extra key (a multimodal input hash, a LoRA id, ...)."""
+
+_TAG_INT = 1
+_TAG_STR = 2
+_TAG_BYTES = 3
+
+
+def _h(person: bytes, *parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=person)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def _encode_item(item: ExtraItem) -> bytes:
+    if isinstance(item, bool):  # bool is an int subclass; refuse the ambiguity
+        raise InvalidKeyError("extra key items must be int, str or bytes, not bool")
+    if isinstance(item, int):
+        try:
+            data = item.to_bytes(32, "little", signed=True)
+        except OverflowError:
+            raise InvalidKeyError(f"integer extra key {item} does not fit 256 bits") from None
+        tag = _TAG_INT
+    elif isinstance(item, str):
+        data, tag = item.encode("utf-8"), _TAG_STR
+    elif isinstance(item, (bytes, bytearray, memoryview)):
+        data, tag = bytes(item), _TAG_BYTES
+    else:
+        raise InvalidKeyError(
+            f"extra key items must be int, str or bytes, not {type(item).__name__}")
+    return struct.pack("<BI", tag, len(data)) + data
+
+
+def _encode_extra(extra: Sequence[ExtraItem] | None) -> bytes:
+    items = () if extra is None else tuple(extra)
+    return struct.pack("<I", len(items)) + b"".join(_encode_item(i) for i in items)
+
+
+def _token_bytes(tokens: Any) -> np.ndarray:
+    """Token ids as a 1-D little-endian uint32 array, refusing anything not an id."""
+    if hasattr(tokens, "detach"):  # torch tensor, without importing torch here
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidKeyError(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidKeyError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+        raise InvalidKeyError("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4", copy=False)
+
+
+def check_key(key: object) -> bytes:
+    """Return ``key`` as ``bytes`` if it is a valid 16-byte block key, else raise."""
+    if isinstance(key, (bytearray, memoryview)):
+        key = bytes(key)
+    if not isinstance(key, bytes):
+        raise InvalidKeyError(
+            f"block keys are {KEY_BYTES} bytes (from Namespace.chain_keys / engine_key), "
+            f"got {type(key).__name__}")
+    if len(key) != KEY_BYTES:
+        raise InvalidKeyError(f"block keys are {KEY_BYTES} bytes, got {len(key)} bytes")
+    return key
+
+
+def check_keys(keys: Iterable[object]) -> list[bytes]:
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise InvalidKeyError("pass a sequence of keys, not a single key")
+    return [check_key(k) for k in keys]
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes KV of one block unusable by another engine configuration.
+
+    Two engines share stored blocks exactly when their namespaces are equal.  ``extra``
+    holds anything else that changes the KV bytes (quantisation, RoPE scaling, ...).
+    """
+
+    model: str
+    dtype: str
+    block_size: int
+    layout: str = "default"
+    tp_rank: int = 0
+    tp_size: int = 1
+    lora: str | None = None
+    cache_salt: str | None = None
+    extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise InvalidKeyError(f"block_size must be a positive int, got {self.block_size!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidKeyError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+
+    def canonical_json(self) -> str:
+        """The exact text hashed into :attr:`digest` (sorted keys, no whitespace)."""
+        doc = {
+            "hash_version": HASH_VERSION, "model": self.model, "dtype": self.dtype,
+            "block_size": self.block_size, "layout": self.layout, "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size, "lora": self.lora, "cache_salt": self.cache_salt,
+            "extra": [list(kv) for kv in sorted(self.extra)],
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Namespace:
+        doc = json.loads(text)
+        doc.pop("hash_version", None)
+        doc["extra"] = tuple(tuple(kv) for kv in doc.get("extra", ()))
+        return cls(**doc)
+
+    @property
+    def digest(self) -> bytes:
+        return _h(_PERSON_NS, self.canonical_json().encode("utf-8"))
+
+    def chain_keys(
+        self,
+        tokens: Any,
+        *,
+        parent: bytes | None = None,
+        extra: Sequence[Sequence[ExtraItem] | None] | None = None,
+    ) -> list[bytes]:
+        """Keys of every full block of ``tokens`` (a trailing partial block gets none).
+
+        ``parent`` continues a chain (the key of the block before ``tokens[0]``); ``extra``
+        gives per-block extra keys, one entry (or ``None``) per full block.
+        """
+        ids = _token_bytes(tokens)
+        n_blocks = len(ids) // self.block_size
+        if extra is not None and len(extra) != n_blocks:
+            raise InvalidKeyError(f"extra has {len(extra)} entries for {n_blocks} full blocks")
+        prev = self.digest if parent is None else check_key(parent)
+        head = struct.pack("<I", self.block_size)
+        keys: list[bytes] = []
+        for i in range(n_blocks):
+            chunk = ids[i * self.block_size:(i + 1) * self.block_size].tobytes()
+            prev = _h(_PERSON_BLOCK, prev, head, chunk,
+                      _encode_extra(None if extra is None else extra[i]))
+            keys.append(prev)
+        return keys
+
+    def engine_key(self, engine_hash: bytes | int) -> bytes:
+        """Scope a hash computed by the engine (bytes or int) to this namespace."""
+        return _h(_PERSON_ENGINE, self.digest, _encode_item(engine_hash))
+
+    def engine_keys(self, engine_hashes: Iterable[bytes | int]) -> list[bytes]:
+        return [self.engine_key(h) for h in engine_hashes]
+
+
+def chain_parents(keys: Sequence[bytes], first_parent: bytes | None = None) -> list[bytes | None]:
+    """Parents for ``put_many`` when ``keys`` are consecutive blocks of one chain."""
+    return [first_parent, *keys[:-1]] if keys else []

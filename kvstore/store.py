@@ -1,0 +1,736 @@
+"""The async block store: the public ``open()`` and ``Store``.
+
+Commit order of a put (guarantee G1/G3, FORMAT.md "Commit protocol"):
+
+1. reserve space in the in-memory free map (nothing durable changes);
+2. stage header + payload in the arena, CRC32C computed over the staged bytes;
+3. write every slot (O_DIRECT), wait for all completions;
+4. fdatasync every extent written;
+5. one LMDB write transaction: index entries in, their ranges out of the durable free
+   map, sequence counter up; commit (fsync);
+6. acknowledge.
+
+A crash before 5 leaves no index entry and the space still free in the index: the
+written slots are orphans that fsck reclaims.  A failed write or fdatasync turns the
+store read-only (G5): the kernel may have dropped the dirty pages, so no later
+acknowledgement could be trusted.
+
+Reads look entries up in a read transaction, read whole slots into the arena, and check
+the slot header (key, sequence, lengths) and the payload CRC32C before a byte reaches
+the caller; a mismatch is counted, quarantined and answered as a miss (G2).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import torch
+from anyio.abc import TaskGroup
+
+from kvstore.errors import (
+    BlockTooLargeError,
+    CorruptionError,
+    InvalidKeyError,
+    KVStoreError,
+    NamespaceMismatchError,
+    OutputMismatchError,
+    ReadOnlyError,
+    StoreClosedError,
+    StoreIOError,
+    StoreLockedError,
+)
+from kvstore.extents import create_extent_file, extent_path
+from kvstore.format import (
+    PAGE,
+    SLOT_HEADER_BYTES,
+    IndexEntry,
+    SlotHeader,
+    crc32c,
+    extent_key,
+    new_store_uuid,
+    pack_u64,
+    round_up,
+    unpack_u64,
+)
+from kvstore.index import (
+    META_EXTENT_BYTES,
+    META_NEXT_EXTENT,
+    META_SEQ,
+    META_UUID,
+    Index,
+    IndexWriter,
+    Txn,
+    init_meta,
+    record_namespace,
+)
+from kvstore.io.arena import Arena, ArenaRun
+from kvstore.io.probe import probe
+from kvstore.io.protocol import IOEngine, IoOp
+from kvstore.io.threads import ThreadPoolEngine
+from kvstore.keys import Namespace, check_key, check_keys
+from kvstore.space import FreeSpace, ReadEpochs
+from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
+
+CODEC_RAW = 0
+LOCK_FILE = "LOCK"
+INDEX_DIR = "index"
+
+# Staging and verification of blocks at least this large run on a worker thread, so the
+# event loop keeps serving other tasks while megabytes are copied and checksummed.
+_OFFLOAD_BYTES = 1 << 20
+
+
+@dataclass
+class StoreStats:
+    """A snapshot of the store, from ``Store.stats()``."""
+
+    path: str
+    engine: str
+    o_direct: bool
+    engine_reason: str
+    durable: bool
+    read_only: bool
+    read_only_reason: str | None
+    blocks: int
+    quarantined: int
+    extents: int
+    extent_bytes: int
+    disk_bytes: int
+    free_bytes: int
+    stored_bytes: int
+    puts: int = 0
+    put_blocks: int = 0
+    put_bytes: int = 0
+    dedup_blocks: int = 0
+    dedup_bytes: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    read_bytes: int = 0
+    corrupt_blocks: int = 0
+    read_errors: int = 0
+    deletes: int = 0
+    commits: int = 0
+    namespaces: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What ``put_many`` did: blocks newly written, and blocks skipped as already stored."""
+
+    written: int
+    deduplicated: int
+    bytes_written: int
+
+
+class _Item:
+    """One block of a put in flight."""
+
+    __slots__ = ("key", "parent", "data", "dtype", "shape", "slot_len", "extent", "offset",
+                 "crc", "seq")
+
+    def __init__(self, key: bytes, parent: bytes | None, data: torch.Tensor, dtype: int,
+                 shape: tuple[int, ...]) -> None:
+        self.key, self.parent, self.data, self.dtype, self.shape = key, parent, data, dtype, shape
+        self.slot_len = round_up(SLOT_HEADER_BYTES + data.numel())
+        self.extent = self.offset = self.crc = self.seq = 0
+
+
+class _Lock:
+    """An exclusive ``flock`` on PATH/LOCK, held for the life of the store."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise StoreLockedError(
+                11, f"store {path} is already open (holder pid {holder}); close it there "
+                "first: one store directory is served by one Store at a time") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        os.close(self.fd)  # closing the descriptor drops the flock
+
+
+class Store:
+    """An open store.  Get one from :func:`open`; every method is a coroutine except
+    ``stats()``.  Use a store from the event loop that opened it."""
+
+    def __init__(self, path: str, *, namespace: Namespace | None, allow_new_namespace: bool,
+                 engine: str, sync: bool, extent_bytes: int, staging_bytes: int,
+                 queue_depth: int, index_map_bytes: int, create: bool) -> None:
+        self.path = os.path.abspath(path)
+        if create:
+            os.makedirs(self.path, exist_ok=True)
+        elif not os.path.isdir(os.path.join(self.path, INDEX_DIR)):
+            raise FileNotFoundError(f"no kvstore at {self.path} (open with create=True to make one)")
+        self.namespace = namespace
+        self.durable = sync
+        self._lock = _Lock(self.path)
+        self._closed = False
+        self._cleanups: list[Any] = [self._lock.release]
+        try:
+            self._open(namespace, allow_new_namespace, engine, sync, extent_bytes,
+                       staging_bytes, queue_depth, index_map_bytes)
+        except BaseException:
+            self._run_cleanups()
+            raise
+
+    # ------------------------------------------------------------------ opening
+
+    def _open(self, namespace: Namespace | None, allow_new_namespace: bool, engine: str,
+              sync: bool, extent_bytes: int, staging_bytes: int, queue_depth: int,
+              index_map_bytes: int) -> None:
+        if extent_bytes % PAGE or extent_bytes < 4 * PAGE:
+            raise ValueError(f"extent_bytes must be a multiple of {PAGE} and >= {4 * PAGE}")
+        self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=index_map_bytes, sync=sync)
+        self._cleanups.append(self.index.close)
+        self.writer = IndexWriter(self.index)
+        self._cleanups.append(self.writer.close)
+        if self.index.meta_get(META_UUID) is None:
+            self.writer.run_sync(lambda txn: init_meta(
+                txn, self.index, store_uuid=new_store_uuid(), extent_bytes=extent_bytes))
+        self.index.check_format()
+        self.store_uuid = self.index.meta_get(META_UUID) or b""
+        self.extent_bytes = unpack_u64(self.index.meta_get(META_EXTENT_BYTES) or b"")
+        self._seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
+        self._check_namespace(namespace, allow_new_namespace)
+
+        result = probe(self.path, engine)
+        self.engine_reason = result.reason
+        if result.engine == "io_uring":
+            from kvstore.io.uring import UringEngine
+            self.engine: IOEngine = UringEngine(direct=result.direct, queue_depth=queue_depth)
+        else:
+            self.engine = ThreadPoolEngine(direct=result.direct, queue_depth=queue_depth)
+
+        self._fds: dict[int, int] = {}
+        self._cleanups.append(self._close_fds)
+        for extent_id in self.index.extents_list():
+            path = extent_path(self.path, extent_id)
+            try:
+                self._fds[extent_id] = self.engine.open_file(path, create=False)
+            except FileNotFoundError:
+                from kvstore.errors import IndexCorruptionError
+                raise IndexCorruptionError(
+                    f"extent file {path} named by the index is missing; run "
+                    f"`python -m kvstore fsck {self.path}` to see what is lost") from None
+        self.space = FreeSpace()
+        for run in self.index.free_runs():
+            self.space.free(*run)
+        self.epochs = ReadEpochs(self.space)
+        self.arena = Arena(staging_bytes)
+        self._cleanups.append(self.arena.close)
+        self._chunk_bytes = max(self.arena.size // 4, PAGE)
+        self._inflight: dict[bytes, anyio.Event] = {}
+        self._read_only_reason: str | None = None
+        self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
+                                          "dedup_bytes", "gets", "hits", "misses", "read_bytes",
+                                          "corrupt_blocks", "read_errors", "deletes")}
+
+    def _check_namespace(self, namespace: Namespace | None, allow_new: bool) -> None:
+        if namespace is None:
+            return
+        known = self.index.namespaces()
+        if namespace.digest in known:
+            return
+        if known and not allow_new:
+            names = "; ".join(known.values())
+            raise NamespaceMismatchError(
+                f"store {self.path} holds blocks of another namespace ({names}); this open asks "
+                f"for {namespace.canonical_json()}. Open another path, or pass "
+                "allow_new_namespace=True to keep both in one store.")
+        self.writer.run_sync(lambda txn: record_namespace(
+            txn, self.index, namespace.digest, namespace.canonical_json()))
+
+    def _close_fds(self) -> None:
+        for fd in self._fds.values():
+            self.engine.close_file(fd)
+        self._fds.clear()
+
+    def _run_cleanups(self) -> None:
+        while self._cleanups:
+            fn = self._cleanups.pop()
+            with suppress(Exception):
+                fn()
+
+    async def _start(self, task_group: TaskGroup) -> None:
+        # anyio primitives are made here, on the event loop, not in the opening thread.
+        self._grow_lock = anyio.Lock()
+        await self.engine.start(task_group)
+
+    async def aclose(self) -> None:
+        """Close the store; waits for I/O in flight.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            while self._inflight:
+                await next(iter(self._inflight.values())).wait()
+            await self.engine.aclose()
+            await anyio.to_thread.run_sync(self._run_cleanups)
+
+    # ------------------------------------------------------------------ guards
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {self.path} is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._read_only_reason is not None:
+            raise ReadOnlyError(
+                f"store {self.path} stopped accepting writes: {self._read_only_reason}. "
+                "Reads still work; fix the device, run `python -m kvstore fsck`, and reopen.")
+
+    def _fail_closed(self, why: str) -> None:
+        if self._read_only_reason is None:
+            self._read_only_reason = why
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only_reason is not None
+
+    # ------------------------------------------------------------------ space
+
+    async def _reserve(self, items: Sequence[_Item]) -> None:
+        """Give every item a slot, adding extents as needed."""
+        done: list[_Item] = []
+        try:
+            for item in items:
+                if item.slot_len > self.extent_bytes - PAGE:
+                    raise BlockTooLargeError(
+                        f"a {item.slot_len}-byte slot does not fit a {self.extent_bytes}-byte "
+                        "extent; create the store with a larger extent_bytes")
+                while (where := self.space.allocate(item.slot_len)) is None:
+                    await self._grow()
+                item.extent, item.offset = where
+                done.append(item)
+        except BaseException:
+            self._unreserve(done)
+            raise
+
+    def _unreserve(self, items: Sequence[_Item]) -> None:
+        for item in items:
+            self.space.free(item.extent, item.offset, item.slot_len)
+
+    async def _grow(self) -> None:
+        """Add one extent file (durably), then record it and its free run in the index."""
+        before = len(self.space)
+        async with self._grow_lock:
+            if len(self.space) != before:
+                return  # another task grew the store while we waited
+            extent_id = unpack_u64(self.index.meta_get(META_NEXT_EXTENT) or b"")
+            await anyio.to_thread.run_sync(
+                create_extent_file, self.path, extent_id, self.extent_bytes, self.store_uuid)
+
+            def record(txn: Txn) -> None:
+                txn.put(extent_key(extent_id), pack_u64(self.extent_bytes), db=self.index.extents)
+                self.index.give_range(txn, extent_id, PAGE, self.extent_bytes - PAGE)
+                txn.put(META_NEXT_EXTENT, pack_u64(extent_id + 1), db=self.index.meta)
+
+            await self.writer.run(record)
+            self._fds[extent_id] = self.engine.open_file(extent_path(self.path, extent_id),
+                                                         create=False)
+            self.space.free(extent_id, PAGE, self.extent_bytes - PAGE)
+
+    # ------------------------------------------------------------------ put
+
+    async def put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor], *,
+                       parents: Sequence[bytes | None] | None = None) -> PutResult:
+        """Store blocks durably; returns once they survive a crash (if ``sync=True``).
+
+        ``parents[i]`` is the key of the block before ``keys[i]`` in its chain (or None):
+        eviction uses it to keep chains free of holes, and fsck to rebuild them.  Keys
+        that are already stored (or being stored by another task) are not written again.
+        """
+        self._check_writable()
+        keys = check_keys(keys)
+        values = list(values)
+        if len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if parents is None:
+            parent_list: list[bytes | None] = [None] * len(keys)
+        else:
+            parent_list = [None if p is None else check_key(p) for p in parents]
+            if len(parent_list) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(parent_list)} parents")
+        staged = [host_bytes(v) for v in values]  # every value validated before any I/O
+        self._counters["puts"] += 1
+
+        # Wait out other tasks' puts of the same keys, then decide without yielding.
+        while True:
+            busy = next((self._inflight[k] for k in keys if k in self._inflight), None)
+            if busy is None:
+                break
+            await busy.wait()
+            self._check_writable()
+        present = self.index.present(keys)
+        items: list[_Item] = []
+        dedup_bytes = 0
+        for key, parent, (data, code), value in zip(keys, parent_list, staged, values):
+            if key in present or key in self._inflight:
+                dedup_bytes += data.numel()
+                continue
+            items.append(_Item(key, parent, data, code, tuple(value.shape)))
+            self._inflight[key] = anyio.Event()
+        self._counters["dedup_blocks"] += len(keys) - len(items)
+        self._counters["dedup_bytes"] += dedup_bytes
+        if not items:
+            return PutResult(0, len(keys), 0)
+        try:
+            await self._put_items(items)
+        finally:
+            for item in items:
+                self._inflight.pop(item.key).set()
+        written = sum(item.data.numel() for item in items)
+        self._counters["put_blocks"] += len(items)
+        self._counters["put_bytes"] += written
+        return PutResult(len(items), len(keys) - len(items), written)
+
+    async def _put_items(self, items: list[_Item]) -> None:
+        await self._reserve(items)
+        committed = False
+        try:
+            for item in items:
+                self._seq += 1
+                item.seq = self._seq
+            await self._write_items(items)
+            if self.durable:
+                await self.engine.datasync(sorted({self._fds[i.extent] for i in items}))
+            now = time.time_ns() // 1000
+            entries = [(item.key, IndexEntry(
+                extent=item.extent, offset=item.offset, slot_len=item.slot_len,
+                payload_len=item.data.numel(), raw_len=item.data.numel(), codec=CODEC_RAW,
+                dtype=item.dtype, payload_crc=item.crc, seq=item.seq, last_use=now,
+                parent=item.parent).encode()) for item in items]
+            seq = self._seq
+
+            def commit(txn: Txn) -> None:
+                for item, (key, value) in zip(items, entries):
+                    self.index.take_range(txn, item.extent, item.offset, item.slot_len)
+                    txn.put(key, value, db=self.index.blocks)
+                prev = unpack_u64(txn.get(META_SEQ, db=self.index.meta))
+                txn.put(META_SEQ, pack_u64(max(prev, seq)), db=self.index.meta)
+
+            await self.writer.run(commit)
+            committed = True
+        except StoreIOError as e:
+            self._fail_closed(f"I/O error while writing: {e}")
+            raise
+        finally:
+            if not committed:
+                self._unreserve(items)
+
+    async def _write_items(self, items: list[_Item]) -> None:
+        """Stage and write slots, a chunk of the arena at a time, chunks overlapping."""
+        errors: list[BaseException] = []
+
+        async def write_chunk(ops: list[IoOp]) -> None:
+            try:
+                await self.engine.write(ops)
+            except Exception as e:  # re-raised below, unwrapped from the task group
+                errors.append(e)
+            finally:
+                for op in ops:
+                    self.arena.release(op.run)
+
+        async with anyio.create_task_group() as tg:
+            ops: list[IoOp] = []
+            pending = 0
+            for item in items:
+                run = self.arena.try_acquire(item.slot_len)
+                if run is None:
+                    if ops:  # flush what is staged before waiting for arena space
+                        tg.start_soon(write_chunk, ops)
+                        ops, pending = [], 0
+                    run = await self.arena.acquire(item.slot_len)
+                if errors:
+                    self.arena.release(run)
+                    break
+                if item.slot_len >= _OFFLOAD_BYTES:
+                    await anyio.to_thread.run_sync(_stage, run, item)
+                else:
+                    _stage(run, item)
+                ops.append(IoOp(self._fds[item.extent], item.offset, run))
+                pending += item.slot_len
+                if pending >= self._chunk_bytes:
+                    tg.start_soon(write_chunk, ops)
+                    ops, pending = [], 0
+            if ops:
+                tg.start_soon(write_chunk, ops)
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------ get
+
+    async def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None = None
+                       ) -> list[torch.Tensor | None]:
+        """Read blocks; ``None`` for a key that is not stored or failed verification.
+
+        With ``out``, block ``i`` is written into ``out[i]`` (same dtype and number of
+        elements; any shape, contiguous or not, on any device) and that tensor is
+        returned; ``out[i] = None`` allocates as usual.
+        """
+        self._check_open()
+        keys = check_keys(keys)
+        outs: list[torch.Tensor | None] = [None] * len(keys) if out is None else list(out)
+        if len(outs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} out tensors")
+        entries = self.index.get_entries(keys)
+        for entry, o in zip(entries, outs):  # validate every out tensor before any I/O
+            if entry is not None and o is not None:
+                check_out(o, entry.dtype, (entry.raw_len // CODE_DTYPES[entry.dtype].itemsize,))
+        self._counters["gets"] += 1
+        results: list[torch.Tensor | None] = [None] * len(keys)
+        corrupt: list[tuple[bytes, IndexEntry, str]] = []
+        epoch = self.epochs.begin()
+        try:
+            await self._read_entries(keys, entries, outs, results, corrupt)
+        finally:
+            self.epochs.end(epoch)
+        if corrupt:
+            await self._quarantine(corrupt)
+        hits = sum(r is not None for r in results)
+        self._counters["hits"] += hits
+        self._counters["misses"] += len(keys) - hits
+        return results
+
+    async def _read_entries(self, keys: list[bytes], entries: list[IndexEntry | None],
+                            outs: list[torch.Tensor | None], results: list[torch.Tensor | None],
+                            corrupt: list[tuple[bytes, IndexEntry, str]]) -> None:
+        async def read_chunk(batch: list[tuple[int, IoOp]]) -> None:
+            try:
+                res = await self.engine.read([op for _, op in batch])
+                for (i, op), r in zip(batch, res):
+                    entry = entries[i]
+                    assert entry is not None
+                    if isinstance(r, OSError) or r != op.run.length:
+                        self._counters["read_errors"] += 1
+                        continue
+                    try:
+                        if entry.slot_len >= _OFFLOAD_BYTES:
+                            results[i] = await anyio.to_thread.run_sync(
+                                _verify_copy, op.run, keys[i], entry, outs[i])
+                        else:
+                            results[i] = _verify_copy(op.run, keys[i], entry, outs[i])
+                        self._counters["read_bytes"] += entry.raw_len
+                    except CorruptionError as e:
+                        corrupt.append((keys[i], entry, str(e)))
+            finally:
+                for _, op in batch:
+                    self.arena.release(op.run)
+
+        async with anyio.create_task_group() as tg:
+            batch: list[tuple[int, IoOp]] = []
+            pending = 0
+            for i, entry in enumerate(entries):
+                if entry is None:
+                    continue
+                fd = self._fds.get(entry.extent)
+                if fd is None:
+                    corrupt.append((keys[i], entry, f"extent {entry.extent} is not open"))
+                    continue
+                run = self.arena.try_acquire(entry.slot_len)
+                if run is None:
+                    if batch:
+                        tg.start_soon(read_chunk, batch)
+                        batch, pending = [], 0
+                    run = await self.arena.acquire(entry.slot_len)
+                batch.append((i, IoOp(fd, entry.offset, run)))
+                pending += entry.slot_len
+                if pending >= self._chunk_bytes:
+                    tg.start_soon(read_chunk, batch)
+                    batch, pending = [], 0
+            if batch:
+                tg.start_soon(read_chunk, batch)
+
+    async def _quarantine(self, bad: list[tuple[bytes, IndexEntry, str]]) -> None:
+        """Move corrupt blocks out of the index (their space stays allocated for fsck)."""
+        self._counters["corrupt_blocks"] += len(bad)
+        if self.read_only:
+            return
+
+        def move(txn: Txn) -> None:
+            for key, entry, _ in bad:
+                if txn.get(key, db=self.index.blocks) == entry.encode():
+                    txn.delete(key, db=self.index.blocks)
+                    txn.put(key, entry.encode(), db=self.index.quarantine)
+
+        with suppress(KVStoreError):
+            await self.writer.run(move)
+
+    # ------------------------------------------------------------------ queries, delete
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        self._check_open()
+        keys = check_keys(keys)
+        present = self.index.present(keys)
+        return [k in present for k in keys]
+
+    async def match_prefix(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` that are all stored (the usable cached prefix)."""
+        self._check_open()
+        keys = check_keys(keys)
+        present = self.index.present(keys)
+        for i, k in enumerate(keys):
+            if k not in present:
+                return i
+        return len(keys)
+
+    async def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete blocks (durably); returns how many were stored."""
+        self._check_writable()
+        keys = check_keys(keys)
+
+        def delete(txn: Txn) -> list[IndexEntry]:
+            freed = []
+            for key in dict.fromkeys(keys):
+                raw = txn.get(key, db=self.index.blocks)
+                if raw is None:
+                    continue
+                entry = IndexEntry.decode(raw)
+                txn.delete(key, db=self.index.blocks)
+                self.index.give_range(txn, entry.extent, entry.offset, entry.slot_len)
+                freed.append(entry)
+            return freed
+
+        freed = await self.writer.run(delete)
+        for entry in freed:
+            self.epochs.free(entry.extent, entry.offset, entry.slot_len)
+        self._counters["deletes"] += len(freed)
+        return len(freed)
+
+    # ------------------------------------------------------------------ single-block sugar
+
+    async def put(self, key: bytes, value: torch.Tensor, *, parent: bytes | None = None) -> bool:
+        """Store one block; True if it was written, False if it was already stored."""
+        return (await self.put_many([key], [value], parents=[parent])).written == 1
+
+    async def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        return (await self.get_many([key], None if out is None else [out]))[0]
+
+    async def contains(self, key: bytes) -> bool:
+        return (await self.contains_many([key]))[0]
+
+    async def delete(self, key: bytes) -> bool:
+        return await self.delete_many([key]) == 1
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> StoreStats:
+        self._check_open()
+        extents = self.index.extents_list()
+        disk = sum(extents.values())
+        with self.index.env.begin() as txn:
+            blocks = txn.stat(self.index.blocks)["entries"]
+            quarantined = txn.stat(self.index.quarantine)["entries"]
+        free = self.space.free_bytes
+        return StoreStats(
+            path=self.path, engine=self.engine.name, o_direct=self.engine.direct,
+            engine_reason=self.engine_reason, durable=self.durable, read_only=self.read_only,
+            read_only_reason=self._read_only_reason, blocks=blocks, quarantined=quarantined,
+            extents=len(extents), extent_bytes=self.extent_bytes, disk_bytes=disk,
+            free_bytes=free, stored_bytes=disk - free - PAGE * len(extents),
+            commits=self.writer.commits,
+            namespaces=list(self.index.namespaces().values()), **self._counters)
+
+
+def _stage(run: ArenaRun, item: _Item) -> None:
+    """Copy one block into its arena run and write its header; CRC over the staged bytes,
+    so a caller changing the tensor meanwhile cannot make header and payload disagree."""
+    n = item.data.numel()
+    payload = run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
+    payload.copy_(item.data)
+    run.tensor[SLOT_HEADER_BYTES + n:].zero_()
+    item.crc = crc32c(run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n])
+    header = SlotHeader(key=item.key, parent=item.parent, codec=CODEC_RAW, dtype=item.dtype,
+                        shape=item.shape, payload_len=n, raw_len=n, payload_crc=item.crc,
+                        seq=item.seq)
+    run.view[:SLOT_HEADER_BYTES] = header.encode()
+
+
+def _verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """Check a slot read into the arena against its index entry and decode it."""
+    header = SlotHeader.decode(run.view)
+    if header.key != key or header.seq != entry.seq:
+        raise CorruptionError(f"slot holds another block (key {header.key.hex()}, seq {header.seq})")
+    if (header.payload_len, header.payload_crc, header.dtype) != \
+            (entry.payload_len, entry.payload_crc, entry.dtype):
+        raise CorruptionError("slot header disagrees with the index entry")
+    n = header.payload_len
+    payload = run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
+    if crc32c(payload) != header.payload_crc:
+        raise CorruptionError("payload checksum mismatch")
+    dtype = CODE_DTYPES[header.dtype]
+    src = run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
+    if out is not None and out.is_contiguous() and out.device.type == "cpu":
+        out.reshape(-1).view(torch.uint8).copy_(src)
+        return out
+    result = torch.empty(header.shape, dtype=dtype)
+    result.reshape(-1).view(torch.uint8).copy_(src)
+    if out is not None:
+        out.copy_(result.reshape(out.shape))
+        return out
+    return result
+
+
+@asynccontextmanager
+async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
+    path: str | os.PathLike[str],
+    *,
+    namespace: Namespace | None = None,
+    allow_new_namespace: bool = False,
+    engine: str = "auto",
+    sync: bool = True,
+    extent_bytes: int = 1 << 30,
+    staging_bytes: int = 256 << 20,
+    queue_depth: int = 64,
+    index_map_bytes: int = 64 << 30,
+    create: bool = True,
+) -> AsyncIterator[Store]:
+    """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
+
+    ``namespace``  the model/layout the caller's keys belong to; recorded at first use, and
+                   a different one is refused unless ``allow_new_namespace=True``.
+    ``engine``     ``"auto"`` (probe: io_uring if it works here, else threads),
+                   ``"io_uring"`` or ``"threads"``.
+    ``sync``       True (default): an acknowledged put has been written, fdatasync'ed and
+                   committed (LMDB fsync) - it survives process crash, kernel crash and power
+                   loss.  False: no fdatasync and no LMDB fsync - acknowledged blocks survive
+                   a crash of the process, but a kernel crash or power loss can lose the
+                   most recent ones (never corrupt: what is read back still verifies).
+    ``extent_bytes``  size of each preallocated extent file (fixed at creation).
+    ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
+                   memory used by transfers in flight and the largest block.
+    ``queue_depth``   I/O operations in flight at once.
+    """
+    store = await anyio.to_thread.run_sync(lambda: Store(
+        os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
+        engine=engine, sync=sync, extent_bytes=extent_bytes, staging_bytes=staging_bytes,
+        queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create))
+    try:
+        async with anyio.create_task_group() as tg:
+            await store._start(tg)
+            try:
+                yield store
+            finally:
+                await store.aclose()
+    finally:
+        if not store._closed:
+            await store.aclose()
