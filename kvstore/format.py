@@ -35,6 +35,11 @@ def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     return int(_crc32c.crc32c(data, value))
 
 
+def _check_len(name: str, value: bytes, n: int) -> None:
+    if len(value) != n:
+        raise ValueError(f"{name} must be {n} bytes, got {len(value)}")
+
+
 def round_up(n: int, align: int = PAGE) -> int:
     return (n + align - 1) // align * align
 
@@ -71,6 +76,9 @@ class SlotHeader:
         return round_up(SLOT_HEADER_BYTES + self.payload_len)
 
     def encode(self) -> bytes:
+        _check_len("key", self.key, KEY_BYTES)
+        if self.parent is not None:
+            _check_len("parent", self.parent, KEY_BYTES)
         if len(self.shape) > MAX_NDIM:
             raise ValueError(f"at most {MAX_NDIM} dimensions")
         flags = SLOT_FLAG_HAS_PARENT if self.parent is not None else 0
@@ -126,6 +134,7 @@ class ExtentHeader:
     store_uuid: bytes
 
     def encode(self) -> bytes:
+        _check_len("store_uuid", self.store_uuid, 16)
         body = _EXTENT.pack(EXTENT_MAGIC, FORMAT_VERSION, self.extent_id, self.extent_bytes,
                             self.store_uuid)
         return (body + struct.pack("<I", crc32c(body))).ljust(EXTENT_HEADER_BYTES, b"\0")
@@ -133,9 +142,11 @@ class ExtentHeader:
     @classmethod
     def decode(cls, buf: bytes | memoryview) -> ExtentHeader:
         n = _EXTENT.size
-        if len(buf) < n + 4:
-            raise CorruptionError("extent header truncated")
+        if len(buf) < EXTENT_HEADER_BYTES:
+            raise CorruptionError(f"extent header truncated: {len(buf)} of {EXTENT_HEADER_BYTES} bytes")
         raw = bytes(buf[: n + 4])
+        if any(bytes(buf[n + 4:EXTENT_HEADER_BYTES])):
+            raise CorruptionError("extent header padding is not zero")
         magic, version, extent_id, extent_bytes, store_uuid = _EXTENT.unpack_from(raw)
         if magic != EXTENT_MAGIC:
             raise CorruptionError(f"bad extent magic {magic!r}")
@@ -172,6 +183,8 @@ class IndexEntry:
     parent: bytes | None
 
     def encode(self) -> bytes:
+        if self.parent is not None:
+            _check_len("parent", self.parent, KEY_BYTES)
         flags = SLOT_FLAG_HAS_PARENT if self.parent is not None else 0
         return _ENTRY.pack(
             INDEX_ENTRY_VERSION, self.codec, self.dtype, flags, self.extent, self.offset,
@@ -188,7 +201,7 @@ class IndexEntry:
         if version != INDEX_ENTRY_VERSION:
             raise FormatVersionError(f"index entry version {version}; this build reads "
                                      f"{INDEX_ENTRY_VERSION}")
-        if offset % PAGE or slot_len % PAGE or slot_len == 0 or \
+        if offset < PAGE or offset % PAGE or slot_len % PAGE or slot_len == 0 or \
                 SLOT_HEADER_BYTES + payload_len > slot_len:
             raise CorruptionError(
                 f"index entry with bad geometry offset={offset} slot_len={slot_len} "

@@ -138,6 +138,8 @@ class Index:
         raw = self.meta_get(META_FORMAT)
         if raw is None:
             raise IndexCorruptionError("index has no format_version record")
+        if len(raw) != 4:
+            raise IndexCorruptionError(f"format_version record of {len(raw)} bytes")
         version = struct.unpack("<I", raw)[0]
         if version != FORMAT_VERSION:
             raise FormatVersionError(

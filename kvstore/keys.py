@@ -66,9 +66,14 @@ def _encode_item(item: ExtraItem) -> bytes:
     return struct.pack("<BI", tag, len(data)) + data
 
 
-def _encode_extra(extra: Sequence[ExtraItem] | None) -> bytes:
-    items = () if extra is None else tuple(extra)
-    return struct.pack("<I", len(items)) + b"".join(_encode_item(i) for i in items)
+def _encode_extra(extra: Sequence[ExtraItem] | ExtraItem | None) -> bytes:
+    if extra is None:
+        items: tuple[object, ...] = ()
+    elif isinstance(extra, (int, str, bytes, bytearray, memoryview)):
+        items = (extra,)  # one item for this block, not a sequence of characters/bytes
+    else:
+        items = tuple(extra)
+    return struct.pack("<I", len(items)) + b"".join(_encode_item(i) for i in items)  # type: ignore[arg-type]
 
 
 def _token_bytes(tokens: Any) -> np.ndarray:
@@ -123,7 +128,10 @@ class Namespace:
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
+        # Normalised so that equal namespaces compare equal however extra was ordered.
+        object.__setattr__(self, "extra", tuple(sorted(tuple(kv) for kv in self.extra)))
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
+                or self.block_size <= 0:
             raise InvalidKeyError(f"block_size must be a positive int, got {self.block_size!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise InvalidKeyError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
@@ -154,7 +162,7 @@ class Namespace:
         tokens: Any,
         *,
         parent: bytes | None = None,
-        extra: Sequence[Sequence[ExtraItem] | None] | None = None,
+        extra: Sequence[Sequence[ExtraItem] | ExtraItem | None] | None = None,
     ) -> list[bytes]:
         """Keys of every full block of ``tokens`` (a trailing partial block gets none).
 

@@ -312,10 +312,6 @@ class Store:
         done: list[_Item] = []
         try:
             for item in items:
-                if item.slot_len > self.extent_bytes - PAGE:
-                    raise BlockTooLargeError(
-                        f"a {item.slot_len}-byte slot does not fit a {self.extent_bytes}-byte "
-                        "extent; create the store with a larger extent_bytes")
                 while (where := self.space.allocate(item.slot_len)) is None:
                     await self._grow()
                 item.extent, item.offset = where
@@ -323,6 +319,16 @@ class Store:
         except BaseException:
             self._unreserve(done)
             raise
+
+    def _check_fits(self, slot_len: int) -> None:
+        if slot_len > self.extent_bytes - PAGE:
+            raise BlockTooLargeError(
+                f"a {slot_len}-byte slot does not fit a {self.extent_bytes}-byte extent; "
+                "create the store with a larger extent_bytes")
+        if slot_len > self.arena.size:
+            raise BlockTooLargeError(
+                f"a {slot_len}-byte slot does not fit the {self.arena.size}-byte staging "
+                "arena; open the store with a larger staging_bytes")
 
     def _unreserve(self, items: Sequence[_Item]) -> None:
         for item in items:
@@ -370,6 +376,8 @@ class Store:
             if len(parent_list) != len(keys):
                 raise ValueError(f"{len(keys)} keys but {len(parent_list)} parents")
         staged = [host_bytes(v) for v in values]  # every value validated before any I/O
+        for data, _ in staged:
+            self._check_fits(round_up(SLOT_HEADER_BYTES + data.numel()))
         self._counters["puts"] += 1
 
         # Wait out other tasks' puts of the same keys, then decide without yielding.
@@ -492,7 +500,9 @@ class Store:
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} out tensors")
         entries = self.index.get_entries(keys)
-        for entry, o in zip(entries, outs):  # validate every out tensor before any I/O
+        for entry, o in zip(entries, outs):  # validate before any I/O
+            if entry is not None:
+                self._check_fits(entry.slot_len)
             if entry is not None and o is not None:
                 check_out(o, entry.dtype, (entry.raw_len // CODE_DTYPES[entry.dtype].itemsize,))
         self._counters["gets"] += 1
@@ -668,6 +678,8 @@ def _verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
                  out: torch.Tensor | None) -> torch.Tensor:
     """Check a slot read into the arena against its index entry and decode it."""
     header = SlotHeader.decode(run.view)
+    if header.codec != CODEC_RAW or header.dtype not in CODE_DTYPES:
+        raise CorruptionError(f"slot has unknown codec {header.codec} or dtype {header.dtype}")
     if header.key != key or header.seq != entry.seq:
         raise CorruptionError(f"slot holds another block (key {header.key.hex()}, seq {header.seq})")
     if (header.payload_len, header.payload_crc, header.dtype) != \

@@ -1,0 +1,1 @@
+"""``python -m kvstore``: the maintenance and demo CLI (see :mod:`kvstore.cli.main`)."""

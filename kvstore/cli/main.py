@@ -1,0 +1,80 @@
+"""``python -m kvstore COMMAND``: a thin layer over the library.
+
+Commands:
+
+``stats PATH [--json]``
+    Open the store read-mostly and print its counters, engine and space use.
+``demo [--path PATH] [--quick]``
+    The main job: an engine-like workload (sessions sharing system prompts) is offloaded,
+    the "engine" restarts (a new process), and every session's prefix is found, loaded and
+    verified.  Prints throughput and a summary table.
+``bench [ARGS...]``
+    Run ``benchmarks/throughput.py`` from a source checkout (ratios against fio).
+
+Exit codes: 0 success, 1 the command found a problem, 2 it could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import anyio
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    import kvstore
+
+    async def run() -> int:
+        async with kvstore.open(args.path, create=False) as store:
+            stats = store.stats().as_dict()
+        if args.json:
+            print(json.dumps(stats, indent=2))
+        else:
+            width = max(len(k) for k in stats)
+            for k, v in stats.items():
+                print(f"{k:<{width}}  {v}")
+        return 0
+
+    return anyio.run(run)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "benchmarks", "throughput.py")
+    if not os.path.exists(script):
+        print("benchmarks/ is not installed with the package; run from a source checkout",
+              file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(script))
+    import throughput  # type: ignore[import-not-found]
+
+    return int(throughput.main(args.rest))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstore", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("stats", help="print a store's statistics")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=_cmd_stats)
+    from kvstore.cli.demo import add_parser as add_demo
+
+    add_demo(sub)
+    p = sub.add_parser("bench", help="throughput benchmark against fio (source checkout)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=_cmd_bench)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except Exception as e:  # noqa: BLE001 - a CLI reports, it does not dump traces
+        from kvstore.errors import KVStoreError
+
+        if isinstance(e, (KVStoreError, OSError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise

@@ -1,0 +1,23 @@
+"""Shared fixtures: both anyio backends, Hypothesis profiles (zarr-style tiers)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", derandomize=True, max_examples=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("default", max_examples=50, deadline=None,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings.register_profile("nightly", max_examples=2000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.function_scoped_fixture])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

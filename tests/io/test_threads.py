@@ -1,0 +1,7 @@
+"""The conformance suite on the thread-pool fallback engine."""
+
+from tests.conformance import StoreConformance
+
+
+class TestThreadPoolStore(StoreConformance):
+    engine = "threads"

@@ -1,0 +1,216 @@
+"""Store-level behaviour that is not engine-specific: restarts in a new process, clear
+errors for every kind of bad input, and namespace / format-version checks."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+
+import kvstore
+from kvstore.index import META_FORMAT
+from tests.conformance import NS, keys, make_tensor, same
+
+pytestmark = pytest.mark.anyio
+
+
+def run_python(code: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
+                          capture_output=True, text=True, check=check, timeout=300)
+
+
+async def test_restart_in_a_new_process_is_bit_exact(tmp_path: Path) -> None:
+    """A writer process stores blocks and exits; a fresh process reads them back."""
+    writer = """
+        import sys, anyio, torch, kvstore
+        from tests.conformance import NS, keys, make_tensor
+        async def main():
+            async with kvstore.open(sys.argv[1], namespace=NS, extent_bytes=8 << 20) as s:
+                ks = keys(50)
+                vals = [make_tensor(torch.bfloat16, (4, 16, 8), i) for i in range(50)]
+                await s.put_many(ks, vals, parents=kvstore.chain_parents(ks))
+        anyio.run(main)
+    """
+    run_python(writer, str(tmp_path))
+    async with kvstore.open(tmp_path, namespace=NS) as store:
+        got = await store.get_many(keys(50))
+        assert await store.match_prefix(keys(50)) == 50
+    assert all(same(g, make_tensor(torch.bfloat16, (4, 16, 8), i)) for i, g in enumerate(got))
+
+
+async def test_closed_store_refuses_calls(tmp_path: Path) -> None:
+    async with kvstore.open(tmp_path, namespace=NS) as store:
+        pass
+    for call in (store.get_many(keys(1)), store.put_many(keys(1), [torch.zeros(1)]),
+                 store.match_prefix(keys(1)), store.delete_many(keys(1)),
+                 store.contains_many(keys(1))):
+        with pytest.raises(kvstore.StoreClosedError, match="closed"):
+            await call
+    with pytest.raises(kvstore.StoreClosedError):
+        store.stats()
+
+
+async def test_second_open_in_this_process_is_refused(tmp_path: Path) -> None:
+    async with kvstore.open(tmp_path, namespace=NS) as store:
+        await store.put(keys(1)[0], torch.ones(3))
+        with pytest.raises(kvstore.StoreLockedError, match="already open"):
+            async with kvstore.open(tmp_path, namespace=NS):
+                pass
+        assert same(await store.get(keys(1)[0]), torch.ones(3))  # the owner is unaffected
+
+
+async def test_open_while_another_process_holds_the_store(tmp_path: Path) -> None:
+    async with kvstore.open(tmp_path, namespace=NS):
+        probe = """
+            import sys, anyio, kvstore
+            async def main():
+                try:
+                    async with kvstore.open(sys.argv[1]):
+                        print("opened")
+                except kvstore.StoreLockedError as e:
+                    print("locked:", e)
+            anyio.run(main)
+        """
+        out = run_python(probe, str(tmp_path)).stdout
+    assert out.startswith("locked:") and "holder pid" in out
+
+
+@pytest.mark.parametrize("bad", [b"short", "a" * 16, 12345, bytes(17), None])
+async def test_bad_keys_are_refused_before_any_io(tmp_path: Path, bad: object) -> None:
+    async with kvstore.open(tmp_path, namespace=NS) as store:
+        with pytest.raises(kvstore.InvalidKeyError):
+            await store.put_many([keys(1)[0], bad], [torch.ones(1), torch.ones(1)])  # type: ignore[list-item]
+        with pytest.raises(kvstore.InvalidKeyError):
+            await store.get_many([bad])  # type: ignore[list-item]
+        with pytest.raises(kvstore.InvalidKeyError):
+            await store.match_prefix([bad])  # type: ignore[list-item]
+        assert store.stats().blocks == 0  # the valid key of the failed batch was not stored
+
+
+async def test_a_single_key_instead_of_a_list_is_refused(tmp_path: Path) -> None:
+    async with kvstore.open(tmp_path, namespace=NS) as store:
+        with pytest.raises(kvstore.InvalidKeyError, match="sequence"):
+            await store.get_many(keys(1)[0])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value, match", [
+    ([1.0, 2.0], "torch.Tensor"),
+    (torch.zeros(3, dtype=torch.complex64), "complex64"),
+    (torch.empty(3, device="meta"), "meta"),
+    (torch.zeros(3, 3).to_sparse(), "sparse"),
+    (torch.zeros([1] * 9), "dimensions"),
+])
+async def test_unsupported_values_are_refused(tmp_path: Path, value: object, match: str) -> None:
+    async with kvstore.open(tmp_path, namespace=NS) as store:
+        with pytest.raises(kvstore.UnsupportedTensorError, match=match):
+            await store.put_many(keys(2), [torch.ones(2), value])  # type: ignore[list-item]
+        assert store.stats().blocks == 0
+
+
+async def test_mismatched_lengths_are_refused(tmp_path: Path) -> None:
+    async with kvstore.open(tmp_path, namespace=NS) as store:
+        with pytest.raises(ValueError, match="2 keys but 1 values"):
+            await store.put_many(keys(2), [torch.ones(1)])
+        with pytest.raises(ValueError, match="parents"):
+            await store.put_many(keys(2), [torch.ones(1)] * 2, parents=[None])
+
+
+async def test_block_larger_than_the_arena_is_refused(tmp_path: Path) -> None:
+    async with kvstore.open(tmp_path, namespace=NS, staging_bytes=1 << 20) as store:
+        with pytest.raises(kvstore.BlockTooLargeError, match="staging_bytes"):
+            await store.put(keys(1)[0], torch.zeros(2 << 20, dtype=torch.uint8))
+        await store.put(keys(1)[0], torch.ones(10))
+        assert store.stats().blocks == 1 and not store.read_only
+
+
+async def test_other_namespace_is_refused_unless_asked(tmp_path: Path) -> None:
+    other = kvstore.Namespace(model="other-model", dtype="bf16", block_size=16)
+    async with kvstore.open(tmp_path, namespace=NS):
+        pass
+    with pytest.raises(kvstore.NamespaceMismatchError, match="allow_new_namespace"):
+        async with kvstore.open(tmp_path, namespace=other):
+            pass
+    async with kvstore.open(tmp_path, namespace=other, allow_new_namespace=True) as store:
+        assert len(store.stats().namespaces) == 2
+    async with kvstore.open(tmp_path, namespace=other):  # now recorded: no flag needed
+        pass
+
+
+async def test_unknown_format_version_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    async with kvstore.open(tmp_path, namespace=NS) as store:
+        await store.put(keys(1)[0], torch.arange(5))
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=8)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(META_FORMAT, struct.pack("<I", 99), db=meta)
+    env.close()
+    with pytest.raises(kvstore.FormatVersionError, match="version 99"):
+        async with kvstore.open(tmp_path, namespace=NS):
+            pass
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=8)
+    meta = env.open_db(b"meta")  # not inside a write txn: open_db begins its own
+    with env.begin(write=True) as txn:
+        assert struct.unpack("<I", txn.get(META_FORMAT, db=meta))[0] == 99
+        txn.put(META_FORMAT, struct.pack("<I", kvstore.FORMAT_VERSION), db=meta)
+    env.close()
+    async with kvstore.open(tmp_path, namespace=NS) as store:  # the data survived the refusal
+        assert same(await store.get(keys(1)[0]), torch.arange(5))
+
+
+async def test_open_without_create_on_a_missing_store(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no kvstore"):
+        async with kvstore.open(tmp_path / "nope", create=False):
+            pass
+
+
+def test_full_disk_is_a_clear_error_and_loses_nothing(tmp_path: Path) -> None:
+    """A real EFBIG from the kernel (RLIMIT_FSIZE, per process, so it needs no mount) when a
+    new extent cannot be allocated: the batch fails whole, everything acknowledged stays."""
+    script = """
+        import resource, signal, sys, json, anyio, torch, kvstore
+        from tests.conformance import NS, keys, make_tensor
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        async def main():
+            ks = keys(12)
+            vals = [make_tensor(torch.uint8, (900_000,), i) for i in range(12)]
+            out = {}
+            async with kvstore.open(sys.argv[1], namespace=NS, extent_bytes=4 << 20) as s:
+                await s.put_many(ks[:4], vals[:4])  # fills most of extent 1
+                # From now on no file may grow to 4 MiB: the next extent cannot be made.
+                limit = (4 << 20) - (64 << 10)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+                try:
+                    await s.put_many(ks[4:], vals[4:])
+                except kvstore.StoreFullError as e:
+                    out["error"] = str(e)
+                got = await s.get_many(ks)
+                out["kept"] = [g is not None and torch.equal(g, v) for g, v in zip(got, vals)]
+                out["read_only"] = s.read_only
+                await s.delete_many(ks[:2])
+                out["after_delete"] = (await s.put_many(ks[4:6], vals[4:6])).written
+            print(json.dumps(out))
+        anyio.run(main)
+    """
+    out = json.loads(run_python(script, str(tmp_path)).stdout)
+    assert "no room for a new" in out["error"]
+    assert out["kept"] == [True] * 4 + [False] * 8  # acknowledged blocks intact; failed batch absent
+    assert out["read_only"] is False  # running out of space is not an I/O failure
+    assert out["after_delete"] == 2  # space freed by deletes is used again
+
+
+async def test_stats_report_engine_and_bytes(tmp_path: Path) -> None:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=4 << 20) as store:
+        await store.put_many(keys(3), [make_tensor(torch.float16, (1000,), i) for i in range(3)])
+        await store.get_many(keys(4))
+        s = store.stats()
+    assert s.engine in ("io_uring", "threads") and s.engine_reason
+    assert (s.blocks, s.put_blocks, s.put_bytes, s.hits, s.misses) == (3, 3, 6000, 3, 1)
+    assert s.stored_bytes == 3 * 4096 and s.disk_bytes == 4 << 20
+    assert json.loads(json.dumps(s.as_dict()))["blocks"] == 3
