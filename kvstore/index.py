@@ -45,7 +45,6 @@ from kvstore.format import (
     IndexEntry,
     decode_extent_key,
     decode_free_key,
-    extent_key,
     free_key,
     pack_u64,
     unpack_u64,

@@ -20,7 +20,7 @@ import json
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +32,7 @@ _PERSON_NS = b"kvstore-ns-v1"
 _PERSON_BLOCK = b"kvstore-blk-v1"
 _PERSON_ENGINE = b"kvstore-eng-v1"
 
-ExtraItem = Union[int, str, bytes]
+ExtraItem = int | str | bytes
 """One per-block extra key (a multimodal input hash, a LoRA id, ...)."""
 
 _TAG_INT = 1

@@ -37,10 +37,8 @@ from anyio.abc import TaskGroup
 from kvstore.errors import (
     BlockTooLargeError,
     CorruptionError,
-    InvalidKeyError,
     KVStoreError,
     NamespaceMismatchError,
-    OutputMismatchError,
     ReadOnlyError,
     StoreClosedError,
     StoreIOError,

@@ -78,7 +78,7 @@ async def offload(path: str, tokens: list[list[int]]) -> dict[str, Any]:
             # An engine offloads only blocks the store lacks; dedup also catches the rest.
             new = [(k, b) for k, b, p in zip(keys, blocks, present) if not p]
             for k, b in new:
-                checksums[k.hex()] = crc32c(b.view(torch.uint8).numpy())
+                checksums[k.hex()] = crc32c(b.view(torch.uint8).numpy().data)
             t0 = time.perf_counter()
             parents = kvstore.chain_parents(keys)
             await store.put_many([k for k, _ in new], [b for _, b in new],
@@ -113,7 +113,7 @@ async def reload(path: str, tokens: list[list[int]], checksums: dict[str, int]) 
             got = await store.get_many(keys[:n])
             get_seconds += time.perf_counter() - t
             for k, g in zip(keys[:n], got):
-                if g is not None and crc32c(g.view(torch.uint8).numpy()) == checksums[k.hex()]:
+                if g is not None and crc32c(g.view(torch.uint8).numpy().data) == checksums[k.hex()]:
                     ok += 1
                     loaded_bytes += g.numel() * g.element_size()
                 else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
+from contextlib import suppress
 
 import anyio
 import torch
@@ -98,9 +99,7 @@ class Arena:
         self.closed = True
         del self.tensor
         self.view.release()
-        try:
+        # A caller may still hold a view (a tensor aliasing the arena): then the mapping
+        # is freed when that view goes away.
+        with suppress(BufferError):
             self._map.close()
-        except BufferError:
-            # A caller still holds a view (e.g. a tensor that aliases the arena); the
-            # mapping is freed when that view goes away.
-            pass

@@ -24,6 +24,8 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Sequence
+from contextlib import suppress
+from functools import partial
 from typing import Any
 
 import anyio
@@ -39,6 +41,18 @@ except ImportError:  # pragma: no cover
     _lu = None
 
 IORING_FSYNC_DATASYNC = 1
+
+
+def _prep_write(op: IoOp, sqe: Any) -> None:
+    _lu.io_uring_prep_write(sqe, op.fd, op.run.view, op.run.length, op.offset)
+
+
+def _prep_read(op: IoOp, sqe: Any) -> None:
+    _lu.io_uring_prep_read(sqe, op.fd, op.run.view, op.run.length, op.offset)
+
+
+def _prep_datasync(fd: int, sqe: Any) -> None:
+    _lu.io_uring_prep_fsync(sqe, fd, IORING_FSYNC_DATASYNC)
 
 
 class _Pending:
@@ -81,10 +95,8 @@ class UringEngine:
             task_status.started()
             while True:
                 await anyio.wait_readable(self._efd)
-                try:
+                with suppress(BlockingIOError):  # another wake-up already drained it
                     os.eventfd_read(self._efd)
-                except BlockingIOError:
-                    pass
                 self._reap()
 
     def _reap(self) -> None:
@@ -138,25 +150,14 @@ class UringEngine:
         return [w.res if w.res >= 0 else OSError(-w.res, os.strerror(-w.res)) for w in waits]
 
     async def write(self, ops: Sequence[IoOp]) -> None:
-        results = await self._submit([
-            (lambda sqe, op=op: _lu.io_uring_prep_write(sqe, op.fd, op.run.view, op.run.length,
-                                                        op.offset), op)
-            for op in ops
-        ])
+        results = await self._submit([(partial(_prep_write, op), op) for op in ops])
         raise_write_errors(results, ops, "write")
 
     async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
-        return await self._submit([
-            (lambda sqe, op=op: _lu.io_uring_prep_read(sqe, op.fd, op.run.view, op.run.length,
-                                                       op.offset), op)
-            for op in ops
-        ])
+        return await self._submit([(partial(_prep_read, op), op) for op in ops])
 
     async def datasync(self, fds: Sequence[int]) -> None:
-        results = await self._submit([
-            (lambda sqe, fd=fd: _lu.io_uring_prep_fsync(sqe, fd, IORING_FSYNC_DATASYNC), None)
-            for fd in fds
-        ])
+        results = await self._submit([(partial(_prep_datasync, fd), None) for fd in fds])
         for res in results:
             if isinstance(res, OSError):
                 raise StoreIOError(res.errno, f"fdatasync failed: {res.strerror}")
