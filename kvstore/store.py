@@ -233,7 +233,9 @@ class Store:
         self.epochs = ReadEpochs(self.space)
         self.arena = Arena(staging_bytes)
         self._cleanups.append(self.arena.close)
-        self._chunk_bytes = max(self.arena.size // 4, PAGE)
+        # Transfers are submitted in chunks of a few MiB so that staging (copy + CRC) of
+        # the next chunk overlaps the device writing the previous one.
+        self._chunk_bytes = max(min(self.arena.size // 4, 8 << 20), PAGE)
         self._inflight: dict[bytes, anyio.Event] = {}
         self._read_only_reason: str | None = None
         self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
