@@ -110,6 +110,41 @@ class Run:
     notes: list[str] = field(default_factory=list)
     engine_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     fio_missing: bool = False
+    # CPU used by *other* processes while a (rep, block) group ran, in % of one CPU
+    foreign_cpu: list[dict[str, Any]] = field(default_factory=list)
+
+
+class CpuMeter:
+    """How busy the rest of the machine is: CPU time spent by everything except this
+    process and its waited-for children (fio), and hypervisor steal, from /proc/stat.
+    Kernel threads working for our own I/O (kworkers, ext4 conversion) count as
+    "other", so a quiet machine still shows a few percent."""
+
+    def __init__(self) -> None:
+        self._hz = os.sysconf("SC_CLK_TCK")
+        self._t0, self._busy0, self._steal0, self._own0 = self._read()
+
+    def _read(self) -> tuple[float, float, float, float]:
+        busy = steal = 0.0
+        with suppress(OSError, ValueError, IndexError):
+            with open("/proc/stat", encoding="ascii") as f:
+                vals = [int(v) for v in f.readline().split()[1:]]
+            # user nice system idle iowait irq softirq steal guest guest_nice
+            steal = vals[7] / self._hz
+            busy = (sum(vals[:8]) - vals[3] - vals[4] - vals[7]) / self._hz
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system
+        return time.perf_counter(), busy, steal, own
+
+    def lap(self) -> dict[str, float]:
+        """Average since the last lap: other processes' CPU and steal, % of one CPU."""
+        t, busy, steal, own = self._read()
+        wall = max(t - self._t0, 1e-9)
+        out = {"seconds": wall,
+               "other_cpu_pct": max(0.0, (busy - self._busy0) - (own - self._own0)) / wall * 100,
+               "steal_pct": (steal - self._steal0) / wall * 100}
+        self._t0, self._busy0, self._steal0, self._own0 = t, busy, steal, own
+        return out
 
 
 # --------------------------------------------------------------------------- helpers
@@ -321,8 +356,10 @@ async def run_all(run: Run, root: str, fio: str | None) -> None:
     gen = torch.Generator().manual_seed(0)
     # random payload, made once before any timing; each measurement uses a prefix of it
     source = torch.randint(0, 256, (max(volumes.values()),), dtype=torch.uint8, generator=gen)
+    meter = CpuMeter()
     for rep in range(args.reps):
         for block in BLOCK_SIZES:
+            meter.lap()
             volume = volumes[block]
             data = source[:volume]
             systems: list[str] = [*ENGINES, "fio"]
@@ -335,10 +372,13 @@ async def run_all(run: Run, root: str, fio: str | None) -> None:
                 else:
                     await bench_kvstore(run, system, block, rep, data, root)
             del data
+            busy = meter.lap()
+            run.foreign_cpu.append({"rep": rep, "block_bytes": block, **busy})
             if not args.quiet:
                 done = [s for s in run.samples if s.rep == rep and s.block == block]
-                line = "  ".join(f"{s.system}/{s.op} {s.mb_s:7.0f}" for s in done)
-                print(f"[rep {rep + 1}/{args.reps} {human(block):>6}] MB/s: {line}",
+                line = "  ".join(f"{s.system}/{s.op} {s.mb_s:5.0f}" for s in done)
+                print(f"[rep {rep + 1}/{args.reps} {human(block):>6}] MB/s: {line}  "
+                      f"(other CPU {busy['other_cpu_pct']:.0f}%, steal {busy['steal_pct']:.0f}%)",
                       file=sys.stderr, flush=True)
 
 
@@ -381,6 +421,14 @@ def build_results(run: Run, info: dict[str, Any], elapsed: float) -> tuple[dict[
               f"mounted at {info['fs_mount']}, I/O scheduler: {info['io_scheduler']})")
     md.append(f"- load average (1/5/15 min) at start: {info['loadavg_start']}, at end: "
               f"{info['loadavg_end']} (other work on the machine skews the numbers)")
+    if run.foreign_cpu:
+        other = [g["other_cpu_pct"] for g in run.foreign_cpu]
+        steal = [g["steal_pct"] for g in run.foreign_cpu]
+        md.append(f"- CPU used by other processes and kernel threads while measuring, % of one "
+                  f"CPU per (repetition, block size) group: median {statistics.median(other):.0f}"
+                  f"%, max {max(other):.0f}% (a quiet machine shows a few %: kernel I/O "
+                  f"workers); hypervisor steal median {statistics.median(steal):.0f}%, "
+                  f"max {max(steal):.0f}%")
     md.append(f"- per measurement: ~{args.volume_mib:g} MiB of payload in one `put_many` / "
               f"`get_many` call (at least one block); {args.reps} repetition(s), interleaved; "
               f"sync=True, staging_bytes={human(STAGING_BYTES)}, "
@@ -457,6 +505,7 @@ def build_results(run: Run, info: dict[str, Any], elapsed: float) -> tuple[dict[
                    "fio_iodepth": FIO_IODEPTH, "fio_missing": run.fio_missing},
         "total_seconds": elapsed,
         "engines": run.engine_info,
+        "other_cpu": run.foreign_cpu,
         "summary": rows,
         "samples": [{"system": s.system, "op": s.op, "block_bytes": s.block, "rep": s.rep,
                      "blocks": s.blocks, "payload_bytes": s.payload_bytes,
@@ -508,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(base, exist_ok=True)
     root = os.path.join(base, f"run-{os.getpid()}-{int(time.time())}")
     os.makedirs(root)
-    fio = args.fio or shutil.which("fio")
+    fio = shutil.which(args.fio or "fio")
     run = Run(args=args)
     if fio is None:
         run.fio_missing = True

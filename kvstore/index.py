@@ -72,7 +72,8 @@ class Index:
             self.env = lmdb.open(
                 path, map_size=map_size, subdir=True, max_dbs=len(_DBS), sync=sync,
                 metasync=sync, readahead=False, meminit=False, max_readers=256, lock=True)
-        except lmdb.InvalidError as e:
+        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
+                lmdb.VersionMismatchError) as e:
             raise IndexCorruptionError(
                 f"the LMDB index at {path} is damaged ({e}); run `python -m kvstore fsck "
                 f"{os.path.dirname(path)} --rebuild-index` to rebuild it from the extents"

@@ -200,6 +200,12 @@ class Store:
         self.writer = IndexWriter(self.index)
         self._cleanups.append(self.writer.close)
         if self.index.meta_get(META_UUID) is None:
+            extents_dir = os.path.join(self.path, "extents")
+            if os.path.isdir(extents_dir) and os.listdir(extents_dir):
+                from kvstore.errors import IndexCorruptionError
+                raise IndexCorruptionError(
+                    f"store {self.path} has extent files but no index; run `python -m kvstore "
+                    f"fsck {self.path} --rebuild-index` to rebuild it (nothing was changed)")
             self.writer.run_sync(lambda txn: init_meta(
                 txn, self.index, store_uuid=new_store_uuid(), extent_bytes=extent_bytes))
         self.index.check_format()

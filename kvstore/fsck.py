@@ -1,0 +1,619 @@
+"""Offline check and repair of a store: ``python -m kvstore fsck PATH``.
+
+The store must be closed (fsck takes its lock).  ``check`` runs these steps, each
+finding classified as *reclaimable* (what a crash legitimately leaves behind: space or
+files nobody references) or *damage* (something the store never produces on its own:
+a bad sector, a bug, a file edited by hand):
+
+1. Take the store lock; open the LMDB index; check the format version.        (else exit 2)
+2. Extent files: every extent in the ``extents`` table exists, has its recorded size and
+   a valid extent header naming its id and the store's uuid (damage: missing-extent,
+   short-extent, bad-extent-header).  Files in ``extents/`` that the table does not name
+   are left by a crash between creating a file and committing it (reclaimable:
+   orphan-extent-file).
+3. Allocation map: the ranges of ``blocks`` and ``quarantine`` entries and the runs of the
+   ``free`` table must tile every extent from 4096 to its end exactly once.  Two owners
+   of one byte is damage (overlap, free-and-referenced, out-of-bounds); bytes owned by
+   nobody are reclaimable (leaked-space).
+4. Slot headers: each indexed slot's header must decode and agree with its index entry
+   (key, sequence number, lengths, dtype, codec, payload CRC) (damage: bad-slot).  With
+   ``deep=True`` every payload's CRC32C is recomputed too (damage: bad-payload).
+5. Quarantined blocks (failed verification while serving) are reclaimable: quarantined.
+6. With ``deep=True``, free space is scanned for slots that still verify: deleted blocks
+   and writes of puts that never committed (note: orphan-slot; harmless, as the space is
+   free, but ``rebuild_index`` would resurrect them, so ``--repair`` zeroes their headers).
+7. Meta records: the sequence counter is at least every entry's, ``next_extent`` is past
+   every extent id, namespace records are valid JSON (damage: meta).
+
+There are no reference counts to drift: each key owns exactly one slot.
+
+``repair=True`` fixes every finding in one LMDB transaction after the data-file changes
+are durable: reclaimable space returns to the free map, orphan files are deleted,
+orphan slot headers are zeroed, damaged blocks are dropped from the index and their
+space freed (their headers zeroed so a rebuild cannot resurrect them), entries of
+missing extents are dropped, meta counters are raised.  A second check finds nothing.
+
+``rebuild_index`` recreates the index from the extent files alone (every slot describes
+itself): the old index directory is kept aside, slots whose header and payload verify are
+indexed (the newest sequence number wins per key), everything else becomes free space.
+Namespace records cannot be recovered; the next ``open`` with a namespace records it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+from kvstore.errors import CorruptionError, KVStoreError
+from kvstore.extents import EXTENT_DIR, extent_path, fsync_dir
+from kvstore.format import (
+    EXTENT_HEADER_BYTES,
+    PAGE,
+    SLOT_HEADER_BYTES,
+    ExtentHeader,
+    IndexEntry,
+    SlotHeader,
+    crc32c,
+    extent_key,
+    free_key,
+    pack_u64,
+    round_up,
+    unpack_u64,
+)
+from kvstore.index import (
+    META_EXTENT_BYTES,
+    META_NAMESPACE_PREFIX,
+    META_NEXT_EXTENT,
+    META_SEQ,
+    META_UUID,
+    Index,
+    IndexWriter,
+    Txn,
+    init_meta,
+)
+
+RECLAIMABLE = "reclaimable"
+DAMAGE = "damage"
+NOTE = "note"  # listed (and cleaned by --repair) but not a problem: does not change the exit code
+_SCAN_CHUNK = 8 << 20
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass
+class Finding:
+    kind: str
+    severity: str
+    detail: str
+    extent: int | None = None
+    offset: int | None = None
+    length: int | None = None
+    key: str | None = None
+    fixed: bool = False
+
+
+@dataclass
+class Report:
+    path: str
+    deep: bool
+    repair: bool
+    blocks: int = 0
+    quarantined: int = 0
+    extents: int = 0
+    payloads_verified: int = 0
+    findings: list[Finding] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def damage(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == DAMAGE]
+
+    @property
+    def reclaimable(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == RECLAIMABLE]
+
+    @property
+    def problems(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity != NOTE]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.problems else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["exit_code"] = self.exit_code
+        return d
+
+
+class _Reader:
+    """Aligned reads of extent files (O_DIRECT where possible: what the device holds)."""
+
+    def __init__(self) -> None:
+        self._buf = mmap.mmap(-1, _SCAN_CHUNK)
+        self._fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        if path not in self._fds:
+            try:
+                self._fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError:
+                self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return self._fds[path]
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` (page-aligned); short at end of file."""
+        out = bytearray()
+        fd = self.fd(path)
+        while len(out) < length:
+            n = min(round_up(length - len(out)), _SCAN_CHUNK)
+            got = os.preadv(fd, [memoryview(self._buf)[:n]], offset + len(out))
+            if got <= 0:
+                break
+            out += self._buf[:min(got, length - len(out))]
+            if got < n:
+                break
+        return bytes(out)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._buf.close()
+
+
+def _zero_page(path: str, offset: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.pwrite(fd, bytes(PAGE), offset)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _verify_slot(raw: bytes, key: bytes | None, entry: IndexEntry | None, deep: bool) -> SlotHeader:
+    header = SlotHeader.decode(raw)
+    if key is not None and header.key != key:
+        raise CorruptionError(f"slot holds key {header.key.hex()}")
+    if entry is not None and (header.seq, header.payload_len, header.payload_crc, header.dtype,
+                              header.codec) != (entry.seq, entry.payload_len, entry.payload_crc,
+                                                entry.dtype, entry.codec):
+        raise CorruptionError("slot header disagrees with its index entry")
+    if header.slot_len > len(raw) and deep:
+        raise CorruptionError("slot runs past the end of its extent")
+    if deep and crc32c(raw[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + header.payload_len]) \
+            != header.payload_crc:
+        raise CorruptionError("payload checksum mismatch")
+    return header
+
+
+def _lock(path: str) -> Any:
+    from kvstore.store import _Lock  # the same lock the store takes
+
+    return _Lock(path)
+
+
+def check(path: str, *, repair: bool = False, deep: bool = False,
+          progress: ProgressFn | None = None) -> Report:
+    """Check (and with ``repair`` fix) the store at ``path``; see the module docstring."""
+    path = os.path.abspath(path)
+    started = time.perf_counter()
+    report = Report(path=path, deep=deep, repair=repair)
+    if not os.path.isdir(os.path.join(path, "index")):
+        if os.path.isdir(os.path.join(path, EXTENT_DIR)):
+            from kvstore.errors import IndexCorruptionError
+            raise IndexCorruptionError(f"{path} has extent files but no index; run "
+                                       f"`python -m kvstore fsck {path} --rebuild-index`")
+        raise FileNotFoundError(f"no kvstore at {path}")
+    lock = _lock(path)
+    index = Index(os.path.join(path, "index"), map_size=64 << 30, sync=True)
+    writer = IndexWriter(index)
+    reader = _Reader()
+    try:
+        index.check_format()
+        _Checker(path, index, writer, reader, report, repair, deep, progress).run()
+    finally:
+        reader.close()
+        writer.close()
+        index.close()
+        lock.release()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+class _Checker:
+    def __init__(self, path: str, index: Index, writer: IndexWriter, reader: _Reader,
+                 report: Report, repair: bool, deep: bool, progress: ProgressFn | None) -> None:
+        self.path, self.index, self.writer, self.reader = path, index, writer, reader
+        self.report, self.repair, self.deep = report, repair, deep
+        self.progress = progress or (lambda stage, done, total: None)
+        self.fixes: list[Callable[[Txn], None]] = []
+        self.file_fixes: list[Callable[[], None]] = []
+        self.uuid: bytes = index.meta_get(META_UUID) or b""
+        self.extent_bytes = unpack_u64(index.meta_get(META_EXTENT_BYTES) or pack_u64(0))
+
+    def find(self, kind: str, severity: str, detail: str, **where: Any) -> Finding:
+        f = Finding(kind, severity, detail, **where)
+        self.report.findings.append(f)
+        return f
+
+    def run(self) -> None:
+        extents = self.check_extents()
+        entries = self.load_entries()
+        self.check_allocation(extents, entries)
+        self.check_slots(extents, entries)
+        if self.deep:
+            self.scan_free_space(extents)
+        self.check_meta(extents, entries)
+        if self.repair and self.report.findings:
+            for fn in self.file_fixes:
+                fn()
+            fixes = self.fixes
+
+            def apply(txn: Txn) -> None:
+                for fix in fixes:
+                    fix(txn)
+
+            self.writer.run_sync(apply)
+            for f in self.report.findings:
+                f.fixed = True
+
+    # -- step 2
+    def check_extents(self) -> dict[int, int]:
+        """Extent id -> usable size (0 if the file is unusable)."""
+        table = self.index.extents_list()
+        self.report.extents = len(table)
+        usable: dict[int, int] = {}
+        for extent_id, size in sorted(table.items()):
+            p = extent_path(self.path, extent_id)
+            if not os.path.exists(p):
+                self.find("missing-extent", DAMAGE, f"extent file {p} is missing; its blocks are lost",
+                          extent=extent_id)
+                usable[extent_id] = 0
+                continue
+            actual = os.path.getsize(p)
+            usable[extent_id] = min(actual, size)
+            if actual < size:
+                self.find("short-extent", DAMAGE, f"{p} has {actual} of {size} bytes",
+                          extent=extent_id)
+            try:
+                header = ExtentHeader.decode(self.reader.read(p, 0, EXTENT_HEADER_BYTES))
+                if (header.extent_id, header.extent_bytes, header.store_uuid) != \
+                        (extent_id, size, self.uuid):
+                    raise CorruptionError("extent header names another extent or store")
+            except KVStoreError as e:
+                f = self.find("bad-extent-header", DAMAGE, f"{p}: {e}", extent=extent_id)
+                if usable[extent_id]:
+                    good = ExtentHeader(extent_id, size, self.uuid).encode()
+                    self.file_fixes.append(partial(_rewrite, p, 0, good))
+                del f
+        directory = os.path.join(self.path, EXTENT_DIR)
+        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+            stem = name.removesuffix(".kvx")
+            if not (name.endswith(".kvx") and stem.isdigit() and int(stem) in table):
+                p = os.path.join(directory, name)
+                self.find("orphan-extent-file", RECLAIMABLE,
+                          f"{p} is not named by the index (a crash before its commit)")
+                self.file_fixes.append(partial(_remove_file, p))
+        for extent_id, size in usable.items():
+            if size == 0:
+                self.fixes.append(partial(self._drop_extent, extent_id=extent_id))
+        return usable
+
+    def _drop_extent(self, txn: Txn, *, extent_id: int) -> None:
+        txn.delete(extent_key(extent_id), db=self.index.extents)
+        for table in (self.index.blocks, self.index.quarantine):
+            doomed = [k for k, v in txn.cursor(table) if IndexEntry.decode(v).extent == extent_id]
+            for k in doomed:
+                txn.delete(k, db=table)
+        doomed = [k for k, _ in txn.cursor(self.index.free) if k[:4] == extent_key(extent_id)]
+        for k in doomed:
+            txn.delete(k, db=self.index.free)
+
+    def load_entries(self) -> list[tuple[bytes, IndexEntry, bool]]:
+        entries: list[tuple[bytes, IndexEntry, bool]] = []
+        for quarantined, table in ((False, self.index.blocks), (True, self.index.quarantine)):
+            with self.index.env.begin() as txn, txn.cursor(table) as cur:
+                for k, v in cur:
+                    try:
+                        entries.append((bytes(k), IndexEntry.decode(v), quarantined))
+                    except KVStoreError as e:
+                        self.find("bad-index-entry", DAMAGE, f"entry {bytes(k).hex()}: {e}",
+                                  key=bytes(k).hex())
+                        self.fixes.append(partial(_delete, key=bytes(k), db=table))
+        self.report.blocks = sum(not q for _, _, q in entries)
+        self.report.quarantined = sum(q for _, _, q in entries)
+        return entries
+
+    # -- step 3
+    def check_allocation(self, extents: dict[int, int],
+                         entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
+        owners: list[tuple[int, int, int, str, bytes | None]] = []
+        for key, e, _ in entries:
+            if extents.get(e.extent, 0) == 0:
+                continue  # reported (and dropped on repair) with its extent
+            owners.append((e.extent, e.offset, e.slot_len, "entry", key))
+        for extent_id, offset, length in self.index.free_runs():
+            if extents.get(extent_id, 0):
+                owners.append((extent_id, offset, length, "free", None))
+        owners.sort(key=lambda o: (o[0], o[1]))
+        by_extent: dict[int, list[tuple[int, int, int, str, bytes | None]]] = {}
+        for o in owners:
+            by_extent.setdefault(o[0], []).append(o)
+        for extent_id, size in extents.items():
+            if size == 0:
+                continue
+            cursor, owner = PAGE, "entry"
+            for _, offset, length, what, owner_key in by_extent.get(extent_id, []):
+                end = offset + length
+                if end > size:
+                    self.find("out-of-bounds", DAMAGE,
+                              f"{what} [{offset}, {end}) runs past the end ({size}) of extent "
+                              f"{extent_id}", extent=extent_id, offset=offset, length=length,
+                              key=owner_key.hex() if owner_key else None)
+                    self._fix_drop(what, owner_key, extent_id, offset, length)
+                    continue
+                if offset < cursor:
+                    self.find("free-and-referenced" if "free" in (what, owner) else "overlap",
+                              DAMAGE, f"{what} [{offset}, {end}) of extent {extent_id} overlaps "
+                              "space already owned", extent=extent_id, offset=offset,
+                              length=length, key=owner_key.hex() if owner_key else None)
+                    self._fix_drop(what, owner_key, extent_id, offset, length)
+                    cursor = max(cursor, end)
+                    continue
+                if offset > cursor:
+                    self._leak(extent_id, cursor, offset - cursor)
+                cursor, owner = end, what
+            if cursor < size:
+                self._leak(extent_id, cursor, size - cursor)
+
+    def _leak(self, extent_id: int, offset: int, length: int) -> None:
+        self.find("leaked-space", RECLAIMABLE, f"{length} bytes at {offset} of extent "
+                  f"{extent_id} are neither free nor referenced", extent=extent_id,
+                  offset=offset, length=length)
+        self.fixes.append(lambda txn: self.index.give_range(txn, extent_id, offset, length))
+
+    def _fix_drop(self, what: str, key: bytes | None, extent_id: int, offset: int,
+                  length: int) -> None:
+        """Repair of a double-owned range: drop the later owner (a free run, or an entry)."""
+        if what == "free":
+            self.fixes.append(lambda txn: txn.delete(free_key(extent_id, offset),
+                                                     db=self.index.free))
+        else:
+            assert key is not None
+            self.fixes.append(partial(_delete, key=key, db=self.index.blocks))
+            self.fixes.append(partial(_delete, key=key, db=self.index.quarantine))
+
+    # -- steps 4 and 5
+    def check_slots(self, extents: dict[int, int],
+                    entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
+        total = len(entries)
+        for n, (key, e, quarantined) in enumerate(entries):
+            self.progress("slots", n, total)
+            size = extents.get(e.extent, 0)
+            if size == 0 or e.offset + e.slot_len > size:
+                continue
+            p = extent_path(self.path, e.extent)
+            where = dict(extent=e.extent, offset=e.offset, length=e.slot_len, key=key.hex())
+            if quarantined:
+                self.find("quarantined", RECLAIMABLE,
+                          f"block {key.hex()} failed verification while serving", **where)
+                self._fix_free_slot(key, e, quarantined=True)
+                continue
+            raw = self.reader.read(p, e.offset, e.slot_len if self.deep else PAGE)
+            try:
+                _verify_slot(raw, key, e, self.deep)
+                if self.deep:
+                    self.report.payloads_verified += 1
+            except KVStoreError as err:
+                kind = "bad-payload" if "payload" in str(err) else "bad-slot"
+                self.find(kind, DAMAGE, f"block {key.hex()}: {err}", **where)
+                self._fix_free_slot(key, e, quarantined=False)
+        self.progress("slots", total, total)
+
+    def _fix_free_slot(self, key: bytes, e: IndexEntry, *, quarantined: bool) -> None:
+        p = extent_path(self.path, e.extent)
+        self.file_fixes.append(lambda: _zero_page(p, e.offset))
+        table = self.index.quarantine if quarantined else self.index.blocks
+
+        def fix(txn: Txn) -> None:
+            txn.delete(key, db=table)
+            self.index.give_range(txn, e.extent, e.offset, e.slot_len)
+
+        self.fixes.append(fix)
+
+    # -- step 6
+    def scan_free_space(self, extents: dict[int, int]) -> None:
+        runs = [r for r in self.index.free_runs() if extents.get(r[0], 0)]
+        total = sum(r[2] for r in runs)
+        done = 0
+        for extent_id, offset, length in runs:
+            p = extent_path(self.path, extent_id)
+            for slot_offset in _slot_headers_in(self.reader, p, offset, length):
+                self.find("orphan-slot", NOTE,
+                          f"free space at {slot_offset} of extent {extent_id} holds a valid slot "
+                          "no index entry names (deleted, or written by a put that never "
+                          "committed)", extent=extent_id,
+                          offset=slot_offset)
+                self.file_fixes.append(partial(_zero_page, p, slot_offset))
+            done += length
+            self.progress("free space", done, total)
+
+    # -- step 7
+    def check_meta(self, extents: dict[int, int],
+                   entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
+        seq = unpack_u64(self.index.meta_get(META_SEQ) or pack_u64(0))
+        top = max((e.seq for _, e, _ in entries), default=0)
+        if seq < top:
+            self.find("meta", DAMAGE, f"sequence counter {seq} is below an entry's {top}")
+            self.fixes.append(lambda txn: txn.put(META_SEQ, pack_u64(top), db=self.index.meta))
+        nxt = unpack_u64(self.index.meta_get(META_NEXT_EXTENT) or pack_u64(0))
+        if extents and nxt <= max(extents):
+            want = max(extents) + 1
+            self.find("meta", DAMAGE, f"next_extent {nxt} is not past extent {max(extents)}")
+            self.fixes.append(lambda txn: txn.put(META_NEXT_EXTENT, pack_u64(want),
+                                                  db=self.index.meta))
+        with self.index.env.begin() as txn, txn.cursor(self.index.meta) as cur:
+            bad = []
+            if cur.set_range(META_NAMESPACE_PREFIX):
+                for k, v in cur:
+                    if not k.startswith(META_NAMESPACE_PREFIX):
+                        break
+                    try:
+                        json.loads(bytes(v).decode())
+                    except (UnicodeDecodeError, ValueError):
+                        bad.append(bytes(k))
+        for k in bad:
+            self.find("meta", DAMAGE, f"namespace record {k!r} is not valid JSON")
+            self.fixes.append(partial(_delete, key=k, db=self.index.meta))
+
+
+def _delete(txn: Txn, *, key: bytes, db: Any) -> None:
+    txn.delete(key, db=db)
+
+
+def _remove_file(path: str) -> None:
+    os.unlink(path)
+    fsync_dir(os.path.dirname(path))
+
+
+def _rewrite(path: str, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.pwrite(fd, data, offset)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _slot_headers_in(reader: _Reader, path: str, offset: int, length: int) -> Iterator[int]:
+    """Offsets in [offset, offset+length) where a whole slot (header and payload) verifies.
+
+    A verified slot is skipped over whole: a slot written later inside it would have
+    overwritten part of its payload and failed its CRC, so nothing newer hides there.
+    """
+    pos, end = offset, offset + length
+    chunk_start, chunk = pos, b""
+    while pos < end:
+        if not chunk_start <= pos < chunk_start + len(chunk):
+            chunk_start, chunk = pos, reader.read(path, pos, min(_SCAN_CHUNK, end - pos))
+            if not chunk:
+                return
+        hit = chunk.find(b"KVSB", pos - chunk_start)
+        if hit < 0:
+            pos = chunk_start + len(chunk)
+            continue
+        if hit % PAGE:
+            pos = chunk_start + round_up(hit)
+            continue
+        pos = chunk_start + hit
+        try:
+            header = SlotHeader.decode(chunk[hit:hit + SLOT_HEADER_BYTES])
+            if header.slot_len > end - pos:
+                raise CorruptionError("slot runs past the free run")
+            _verify_slot(reader.read(path, pos, header.slot_len), None, None, True)
+        except KVStoreError:
+            pos += PAGE
+            continue
+        yield pos
+        pos += header.slot_len
+
+
+def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
+    """Recreate the LMDB index from the extent files (see the module docstring)."""
+    path = os.path.abspath(path)
+    started = time.perf_counter()
+    report = Report(path=path, deep=True, repair=True)
+    progress = progress or (lambda stage, done, total: None)
+    lock = _lock(path)
+    reader = _Reader()
+    try:
+        directory = os.path.join(path, EXTENT_DIR)
+        headers: dict[int, tuple[str, ExtentHeader]] = {}
+        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+            p = os.path.join(directory, name)
+            try:
+                h = ExtentHeader.decode(reader.read(p, 0, EXTENT_HEADER_BYTES))
+            except KVStoreError as e:
+                report.findings.append(Finding("bad-extent-header", DAMAGE,
+                                               f"{p}: {e}; file left out", fixed=True))
+                continue
+            if name != os.path.basename(extent_path(path, h.extent_id)):
+                report.findings.append(Finding("bad-extent-header", DAMAGE,
+                                               f"{p} claims extent {h.extent_id}; left out", fixed=True))
+                continue
+            headers[h.extent_id] = (p, h)
+        uuids = [h.store_uuid for _, h in headers.values()]
+        uuid = max(set(uuids), key=uuids.count) if uuids else os.urandom(16)
+        best: dict[bytes, tuple[int, int, SlotHeader]] = {}
+        total = sum(h.extent_bytes for _, h in headers.values())
+        done = 0
+        for extent_id, (p, h) in sorted(headers.items()):
+            if h.store_uuid != uuid:
+                report.findings.append(Finding("bad-extent-header", DAMAGE,
+                                               f"{p} belongs to another store; left out", fixed=True))
+                continue
+            size = min(h.extent_bytes, os.path.getsize(p))
+            for off in _slot_headers_in(reader, p, PAGE, size - PAGE):
+                header = SlotHeader.decode(reader.read(p, off, PAGE))
+                old = best.get(header.key)
+                if old is None or old[2].seq < header.seq:
+                    best[header.key] = (extent_id, off, header)
+            done += h.extent_bytes
+            progress("extents", done, total)
+        keep = best  # slots found by the scan never overlap (see _slot_headers_in)
+
+        index_dir = os.path.join(path, "index")
+        if os.path.isdir(index_dir):
+            os.rename(index_dir, os.path.join(path, f"index.broken-{int(time.time())}"))
+        index = Index(index_dir, map_size=64 << 30, sync=True)
+        writer = IndexWriter(index)
+        try:
+            extent_bytes = max((h.extent_bytes for _, h in headers.values()), default=1 << 30)
+
+            def build(txn: Txn) -> None:
+                init_meta(txn, index, store_uuid=uuid, extent_bytes=extent_bytes)
+                txn.put(META_NEXT_EXTENT, pack_u64(max(headers, default=0) + 1), db=index.meta)
+                txn.put(META_SEQ, pack_u64(max((v[2].seq for v in keep.values()), default=0)),
+                        db=index.meta)
+                by_extent: dict[int, list[tuple[int, int]]] = {}
+                for k, (e, o, hd) in keep.items():
+                    entry = IndexEntry(extent=e, offset=o, slot_len=hd.slot_len,
+                                       payload_len=hd.payload_len, raw_len=hd.raw_len,
+                                       codec=hd.codec, dtype=hd.dtype, payload_crc=hd.payload_crc,
+                                       seq=hd.seq, last_use=0, parent=hd.parent)
+                    txn.put(k, entry.encode(), db=index.blocks)
+                    by_extent.setdefault(e, []).append((o, hd.slot_len))
+                for extent_id, (_, h) in headers.items():
+                    if h.store_uuid != uuid:
+                        continue
+                    txn.put(extent_key(extent_id), pack_u64(h.extent_bytes), db=index.extents)
+                    cursor = PAGE
+                    for o, n in sorted(by_extent.get(extent_id, [])):
+                        if o > cursor:
+                            txn.put(free_key(extent_id, cursor), pack_u64(o - cursor), db=index.free)
+                        cursor = o + n
+                    if cursor < h.extent_bytes:
+                        txn.put(free_key(extent_id, cursor), pack_u64(h.extent_bytes - cursor),
+                                db=index.free)
+
+            writer.run_sync(build)
+        finally:
+            writer.close()
+            index.close()
+        report.blocks = len(keep)
+        report.extents = len(headers)
+        report.payloads_verified = len(best)
+    finally:
+        reader.close()
+        lock.release()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+__all__ = ["Finding", "Report", "check", "rebuild_index"]
