@@ -116,8 +116,9 @@ def apply_ops(seed: bytes, ops: Sequence[Op], layout: Layout) -> bytes:
                 else:
                     value = values[op.b % len(values)]
                     buf[offset:offset + size] = value.to_bytes(size, order)
-        elif kind == TRUNCATE:
-            del buf[op.a % (len(buf) + 1):]
+        elif kind == TRUNCATE:  # odd b: cut anywhere; even b: drop a short tail only
+            keep = op.a % (len(buf) + 1) if op.b & 1 else len(buf) - op.a % (MAX_CHUNK + 1)
+            del buf[max(keep, 0):]
         elif kind == EXTEND:
             buf += op.data[:MAX_CHUNK]
         elif kind == OVERWRITE and buf:

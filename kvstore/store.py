@@ -451,44 +451,61 @@ class Store:
                 self._unreserve(items)
 
     async def _write_items(self, items: list[_Item]) -> None:
-        """Stage and write slots, a chunk of the arena at a time, chunks overlapping."""
+        """Stage and write slots a chunk (a few MiB) at a time: while the device writes one
+        chunk, the next is copied and checksummed (on a worker thread when it is large)."""
         errors: list[BaseException] = []
 
-        async def write_chunk(ops: list[IoOp]) -> None:
+        async def write_chunk(chunk: list[tuple[_Item, ArenaRun]]) -> None:
             try:
-                await self.engine.write(ops)
+                if sum(run.length for _, run in chunk) >= _OFFLOAD_BYTES:
+                    await anyio.to_thread.run_sync(_stage_all, chunk)
+                else:
+                    _stage_all(chunk)
+                await self.engine.write([IoOp(self._fds[item.extent], item.offset, run)
+                                         for item, run in chunk])
             except Exception as e:  # re-raised below, unwrapped from the task group
                 errors.append(e)
             finally:
-                for op in ops:
-                    self.arena.release(op.run)
+                for _, run in chunk:
+                    self.arena.release(run)
 
         async with anyio.create_task_group() as tg:
-            ops: list[IoOp] = []
-            pending = 0
-            for item in items:
-                run = self.arena.try_acquire(item.slot_len)
-                if run is None:
-                    if ops:  # flush what is staged before waiting for arena space
-                        tg.start_soon(write_chunk, ops)
-                        ops, pending = [], 0
-                    run = await self.arena.acquire(item.slot_len)
+            for chunk in self._chunks(items, lambda item: item.slot_len):
+                runs = await self._acquire_runs([item.slot_len for item in chunk])
                 if errors:
-                    self.arena.release(run)
+                    for run in runs:
+                        self.arena.release(run)
                     break
-                if item.slot_len >= _OFFLOAD_BYTES:
-                    await anyio.to_thread.run_sync(_stage, run, item)
-                else:
-                    _stage(run, item)
-                ops.append(IoOp(self._fds[item.extent], item.offset, run))
-                pending += item.slot_len
-                if pending >= self._chunk_bytes:
-                    tg.start_soon(write_chunk, ops)
-                    ops, pending = [], 0
-            if ops:
-                tg.start_soon(write_chunk, ops)
+                tg.start_soon(write_chunk, list(zip(chunk, runs)))
+                await anyio.lowlevel.checkpoint()  # let the chunk start before staging more
         if errors:
             raise errors[0]
+
+    def _chunks(self, items: Sequence[Any], size: Any) -> list[list[Any]]:
+        """Split ``items`` into runs of about ``_chunk_bytes`` (at least one item each)."""
+        chunks: list[list[Any]] = []
+        current: list[Any] = []
+        pending = 0
+        for item in items:
+            current.append(item)
+            pending += size(item)
+            if pending >= self._chunk_bytes:
+                chunks.append(current)
+                current, pending = [], 0
+        if current:
+            chunks.append(current)
+        return chunks
+
+    async def _acquire_runs(self, lengths: list[int]) -> list[ArenaRun]:
+        runs: list[ArenaRun] = []
+        try:
+            for n in lengths:
+                runs.append(await self.arena.acquire(n))
+        except BaseException:
+            for run in runs:
+                self.arena.release(run)
+            raise
+        return runs
 
     # ------------------------------------------------------------------ get
 
@@ -529,51 +546,45 @@ class Store:
     async def _read_entries(self, keys: list[bytes], entries: list[IndexEntry | None],
                             outs: list[torch.Tensor | None], results: list[torch.Tensor | None],
                             corrupt: list[tuple[bytes, IndexEntry, str]]) -> None:
-        async def read_chunk(batch: list[tuple[int, IoOp]]) -> None:
+        """Read slots a chunk at a time; each chunk is verified and copied out (on a worker
+        thread when large) while later chunks are still on the device."""
+        wanted: list[tuple[int, IndexEntry]] = []
+        for i, entry in enumerate(entries):
+            if entry is None:
+                continue
+            if entry.extent not in self._fds:
+                corrupt.append((keys[i], entry, f"extent {entry.extent} is not open"))
+            else:
+                wanted.append((i, entry))
+
+        def finish(batch: list[tuple[int, IndexEntry, ArenaRun]], res: list[int | OSError]) -> None:
+            for (i, entry, run), r in zip(batch, res):
+                if isinstance(r, OSError) or r != run.length:
+                    self._counters["read_errors"] += 1
+                    continue
+                try:
+                    results[i] = _verify_copy(run, keys[i], entry, outs[i])
+                    self._counters["read_bytes"] += entry.raw_len
+                except CorruptionError as e:
+                    corrupt.append((keys[i], entry, str(e)))
+
+        async def read_chunk(batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
             try:
-                res = await self.engine.read([op for _, op in batch])
-                for (i, op), r in zip(batch, res):
-                    entry = entries[i]
-                    assert entry is not None
-                    if isinstance(r, OSError) or r != op.run.length:
-                        self._counters["read_errors"] += 1
-                        continue
-                    try:
-                        if entry.slot_len >= _OFFLOAD_BYTES:
-                            results[i] = await anyio.to_thread.run_sync(
-                                _verify_copy, op.run, keys[i], entry, outs[i])
-                        else:
-                            results[i] = _verify_copy(op.run, keys[i], entry, outs[i])
-                        self._counters["read_bytes"] += entry.raw_len
-                    except CorruptionError as e:
-                        corrupt.append((keys[i], entry, str(e)))
+                res = await self.engine.read([IoOp(self._fds[e.extent], e.offset, run)
+                                              for _, e, run in batch])
+                if sum(run.length for _, _, run in batch) >= _OFFLOAD_BYTES:
+                    await anyio.to_thread.run_sync(finish, batch, res)
+                else:
+                    finish(batch, res)
             finally:
-                for _, op in batch:
-                    self.arena.release(op.run)
+                for _, _, run in batch:
+                    self.arena.release(run)
 
         async with anyio.create_task_group() as tg:
-            batch: list[tuple[int, IoOp]] = []
-            pending = 0
-            for i, entry in enumerate(entries):
-                if entry is None:
-                    continue
-                fd = self._fds.get(entry.extent)
-                if fd is None:
-                    corrupt.append((keys[i], entry, f"extent {entry.extent} is not open"))
-                    continue
-                run = self.arena.try_acquire(entry.slot_len)
-                if run is None:
-                    if batch:
-                        tg.start_soon(read_chunk, batch)
-                        batch, pending = [], 0
-                    run = await self.arena.acquire(entry.slot_len)
-                batch.append((i, IoOp(fd, entry.offset, run)))
-                pending += entry.slot_len
-                if pending >= self._chunk_bytes:
-                    tg.start_soon(read_chunk, batch)
-                    batch, pending = [], 0
-            if batch:
-                tg.start_soon(read_chunk, batch)
+            for chunk in self._chunks(wanted, lambda w: w[1].slot_len):
+                runs = await self._acquire_runs([e.slot_len for _, e in chunk])
+                tg.start_soon(read_chunk, [(i, e, run) for (i, e), run in zip(chunk, runs)])
+                await anyio.lowlevel.checkpoint()  # let the chunk's reads go out first
 
     async def _quarantine(self, bad: list[tuple[bytes, IndexEntry, str]]) -> None:
         """Move corrupt blocks out of the index (their space stays allocated for fsck)."""
@@ -668,16 +679,25 @@ class Store:
 
 def _stage(run: ArenaRun, item: _Item) -> None:
     """Copy one block into its arena run and write its header; CRC over the staged bytes,
-    so a caller changing the tensor meanwhile cannot make header and payload disagree."""
+    so a caller changing the tensor meanwhile cannot make header and payload disagree.
+
+    Copies go through NumPy (one memcpy on this thread) rather than torch, whose
+    intra-op thread pool adds millisecond wake-up stalls to small copies.
+    """
     n = item.data.numel()
-    payload = run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
-    payload.copy_(item.data)
-    run.tensor[SLOT_HEADER_BYTES + n:].zero_()
+    body = run.array[SLOT_HEADER_BYTES:]
+    body[:n] = item.data.numpy()
+    body[n:] = 0
     item.crc = crc32c(run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n])
     header = SlotHeader(key=item.key, parent=item.parent, codec=CODEC_RAW, dtype=item.dtype,
                         shape=item.shape, payload_len=n, raw_len=n, payload_crc=item.crc,
                         seq=item.seq)
     run.view[:SLOT_HEADER_BYTES] = header.encode()
+
+
+def _stage_all(chunk: list[tuple[_Item, ArenaRun]]) -> None:
+    for item, run in chunk:
+        _stage(run, item)
 
 
 def _verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
@@ -696,12 +716,12 @@ def _verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
     if crc32c(payload) != header.payload_crc:
         raise CorruptionError("payload checksum mismatch")
     dtype = CODE_DTYPES[header.dtype]
-    src = run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
+    src = run.array[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
     if out is not None and out.is_contiguous() and out.device.type == "cpu":
-        out.reshape(-1).view(torch.uint8).copy_(src)
+        out.reshape(-1).view(torch.uint8).numpy()[:] = src
         return out
     result = torch.empty(header.shape, dtype=dtype)
-    result.reshape(-1).view(torch.uint8).copy_(src)
+    result.reshape(-1).view(torch.uint8).numpy()[:] = src
     if out is not None:
         out.copy_(result.reshape(out.shape))
         return out

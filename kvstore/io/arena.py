@@ -15,6 +15,7 @@ import mmap
 from contextlib import suppress
 
 import anyio
+import numpy as np
 import torch
 
 from kvstore.errors import BlockTooLargeError
@@ -24,13 +25,14 @@ from kvstore.format import PAGE, round_up
 class ArenaRun:
     """A page-aligned run of the arena, owned by one transfer until ``Arena.release``."""
 
-    __slots__ = ("offset", "length", "view", "tensor")
+    __slots__ = ("offset", "length", "view", "tensor", "array")
 
     def __init__(self, arena: Arena, offset: int, length: int) -> None:
         self.offset = offset
         self.length = length
         self.view = arena.view[offset:offset + length]
         self.tensor = arena.tensor[offset:offset + length]
+        self.array = arena.array[offset:offset + length]
 
 
 class Arena:
@@ -38,9 +40,13 @@ class Arena:
 
     def __init__(self, nbytes: int) -> None:
         self.size = round_up(max(nbytes, PAGE))
-        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # MAP_POPULATE: fault the pages in once at open (~0.4 ms per MiB here) rather than
+        # on the first transfer through each page.
+        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                              | getattr(mmap, "MAP_POPULATE", 0))
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         # Free runs as two parallel sorted lists (start, length), coalesced on release.
         self._starts: list[int] = [0]
@@ -97,7 +103,7 @@ class Arena:
         if self.closed:
             return
         self.closed = True
-        del self.tensor
+        del self.tensor, self.array
         self.view.release()
         # A caller may still hold a view (a tensor aliasing the arena): then the mapping
         # is freed when that view goes away.
