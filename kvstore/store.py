@@ -169,7 +169,7 @@ class Store:
     ``stats()``.  Use a store from the event loop that opened it."""
 
     def __init__(self, path: str, *, namespace: Namespace | None, allow_new_namespace: bool,
-                 engine: str, sync: bool, extent_bytes: int, staging_bytes: int,
+                 engine: str | IOEngine, sync: bool, extent_bytes: int, staging_bytes: int,
                  queue_depth: int, index_map_bytes: int, create: bool) -> None:
         self.path = os.path.abspath(path)
         if create:
@@ -190,7 +190,7 @@ class Store:
 
     # ------------------------------------------------------------------ opening
 
-    def _open(self, namespace: Namespace | None, allow_new_namespace: bool, engine: str,
+    def _open(self, namespace: Namespace | None, allow_new_namespace: bool, engine: str | IOEngine,
               sync: bool, extent_bytes: int, staging_bytes: int, queue_depth: int,
               index_map_bytes: int) -> None:
         if extent_bytes % PAGE or extent_bytes < 4 * PAGE:
@@ -214,13 +214,17 @@ class Store:
         self._seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
         self._check_namespace(namespace, allow_new_namespace)
 
-        result = probe(self.path, engine)
-        self.engine_reason = result.reason
-        if result.engine == "io_uring":
-            from kvstore.io.uring import UringEngine
-            self.engine: IOEngine = UringEngine(direct=result.direct, queue_depth=queue_depth)
+        self.engine: IOEngine
+        if not isinstance(engine, str):  # an IOEngine instance: the crash tests' seam
+            self.engine, self.engine_reason = engine, "given by the caller"
         else:
-            self.engine = ThreadPoolEngine(direct=result.direct, queue_depth=queue_depth)
+            result = probe(self.path, engine)
+            self.engine_reason = result.reason
+            if result.engine == "io_uring":
+                from kvstore.io.uring import UringEngine
+                self.engine = UringEngine(direct=result.direct, queue_depth=queue_depth)
+            else:
+                self.engine = ThreadPoolEngine(direct=result.direct, queue_depth=queue_depth)
 
         self._fds: dict[int, int] = {}
         self._cleanups.append(self._close_fds)
@@ -734,7 +738,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     *,
     namespace: Namespace | None = None,
     allow_new_namespace: bool = False,
-    engine: str = "auto",
+    engine: str | IOEngine = "auto",
     sync: bool = True,
     extent_bytes: int = 1 << 30,
     staging_bytes: int = 256 << 20,
@@ -747,7 +751,8 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     ``namespace``  the model/layout the caller's keys belong to; recorded at first use, and
                    a different one is refused unless ``allow_new_namespace=True``.
     ``engine``     ``"auto"`` (probe: io_uring if it works here, else threads),
-                   ``"io_uring"`` or ``"threads"``.
+                   ``"io_uring"`` or ``"threads"`` (or an ``IOEngine`` instance, e.g. the
+                   crash tests' ``SimulatedEngine``).
     ``sync``       True (default): an acknowledged put has been written, fdatasync'ed and
                    committed (LMDB fsync) - it survives process crash, kernel crash and power
                    loss.  False: no fdatasync and no LMDB fsync - acknowledged blocks survive

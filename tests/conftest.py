@@ -21,3 +21,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    """Print what the crash tests explored, so CI logs show it."""
+    import sys
+
+    mod = sys.modules.get("tests.test_crash")
+    stats = getattr(mod, "STATS", None)
+    if stats and stats.get("crash_states"):
+        line = ", ".join(f"{k}={v}" for k, v in stats.items())
+        terminalreporter.write_line(f"crash consistency: {line}")  # type: ignore[attr-defined]
