@@ -27,8 +27,9 @@ def pytest_terminal_summary(terminalreporter: object) -> None:
     """Print what the crash tests explored, so CI logs show it."""
     import sys
 
-    mod = sys.modules.get("tests.test_crash")
-    stats = getattr(mod, "STATS", None)
-    if stats and stats.get("crash_states"):
-        line = ", ".join(f"{k}={v}" for k, v in stats.items())
-        terminalreporter.write_line(f"crash consistency: {line}")  # type: ignore[attr-defined]
+    for module, title in (("tests.test_crash", "crash consistency (exhaustive)"),
+                          ("tests.test_stateful", "crash consistency (stateful)")):
+        stats = getattr(sys.modules.get(module), "STATS", None)
+        if stats and any(stats.values()):
+            line = ", ".join(f"{k}={v}" for k, v in stats.items())
+            terminalreporter.write_line(f"{title}: {line}")  # type: ignore[attr-defined]
