@@ -24,7 +24,7 @@ import torch
 
 import kvstore
 from kvstore import fsck
-from kvstore.io.simulated import SimulatedCrash, SimulatedDisk, SimulatedEngine
+from kvstore.io.simulated import SimulatedDisk, SimulatedEngine, is_simulated_crash
 from tests.conformance import NS, make_tensor, same
 
 STATS: dict[str, int] = {"workloads": 0, "crash_points": 0, "crash_states": 0,
@@ -56,17 +56,9 @@ async def run_ops(path: Path, disk: SimulatedDisk, ops: list[tuple[str, tuple[by
                     acked.update(dict.fromkeys(keys, False))
                 done += 1
     except BaseException as e:  # the simulated machine stops: a (group of) SimulatedCrash
-        if not _is_crash(e):
+        if not is_simulated_crash(e):
             raise
     return done, acked
-
-
-def _is_crash(e: BaseException) -> bool:
-    if isinstance(e, SimulatedCrash):
-        return True
-    if isinstance(e, BaseExceptionGroup):
-        return all(_is_crash(x) for x in e.exceptions)
-    return False
 
 
 async def verify(path: Path, acked: dict[bytes, bool], in_flight: tuple[str, tuple[bytes, ...]] | None

@@ -33,7 +33,12 @@ import kvstore
 from kvstore import fsck
 from kvstore.extents import extent_path
 from kvstore.format import SLOT_HEADER_BYTES
-from kvstore.io.simulated import CRASH_MODES, SimulatedCrash, SimulatedDisk, SimulatedEngine
+from kvstore.io.simulated import (
+    CRASH_MODES,
+    SimulatedDisk,
+    SimulatedEngine,
+    is_simulated_crash,
+)
 from tests.conformance import NS, make_tensor, same
 
 STATS: dict[str, int] = {"machines": 0, "steps": 0, "restarts": 0, "crashes": 0, "faults": 0,
@@ -48,12 +53,6 @@ PARENTS = dict(zip(CHAIN_1, kvstore.chain_parents(CHAIN_1))) | \
 OPTIONS: dict[str, Any] = dict(namespace=NS, extent_bytes=48 << 10, staging_bytes=1 << 20)
 
 key_lists = st.lists(st.sampled_from(POOL), min_size=1, max_size=5, unique=True)
-
-
-def _is_crash(e: BaseException) -> bool:
-    if isinstance(e, SimulatedCrash):
-        return True
-    return isinstance(e, BaseExceptionGroup) and all(_is_crash(x) for x in e.exceptions)
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -180,7 +179,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.acked |= set(keys)  # finished before the chosen operation
             self.disk.crash_at = None
         except BaseException as e:
-            if not _is_crash(e):
+            if not is_simulated_crash(e):
                 raise
             STATS["crashes"] += 1
             self.unsure = set(keys) - self.acked

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno as _errno
 import os
 import random
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,12 +35,22 @@ from kvstore.format import PAGE
 from kvstore.io.protocol import IoOp
 from kvstore.io.threads import raise_write_errors
 
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
 SECTOR = 512
 CRASH_MODES = ("lose", "keep", "random", "torn", "garbage")
 
 
 class SimulatedCrash(BaseException):
     """The simulated machine stopped at this I/O operation."""
+
+
+def is_simulated_crash(e: BaseException) -> bool:
+    """True for a SimulatedCrash, or a task-group exception made only of them."""
+    if isinstance(e, SimulatedCrash):
+        return True
+    return isinstance(e, BaseExceptionGroup) and all(is_simulated_crash(x) for x in e.exceptions)
 
 
 @dataclass
