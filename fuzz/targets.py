@@ -247,7 +247,11 @@ def fuzz_namespace_record(data: bytes) -> None:
     ``Index.namespaces()`` does ``value.decode()`` on the record bytes, so a record that
     is not UTF-8 must also end in a kvstore error, not ``UnicodeDecodeError``.
     """
-    check_namespace(bytes(data).decode("utf-8"))  # strict, like Index.namespaces()
+    try:
+        ns = Namespace.from_record(bytes(data))
+    except KVStoreError:
+        return
+    check_namespace(ns.canonical_json())
 
 
 NS_MEMBERS = ("block_size", "cache_salt", "dtype", "extra", "hash_version", "layout", "lora",
@@ -304,11 +308,12 @@ def render_namespace(ns: Namespace, ops: Sequence[NsOp]) -> str:
 
 
 def mutated_namespace_text(data: bytes) -> str:
-    """The text ``fuzz_namespace_mutated`` parses: a valid namespace from the first bytes,
-    up to 3 member edits, then byte-level mutations of its UTF-8 encoding."""
+    """The text ``fuzz_namespace_mutated`` parses: up to 3 member edits (read first, so
+    that even short inputs edit something), applied to a valid namespace built from the
+    next bytes, then byte-level mutations of its UTF-8 encoding."""
     r = Reader(data)
-    ns = _seed_namespace(r)
     ns_ops = [NsOp(r.uint(1), r.uint(1), r.uint(1)) for _ in range(r.uint(1) % 4)]
+    ns = _seed_namespace(r)
     raw = apply_ops(render_namespace(ns, ns_ops).encode("utf-8"), ops_from(r), TEXT_LAYOUT)
     return raw.decode("utf-8", errors="replace")
 

@@ -12,6 +12,7 @@ Public API (everything else is private and may change)::
 from kvstore.blocking import BlockingStore, open_blocking
 from kvstore.errors import (
     BlockTooLargeError,
+    CapacityError,
     CorruptionError,
     FormatVersionError,
     IndexCorruptionError,
@@ -36,6 +37,7 @@ __all__ = [
     "FORMAT_VERSION",
     "BlockTooLargeError",
     "BlockingStore",
+    "CapacityError",
     "CorruptionError",
     "FormatVersionError",
     "IndexCorruptionError",

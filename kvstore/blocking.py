@@ -69,6 +69,12 @@ class BlockingStore:
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self._portal.call(self._store.delete_many, keys)
 
+    def pin(self, keys: Sequence[bytes]) -> None:
+        self._portal.call(self._store.pin, keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self._portal.call(self._store.unpin, keys)
+
     def put(self, key: bytes, value: torch.Tensor, *, parent: bytes | None = None) -> bool:
         return self._portal.call(lambda: self._store.put(key, value, parent=parent))
 

@@ -22,6 +22,7 @@ __all__ = [
     "OutputMismatchError",
     "BlockTooLargeError",
     "StoreFullError",
+    "CapacityError",
     "StoreIOError",
     "ReadOnlyError",
     "CorruptionError",
@@ -83,6 +84,12 @@ class StoreFullError(KVStoreError, OSError):
     """Raised by ``put_many`` when the file system has no room for a new extent (ENOSPC)
     or the store's size limit is reached.  Nothing already stored is lost; the failed
     batch is not acknowledged and may be retried after space is freed."""
+
+
+class CapacityError(StoreFullError):
+    """Raised by ``put_many`` when the batch does not fit ``capacity_bytes`` even after
+    evicting every evictable block (the rest are pinned, have stored children, or are
+    being written).  Nothing stored is lost; unpin blocks or raise the capacity."""
 
 
 class StoreIOError(KVStoreError, OSError):

@@ -213,6 +213,23 @@ class IndexEntry:
 # --------------------------------------------------------------------------- LMDB keys
 
 _EXTENT_KEY = struct.Struct(">I")
+_LRU_KEY = struct.Struct(">Q16s")
+_COUNT = struct.Struct("<I")
+
+
+def lru_key(last_use: int, key: bytes) -> bytes:
+    """Key of the ``lru`` table: oldest use first, ties broken by block key."""
+    return _LRU_KEY.pack(last_use, key)
+
+
+def pack_count(n: int) -> bytes:
+    return _COUNT.pack(n)
+
+
+def unpack_count(buf: bytes) -> int:
+    if len(buf) != _COUNT.size:
+        raise CorruptionError(f"expected a 4-byte count, got {len(buf)} bytes")
+    return int(_COUNT.unpack(buf)[0])
 _FREE_KEY = struct.Struct(">IQ")
 
 

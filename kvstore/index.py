@@ -28,6 +28,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import anyio
@@ -46,14 +47,17 @@ from kvstore.format import (
     decode_extent_key,
     decode_free_key,
     free_key,
+    lru_key,
+    pack_count,
     pack_u64,
+    unpack_count,
     unpack_u64,
 )
 
 T = TypeVar("T")
 Txn = Any  # lmdb.Transaction (untyped module)
 
-_DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine")
+_DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru")
 
 META_FORMAT = b"format_version"
 META_UUID = b"store_uuid"
@@ -81,8 +85,8 @@ class Index:
         except lmdb.Error as e:
             raise StoreIOError(getattr(e, "errno", 5) or 5,
                                f"cannot open the LMDB index at {path}: {e}") from e
-        self.meta, self.blocks, self.extents, self.free, self.quarantine = (
-            self.env.open_db(name) for name in _DBS)
+        (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
+         self.pins, self.lru) = (self.env.open_db(name) for name in _DBS)
 
     def close(self) -> None:
         self.env.close()
@@ -131,7 +135,12 @@ class Index:
                 for k, v in cur:
                     if not k.startswith(META_NAMESPACE_PREFIX):
                         break
-                    out[bytes.fromhex(k[len(META_NAMESPACE_PREFIX):].decode())] = v.decode()
+                    try:
+                        out[bytes.fromhex(k[len(META_NAMESPACE_PREFIX):].decode())] = v.decode()
+                    except (UnicodeDecodeError, ValueError):
+                        raise IndexCorruptionError(
+                            f"namespace record {bytes(k)!r} is damaged; run `python -m kvstore "
+                            "fsck --repair` to drop it") from None
             return out
 
     def check_format(self) -> None:
@@ -177,6 +186,74 @@ class Index:
         end, run_end = offset + length, run_offset + run_len
         if end < run_end:
             txn.put(free_key(extent, end), pack_u64(run_end - end), db=self.free)
+
+    # ------------------------------------------------------------------ chains, LRU, pins
+
+    def add_block(self, txn: Txn, key: bytes, entry: IndexEntry) -> None:
+        """Index a block: entry, LRU row, and one more stored child for its parent."""
+        txn.put(key, entry.encode(), db=self.blocks)
+        txn.put(lru_key(entry.last_use, key), b"", db=self.lru)
+        if entry.parent is not None:
+            self.bump(txn, self.children, entry.parent, +1)
+
+    def remove_block(self, txn: Txn, key: bytes, entry: IndexEntry, *, quarantine: bool) -> None:
+        """Unindex a block; its space returns to the free map unless it is quarantined
+        (kept allocated so fsck can look at it)."""
+        txn.delete(key, db=self.blocks)
+        txn.delete(lru_key(entry.last_use, key), db=self.lru)
+        if entry.parent is not None:
+            self.bump(txn, self.children, entry.parent, -1)
+        if quarantine:
+            txn.put(key, entry.encode(), db=self.quarantine)
+        else:
+            self.give_range(txn, entry.extent, entry.offset, entry.slot_len)
+
+    def touch(self, txn: Txn, key: bytes, last_use: int) -> None:
+        raw = txn.get(key, db=self.blocks)
+        if raw is None:
+            return
+        entry = IndexEntry.decode(raw)
+        if last_use <= entry.last_use:
+            return
+        txn.delete(lru_key(entry.last_use, key), db=self.lru)
+        txn.put(lru_key(last_use, key), b"", db=self.lru)
+        txn.put(key, replace(entry, last_use=last_use).encode(), db=self.blocks)
+
+    def bump(self, txn: Txn, table: Any, key: bytes, delta: int) -> int:
+        raw = txn.get(key, db=table)
+        n = (unpack_count(raw) if raw is not None else 0) + delta
+        if n < 0:
+            raise IndexCorruptionError(f"count of {key.hex()} would drop below zero; run "
+                                       "`python -m kvstore fsck` on the store")
+        if n:
+            txn.put(key, pack_count(n), db=table)
+        else:
+            txn.delete(key, db=table)
+        return n
+
+    def evict(self, txn: Txn, need: int, protect: set[bytes],
+              scan_limit: int = 1 << 20) -> list[tuple[bytes, IndexEntry]]:
+        """Unindex least-recently-used blocks that have no stored children and are not
+        pinned or protected, until ``need`` bytes are freed (or nothing more qualifies)."""
+        chosen: list[tuple[bytes, IndexEntry]] = []
+        freed = 0
+        with txn.cursor(self.lru) as cur:
+            for n, (row, _) in enumerate(cur):
+                if freed >= need or n >= scan_limit:
+                    break
+                key = bytes(row[8:])
+                if key in protect or txn.get(key, db=self.children) is not None \
+                        or txn.get(key, db=self.pins) is not None:
+                    continue
+                raw = txn.get(key, db=self.blocks)
+                if raw is None:
+                    continue
+                entry = IndexEntry.decode(raw)
+                chosen.append((key, entry))
+                freed += entry.slot_len
+        for key, entry in chosen:
+            self.remove_block(txn, key, entry, quarantine=False)
+        return chosen
 
     def give_range(self, txn: Txn, extent: int, offset: int, length: int) -> None:
         """Add [offset, offset+length) to the durable free map, merging neighbours."""

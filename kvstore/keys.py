@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import InvalidKeyError
+from kvstore.errors import CorruptionError, FormatVersionError, InvalidKeyError
 from kvstore.format import KEY_BYTES
 
 HASH_VERSION = 1
@@ -148,10 +148,48 @@ class Namespace:
 
     @classmethod
     def from_json(cls, text: str) -> Namespace:
-        doc = json.loads(text)
-        doc.pop("hash_version", None)
-        doc["extra"] = tuple(tuple(kv) for kv in doc.get("extra", ()))
-        return cls(**doc)
+        """Parse a namespace meta record; anything malformed is a CorruptionError (a
+        record of a newer hash version is a FormatVersionError)."""
+        try:
+            doc = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise CorruptionError(f"namespace record is not JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise CorruptionError("namespace record is not a JSON object")
+        unknown = set(doc) - set(_NS_FIELDS) - {"hash_version"}
+        if unknown:
+            raise CorruptionError(f"namespace record has unknown members {sorted(unknown)}")
+        version = doc.pop("hash_version", HASH_VERSION)
+        if version != HASH_VERSION:
+            raise FormatVersionError(
+                f"namespace record of hash version {version!r}; this build uses {HASH_VERSION}")
+        for name, types in _NS_FIELDS.items():
+            if name in doc and not (isinstance(doc[name], types)
+                                    and not isinstance(doc[name], bool)):
+                raise CorruptionError(f"namespace member {name!r} has a wrong type")
+        for name in ("model", "dtype", "block_size"):
+            if name not in doc:
+                raise CorruptionError(f"namespace record lacks {name!r}")
+        extra = doc.get("extra", [])
+        if not all(isinstance(kv, list) and len(kv) == 2 and all(isinstance(x, str) for x in kv)
+                   for kv in extra):
+            raise CorruptionError("namespace extra must be a list of [str, str] pairs")
+        doc["extra"] = tuple(tuple(kv) for kv in extra)
+        try:
+            ns = cls(**doc)
+            ns.canonical_json().encode("utf-8")  # lone surrogates cannot be hashed
+        except (InvalidKeyError, UnicodeEncodeError) as e:
+            raise CorruptionError(f"invalid namespace record: {e}") from None
+        return ns
+
+    @classmethod
+    def from_record(cls, raw: bytes) -> Namespace:
+        """Parse a namespace meta record as stored (UTF-8 JSON bytes)."""
+        try:
+            text = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptionError("namespace record is not UTF-8") from None
+        return cls.from_json(text)
 
     @property
     def digest(self) -> bytes:
@@ -189,6 +227,12 @@ class Namespace:
 
     def engine_keys(self, engine_hashes: Iterable[bytes | int]) -> list[bytes]:
         return [self.engine_key(h) for h in engine_hashes]
+
+
+_NS_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "model": str, "dtype": str, "block_size": int, "layout": str, "tp_rank": int,
+    "tp_size": int, "lora": (str, type(None)), "cache_salt": (str, type(None)), "extra": list,
+}
 
 
 def chain_parents(keys: Sequence[bytes], first_parent: bytes | None = None) -> list[bytes | None]:

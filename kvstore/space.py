@@ -25,24 +25,23 @@ class FreeSpace:
         self._by_start: dict[tuple[int, int], int] = {}
         self._by_end: dict[tuple[int, int], int] = {}  # (extent, end) -> offset
         self._sizes: list[tuple[int, int, int]] = []  # sorted (length, extent, offset)
+        self.free_bytes = 0
 
     def __len__(self) -> int:
         return len(self._by_start)
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(self._by_start.values())
 
     def runs(self) -> list[tuple[int, int, int]]:
         return sorted((e, o, n) for (e, o), n in self._by_start.items())
 
     def _insert(self, extent: int, offset: int, length: int) -> None:
+        self.free_bytes += length
         self._by_start[(extent, offset)] = length
         self._by_end[(extent, offset + length)] = offset
         bisect.insort(self._sizes, (length, extent, offset))
 
     def _remove(self, extent: int, offset: int) -> int:
         length = self._by_start.pop((extent, offset))
+        self.free_bytes -= length
         del self._by_end[(extent, offset + length)]
         i = bisect.bisect_left(self._sizes, (length, extent, offset))
         del self._sizes[i]

@@ -36,6 +36,7 @@ from anyio.abc import TaskGroup
 
 from kvstore.errors import (
     BlockTooLargeError,
+    CapacityError,
     CorruptionError,
     KVStoreError,
     NamespaceMismatchError,
@@ -103,6 +104,10 @@ class StoreStats:
     disk_bytes: int
     free_bytes: int
     stored_bytes: int
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    pinned_blocks: int = 0
+    dedup_ratio: float = 1.0
     puts: int = 0
     put_blocks: int = 0
     put_bytes: int = 0
@@ -115,6 +120,8 @@ class StoreStats:
     corrupt_blocks: int = 0
     read_errors: int = 0
     deletes: int = 0
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
 
@@ -170,7 +177,8 @@ class Store:
 
     def __init__(self, path: str, *, namespace: Namespace | None, allow_new_namespace: bool,
                  engine: str | IOEngine, sync: bool, extent_bytes: int, staging_bytes: int,
-                 queue_depth: int, index_map_bytes: int, create: bool) -> None:
+                 queue_depth: int, index_map_bytes: int, create: bool,
+                 capacity_bytes: int | None = None) -> None:
         self.path = os.path.abspath(path)
         if create:
             os.makedirs(self.path, exist_ok=True)
@@ -178,6 +186,7 @@ class Store:
             raise FileNotFoundError(f"no kvstore at {self.path} (open with create=True to make one)")
         self.namespace = namespace
         self.durable = sync
+        self._capacity_option = capacity_bytes
         self._lock = _Lock(self.path)
         self._closed = False
         self._cleanups: list[Any] = [self._lock.release]
@@ -250,7 +259,14 @@ class Store:
         self._read_only_reason: str | None = None
         self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
                                           "dedup_bytes", "gets", "hits", "misses", "read_bytes",
-                                          "corrupt_blocks", "read_errors", "deletes")}
+                                          "corrupt_blocks", "read_errors", "deletes",
+                                          "evicted_blocks", "evicted_bytes")}
+        self._extent_count = len(self._fds)
+        self._touched: dict[bytes, int] = {}
+        self.capacity_bytes = self._default_capacity() if self._capacity_option is None \
+            else int(self._capacity_option)
+        if self.capacity_bytes < PAGE:
+            raise ValueError(f"capacity_bytes must be at least {PAGE}")
 
     def _check_namespace(self, namespace: Namespace | None, allow_new: bool) -> None:
         if namespace is None:
@@ -291,6 +307,10 @@ class Store:
         with anyio.CancelScope(shield=True):
             while self._inflight:
                 await next(iter(self._inflight.values())).wait()
+            touched = self._take_touched()
+            if touched and not self.read_only:
+                with suppress(KVStoreError):
+                    await self.writer.run(lambda txn: self._apply_touched(txn, touched))
             await self.engine.aclose()
             await anyio.to_thread.run_sync(self._run_cleanups)
 
@@ -317,11 +337,33 @@ class Store:
 
     # ------------------------------------------------------------------ space
 
+    def _default_capacity(self) -> int:
+        """What the store already uses plus 90% of the file system's free space."""
+        st = os.statvfs(self.path)
+        return self.used_bytes + int(0.9 * st.f_bavail * st.f_frsize)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of slots indexed, quarantined, reserved by puts in flight, or freed but
+        still waiting for earlier readers: what ``capacity_bytes`` bounds."""
+        return self._extent_count * (self.extent_bytes - PAGE) - self.space.free_bytes
+
     async def _reserve(self, items: Sequence[_Item]) -> None:
-        """Give every item a slot, adding extents as needed."""
+        """Give every item a slot within capacity, evicting and adding extents as needed."""
         done: list[_Item] = []
+        protect = {item.parent for item in items if item.parent is not None}
         try:
             for item in items:
+                while self.used_bytes + item.slot_len > self.capacity_bytes:
+                    # Evict a little ahead (1/64 of capacity) so a stream of puts does not
+                    # pay one eviction transaction per block.
+                    need = self.used_bytes + item.slot_len - self.capacity_bytes
+                    if not await self._evict(max(need, self.capacity_bytes // 64), protect):
+                        raise CapacityError(
+                            28, f"a batch of {sum(i.slot_len for i in items)} bytes does not fit "
+                            f"capacity_bytes={self.capacity_bytes} ({self.used_bytes} used): "
+                            "every other block is pinned, has stored children, or is being "
+                            "written. Unpin blocks, delete some, or raise capacity_bytes.")
                 while (where := self.space.allocate(item.slot_len)) is None:
                     await self._grow()
                 item.extent, item.offset = where
@@ -329,6 +371,34 @@ class Store:
         except BaseException:
             self._unreserve(done)
             raise
+
+    async def _evict(self, need: int, protect: set[bytes]) -> int:
+        """Evict least-recently-used leaf blocks (durably, like a delete); returns bytes
+        freed.  Blocks being written by other tasks and their parents are never chosen."""
+        protect = protect | set(self._inflight)
+        touched = self._take_touched()
+
+        def evict(txn: Txn) -> list[tuple[bytes, IndexEntry]]:
+            self._apply_touched(txn, touched)
+            return self.index.evict(txn, need, protect)
+
+        evicted = await self.writer.run(evict)
+        for _, entry in evicted:
+            self.epochs.free(entry.extent, entry.offset, entry.slot_len)
+        freed = sum(e.slot_len for _, e in evicted)
+        self._counters["evicted_blocks"] += len(evicted)
+        self._counters["evicted_bytes"] += freed
+        return freed
+
+    def _take_touched(self) -> dict[bytes, int]:
+        touched, self._touched = self._touched, {}
+        return touched
+
+    def _apply_touched(self, txn: Txn, touched: dict[bytes, int]) -> None:
+        """Record last-use times of recent gets (kept in memory between write transactions:
+        LRU order is a hint and may lag by one transaction after a crash)."""
+        for key, when in touched.items():
+            self.index.touch(txn, key, when)
 
     def _check_fits(self, slot_len: int) -> None:
         if slot_len > self.extent_bytes - PAGE:
@@ -362,6 +432,7 @@ class Store:
             await self.writer.run(record)
             self._fds[extent_id] = self.engine.open_file(extent_path(self.path, extent_id),
                                                          create=False)
+            self._extent_count += 1
             self.space.free(extent_id, PAGE, self.extent_bytes - PAGE)
 
     # ------------------------------------------------------------------ put
@@ -435,13 +506,15 @@ class Store:
                 extent=item.extent, offset=item.offset, slot_len=item.slot_len,
                 payload_len=item.data.numel(), raw_len=item.data.numel(), codec=CODEC_RAW,
                 dtype=item.dtype, payload_crc=item.crc, seq=item.seq, last_use=now,
-                parent=item.parent).encode()) for item in items]
+                parent=item.parent)) for item in items]
             seq = self._seq
+            touched = self._take_touched()
 
             def commit(txn: Txn) -> None:
-                for item, (key, value) in zip(items, entries):
+                self._apply_touched(txn, touched)
+                for item, (key, entry) in zip(items, entries):
                     self.index.take_range(txn, item.extent, item.offset, item.slot_len)
-                    txn.put(key, value, db=self.index.blocks)
+                    self.index.add_block(txn, key, entry)
                 prev = unpack_u64(txn.get(META_SEQ, db=self.index.meta))
                 txn.put(META_SEQ, pack_u64(max(prev, seq)), db=self.index.meta)
 
@@ -542,6 +615,10 @@ class Store:
             self.epochs.end(epoch)
         if corrupt:
             await self._quarantine(corrupt)
+        now = time.time_ns() // 1000
+        for key, r in zip(keys, results):
+            if r is not None:
+                self._touched[key] = now
         hits = sum(r is not None for r in results)
         self._counters["hits"] += hits
         self._counters["misses"] += len(keys) - hits
@@ -598,9 +675,11 @@ class Store:
 
         def move(txn: Txn) -> None:
             for key, entry, _ in bad:
-                if txn.get(key, db=self.index.blocks) == entry.encode():
-                    txn.delete(key, db=self.index.blocks)
-                    txn.put(key, entry.encode(), db=self.index.quarantine)
+                raw = txn.get(key, db=self.index.blocks)
+                current = None if raw is None else IndexEntry.decode(raw)
+                if current is not None and (current.extent, current.offset, current.seq) == \
+                        (entry.extent, entry.offset, entry.seq):
+                    self.index.remove_block(txn, key, current, quarantine=True)
 
         with suppress(KVStoreError):
             await self.writer.run(move)
@@ -635,8 +714,7 @@ class Store:
                 if raw is None:
                     continue
                 entry = IndexEntry.decode(raw)
-                txn.delete(key, db=self.index.blocks)
-                self.index.give_range(txn, entry.extent, entry.offset, entry.slot_len)
+                self.index.remove_block(txn, key, entry, quarantine=False)
                 freed.append(entry)
             return freed
 
@@ -645,6 +723,29 @@ class Store:
             self.epochs.free(entry.extent, entry.offset, entry.slot_len)
         self._counters["deletes"] += len(freed)
         return len(freed)
+
+    async def pin(self, keys: Sequence[bytes]) -> None:
+        """Never evict these blocks (e.g. a system prompt's chain) until ``unpin``.  Pins
+        count: pinning twice needs two unpins.  Keys need not be stored yet."""
+        self._check_writable()
+        keys = check_keys(keys)
+
+        def pin(txn: Txn) -> None:
+            for key in keys:
+                self.index.bump(txn, self.index.pins, key, +1)
+
+        await self.writer.run(pin)
+
+    async def unpin(self, keys: Sequence[bytes]) -> None:
+        self._check_writable()
+        keys = check_keys(keys)
+
+        def unpin(txn: Txn) -> None:
+            for key in keys:
+                if txn.get(key, db=self.index.pins) is not None:
+                    self.index.bump(txn, self.index.pins, key, -1)
+
+        await self.writer.run(unpin)
 
     # ------------------------------------------------------------------ single-block sugar
 
@@ -670,6 +771,8 @@ class Store:
         with self.index.env.begin() as txn:
             blocks = txn.stat(self.index.blocks)["entries"]
             quarantined = txn.stat(self.index.quarantine)["entries"]
+            pinned = txn.stat(self.index.pins)["entries"]
+        offered = self._counters["put_bytes"] + self._counters["dedup_bytes"]
         free = self.space.free_bytes
         return StoreStats(
             path=self.path, engine=self.engine.name, o_direct=self.engine.direct,
@@ -677,6 +780,8 @@ class Store:
             read_only_reason=self._read_only_reason, blocks=blocks, quarantined=quarantined,
             extents=len(extents), extent_bytes=self.extent_bytes, disk_bytes=disk,
             free_bytes=free, stored_bytes=disk - free - PAGE * len(extents),
+            capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes, pinned_blocks=pinned,
+            dedup_ratio=offered / self._counters["put_bytes"] if self._counters["put_bytes"] else 1.0,
             commits=self.writer.commits,
             namespaces=list(self.index.namespaces().values()), **self._counters)
 
@@ -745,6 +850,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     queue_depth: int = 64,
     index_map_bytes: int = 64 << 30,
     create: bool = True,
+    capacity_bytes: int | None = None,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
@@ -762,11 +868,16 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
                    memory used by transfers in flight and the largest block.
     ``queue_depth``   I/O operations in flight at once.
+    ``capacity_bytes`` stored bytes (slots, 4 KiB-rounded) never exceed this, even under
+                   concurrent puts: least-recently-used blocks without stored children and
+                   not pinned are evicted first (durably, like deletes), so chains never get
+                   holes; default: what the store holds plus 90% of the free disk space.
     """
     store = await anyio.to_thread.run_sync(lambda: Store(
         os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
         engine=engine, sync=sync, extent_bytes=extent_bytes, staging_bytes=staging_bytes,
-        queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create))
+        queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create,
+        capacity_bytes=capacity_bytes))
     try:
         async with anyio.create_task_group() as tg:
             await store._start(tg)
