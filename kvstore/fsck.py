@@ -25,7 +25,11 @@ a bad sector, a bug, a file edited by hand):
 7. Meta records: the sequence counter is at least every entry's, ``next_extent`` is past
    every extent id, namespace records are valid JSON (damage: meta).
 
-There are no reference counts to drift: each key owns exactly one slot.
+8. Chain bookkeeping: the ``children`` counts (stored blocks naming each parent) and the
+   ``lru`` rows (one per block, at its last use) must equal what the ``blocks`` table
+   implies (damage: refcount-drift; repair rewrites both tables from ``blocks``).
+
+Each key owns exactly one slot, so there are no slot reference counts to drift.
 
 ``repair=True`` fixes every finding in one LMDB transaction after the data-file changes
 are durable: reclaimable space returns to the free map, orphan files are deleted,
@@ -62,8 +66,11 @@ from kvstore.format import (
     crc32c,
     extent_key,
     free_key,
+    lru_key,
+    pack_count,
     pack_u64,
     round_up,
+    unpack_count,
     unpack_u64,
 )
 from kvstore.index import (
@@ -250,10 +257,11 @@ class _Checker:
         if self.deep:
             self.scan_free_space(extents)
         self.check_meta(extents, entries)
+        self.check_chains(entries)
         if self.repair and self.report.findings:
             for fn in self.file_fixes:
                 fn()
-            fixes = self.fixes
+            fixes = [*self.fixes, self.rewrite_chain_tables]
 
             def apply(txn: Txn) -> None:
                 for fix in fixes:
@@ -444,6 +452,31 @@ class _Checker:
             done += length
             self.progress("free space", done, total)
 
+    # -- step 8
+    def check_chains(self, entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
+        want_children, want_lru = _chain_tables(entries)
+        with self.index.env.begin() as txn:
+            have_children = {bytes(k): unpack_count(v) for k, v in txn.cursor(self.index.children)}
+            have_lru = {bytes(k) for k, _ in txn.cursor(self.index.lru)}
+        if have_children == want_children and have_lru == want_lru:
+            return
+        self.find("refcount-drift", DAMAGE,
+                  f"chain child counts or LRU rows disagree with the blocks table "
+                  f"({len(have_children)} vs {len(want_children)} parents, {len(have_lru)} vs "
+                  f"{len(want_lru)} LRU rows)")
+
+    def rewrite_chain_tables(self, txn: Txn) -> None:
+        """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,
+        after every other fix has changed ``blocks``)."""
+        for table in (self.index.children, self.index.lru):
+            txn.drop(table, delete=False)
+        blocks = [(bytes(k), IndexEntry.decode(v), False) for k, v in txn.cursor(self.index.blocks)]
+        children, lru = _chain_tables(blocks)
+        for k, n in children.items():
+            txn.put(k, pack_count(n), db=self.index.children)
+        for row in lru:
+            txn.put(row, b"", db=self.index.lru)
+
     # -- step 7
     def check_meta(self, extents: dict[int, int],
                    entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
@@ -471,6 +504,19 @@ class _Checker:
         for k in bad:
             self.find("meta", DAMAGE, f"namespace record {k!r} is not valid JSON")
             self.fixes.append(partial(_delete, key=k, db=self.index.meta))
+
+
+def _chain_tables(entries: list[tuple[bytes, IndexEntry, bool]]) -> tuple[dict[bytes, int],
+                                                                           set[bytes]]:
+    children: dict[bytes, int] = {}
+    lru: set[bytes] = set()
+    for key, e, quarantined in entries:
+        if quarantined:
+            continue
+        lru.add(lru_key(e.last_use, key))
+        if e.parent is not None:
+            children[e.parent] = children.get(e.parent, 0) + 1
+    return children, lru
 
 
 def _delete(txn: Txn, *, key: bytes, db: Any) -> None:
@@ -587,7 +633,7 @@ def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
                                        payload_len=hd.payload_len, raw_len=hd.raw_len,
                                        codec=hd.codec, dtype=hd.dtype, payload_crc=hd.payload_crc,
                                        seq=hd.seq, last_use=0, parent=hd.parent)
-                    txn.put(k, entry.encode(), db=index.blocks)
+                    index.add_block(txn, k, entry)
                     by_extent.setdefault(e, []).append((o, hd.slot_len))
                 for extent_id, (_, h) in headers.items():
                     if h.store_uuid != uuid:

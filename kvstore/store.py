@@ -106,6 +106,7 @@ class StoreStats:
     stored_bytes: int
     capacity_bytes: int = 0
     used_bytes: int = 0
+    peak_used_bytes: int = 0
     pinned_blocks: int = 0
     dedup_ratio: float = 1.0
     puts: int = 0
@@ -263,6 +264,8 @@ class Store:
                                           "evicted_blocks", "evicted_bytes")}
         self._extent_count = len(self._fds)
         self._touched: dict[bytes, int] = {}
+        self._space_event: anyio.Event | None = None
+        self._peak_used = self.used_bytes
         self.capacity_bytes = self._default_capacity() if self._capacity_option is None \
             else int(self._capacity_option)
         if self.capacity_bytes < PAGE:
@@ -350,27 +353,48 @@ class Store:
 
     async def _reserve(self, items: Sequence[_Item]) -> None:
         """Give every item a slot within capacity, evicting and adding extents as needed."""
+        while not await self._try_reserve(items):
+            await self._space_changed().wait()
+
+    async def _try_reserve(self, items: Sequence[_Item]) -> bool:
+        """Reserve slots for all items, or none and return False when space is held by
+        other tasks' puts in flight (then wait for a change and try again)."""
         done: list[_Item] = []
         protect = {item.parent for item in items if item.parent is not None}
+        mine = {item.key for item in items}
         try:
             for item in items:
-                while self.used_bytes + item.slot_len > self.capacity_bytes:
+                while True:  # capacity is re-checked after every await, right before allocating
+                    if self.used_bytes + item.slot_len <= self.capacity_bytes:
+                        where = self.space.allocate(item.slot_len)
+                        if where is not None:
+                            break
+                        await self._grow()
+                        continue
                     # Evict a little ahead (1/64 of capacity) so a stream of puts does not
                     # pay one eviction transaction per block.
                     need = self.used_bytes + item.slot_len - self.capacity_bytes
-                    if not await self._evict(max(need, self.capacity_bytes // 64), protect):
+                    if await self._evict(max(need, self.capacity_bytes // 64), protect):
+                        continue
+                    if not any(k not in mine for k in self._inflight):
                         raise CapacityError(
                             28, f"a batch of {sum(i.slot_len for i in items)} bytes does not fit "
                             f"capacity_bytes={self.capacity_bytes} ({self.used_bytes} used): "
-                            "every other block is pinned, has stored children, or is being "
-                            "written. Unpin blocks, delete some, or raise capacity_bytes.")
-                while (where := self.space.allocate(item.slot_len)) is None:
-                    await self._grow()
+                            "every other block is pinned or has stored children. Unpin "
+                            "blocks, delete some, or raise capacity_bytes.")
+                    # Space is held by other tasks' puts in flight: give ours back (no
+                    # hold-and-wait: a task holding space never waits here, so it finishes),
+                    # wait until some put ends or space is freed, and start over.
+                    self._unreserve(done)
+                    done.clear()
+                    return False
                 item.extent, item.offset = where
                 done.append(item)
+                self._peak_used = max(self._peak_used, self.used_bytes)
         except BaseException:
             self._unreserve(done)
             raise
+        return True
 
     async def _evict(self, need: int, protect: set[bytes]) -> int:
         """Evict least-recently-used leaf blocks (durably, like a delete); returns bytes
@@ -413,6 +437,19 @@ class Store:
     def _unreserve(self, items: Sequence[_Item]) -> None:
         for item in items:
             self.space.free(item.extent, item.offset, item.slot_len)
+        if items:
+            self._notify_space()
+
+    def _space_changed(self) -> anyio.Event:
+        if self._space_event is None:
+            self._space_event = anyio.Event()
+        return self._space_event
+
+    def _notify_space(self) -> None:
+        """Wake puts waiting for capacity: a put ended, or space was freed."""
+        if self._space_event is not None:
+            self._space_event.set()
+            self._space_event = None
 
     async def _grow(self) -> None:
         """Add one extent file (durably), then record it and its free run in the index."""
@@ -486,6 +523,7 @@ class Store:
         finally:
             for item in items:
                 self._inflight.pop(item.key).set()
+            self._notify_space()  # its blocks are evictable now
         written = sum(item.data.numel() for item in items)
         self._counters["put_blocks"] += len(items)
         self._counters["put_bytes"] += written
@@ -780,7 +818,8 @@ class Store:
             read_only_reason=self._read_only_reason, blocks=blocks, quarantined=quarantined,
             extents=len(extents), extent_bytes=self.extent_bytes, disk_bytes=disk,
             free_bytes=free, stored_bytes=disk - free - PAGE * len(extents),
-            capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes, pinned_blocks=pinned,
+            capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes,
+            peak_used_bytes=self._peak_used, pinned_blocks=pinned,
             dedup_ratio=offered / self._counters["put_bytes"] if self._counters["put_bytes"] else 1.0,
             commits=self.writer.commits,
             namespaces=list(self.index.namespaces().values()), **self._counters)

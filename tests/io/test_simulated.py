@@ -61,7 +61,7 @@ async def test_crash_states_only_touch_unsynced_writes(tmp_path: Path, mode: str
     await engine.datasync([fd])
     await engine.write([IoOp(fd, 4096, b)])
     assert disk.crash(mode) == 1
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     assert data[:4096] == b"\x01" * 4096  # synced: untouched by any crash mode
     second = data[4096:8192]
     if mode == "lose":
