@@ -157,7 +157,8 @@ import numpy.typing as npt
 import torch
 import zstandard
 
-from kvstore.errors import CorruptionError, OutputMismatchError
+from kvstore.errors import CorruptionError
+from kvstore.tensors import check_out_tensor
 
 __all__ = [
     "CODEC_RAW",
@@ -539,15 +540,7 @@ def _prepare_out(out: torch.Tensor | None, dtype: torch.dtype,
     if out is None:
         t = torch.empty(shape, dtype=dtype)
         return t, t
-    if not isinstance(out, torch.Tensor):
-        raise OutputMismatchError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if out.dtype != dtype or out.numel() != numel:
-        raise OutputMismatchError(
-            f"out tensor is {out.dtype} with {out.numel()} elements; the block is "
-            f"{dtype} with shape {tuple(shape)}")
+    out = check_out_tensor(out, dtype, tuple(shape))
     if out.device.type == "cpu" and out.is_contiguous():
         return out, out.view(shape)
     return out, torch.empty(shape, dtype=dtype)

@@ -62,10 +62,14 @@ def host_bytes(t: object) -> tuple[torch.Tensor, int]:
 
 
 def check_out(out: object, dtype: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Validate a caller-provided output tensor for a stored block."""
+    """Validate a caller-provided output tensor for a stored block (dtype code)."""
+    return check_out_tensor(out, CODE_DTYPES[dtype], shape)
+
+
+def check_out_tensor(out: object, want: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``out`` must be a tensor of dtype ``want`` with as many elements as ``shape``."""
     if not isinstance(out, torch.Tensor):
         raise OutputMismatchError(f"out tensors must be torch.Tensor, got {type(out).__name__}")
-    want = CODE_DTYPES[dtype]
     numel = 1
     for d in shape:
         numel *= d
