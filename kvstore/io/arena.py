@@ -40,10 +40,9 @@ class Arena:
 
     def __init__(self, nbytes: int) -> None:
         self.size = round_up(max(nbytes, PAGE))
-        # MAP_POPULATE: fault the pages in once at open (~0.4 ms per MiB here) rather than
-        # on the first transfer through each page.
-        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-                              | getattr(mmap, "MAP_POPULATE", 0))
+        # Not MAP_POPULATE: prefaulting 256 MiB costs ~200 ms at every open (an engine
+        # restart waits for it); pages fault in on the first transfer through them instead.
+        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
