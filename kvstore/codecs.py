@@ -236,6 +236,11 @@ class CodecSpec:
                 raise ValueError(f"granularity must be one of {GRANULARITIES}, got {name!r}")
 
 
+def is_known(codec: int) -> bool:
+    """Whether this build can decode payloads of ``codec`` (an id from a slot header)."""
+    return codec in _KNOWN_IDS
+
+
 def codec_id(spec: CodecSpec) -> int:
     """The codec id ``spec`` asks for (``encode`` may fall back to a simpler one)."""
     base = {None: CODEC_RAW, "e4m3": FP8_E4M3, "e5m2": FP8_E5M2}[spec.fp8]

@@ -34,6 +34,8 @@ import anyio
 import torch
 from anyio.abc import TaskGroup
 
+from kvstore import codecs
+from kvstore.codecs import CODEC_RAW, CodecSpec
 from kvstore.errors import (
     BlockTooLargeError,
     CapacityError,
@@ -77,7 +79,6 @@ from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.space import FreeSpace, ReadEpochs
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
 
-CODEC_RAW = 0
 LOCK_FILE = "LOCK"
 INDEX_DIR = "index"
 
@@ -109,6 +110,8 @@ class StoreStats:
     peak_used_bytes: int = 0
     pinned_blocks: int = 0
     dedup_ratio: float = 1.0
+    compression_ratio: float = 1.0
+    put_payload_bytes: int = 0
     puts: int = 0
     put_blocks: int = 0
     put_bytes: int = 0
@@ -143,13 +146,22 @@ class _Item:
     """One block of a put in flight."""
 
     __slots__ = ("key", "parent", "data", "dtype", "shape", "slot_len", "extent", "offset",
-                 "crc", "seq")
+                 "crc", "seq", "codec", "raw_len")
 
     def __init__(self, key: bytes, parent: bytes | None, data: torch.Tensor, dtype: int,
                  shape: tuple[int, ...]) -> None:
         self.key, self.parent, self.data, self.dtype, self.shape = key, parent, data, dtype, shape
         self.slot_len = round_up(SLOT_HEADER_BYTES + data.numel())
         self.extent = self.offset = self.crc = self.seq = 0
+        self.codec, self.raw_len = CODEC_RAW, data.numel()
+
+    def encode(self, spec: CodecSpec) -> None:
+        """Replace the raw bytes by the codec's payload (the codec may fall back to raw)."""
+        value = self.data.view(CODE_DTYPES[self.dtype]).reshape(self.shape)
+        self.codec, payload = codecs.encode(value, spec)
+        if self.codec != CODEC_RAW:
+            self.data = torch.from_numpy(payload)
+            self.slot_len = round_up(SLOT_HEADER_BYTES + self.data.numel())
 
 
 class _Lock:
@@ -186,6 +198,7 @@ class Store:
         elif not os.path.isdir(os.path.join(self.path, INDEX_DIR)):
             raise FileNotFoundError(f"no kvstore at {self.path} (open with create=True to make one)")
         self.namespace = namespace
+        self.codec: CodecSpec | None = None  # the store's default codec; set by open()
         self.durable = sync
         self._capacity_option = capacity_bytes
         self._lock = _Lock(self.path)
@@ -261,7 +274,8 @@ class Store:
         self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
                                           "dedup_bytes", "gets", "hits", "misses", "read_bytes",
                                           "corrupt_blocks", "read_errors", "deletes",
-                                          "evicted_blocks", "evicted_bytes")}
+                                          "evicted_blocks", "evicted_bytes",
+                                          "put_payload_bytes")}
         self._extent_count = len(self._fds)
         self._touched: dict[bytes, int] = {}
         self._space_event: anyio.Event | None = None
@@ -475,12 +489,15 @@ class Store:
     # ------------------------------------------------------------------ put
 
     async def put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor], *,
-                       parents: Sequence[bytes | None] | None = None) -> PutResult:
+                       parents: Sequence[bytes | None] | None = None,
+                       codec: CodecSpec | None = None) -> PutResult:
         """Store blocks durably; returns once they survive a crash (if ``sync=True``).
 
         ``parents[i]`` is the key of the block before ``keys[i]`` in its chain (or None):
         eviction uses it to keep chains free of holes, and fsck to rebuild them.  Keys
         that are already stored (or being stored by another task) are not written again.
+        ``codec`` overrides the store's default codec (``open(codec=...)``) for this batch;
+        each block records the codec it was written with, so reads need no option.
         """
         self._check_writable()
         keys = check_keys(keys)
@@ -518,7 +535,15 @@ class Store:
         self._counters["dedup_bytes"] += dedup_bytes
         if not items:
             return PutResult(0, len(keys), 0)
+        spec = codec if codec is not None else self.codec
         try:
+            if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
+                if sum(i.raw_len for i in items) >= _OFFLOAD_BYTES:
+                    await anyio.to_thread.run_sync(_encode_all, items, spec)
+                else:
+                    _encode_all(items, spec)
+                for item in items:
+                    self._check_fits(item.slot_len)
             await self._put_items(items)
         finally:
             for item in items:
@@ -526,7 +551,8 @@ class Store:
             self._notify_space()  # its blocks are evictable now
         written = sum(item.data.numel() for item in items)
         self._counters["put_blocks"] += len(items)
-        self._counters["put_bytes"] += written
+        self._counters["put_bytes"] += sum(item.raw_len for item in items)
+        self._counters["put_payload_bytes"] += written
         return PutResult(len(items), len(keys) - len(items), written)
 
     async def _put_items(self, items: list[_Item]) -> None:
@@ -542,7 +568,7 @@ class Store:
             now = time.time_ns() // 1000
             entries = [(item.key, IndexEntry(
                 extent=item.extent, offset=item.offset, slot_len=item.slot_len,
-                payload_len=item.data.numel(), raw_len=item.data.numel(), codec=CODEC_RAW,
+                payload_len=item.data.numel(), raw_len=item.raw_len, codec=item.codec,
                 dtype=item.dtype, payload_crc=item.crc, seq=item.seq, last_use=now,
                 parent=item.parent)) for item in items]
             seq = self._seq
@@ -821,6 +847,8 @@ class Store:
             capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes,
             peak_used_bytes=self._peak_used, pinned_blocks=pinned,
             dedup_ratio=offered / self._counters["put_bytes"] if self._counters["put_bytes"] else 1.0,
+            compression_ratio=(self._counters["put_bytes"] / self._counters["put_payload_bytes"]
+                               if self._counters["put_payload_bytes"] else 1.0),
             commits=self.writer.commits,
             namespaces=list(self.index.namespaces().values()), **self._counters)
 
@@ -837,10 +865,15 @@ def _stage(run: ArenaRun, item: _Item) -> None:
     body[:n] = item.data.numpy()
     body[n:] = 0
     item.crc = crc32c(run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n])
-    header = SlotHeader(key=item.key, parent=item.parent, codec=CODEC_RAW, dtype=item.dtype,
-                        shape=item.shape, payload_len=n, raw_len=n, payload_crc=item.crc,
-                        seq=item.seq)
+    header = SlotHeader(key=item.key, parent=item.parent, codec=item.codec, dtype=item.dtype,
+                        shape=item.shape, payload_len=n, raw_len=item.raw_len,
+                        payload_crc=item.crc, seq=item.seq)
     run.view[:SLOT_HEADER_BYTES] = header.encode()
+
+
+def _encode_all(items: list[_Item], spec: CodecSpec) -> None:
+    for item in items:
+        item.encode(spec)
 
 
 def _stage_all(chunk: list[tuple[_Item, ArenaRun]]) -> None:
@@ -852,7 +885,7 @@ def _verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
                  out: torch.Tensor | None) -> torch.Tensor:
     """Check a slot read into the arena against its index entry and decode it."""
     header = SlotHeader.decode(run.view)
-    if header.codec != CODEC_RAW or header.dtype not in CODE_DTYPES:
+    if not codecs.is_known(header.codec) or header.dtype not in CODE_DTYPES:
         raise CorruptionError(f"slot has unknown codec {header.codec} or dtype {header.dtype}")
     if header.key != key or header.seq != entry.seq:
         raise CorruptionError(f"slot holds another block (key {header.key.hex()}, seq {header.seq})")
@@ -865,6 +898,8 @@ def _verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
         raise CorruptionError("payload checksum mismatch")
     dtype = CODE_DTYPES[header.dtype]
     src = run.array[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
+    if header.codec != CODEC_RAW:
+        return codecs.decode(header.codec, src, dtype, header.shape, out)
     if out is not None and out.is_contiguous() and out.device.type == "cpu":
         out.reshape(-1).view(torch.uint8).numpy()[:] = src
         return out
@@ -890,6 +925,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     index_map_bytes: int = 64 << 30,
     create: bool = True,
     capacity_bytes: int | None = None,
+    codec: CodecSpec | None = None,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
@@ -907,6 +943,9 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
                    memory used by transfers in flight and the largest block.
     ``queue_depth``   I/O operations in flight at once.
+    ``codec``      default :class:`~kvstore.codecs.CodecSpec` for puts (None: raw bytes).
+                   FP8 is lossy and opt-in; zstd (after FP8, or over bf16/fp16 byte planes)
+                   is lossless.  Reads decode whatever each block was written with.
     ``capacity_bytes`` stored bytes (slots, 4 KiB-rounded) never exceed this, even under
                    concurrent puts: least-recently-used blocks without stored children and
                    not pinned are evicted first (durably, like deletes), so chains never get
@@ -917,6 +956,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
         engine=engine, sync=sync, extent_bytes=extent_bytes, staging_bytes=staging_bytes,
         queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create,
         capacity_bytes=capacity_bytes))
+    store.codec = codec
     try:
         async with anyio.create_task_group() as tg:
             await store._start(tg)
