@@ -50,10 +50,14 @@ def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 class StoreConformance:
     engine: ClassVar[str]
 
+    def engine_option(self) -> Any:
+        """What to pass as ``open(engine=...)``: a name, or an engine instance."""
+        return self.engine
+
     def open(self, path: Path, **options: Any) -> Any:
         options.setdefault("extent_bytes", 8 << 20)
         options.setdefault("staging_bytes", 8 << 20)
-        return kvstore.open(path, namespace=NS, engine=self.engine, **options)
+        return kvstore.open(path, namespace=NS, engine=self.engine_option(), **options)
 
     async def test_engine_is_the_one_asked_for(self, tmp_path: Path) -> None:
         async with self.open(tmp_path) as store:
@@ -241,7 +245,7 @@ class StoreConformance:
         values = [make_tensor(torch.float32, (256,), i) for i in range(16)]
 
         def work() -> list[torch.Tensor | None]:
-            with kvstore.open_blocking(tmp_path, namespace=NS, engine=self.engine,
+            with kvstore.open_blocking(tmp_path, namespace=NS, engine=self.engine_option(),
                                        extent_bytes=8 << 20) as store:
                 from concurrent.futures import ThreadPoolExecutor
                 with ThreadPoolExecutor(4) as pool:

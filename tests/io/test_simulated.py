@@ -13,20 +13,14 @@ import kvstore
 from kvstore.io.arena import Arena
 from kvstore.io.protocol import IoOp
 from kvstore.io.simulated import SimulatedCrash, SimulatedDisk, SimulatedEngine
-from tests.conformance import NS, StoreConformance
+from tests.conformance import StoreConformance
 
 
 class TestSimulatedStore(StoreConformance):
     engine = "simulated"
 
-    def open(self, path: Path, **options: Any) -> Any:
-        options.setdefault("extent_bytes", 8 << 20)
-        options.setdefault("staging_bytes", 8 << 20)
-        return kvstore.open(path, namespace=NS, engine=SimulatedEngine(SimulatedDisk(seed=1)),
-                            **options)
-
-    async def test_blocking_facade_from_threads(self, tmp_path: Path) -> None:
-        pytest.skip("the facade takes engine names; covered by the real engines")
+    def engine_option(self) -> Any:
+        return SimulatedEngine(SimulatedDisk(seed=1))
 
 
 pytestmark = pytest.mark.anyio
