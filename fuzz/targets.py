@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
+
 from fuzz import spec
 from fuzz.mutate import (
     EXTENT_KEY_LAYOUT,
@@ -47,6 +49,7 @@ from fuzz.mutate import (
     apply_ops,
     ops_from,
 )
+from kvstore import codecs
 from kvstore.errors import KVStoreError
 from kvstore.format import (
     KEY_BYTES,
@@ -325,6 +328,47 @@ def fuzz_namespace_mutated(data: bytes) -> None:
 
 # --------------------------------------------------------------------------- registry
 
+def _codec_shape(data: bytes) -> tuple[int, torch.dtype, tuple[int, ...], bytes]:
+    """Split fuzz input into what a slot header would give ``codecs.decode``: a codec id,
+    a float dtype, a small shape, and the payload bytes."""
+    head = (bytes(data[:4]) + bytes(4))[:4]
+    codec = head[0] & 0x1F
+    dtype = (torch.float16, torch.bfloat16, torch.float32)[head[1] % 3]
+    shape = (1 + head[2] % 8, 1 + head[3] % 64)
+    return codec, dtype, shape, bytes(data[4:])
+
+
+def fuzz_codec_payload(data: bytes) -> None:
+    """Any bytes as a payload of any codec id: a tensor of the header's dtype and shape,
+    or a kvstore error (the payload CRC passed, so the decoder is the last defence)."""
+    codec, dtype, shape, payload = _codec_shape(data)
+    try:
+        out = codecs.decode(codec, payload, dtype, shape)
+    except KVStoreError:
+        return
+    assert out.dtype == dtype and tuple(out.shape) == shape
+
+
+def fuzz_codec_mutated(data: bytes) -> None:
+    """A valid payload of a real block, then byte edits: decode or a kvstore error."""
+    codec, dtype, shape, edits = _codec_shape(data)
+    spec = codecs.CodecSpec(fp8=(None, "e4m3", "e5m2")[codec % 3], zstd=bool(codec & 0x10))
+    g = torch.Generator().manual_seed(len(edits))
+    value = torch.randn(shape, generator=g).to(dtype)
+    used, payload = codecs.encode(value, spec)
+    raw = bytearray(payload.tobytes())
+    for i in range(0, len(edits) - 1, 2):
+        if raw:
+            raw[edits[i] * 257 % len(raw)] = edits[i + 1]
+    if len(edits) % 3 == 1:
+        raw = raw[: len(raw) * edits[0] // 256] if edits else raw
+    try:
+        out = codecs.decode(used, bytes(raw), dtype, shape)
+    except KVStoreError:
+        return
+    assert out.dtype == dtype and tuple(out.shape) == shape
+
+
 TARGETS: dict[str, Target] = {
     "slot_header": fuzz_slot_header,
     "slot_header_mutated": fuzz_slot_header_mutated,
@@ -341,6 +385,8 @@ TARGETS: dict[str, Target] = {
     "namespace_json": fuzz_namespace_json,
     "namespace_record": fuzz_namespace_record,
     "namespace_mutated": fuzz_namespace_mutated,
+    "codec_payload": fuzz_codec_payload,
+    "codec_mutated": fuzz_codec_mutated,
 }
 """Target name (as given to ``fuzz/run_atheris.py``) -> ``bytes -> None`` function."""
 

@@ -87,7 +87,8 @@ MUTATED = [f"{name}_mutated" for name in BINARY]
 def test_registry_covers_every_decoder() -> None:
     """Adding a decoder without a target (or a target without a name) should be noticed."""
     assert set(TARGETS) == set(BINARY) | set(MUTATED) | {
-        "namespace_json", "namespace_record", "namespace_mutated"}
+        "namespace_json", "namespace_record", "namespace_mutated", "codec_payload",
+        "codec_mutated"}
     assert all(callable(t) for t in TARGETS.values())
 
 
@@ -340,3 +341,17 @@ def test_namespace_findings(target: str, data: bytes, raises: type[BaseException
     """Exact reproducers of every kind of leak the fuzzer found (each once escaped as the
     listed exception); now each must end in a KVStoreError, which the target swallows."""
     TARGETS[target](data)
+
+
+@FUZZ
+@given(st.binary(max_size=4096))
+def test_codec_payload_decoder(data: bytes) -> None:
+    """Every codec decoder on arbitrary payload bytes: a tensor or the store's own error."""
+    TARGETS["codec_payload"](data)
+
+
+@FUZZ
+@given(st.binary(min_size=4, max_size=64))
+def test_codec_mutated_payloads(data: bytes) -> None:
+    """Real encoded blocks with bytes changed or cut: a tensor or the store's own error."""
+    TARGETS["codec_mutated"](data)
