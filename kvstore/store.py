@@ -40,6 +40,7 @@ from kvstore.errors import (
     BlockTooLargeError,
     CapacityError,
     CorruptionError,
+    IndexCorruptionError,
     KVStoreError,
     NamespaceMismatchError,
     ReadOnlyError,
@@ -225,7 +226,6 @@ class Store:
         if self.index.meta_get(META_UUID) is None:
             extents_dir = os.path.join(self.path, "extents")
             if os.path.isdir(extents_dir) and os.listdir(extents_dir):
-                from kvstore.errors import IndexCorruptionError
                 raise IndexCorruptionError(
                     f"store {self.path} has extent files but no index; run `python -m kvstore "
                     f"fsck {self.path} --rebuild-index` to rebuild it (nothing was changed)")
@@ -256,7 +256,6 @@ class Store:
             try:
                 self._fds[extent_id] = self.engine.open_file(path, create=False)
             except FileNotFoundError:
-                from kvstore.errors import IndexCorruptionError
                 raise IndexCorruptionError(
                     f"extent file {path} named by the index is missing; run "
                     f"`python -m kvstore fsck {self.path}` to see what is lost") from None
@@ -276,7 +275,6 @@ class Store:
                                           "corrupt_blocks", "read_errors", "deletes",
                                           "evicted_blocks", "evicted_bytes",
                                           "put_payload_bytes")}
-        self._extent_count = len(self._fds)
         self._touched: dict[bytes, int] = {}
         self._space_event: anyio.Event | None = None
         self._peak_used = self.used_bytes
@@ -363,7 +361,7 @@ class Store:
     def used_bytes(self) -> int:
         """Bytes of slots indexed, quarantined, reserved by puts in flight, or freed but
         still waiting for earlier readers: what ``capacity_bytes`` bounds."""
-        return self._extent_count * (self.extent_bytes - PAGE) - self.space.free_bytes
+        return len(self._fds) * (self.extent_bytes - PAGE) - self.space.free_bytes
 
     async def _reserve(self, items: Sequence[_Item]) -> None:
         """Give every item a slot within capacity, evicting and adding extents as needed."""
@@ -483,7 +481,6 @@ class Store:
             await self.writer.run(record)
             self._fds[extent_id] = self.engine.open_file(extent_path(self.path, extent_id),
                                                          create=False)
-            self._extent_count += 1
             self.space.free(extent_id, PAGE, self.extent_bytes - PAGE)
 
     # ------------------------------------------------------------------ put

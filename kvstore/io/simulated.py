@@ -25,7 +25,7 @@ import errno as _errno
 import os
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from anyio.abc import TaskGroup
@@ -162,42 +162,38 @@ class SimulatedEngine:
         self.disk.rng.shuffle(order)
         return order
 
-    async def write(self, ops: Sequence[IoOp]) -> None:
+    def _each(self, ops: Sequence[IoOp], kind: str,
+              transfer: Callable[[IoOp, int | None], int]) -> list[int | OSError]:
+        """Run ``transfer`` on every op in a shuffled order, one I/O tick each, after the
+        O_DIRECT checks; an injected errno fails the op, other faults go to ``transfer``."""
         results: list[int | OSError] = [0] * len(ops)
         for i in self._shuffled(ops):
             op = ops[i]
             self.disk._tick()
             try:
                 self._check_direct(op, op.run.offset)
-                fault = self.disk._fault("write")
-                new = bytes(op.run.view)
+                fault = self.disk._fault(kind)
                 if fault is not None and fault > 0:
                     raise OSError(fault, os.strerror(fault))
-                if fault == -1:  # short write: only the first half reaches the file
-                    new = new[: len(new) // 2]
-                old = os.pread(op.fd, len(new), op.offset)
-                old += bytes(len(new) - len(old))
-                self.disk.pending.setdefault(self._paths[op.fd], []).append(
-                    _Pending(op.offset, old, new))
-                results[i] = os.pwrite(op.fd, new, op.offset)
-            except OSError as e:
-                results[i] = e
-        raise_write_errors(results, ops, "write")
-
-    async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
-        results: list[int | OSError] = [0] * len(ops)
-        for i in self._shuffled(ops):
-            op = ops[i]
-            self.disk._tick()
-            try:
-                self._check_direct(op, op.run.offset)
-                fault = self.disk._fault("read")
-                if fault is not None and fault > 0:
-                    raise OSError(fault, os.strerror(fault))
-                results[i] = os.preadv(op.fd, [op.run.view], op.offset)
+                results[i] = transfer(op, fault)
             except OSError as e:
                 results[i] = e
         return results
+
+    def _write_one(self, op: IoOp, fault: int | None) -> int:
+        new = bytes(op.run.view)
+        if fault == -1:  # short write: only the first half reaches the file
+            new = new[: len(new) // 2]
+        old = os.pread(op.fd, len(new), op.offset)
+        old += bytes(len(new) - len(old))
+        self.disk.pending.setdefault(self._paths[op.fd], []).append(_Pending(op.offset, old, new))
+        return os.pwrite(op.fd, new, op.offset)
+
+    async def write(self, ops: Sequence[IoOp]) -> None:
+        raise_write_errors(self._each(ops, "write", self._write_one), ops, "write")
+
+    async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
+        return self._each(ops, "read", lambda op, _: os.preadv(op.fd, [op.run.view], op.offset))
 
     async def datasync(self, fds: Sequence[int]) -> None:
         for fd in fds:
