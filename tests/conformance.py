@@ -19,6 +19,9 @@ from kvstore.extents import extent_path
 from kvstore.format import SLOT_HEADER_BYTES
 
 NS = kvstore.Namespace(model="conformance", dtype="mixed", block_size=4)
+SMALL_EXTENT = 4 << 20
+"""Extent size for test stores: the 1 GiB default is fallocated for real, and dozens of
+test stores would otherwise take tens of GB of the CI machine's disk."""
 
 ALL_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn,
               torch.float8_e5m2, torch.uint8, torch.int8, torch.float64, torch.int16,

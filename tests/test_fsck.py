@@ -20,7 +20,7 @@ from kvstore import fsck
 from kvstore.extents import extent_path
 from kvstore.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, free_key, pack_u64
 from kvstore.index import META_SEQ
-from tests.conformance import NS, keys, make_tensor, same
+from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 N = 12
 VALUES = [make_tensor(torch.float16, (3000 + 7 * i,), i) for i in range(N)]
@@ -200,7 +200,7 @@ def test_rebuild_index_from_extents_alone(tmp_path: Path) -> None:
     assert all(same(g, v) for g, v in zip(got[2:], VALUES[2:]))
 
     async def chain() -> int:
-        async with kvstore.open(tmp_path, namespace=NS) as store:
+        async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
             return await store.match_prefix(keys(N)[2:])
 
     assert anyio.run(chain) == N - 2
@@ -239,7 +239,7 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
 
 def test_cli_refuses_a_store_that_is_open(tmp_path: Path) -> None:
     async def run() -> subprocess.CompletedProcess[str]:
-        async with kvstore.open(tmp_path, namespace=NS):
+        async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT):
             return await anyio.to_thread.run_sync(cli, str(tmp_path))
 
     held = anyio.run(run)

@@ -16,7 +16,7 @@ import torch
 
 import kvstore
 from kvstore.index import META_FORMAT
-from tests.conformance import NS, keys, make_tensor, same
+from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 pytestmark = pytest.mark.anyio
 
@@ -39,14 +39,14 @@ async def test_restart_in_a_new_process_is_bit_exact(tmp_path: Path) -> None:
         anyio.run(main)
     """
     run_python(writer, str(tmp_path))
-    async with kvstore.open(tmp_path, namespace=NS) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         got = await store.get_many(keys(50))
         assert await store.match_prefix(keys(50)) == 50
     assert all(same(g, make_tensor(torch.bfloat16, (4, 16, 8), i)) for i, g in enumerate(got))
 
 
 async def test_closed_store_refuses_calls(tmp_path: Path) -> None:
-    async with kvstore.open(tmp_path, namespace=NS) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         pass
     for call in (store.get_many(keys(1)), store.put_many(keys(1), [torch.zeros(1)]),
                  store.match_prefix(keys(1)), store.delete_many(keys(1)),
@@ -58,16 +58,16 @@ async def test_closed_store_refuses_calls(tmp_path: Path) -> None:
 
 
 async def test_second_open_in_this_process_is_refused(tmp_path: Path) -> None:
-    async with kvstore.open(tmp_path, namespace=NS) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         await store.put(keys(1)[0], torch.ones(3))
         with pytest.raises(kvstore.StoreLockedError, match="already open"):
-            async with kvstore.open(tmp_path, namespace=NS):
+            async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT):
                 pass
         assert same(await store.get(keys(1)[0]), torch.ones(3))  # the owner is unaffected
 
 
 async def test_open_while_another_process_holds_the_store(tmp_path: Path) -> None:
-    async with kvstore.open(tmp_path, namespace=NS):
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT):
         probe = """
             import sys, anyio, kvstore
             async def main():
@@ -84,7 +84,7 @@ async def test_open_while_another_process_holds_the_store(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("bad", [b"short", "a" * 16, 12345, bytes(17), None])
 async def test_bad_keys_are_refused_before_any_io(tmp_path: Path, bad: object) -> None:
-    async with kvstore.open(tmp_path, namespace=NS) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         with pytest.raises(kvstore.InvalidKeyError):
             await store.put_many([keys(1)[0], bad], [torch.ones(1), torch.ones(1)])  # type: ignore[list-item]
         with pytest.raises(kvstore.InvalidKeyError):
@@ -95,7 +95,7 @@ async def test_bad_keys_are_refused_before_any_io(tmp_path: Path, bad: object) -
 
 
 async def test_a_single_key_instead_of_a_list_is_refused(tmp_path: Path) -> None:
-    async with kvstore.open(tmp_path, namespace=NS) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         with pytest.raises(kvstore.InvalidKeyError, match="sequence"):
             await store.get_many(keys(1)[0])  # type: ignore[arg-type]
 
@@ -108,14 +108,14 @@ async def test_a_single_key_instead_of_a_list_is_refused(tmp_path: Path) -> None
     (torch.zeros([1] * 9), "dimensions"),
 ])
 async def test_unsupported_values_are_refused(tmp_path: Path, value: object, match: str) -> None:
-    async with kvstore.open(tmp_path, namespace=NS) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         with pytest.raises(kvstore.UnsupportedTensorError, match=match):
             await store.put_many(keys(2), [torch.ones(2), value])  # type: ignore[list-item]
         assert store.stats().blocks == 0
 
 
 async def test_mismatched_lengths_are_refused(tmp_path: Path) -> None:
-    async with kvstore.open(tmp_path, namespace=NS) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         with pytest.raises(ValueError, match="2 keys but 1 values"):
             await store.put_many(keys(2), [torch.ones(1)])
         with pytest.raises(ValueError, match="parents"):
@@ -123,7 +123,7 @@ async def test_mismatched_lengths_are_refused(tmp_path: Path) -> None:
 
 
 async def test_block_larger_than_the_arena_is_refused(tmp_path: Path) -> None:
-    async with kvstore.open(tmp_path, namespace=NS, staging_bytes=1 << 20) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT, staging_bytes=1 << 20) as store:
         with pytest.raises(kvstore.BlockTooLargeError, match="staging_bytes"):
             await store.put(keys(1)[0], torch.zeros(2 << 20, dtype=torch.uint8))
         await store.put(keys(1)[0], torch.ones(10))
@@ -132,19 +132,19 @@ async def test_block_larger_than_the_arena_is_refused(tmp_path: Path) -> None:
 
 async def test_other_namespace_is_refused_unless_asked(tmp_path: Path) -> None:
     other = kvstore.Namespace(model="other-model", dtype="bf16", block_size=16)
-    async with kvstore.open(tmp_path, namespace=NS):
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT):
         pass
     with pytest.raises(kvstore.NamespaceMismatchError, match="allow_new_namespace"):
-        async with kvstore.open(tmp_path, namespace=other):
+        async with kvstore.open(tmp_path, namespace=other, extent_bytes=SMALL_EXTENT):
             pass
-    async with kvstore.open(tmp_path, namespace=other, allow_new_namespace=True) as store:
+    async with kvstore.open(tmp_path, namespace=other, extent_bytes=SMALL_EXTENT, allow_new_namespace=True) as store:
         assert len(store.stats().namespaces) == 2
-    async with kvstore.open(tmp_path, namespace=other):  # now recorded: no flag needed
+    async with kvstore.open(tmp_path, namespace=other, extent_bytes=SMALL_EXTENT):  # now recorded: no flag needed
         pass
 
 
 async def test_unknown_format_version_is_refused_and_nothing_changes(tmp_path: Path) -> None:
-    async with kvstore.open(tmp_path, namespace=NS) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         await store.put(keys(1)[0], torch.arange(5))
     env = lmdb.open(str(tmp_path / "index"), max_dbs=8)
     meta = env.open_db(b"meta")
@@ -152,7 +152,7 @@ async def test_unknown_format_version_is_refused_and_nothing_changes(tmp_path: P
         txn.put(META_FORMAT, struct.pack("<I", 99), db=meta)
     env.close()
     with pytest.raises(kvstore.FormatVersionError, match="version 99"):
-        async with kvstore.open(tmp_path, namespace=NS):
+        async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT):
             pass
     env = lmdb.open(str(tmp_path / "index"), max_dbs=8)
     meta = env.open_db(b"meta")  # not inside a write txn: open_db begins its own
@@ -160,7 +160,7 @@ async def test_unknown_format_version_is_refused_and_nothing_changes(tmp_path: P
         assert struct.unpack("<I", txn.get(META_FORMAT, db=meta))[0] == 99
         txn.put(META_FORMAT, struct.pack("<I", kvstore.FORMAT_VERSION), db=meta)
     env.close()
-    async with kvstore.open(tmp_path, namespace=NS) as store:  # the data survived the refusal
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:  # the data survived the refusal
         assert same(await store.get(keys(1)[0]), torch.arange(5))
 
 
@@ -206,7 +206,7 @@ def test_full_disk_is_a_clear_error_and_loses_nothing(tmp_path: Path) -> None:
 
 
 async def test_stats_report_engine_and_bytes(tmp_path: Path) -> None:
-    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=4 << 20) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         await store.put_many(keys(3), [make_tensor(torch.float16, (1000,), i) for i in range(3)])
         await store.get_many(keys(4))
         s = store.stats()

@@ -11,7 +11,7 @@ import torch
 import kvstore
 from kvstore import fsck
 from kvstore.codecs import CodecSpec, KVLayout
-from tests.conformance import NS, keys, make_tensor, same
+from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 pytestmark = pytest.mark.anyio
 
@@ -26,10 +26,10 @@ def kv_blocks(n: int, dtype: torch.dtype) -> list[torch.Tensor]:
 async def test_lossless_zstd_is_bit_exact_and_smaller(tmp_path: Path, dtype: torch.dtype) -> None:
     values = kv_blocks(6, dtype)
     ks = keys(6)
-    async with kvstore.open(tmp_path, namespace=NS, codec=CodecSpec(zstd=True)) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT, codec=CodecSpec(zstd=True)) as store:
         await store.put_many(ks, values)
         stats = store.stats()
-    async with kvstore.open(tmp_path, namespace=NS) as store:  # no codec option on read
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:  # no codec option on read
         got = await store.get_many(ks)
     assert all(same(g, v) for g, v in zip(got, values))
     assert stats.compression_ratio > 1.05
@@ -41,7 +41,7 @@ async def test_fp8_round_trip_within_its_error(tmp_path: Path, fp8: str) -> None
     values = kv_blocks(4, torch.bfloat16)
     ks = keys(4)
     spec = CodecSpec(fp8=fp8, zstd=True, layout=LAYOUT)
-    async with kvstore.open(tmp_path, namespace=NS) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         result = await store.put_many(ks, values, codec=spec)
         got = await store.get_many(ks)
         out = torch.empty_like(values[0])
@@ -59,6 +59,6 @@ async def test_fp8_round_trip_within_its_error(tmp_path: Path, fp8: str) -> None
 
 async def test_integer_blocks_stay_raw_under_an_fp8_codec(tmp_path: Path) -> None:
     value = make_tensor(torch.int32, (100,), 3)
-    async with kvstore.open(tmp_path, namespace=NS, codec=CodecSpec(fp8="e4m3")) as store:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT, codec=CodecSpec(fp8="e4m3")) as store:
         await store.put(keys(1)[0], value)
         assert same(await store.get(keys(1)[0]), value)
