@@ -94,12 +94,20 @@ Let the FP8 format's largest finite value be ``1.75 * 2**EMAX8`` (EMAX8 = 8 for 
 
 Dequantisation: ``x' = dtype(float32(fp8 value) * 2**-k)``, one round-to-nearest-even
 into the output dtype (exact for float32; for float16/bfloat16 it can only round
-results that are subnormal in the output type).  NaN codes decode to NaN.
+results that are subnormal in the output type).  NaN codes decode to the output type's
+canonical quiet NaN, whatever the code's sign: float32 ``0x7FC00000``, bfloat16 ``0x7FC0``,
+float16 ``0x7E00``.
 
 How it is made fast (CPU)
 -------------------------
 
-Pure ``tensor.to(float8)`` runs at ~1 GB/s here.  Instead:
+Pure ``tensor.to(float8)`` runs at ~1 GB/s here, slower than the disk.  When the
+install could compile them, C row kernels (``kvstore/_native/fp8.c``, bound by
+:mod:`kvstore.fp8_kernels`; AVX2 and baseline builds picked at load time) do the
+element-wise work in one pass each -- integer amax, then multiply-and-round, or
+table-lookup-multiply-and-round for decode -- and release the GIL.  Python keeps only
+the per-group scale logic, on arrays ``head_dim`` times smaller.  Otherwise, or with
+``KVSTORE_NATIVE_CODECS=0``, a NumPy/torch path produces the same bits:
 
 * encode: ``y`` is computed in the input dtype (float16/bfloat16).  That is exact for
   a power-of-two scale except where ``y`` lands below the type's normal range: in
@@ -157,6 +165,7 @@ import numpy.typing as npt
 import torch
 import zstandard
 
+from kvstore import fp8_kernels
 from kvstore.errors import CorruptionError
 from kvstore.tensors import check_out_tensor
 
@@ -168,6 +177,8 @@ __all__ = [
     "KVLayout",
     "CodecSpec",
     "codec_id",
+    "Encoded",
+    "prepare",
     "encode",
     "decode",
 ]
@@ -256,12 +267,21 @@ class _Fp8:
     emax: int        # largest finite value is 1.75 * 2**emax
     special: int     # code & special == special marks NaN (E4M3) / Inf-NaN (E5M2)
     off: int         # decode bit trick yields value * 2**-off as float16
+    nan_min: int     # (code & 0x7F) > nan_min marks a NaN code
 
 
 _FORMATS = {
-    FP8_E4M3: _Fp8(torch.float8_e4m3fn, 8, 0x7F, 8),
-    FP8_E5M2: _Fp8(torch.float8_e5m2, 15, 0x7C, 0),
+    FP8_E4M3: _Fp8(torch.float8_e4m3fn, 8, 0x7F, 8, 0x7E),
+    FP8_E5M2: _Fp8(torch.float8_e5m2, 15, 0x7C, 0, 0x7C),
 }
+
+# What a NaN code decodes to: the output type's canonical quiet NaN, positive.
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+_CANONICAL_NAN = {torch.float16: 0x7E00, torch.bfloat16: 0x7FC0, torch.float32: 0x7FC00000}
+
+# The compiled row kernels (kvstore/_native/fp8.c) when they are built: same bits as the
+# NumPy/torch path below, which stays as the fallback and the reference for tests.
+_NATIVE = fp8_kernels.available()
 
 # k range per input dtype (see step 3 of the algorithm), and the lossless threshold.
 _K_RANGE = {torch.float16: (-15, 15), torch.bfloat16: (-126, 126), torch.float32: (-126, 126)}
@@ -365,21 +385,26 @@ def _exponents(amax: torch.Tensor, fmt: _Fp8, dtype: torch.dtype) -> torch.Tenso
     return k.clamp_(lo, hi)
 
 
-def _encode_fp8(x: torch.Tensor, base: int, spec: CodecSpec) -> U8 | None:
-    """FP8 payload for a contiguous float16/bfloat16/float32 tensor with ndim >= 1 and
-    numel > 0, or None when the block must be stored losslessly instead."""
+def _fp8_head(x: torch.Tensor, base: int, spec: CodecSpec) -> tuple[U8, torch.Tensor] | None:
+    """Steps 1-3 for a contiguous float16/bfloat16/float32 tensor with ndim >= 1 and
+    numel > 0: the payload's header and scales, and every vector's exponent (shape
+    ``x.shape[:-1]``); or None when the block must be stored losslessly instead."""
     fmt = _FORMATS[base]
     shape = tuple(x.shape)
     kv, tok, head = _norm_axes(spec.layout, shape)
     nd = len(shape) - 1
 
-    # Per-vector amax.  The plain abs().amax() is the fast path; NaN/Inf poison it, and
-    # then (rarely) the finite-only amax is recomputed with a mask.
-    amax = x.abs().amax(dim=-1)
-    special = not bool(torch.isfinite(amax).all())
-    if special:
-        amax = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype)).amax(-1)
-    amax = amax.float()
+    if _NATIVE:
+        amax, special = fp8_kernels.row_amax(x)
+    else:
+        # Per-vector amax.  The plain abs().amax() is the fast path; NaN/Inf poison it,
+        # and then (rarely) the finite-only amax is recomputed with a mask.
+        amax = x.abs().amax(dim=-1)
+        special = not bool(torch.isfinite(amax).all())
+        if special:
+            amax = torch.where(torch.isfinite(x), x.abs(),
+                               torch.zeros((), dtype=x.dtype)).amax(-1)
+        amax = amax.float()
     if float(amax.max()) >= 2.0 ** _EMAX_DTYPE[x.dtype]:
         return None
 
@@ -399,15 +424,21 @@ def _encode_fp8(x: torch.Tensor, base: int, spec: CodecSpec) -> U8 | None:
     scales = torch.cat(scale_parts)
 
     n = scales.numel()
-    numel = x.numel()
-    out = np.empty(_HDR.size + n + numel, dtype=np.uint8)
+    out = np.empty(_HDR.size + n, dtype=np.uint8)
     _HDR.pack_into(out.data, 0, _VERSION, _FLAG_SPECIAL if special else 0, grans[0], grans[1],
                    kv, tok, head, n)
-    out[_HDR.size:_HDR.size + n] = scales.view(torch.uint8).numpy()
-    codes = out[_HDR.size + n:]
+    out[_HDR.size:] = scales.view(torch.uint8).numpy()
+    return out, k_rows
 
-    s = _pow2(k_rows.unsqueeze(-1), x.dtype)
-    y = x * s                                  # exact where it matters (module docstring)
+
+def _fp8_codes(x: torch.Tensor, base: int, k_rows: torch.Tensor, codes: U8,
+               special: bool) -> None:
+    """Step 4: ``codes[:] = fp8(float32(x) * 2**k)``, one exponent per vector."""
+    if _NATIVE:
+        k8 = k_rows.to(torch.int8).contiguous().numpy().reshape(-1)
+        fp8_kernels.encode_rows(x, k8, base, codes, finite=not special)
+        return
+    y = x * _pow2(k_rows.unsqueeze(-1), x.dtype)   # exact where it matters (module docstring)
     if x.dtype == torch.float32:
         # Round to odd into a bfloat16 pattern: top 16 bits, sticky bit from the low 16.
         bits = y.view(torch.int32)
@@ -419,7 +450,51 @@ def _encode_fp8(x: torch.Tensor, base: int, spec: CodecSpec) -> U8 | None:
         idx = y.view(torch.int16).reshape(-1).numpy().view(np.uint16)
         # mode="clip": indices are < 65536 by type; "raise" would buffer `out`.
         np.take(_encode_lut(x.dtype, base), idx, out=codes, mode="clip")
-    return out
+
+
+class Encoded:
+    """One block's codec output.  ``codec`` and ``nbytes`` are known as soon as
+    :func:`prepare` returns; the payload bytes are produced by :meth:`write_into`, which
+    a writer points straight at its I/O staging memory.  For FP8 without zstd the
+    expensive step (one pass over the block) happens there, so a store can quantise one
+    chunk while the device writes the previous one, with no intermediate copy.
+
+    Holds a reference to the input tensor until then: do not modify it in between.
+    """
+
+    __slots__ = ("codec", "nbytes", "_payload", "_head", "_x", "_k_rows")
+
+    def __init__(self, codec: int, payload: U8 | None = None, *,
+                 fp8: tuple[U8, torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.codec = codec
+        self._payload = payload
+        if fp8 is not None:
+            self._head, self._x, self._k_rows = fp8
+            self.nbytes = self._head.size + self._x.numel()
+        else:
+            assert payload is not None
+            self.nbytes = payload.size
+
+    def write_into(self, dst: U8) -> None:
+        """Write the ``nbytes`` payload bytes into ``dst`` (contiguous uint8, that long)."""
+        if dst.size != self.nbytes or dst.dtype != np.uint8:
+            raise ValueError(f"need a {self.nbytes}-byte uint8 buffer, got {dst.dtype} "
+                             f"{dst.shape}")
+        if self._payload is not None:
+            dst[:] = self._payload
+            return
+        h = self._head.size
+        dst[:h] = self._head
+        special = bool(self._head[1] & _FLAG_SPECIAL)
+        _fp8_codes(self._x, self.codec & _BASE_MASK, self._k_rows, dst[h:], special)
+
+    def payload(self) -> U8:
+        """The payload as an array (for a raw codec a zero-copy view of the input)."""
+        if self._payload is not None:
+            return self._payload
+        out = np.empty(self.nbytes, dtype=np.uint8)
+        self.write_into(out)
+        return out
 
 
 def _encode_planes(raw: U8, itemsize: int) -> U8 | None:
@@ -467,12 +542,11 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return d
 
 
-def encode(t: torch.Tensor, spec: CodecSpec) -> tuple[int, U8]:
-    """Encode one block.  Returns (codec id actually used, payload).
+def prepare(t: torch.Tensor, spec: CodecSpec) -> Encoded:
+    """Choose the codec for one block and do everything but the FP8 pass (see
+    :class:`Encoded`); zstd stages and lossless fallbacks are computed here in full.
 
-    The payload is a flat uint8 numpy array; for codec 0 it is a zero-copy view of
-    ``t``'s bytes (when ``t`` is a contiguous CPU tensor), so write it out before
-    modifying ``t``.  ``t`` may be on any device (it is copied to the host).
+    ``t`` may be on any device (it is copied to the host).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"encode takes a torch.Tensor, got {type(t).__name__}")
@@ -484,22 +558,35 @@ def encode(t: torch.Tensor, spec: CodecSpec) -> tuple[int, U8]:
     if want & _BASE_MASK != CODEC_RAW and t.dtype in _FLOAT_DTYPES and t.dim() >= 1 \
             and t.numel() > 0:
         base = want & _BASE_MASK
-        p = _encode_fp8(t, base, spec)
-        if p is not None:
+        planned = _fp8_head(t, base, spec)
+        if planned is not None:
+            lazy = Encoded(base, fp8=(planned[0], t, planned[1]))
             if not spec.zstd:
-                return base, p
-            (n,) = struct.unpack_from("<I", p.data, 8)
-            head = _HDR.size + n
+                return lazy
+            p = lazy.payload()
+            head = planned[0].size
             frame = _cctx().compress(p[head:].data)
             if head + len(frame) < p.size:
-                return base | ZSTD, np.concatenate([p[:head], np.frombuffer(frame, np.uint8)])
-            return base, p
+                return Encoded(base | ZSTD,
+                               np.concatenate([p[:head], np.frombuffer(frame, np.uint8)]))
+            return Encoded(base, p)
     raw = _as_bytes_u8(t)
     if spec.zstd and raw.size > 0:
-        p = _encode_planes(raw, t.element_size())
-        if p is not None:
-            return CODEC_RAW | ZSTD, p
-    return CODEC_RAW, raw
+        planes = _encode_planes(raw, t.element_size())
+        if planes is not None:
+            return Encoded(CODEC_RAW | ZSTD, planes)
+    return Encoded(CODEC_RAW, raw)
+
+
+def encode(t: torch.Tensor, spec: CodecSpec) -> tuple[int, U8]:
+    """Encode one block.  Returns (codec id actually used, payload).
+
+    The payload is a flat uint8 numpy array; for codec 0 it is a zero-copy view of
+    ``t``'s bytes (when ``t`` is a contiguous CPU tensor), so write it out before
+    modifying ``t``.  ``t`` may be on any device (it is copied to the host).
+    """
+    e = prepare(t, spec)
+    return e.codec, e.payload()
 
 
 # --------------------------------------------------------------------------- decode
@@ -659,9 +746,13 @@ def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
         k_parts.append(k_all[pos:pos + cnt].view(g).expand(part))
         pos += cnt
     k_rows = k_parts[0] if kv == _NO_AXIS else torch.cat(k_parts, dim=kv)
-    k_rows = k_rows.unsqueeze(-1)
 
     ret, work = _prepare_out(out, dtype, shape)
+    if _NATIVE:
+        k8 = k_rows.to(torch.int8).contiguous().numpy().reshape(-1)
+        fp8_kernels.decode_rows(np.ascontiguousarray(codes_np), k8, base, work,
+                                finite=not flags & _FLAG_SPECIAL)
+        return _finish(ret, work)
     codes = _u8_tensor(codes_np).view(shape)
     # FP8 code -> float16 bits holding value * 2**-off (module docstring, "decode").
     bits = codes.view(torch.int8).to(torch.int16)
@@ -677,6 +768,7 @@ def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
     smax = 15 if sdtype == torch.float16 else 127
     smin = -24 if sdtype == torch.float16 else -126   # float16 subnormals convert exactly
     kmin, kmax = (int(k_rows.min()), int(k_rows.max()))
+    k_rows = k_rows.unsqueeze(-1)
     if fmt.off - kmin <= smax and fmt.off - kmax >= smin:
         torch.mul(v16, _pow2(fmt.off - k_rows, sdtype), out=work)
     else:
@@ -687,7 +779,11 @@ def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
         mask = (flat_codes & fmt.special) == fmt.special
         if bool(mask.any()):
             vals = _decode_values(base)[flat_codes[mask].to(torch.int64)]
-            work.view(-1)[mask] = vals.to(dtype)
+            flat = work.view(-1)
+            flat[mask] = vals.to(dtype)
+            # NaN codes decode to the canonical quiet NaN (bits fixed, see docstring).
+            nan = mask & ((flat_codes & 0x7F) > fmt.nan_min)
+            flat.view(_INT_VIEW[dtype])[nan] = _CANONICAL_NAN[dtype]
     return _finish(ret, work)
 
 

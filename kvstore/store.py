@@ -147,7 +147,7 @@ class _Item:
     """One block of a put in flight."""
 
     __slots__ = ("key", "parent", "data", "dtype", "shape", "slot_len", "extent", "offset",
-                 "crc", "seq", "codec", "raw_len")
+                 "crc", "seq", "codec", "raw_len", "payload_len", "encoded")
 
     def __init__(self, key: bytes, parent: bytes | None, data: torch.Tensor, dtype: int,
                  shape: tuple[int, ...]) -> None:
@@ -155,14 +155,17 @@ class _Item:
         self.slot_len = round_up(SLOT_HEADER_BYTES + data.numel())
         self.extent = self.offset = self.crc = self.seq = 0
         self.codec, self.raw_len = CODEC_RAW, data.numel()
+        self.payload_len = self.raw_len
+        self.encoded: codecs.Encoded | None = None
 
     def encode(self, spec: CodecSpec) -> None:
-        """Replace the raw bytes by the codec's payload (the codec may fall back to raw)."""
+        """Choose the codec (it may fall back to raw) and size the slot; the payload
+        bytes themselves are produced when the slot is staged (``_stage``)."""
         value = self.data.view(CODE_DTYPES[self.dtype]).reshape(self.shape)
-        self.codec, payload = codecs.encode(value, spec)
-        if self.codec != CODEC_RAW:
-            self.data = torch.from_numpy(payload)
-            self.slot_len = round_up(SLOT_HEADER_BYTES + self.data.numel())
+        encoded = codecs.prepare(value, spec)
+        if encoded.codec != CODEC_RAW:
+            self.encoded, self.codec, self.payload_len = encoded, encoded.codec, encoded.nbytes
+            self.slot_len = round_up(SLOT_HEADER_BYTES + self.payload_len)
 
 
 class _Lock:
@@ -546,7 +549,7 @@ class Store:
             for item in items:
                 self._inflight.pop(item.key).set()
             self._notify_space()  # its blocks are evictable now
-        written = sum(item.data.numel() for item in items)
+        written = sum(item.payload_len for item in items)
         self._counters["put_blocks"] += len(items)
         self._counters["put_bytes"] += sum(item.raw_len for item in items)
         self._counters["put_payload_bytes"] += written
@@ -565,7 +568,7 @@ class Store:
             now = time.time_ns() // 1000
             entries = [(item.key, IndexEntry(
                 extent=item.extent, offset=item.offset, slot_len=item.slot_len,
-                payload_len=item.data.numel(), raw_len=item.raw_len, codec=item.codec,
+                payload_len=item.payload_len, raw_len=item.raw_len, codec=item.codec,
                 dtype=item.dtype, payload_crc=item.crc, seq=item.seq, last_use=now,
                 parent=item.parent)) for item in items]
             seq = self._seq
@@ -851,15 +854,22 @@ class Store:
 
 
 def _stage(run: ArenaRun, item: _Item) -> None:
-    """Copy one block into its arena run and write its header; CRC over the staged bytes,
-    so a caller changing the tensor meanwhile cannot make header and payload disagree.
+    """Copy (or encode) one block into its arena run and write its header; CRC over the
+    staged bytes, so a caller changing the tensor meanwhile cannot make header and
+    payload disagree.
 
     Copies go through NumPy (one memcpy on this thread) rather than torch, whose
-    intra-op thread pool adds millisecond wake-up stalls to small copies.
+    intra-op thread pool adds millisecond wake-up stalls to small copies.  Encoded
+    blocks are quantised straight into the arena: no intermediate payload buffer, and
+    this runs per chunk, overlapped with the device writing the previous chunk.
     """
-    n = item.data.numel()
+    n = item.payload_len
     body = run.array[SLOT_HEADER_BYTES:]
-    body[:n] = item.data.numpy()
+    if item.encoded is not None:
+        item.encoded.write_into(body[:n])
+        item.encoded = None            # drop the reference to the caller's tensor
+    else:
+        body[:n] = item.data.numpy()
     body[n:] = 0
     item.crc = crc32c(run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n])
     header = SlotHeader(key=item.key, parent=item.parent, codec=item.codec, dtype=item.dtype,
