@@ -28,7 +28,7 @@ import torch
 import zstandard
 
 from kvstore import codecs
-from kvstore.codecs import CODEC_RAW, FP8_E4M3, FP8_E5M2, ZSTD, CodecSpec
+from kvstore.codecs import FP8_E4M3, FP8_E5M2, ZSTD, CodecSpec
 from kvstore.cuda._lib import Library, runtime
 from kvstore.errors import CorruptionError
 
