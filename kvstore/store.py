@@ -906,6 +906,13 @@ def _verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
     if out is not None and out.is_contiguous() and out.device.type == "cpu":
         out.reshape(-1).view(torch.uint8).numpy()[:] = src
         return out
+    if out is not None and out.is_contiguous() and out.device.type == "cuda":
+        # Straight from the arena run (a DMA when kvstore.cuda pinned the arena), no host
+        # copy; the run is released after this returns, so wait for the copy first.
+        out.reshape(-1).view(torch.uint8).copy_(
+            run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n], non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+        return out
     result = torch.empty(header.shape, dtype=dtype)
     result.reshape(-1).view(torch.uint8).numpy()[:] = src
     if out is not None:
