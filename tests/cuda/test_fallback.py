@@ -24,7 +24,10 @@ from kvstore import codecs
 from kvstore.codecs import CodecSpec, KVLayout
 from kvstore.cuda import _lib, fp8, paged
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv"
+# ../shared/data next to the checkout (the project's layout), or shared/data inside it
+DATA = next((d for d in (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv",
+                         Path(__file__).resolve().parents[2] / "shared" / "data" / "kv")
+             if d.is_dir()), Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv")
 
 # (name, layout, per-layer shape builder (num_blocks) -> shape)
 LAYOUTS: list[tuple[str, paged.Layout, Callable[[int], tuple[int, ...]]]] = [

@@ -31,7 +31,10 @@ from tests.conformance import SMALL_EXTENT
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason=f"no CUDA: {cuda.reason()}")
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT.parent / "shared" / "data" / "kv"
+# ../shared/data next to the checkout (the project's layout), or shared/data inside it
+DATA = next((d for d in (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv",
+                         Path(__file__).resolve().parents[2] / "shared" / "data" / "kv")
+             if d.is_dir()), Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv")
 TORCH_CUDA = torch.cuda.is_available()
 
 
