@@ -64,14 +64,15 @@ async def write(path: Path, n: int, block: int) -> None:
 async def arena_to_gpu(store: kvstore.Store, keys: list[bytes], dev: DeviceBuffer,
                        stream: Stream, block: int) -> float:
     entries = store.index.get_entries(keys)
-    chunk = max(1, (store.arena.size // 2) // entries[0].slot_len)  # type: ignore[union-attr]
+    assert all(e is not None for e in entries)
+    chunk = max(1, (store.arena.size // 2) // (block + SLOT_HEADER_BYTES))
     t0 = time.perf_counter()
     for c in range(0, len(keys), chunk):
         batch = entries[c:c + chunk]
-        runs = [await store.arena.acquire(e.slot_len) for e in batch]  # type: ignore[union-attr]
+        runs = [await store.arena.acquire(e.slot_len) for e in batch if e is not None]
         try:
-            res = await store.engine.read([IoOp(store._fds[e.extent], e.offset, r)  # type: ignore[union-attr]
-                                           for e, r in zip(batch, runs)])
+            res = await store.engine.read([IoOp(store._fds[e.extent], e.offset, r)
+                                           for e, r in zip(batch, runs) if e is not None])
             for i, (e, r, n) in enumerate(zip(batch, runs, res)):
                 assert n == r.length and e is not None
                 payload = r.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + e.payload_len]
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     st = cuda.stats()
     lines = [
         "# NVMe -> GPU transfer (benchmarks/cuda_transfer.py)", "",
-        f"Device: {st['device_name']}; {res['blocks']} blocks of {res['block_bytes'] >> 20} MiB, "
+        f"Device: {st['device_name']}; {res['blocks']} blocks of {args.block_mib} MiB, "
         f"median of {res['reps']}; engine {res['engine']} (O_DIRECT {res['o_direct']}); "
         f"{res['cuda']}; baseline = {res['baseline_kind']}.", "",
         "| path | GB/s |", "|---|---|",

@@ -23,7 +23,7 @@ import kvstore
 from kvstore import codecs, cuda
 from kvstore.codecs import CodecSpec, KVLayout
 from kvstore.cuda import fp8, paged
-from kvstore.cuda._lib import runtime
+from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.device import DeviceBuffer, Stream, copy_async
 from kvstore.cuda.pinned import pool
 from kvstore.format import SLOT_HEADER_BYTES
@@ -38,7 +38,7 @@ DATA = next((d for d in (Path(__file__).resolve().parents[2].parent / "shared" /
 TORCH_CUDA = torch.cuda.is_available()
 
 
-def _lib():  # type: ignore[no-untyped-def]
+def _lib() -> Library:
     lib = runtime().lib
     assert lib is not None
     return lib
@@ -184,7 +184,7 @@ def test_gather_kernel_matches_torch(layout: paged.Layout, shape: tuple[int, ...
     want = paged.gather_reference(layers, ids, layout)
     bufs = [_to_device(t) for t in layers]
     try:
-        ptrs = [b.ptr + t.storage_offset() * t.element_size() for b, t in zip(bufs, layers)]
+        ptrs = [b.ptr + int(t.storage_offset()) * t.element_size() for b, t in zip(bufs, layers)]
         outer, ostride, bstride, inner = paged._geometry(layers[0], axis)
         with Stream() as s, DeviceBuffer(want.numel() * want.element_size()) as st:
             paged.gather_ptrs(_lib(), ptrs, outer, ostride, bstride, inner, ids, st.ptr, s.handle)
