@@ -339,3 +339,22 @@ async def test_open_close_cycles_release_every_registration(tmp_path: Path) -> N
     after = mapped()
     assert pool().regions == 0 and pool().registered_bytes == 0
     assert after[0] - before[0] < 10 and after[1] - before[1] < (32 << 20), (before, after)
+
+
+def test_pinned_pool_is_bounded() -> None:
+    from kvstore.cuda.pinned import PinnedPool
+    from kvstore.io.arena import Arena
+
+    arena = Arena(1 << 20)
+    small = PinnedPool(limit_bytes=arena.size - 4096)
+    try:
+        with pytest.raises(cuda.CudaError, match="pinned-memory limit"):
+            small.register(arena.address, arena.size, "test arena")
+        assert small.regions == 0
+        ok = PinnedPool(limit_bytes=arena.size)
+        ok.register(arena.address, arena.size, "test arena")
+        assert ok.registered_bytes == arena.size
+        ok.unregister(arena.address)
+        assert ok.registered_bytes == 0 and ok.regions == 0
+    finally:
+        arena.close()
