@@ -36,6 +36,7 @@ from anyio.abc import TaskGroup
 
 from kvstore import codecs
 from kvstore.codecs import CODEC_RAW, CodecSpec
+from kvstore.cuda.pinned import pin_arena
 from kvstore.errors import (
     BlockTooLargeError,
     CapacityError,
@@ -129,6 +130,7 @@ class StoreStats:
     evicted_bytes: int = 0
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
+    cuda: str = ""  # GPU path of the staging arena (kvstore.cuda.pinned.ArenaPin)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -195,7 +197,7 @@ class Store:
     def __init__(self, path: str, *, namespace: Namespace | None, allow_new_namespace: bool,
                  engine: str | IOEngine, sync: bool, extent_bytes: int, staging_bytes: int,
                  queue_depth: int, index_map_bytes: int, create: bool,
-                 capacity_bytes: int | None = None) -> None:
+                 capacity_bytes: int | None = None, pin_staging: bool | None = None) -> None:
         self.path = os.path.abspath(path)
         if create:
             os.makedirs(self.path, exist_ok=True)
@@ -205,6 +207,7 @@ class Store:
         self.codec: CodecSpec | None = None  # the store's default codec; set by open()
         self.durable = sync
         self._capacity_option = capacity_bytes
+        self._pin_staging = pin_staging
         self._lock = _Lock(self.path)
         self._closed = False
         self._cleanups: list[Any] = [self._lock.release]
@@ -268,6 +271,9 @@ class Store:
         self.epochs = ReadEpochs(self.space)
         self.arena = Arena(staging_bytes)
         self._cleanups.append(self.arena.close)
+        # Pinned for DMA; unregistered by the cleanup below, which runs before the unmap.
+        self._cuda = pin_arena(self.arena, self._pin_staging)
+        self._cleanups.append(self._cuda.close)
         # Transfers are submitted in chunks of a few MiB so that staging (copy + CRC) of
         # the next chunk overlaps the device writing the previous one.
         self._chunk_bytes = max(min(self.arena.size // 4, 8 << 20), PAGE)
@@ -849,7 +855,7 @@ class Store:
             dedup_ratio=offered / self._counters["put_bytes"] if self._counters["put_bytes"] else 1.0,
             compression_ratio=(self._counters["put_bytes"] / self._counters["put_payload_bytes"]
                                if self._counters["put_payload_bytes"] else 1.0),
-            commits=self.writer.commits,
+            commits=self.writer.commits, cuda=self._cuda.status,
             namespaces=list(self.index.namespaces().values()), **self._counters)
 
 
@@ -910,6 +916,13 @@ def _verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
     if out is not None and out.is_contiguous() and out.device.type == "cpu":
         out.reshape(-1).view(torch.uint8).numpy()[:] = src
         return out
+    if out is not None and out.is_contiguous() and out.device.type == "cuda":
+        # Straight from the arena run (a DMA when kvstore.cuda pinned the arena), no host
+        # copy; the run is released after this returns, so wait for the copy first.
+        out.reshape(-1).view(torch.uint8).copy_(
+            run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n], non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+        return out
     result = torch.empty(header.shape, dtype=dtype)
     result.reshape(-1).view(torch.uint8).numpy()[:] = src
     if out is not None:
@@ -933,6 +946,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     create: bool = True,
     capacity_bytes: int | None = None,
     codec: CodecSpec | None = None,
+    pin_staging: bool | None = None,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
@@ -957,12 +971,16 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
                    concurrent puts: least-recently-used blocks without stored children and
                    not pinned are evicted first (durably, like deletes), so chains never get
                    holes; default: what the store holds plus 90% of the free disk space.
+    ``pin_staging`` register the staging arena as CUDA pinned memory (kvstore.cuda), so
+                   gets land where the GPU can DMA them: None (default) when CUDA is
+                   usable, True requires it (CudaError if not), False never.  Unregistered
+                   at close.  ``stats().cuda`` says what happened.
     """
     store = await anyio.to_thread.run_sync(lambda: Store(
         os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
         engine=engine, sync=sync, extent_bytes=extent_bytes, staging_bytes=staging_bytes,
         queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create,
-        capacity_bytes=capacity_bytes))
+        capacity_bytes=capacity_bytes, pin_staging=pin_staging))
     store.codec = codec
     try:
         async with anyio.create_task_group() as tg:

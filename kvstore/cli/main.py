@@ -17,6 +17,9 @@ Commands:
     verified.  Prints throughput and a summary table.
 ``bench [ARGS...]``
     Run ``benchmarks/throughput.py`` from a source checkout (ratios against fio).
+``cuda build [--out PATH] [--archs 80;90]`` / ``cuda status [--json]``
+    Compile the CUDA library with nvcc (see :mod:`kvstore.cuda.build`); say whether the
+    GPU path is used and why (:func:`kvstore.cuda.stats`).
 
 Exit codes: 0 success, 1 the command found a problem, 2 it could not run.
 """
@@ -100,6 +103,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return int(throughput.main(args.rest))
 
 
+def _cmd_cuda(args: argparse.Namespace) -> int:
+    if args.action == "build":
+        from pathlib import Path
+
+        from kvstore.cuda.build import BuildError, build
+
+        archs = tuple(a for a in args.archs.replace(",", ";").split(";") if a) if args.archs \
+            else None
+        try:
+            res = build(Path(args.out) if args.out else None, archs)
+        except BuildError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"built {res.path} for sm_{', sm_'.join(res.archs)} (+ PTX) in {res.seconds:.1f} s")
+        print("kvstore finds it there; elsewhere set KVSTORE_CUDA_LIB to its path")
+        return 0
+    from kvstore import cuda
+
+    info = cuda.stats()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"{info['path']}: {info['reason']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="throughput benchmark against fio (source checkout)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=_cmd_bench)
+    p = sub.add_parser("cuda", help="build the CUDA library / show whether it is used")
+    p.add_argument("action", choices=["build", "status"])
+    p.add_argument("--out", help="where to write libkvcuda.so (default: see kvstore.cuda.build)")
+    p.add_argument("--archs", help="compute capabilities, e.g. '80;89;90'")
+    p.add_argument("--json", action="store_true", help="machine-readable status")
+    p.set_defaults(fn=_cmd_cuda)
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args))

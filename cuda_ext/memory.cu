@@ -1,0 +1,131 @@
+// Library entry points, device queries, pinned registration, copies and completion.
+//
+// The CUDA runtime is linked statically (nvcc -cudart static): the .so needs only the
+// driver (libcuda.so.1) at run time, which the runtime loads on first use.  Without a
+// driver or a device, the first call returns cudaErrorInsufficientDriver /
+// cudaErrorNoDevice instead of failing to load, so Python can say why CUDA is off.
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvcuda.h"
+
+extern "C" int kvc_abi_version(void) { return KVC_ABI_VERSION; }
+
+extern "C" const char *kvc_error_string(int code) {
+  switch (code) {
+    case 0: return "no error";
+    case KVC_E_ARG: return "invalid argument (kvcuda)";
+    case KVC_E_ALIGN: return "misaligned pointer or size (kvcuda)";
+    default: break;
+  }
+  if (code < 0) return "unknown kvcuda error";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+extern "C" const char *kvc_build_info(void) {
+  static char info[128];
+  if (!info[0])
+    snprintf(info, sizeof info, "kvcuda abi %d, CUDA runtime %d.%d (static)", KVC_ABI_VERSION,
+             CUDART_VERSION / 1000, (CUDART_VERSION % 1000) / 10);
+  return info;
+}
+
+extern "C" int kvc_runtime_version(int *version) {
+  return static_cast<int>(cudaRuntimeGetVersion(version));
+}
+
+extern "C" int kvc_driver_version(int *version) {
+  // 0 when no driver is installed (that is not an error for this call).
+  return static_cast<int>(cudaDriverGetVersion(version));
+}
+
+extern "C" int kvc_device_count(int *count) {
+  *count = 0;
+  return static_cast<int>(cudaGetDeviceCount(count));
+}
+
+extern "C" int kvc_set_device(int device) { return static_cast<int>(cudaSetDevice(device)); }
+
+extern "C" int kvc_get_device(int *device) { return static_cast<int>(cudaGetDevice(device)); }
+
+extern "C" int kvc_device_name(int device, char *buf, int buflen) {
+  if (buflen < 1) return KVC_E_ARG;
+  cudaDeviceProp prop;
+  cudaError_t err = cudaGetDeviceProperties(&prop, device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  snprintf(buf, static_cast<size_t>(buflen), "%s (sm_%d%d)", prop.name, prop.major, prop.minor);
+  return 0;
+}
+
+// ---------------------------------------------------------------------------- memory
+
+extern "C" int kvc_host_register(void *ptr, int64_t nbytes) {
+  if (ptr == nullptr || nbytes <= 0) return KVC_E_ARG;
+  // Portable: usable from every device/context; Mapped: kernels can also read it in place.
+  return static_cast<int>(cudaHostRegister(ptr, static_cast<size_t>(nbytes),
+                                           cudaHostRegisterPortable | cudaHostRegisterMapped));
+}
+
+extern "C" int kvc_host_unregister(void *ptr) {
+  return static_cast<int>(cudaHostUnregister(ptr));
+}
+
+extern "C" int kvc_malloc(void **ptr, int64_t nbytes) {
+  *ptr = nullptr;
+  if (nbytes <= 0) return KVC_E_ARG;
+  return static_cast<int>(cudaMalloc(ptr, static_cast<size_t>(nbytes)));
+}
+
+extern "C" int kvc_free(void *ptr) { return static_cast<int>(cudaFree(ptr)); }
+
+extern "C" int kvc_memset_async(void *ptr, int value, int64_t nbytes, uintptr_t stream) {
+  if (nbytes < 0) return KVC_E_ARG;
+  return static_cast<int>(cudaMemsetAsync(ptr, value, static_cast<size_t>(nbytes),
+                                          reinterpret_cast<cudaStream_t>(stream)));
+}
+
+extern "C" int kvc_memcpy_async(void *dst, const void *src, int64_t nbytes, uintptr_t stream) {
+  if (nbytes < 0) return KVC_E_ARG;
+  if (nbytes == 0) return 0;
+  return static_cast<int>(cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes),
+                                          cudaMemcpyDefault,
+                                          reinterpret_cast<cudaStream_t>(stream)));
+}
+
+// ---------------------------------------------------------------------------- streams
+
+extern "C" int kvc_stream_create(uintptr_t *stream) {
+  cudaStream_t s = nullptr;
+  // Non-blocking: does not serialise with the legacy default stream other code uses.
+  cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  *stream = reinterpret_cast<uintptr_t>(s);
+  return static_cast<int>(err);
+}
+
+extern "C" int kvc_stream_destroy(uintptr_t stream) {
+  return static_cast<int>(cudaStreamDestroy(reinterpret_cast<cudaStream_t>(stream)));
+}
+
+extern "C" int kvc_stream_synchronize(uintptr_t stream) {
+  return static_cast<int>(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)));
+}
+
+// Runs on a CUDA runtime thread once the stream reaches it.  It may not call CUDA; a
+// write(2) to an eventfd is all it does, and the event loop waits on that fd.
+static void CUDART_CB notify_eventfd(void *arg) {
+  const int fd = static_cast<int>(reinterpret_cast<intptr_t>(arg));
+  const uint64_t one = 1;
+  // An eventfd write of 8 bytes cannot be short; EAGAIN only at a counter near 2**64.
+  ssize_t n = write(fd, &one, sizeof one);
+  (void)n;
+}
+
+extern "C" int kvc_notify_eventfd(uintptr_t stream, int fd) {
+  if (fd < 0) return KVC_E_ARG;
+  return static_cast<int>(cudaLaunchHostFunc(reinterpret_cast<cudaStream_t>(stream),
+                                             notify_eventfd,
+                                             reinterpret_cast<void *>(static_cast<intptr_t>(fd))));
+}

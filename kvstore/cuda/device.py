@@ -1,0 +1,143 @@
+"""Device memory, streams, async copies, and completion the event loop can await.
+
+Completion without blocking the loop: :func:`wait_stream` enqueues a host function on
+the stream (``cudaLaunchHostFunc``) that writes to an eventfd once everything queued
+before it has finished, and awaits ``anyio.wait_readable`` on that fd -- the same way
+:mod:`kvstore.io.uring` waits for io_uring completions.  No thread blocks in
+``cudaStreamSynchronize`` and nothing polls.  A cancelled waiter still waits (shielded)
+for the callback before the fd is closed, because the callback writes to the fd number
+whenever the GPU gets there and that number could otherwise belong to another file by
+then; GPU work cannot be cancelled anyway, so this only delays a cancellation by the
+time the queued work needs.
+
+These classes take raw device pointers and need no torch: the GPU checks use them
+where torch has no CUDA build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from types import TracebackType
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from kvstore.cuda._lib import CudaError, Library, runtime
+
+__all__ = ["DeviceBuffer", "Stream", "copy_async", "require_lib", "wait_stream"]
+
+
+def require_lib() -> Library:
+    """The library with a usable device, or :class:`CudaError` saying why not."""
+    rt = runtime()
+    if not rt.usable or rt.lib is None:
+        raise CudaError("CUDA", -1, rt.reason)
+    return rt.lib
+
+
+class Stream:
+    """A CUDA stream owned by kvstore (non-blocking w.r.t. the legacy default stream).
+    ``handle`` is the cudaStream_t as an int, what every kernel entry point takes."""
+
+    def __init__(self, lib: Library | None = None) -> None:
+        self.lib = lib or require_lib()
+        h = ctypes.c_uint64(0)
+        self.lib.call("kvc_stream_create", ctypes.byref(h))
+        self.handle = int(h.value)
+
+    def synchronize(self) -> None:
+        """Block this thread until the stream is idle (tests and tools, not the loop)."""
+        self.lib.call("kvc_stream_synchronize", self.handle)
+
+    async def wait(self) -> None:
+        await wait_stream(self.handle, self.lib)
+
+    def close(self) -> None:
+        if self.handle:
+            h, self.handle = self.handle, 0
+            self.lib.call("kvc_stream_destroy", h)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+async def wait_stream(stream: int, lib: Library | None = None) -> None:
+    """Return once all work queued on ``stream`` so far has finished, without blocking
+    the event loop (see the module docstring)."""
+    lib = lib or require_lib()
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    try:
+        lib.call("kvc_notify_eventfd", stream, efd)
+    except BaseException:
+        os.close(efd)
+        raise
+    try:
+        try:
+            await anyio.wait_readable(efd)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await anyio.wait_readable(efd)
+            raise
+        os.eventfd_read(efd)
+    finally:
+        os.close(efd)
+
+
+class DeviceBuffer:
+    """``nbytes`` of device memory from ``cudaMalloc``; freed by ``close`` (or ``with``)."""
+
+    def __init__(self, nbytes: int, lib: Library | None = None) -> None:
+        if nbytes < 1:
+            raise ValueError(f"a device buffer needs at least 1 byte, got {nbytes}")
+        self.lib = lib or require_lib()
+        p = ctypes.c_void_p(0)
+        self.lib.call("kvc_malloc", ctypes.byref(p), nbytes)
+        self.ptr = int(p.value or 0)
+        self.nbytes = nbytes
+
+    def upload(self, host: npt.NDArray[np.generic], stream: int = 0, offset: int = 0) -> None:
+        """Synchronous copy of a contiguous host array into the buffer at ``offset``."""
+        a = np.ascontiguousarray(host)
+        if offset + a.nbytes > self.nbytes:
+            raise ValueError(f"{a.nbytes} bytes at offset {offset} do not fit {self.nbytes}")
+        self.lib.call("kvc_memcpy_async", self.ptr + offset, a.ctypes.data, a.nbytes, stream)
+        self.lib.call("kvc_stream_synchronize", stream)
+
+    def download(self, host: npt.NDArray[np.generic], stream: int = 0, offset: int = 0) -> None:
+        """Synchronous copy from the buffer at ``offset`` into contiguous ``host``."""
+        if not host.flags.c_contiguous or not host.flags.writeable:
+            raise ValueError("download needs a writable C-contiguous array")
+        if offset + host.nbytes > self.nbytes:
+            raise ValueError(f"{host.nbytes} bytes at offset {offset} exceed {self.nbytes}")
+        self.lib.call("kvc_memcpy_async", host.ctypes.data, self.ptr + offset, host.nbytes,
+                      stream)
+        self.lib.call("kvc_stream_synchronize", stream)
+
+    def close(self) -> None:
+        if self.ptr:
+            p, self.ptr = self.ptr, 0
+            self.lib.call("kvc_free", p)
+
+    def __enter__(self) -> DeviceBuffer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+async def copy_async(dst: int, src: int, nbytes: int, stream: int,
+                     lib: Library | None = None) -> None:
+    """Copy ``nbytes`` between any two addresses the device can reach (device memory,
+    pinned/registered host memory; the direction follows from the pointers) on
+    ``stream`` and await its completion without blocking the loop.  H2D/D2H from pinned
+    memory is a DMA that overlaps other work; from pageable memory CUDA stages it."""
+    lib = lib or require_lib()
+    lib.call("kvc_memcpy_async", dst, src, nbytes, stream)
+    await wait_stream(stream, lib)

@@ -1,0 +1,324 @@
+"""FP8 encode/decode on the GPU, producing exactly :func:`kvstore.codecs.encode`'s payloads.
+
+The payload format and the quantisation algorithm are kvstore/codecs.py's (its module
+docstring); this module maps them onto the kernels in ``cuda_ext/fp8.cu``:
+
+* the scale groups of a block become one int32 per *row* (a vector along the last axis):
+  ``row_group[r]`` = index of row r's scale in the payload's scale array (K part's
+  groups in C order, then V part's) -- :func:`scale_groups`;
+* the kernels compute per-group finite amax, the exponents ``k`` and the codes; the
+  header is packed here;
+* the zstd stage (ids 0x11/0x12) runs on the CPU afterwards, as in the codec.
+
+Three paths give the same bytes: the kernels (a CUDA tensor or a device pointer and a
+usable device), their CPU twin ``*_host`` (the kernels' element code compiled for the
+host: testable without a GPU, needs only the built library), and the codec itself
+(the fallback when CUDA is unavailable).  ``encode``/``decode`` pick the fastest one
+available.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import zstandard
+
+from kvstore import codecs
+from kvstore.codecs import FP8_E4M3, FP8_E5M2, ZSTD, CodecSpec
+from kvstore.cuda._lib import Library, runtime
+from kvstore.errors import CorruptionError
+
+__all__ = ["ScaleGroups", "decode", "decode_device", "decode_host", "encode",
+           "encode_device", "encode_host", "scale_groups"]
+
+U8 = npt.NDArray[np.uint8]
+_HDR = struct.Struct("<BBBBBBBxI")  # codecs.py "FP8 payload" table
+_NO_AXIS = 0xFF
+_GRANS = ("token_head", "head", "token", "tensor")
+_DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_K_RANGE = {0: (-15, 15), 1: (-126, 126), 2: (-126, 126)}
+
+
+class ScaleGroups:
+    """Scale groups of one block shape + spec: ``row_group`` (int32 per row), ``n``
+    groups, and the header's (gran_k, gran_v, kv_axis, token_axis, head_axis)."""
+
+    def __init__(self, row_group: npt.NDArray[np.int32], n: int,
+                 fields: tuple[int, int, int, int, int], rows: int, head_dim: int) -> None:
+        self.row_group, self.n, self.fields = row_group, n, fields
+        self.rows, self.head_dim = rows, head_dim
+
+
+def _axes(layout: codecs.KVLayout | None, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    if layout is None:
+        return _NO_AXIS, _NO_AXIS, _NO_AXIS
+    nd = len(shape)
+    out = []
+    for name, ax in (("kv_axis", layout.kv_axis), ("token_axis", layout.token_axis),
+                     ("head_axis", layout.head_axis)):
+        if ax is None and name == "kv_axis":
+            out.append(_NO_AXIS)
+            continue
+        if not isinstance(ax, int) or not -nd <= ax < nd or ax % nd == nd - 1:
+            raise ValueError(f"layout {name}={ax!r} does not fit shape {shape} (the last "
+                             "axis is head_dim)")
+        out.append(ax % nd)
+    used = [a for a in out if a != _NO_AXIS]
+    if len(set(used)) != len(used):
+        raise ValueError(f"layout axes must be distinct, got {layout}")
+    if out[0] != _NO_AXIS and shape[out[0]] != 2:
+        raise ValueError(f"the kv axis must have size 2 (K, V), shape is {shape}")
+    return out[0], out[1], out[2]
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: int,
+            head: int) -> ScaleGroups:
+    rows_shape = shape[:-1]
+    nd = len(rows_shape)
+
+    def reduced(gran: int) -> tuple[int, ...]:  # codec: dims that share one scale
+        if gran == 3:
+            return tuple(d for d in range(nd) if d != kv)
+        if gran == 1 and tok != _NO_AXIS:
+            return (tok,)
+        if gran == 2 and head != _NO_AXIS:
+            return (head,)
+        return ()
+
+    if kv == _NO_AXIS:
+        parts = [(gk, rows_shape)]
+    else:
+        part = rows_shape[:kv] + (1,) + rows_shape[kv + 1:]
+        parts = [(gk, part), (gv, part)]
+    pieces = []
+    base = 0
+    for gran, part in parts:
+        dims = reduced(gran)
+        g = tuple(1 if d in dims else n for d, n in enumerate(part))
+        count = int(np.prod(g, dtype=np.int64))
+        ids = (np.arange(count, dtype=np.int32) + base).reshape(g)
+        pieces.append(np.broadcast_to(ids, part))
+        base += count
+    full = pieces[0] if kv == _NO_AXIS else np.concatenate(pieces, axis=kv)
+    row_group = np.ascontiguousarray(full, dtype=np.int32).reshape(-1)
+    rows = int(row_group.size)
+    return ScaleGroups(row_group, base, (gk, gv, kv, tok, head), rows, shape[-1])
+
+
+def scale_groups(shape: tuple[int, ...], spec: CodecSpec) -> ScaleGroups:
+    """Row -> scale-group map of a block (the codec's "granularity" rules)."""
+    shape = tuple(int(d) for d in shape)
+    kv, tok, head = _axes(spec.layout, shape)
+    gk, gv = _GRANS.index(spec.k_granularity), _GRANS.index(spec.v_granularity)
+    if kv == _NO_AXIS:
+        gv = gk
+    return _groups(shape, gk, gv, kv, tok, head)
+
+
+def _fp8_applies(dtype: torch.dtype, shape: tuple[int, ...], spec: CodecSpec) -> bool:
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return spec.fp8 is not None and dtype in _DTYPE_CODE and len(shape) >= 1 and numel > 0
+
+
+def _base(spec: CodecSpec) -> int:
+    return FP8_E4M3 if spec.fp8 == "e4m3" else FP8_E5M2
+
+
+def _assemble(base: int, spec: CodecSpec, sg: ScaleGroups, status: int,
+              scales: npt.NDArray[np.int8], codes: U8) -> tuple[int, U8]:
+    """Header + scales + codes, then the optional zstd stage, as codecs.encode does."""
+    head = _HDR.size + sg.n
+    out = np.empty(head + codes.size, dtype=np.uint8)
+    gk, gv, kv, tok, head_ax = sg.fields
+    _HDR.pack_into(out.data, 0, 1, status & 1, gk, gv, kv, tok, head_ax, sg.n)
+    out[_HDR.size:head] = scales.view(np.uint8)
+    out[head:] = codes
+    if not spec.zstd:
+        return base, out
+    frame = zstandard.ZstdCompressor(level=codecs.ZSTD_LEVEL).compress(out[head:].data)
+    if head + len(frame) < out.size:
+        return base | ZSTD, np.concatenate([out[:head], np.frombuffer(frame, np.uint8)])
+    return base, out
+
+
+# ------------------------------------------------------------------------ encode
+
+
+def encode_host(t: torch.Tensor, spec: CodecSpec, lib: Library | None = None) -> tuple[int, U8]:
+    """The kernels' CPU twin (needs the built library, not a device)."""
+    lib = lib or runtime().lib
+    if lib is None:
+        raise RuntimeError(runtime().reason)
+    x = t.detach().cpu().contiguous()
+    shape = tuple(x.shape)
+    if not _fp8_applies(x.dtype, shape, spec):
+        return codecs.encode(x, spec)
+    sg = scale_groups(shape, spec)
+    scratch = np.empty(sg.n + 1, dtype=np.uint32)
+    scales = np.empty(sg.n, dtype=np.int8)
+    codes = np.empty(x.numel(), dtype=np.uint8)
+    base = _base(spec)
+    lib.call("kvc_fp8_encode_host", x.data_ptr(), _DTYPE_CODE[x.dtype], sg.rows, sg.head_dim,
+             sg.row_group.ctypes.data, sg.n, base, scratch.ctypes.data, scales.ctypes.data,
+             codes.ctypes.data)
+    if scratch[sg.n] & 2:
+        return codecs.encode(x, spec)  # the codec stores this block losslessly
+    return _assemble(base, spec, sg, int(scratch[sg.n]), scales, codes)
+
+
+def encode_device(ptr: int, dtype: torch.dtype, shape: tuple[int, ...], spec: CodecSpec,
+                  stream: int = 0) -> tuple[int, U8]:
+    """Encode a C-contiguous block at device address ``ptr`` on ``stream`` (returns when
+    done).  Uses the library's own allocations: no torch CUDA needed."""
+    from kvstore.cuda.device import DeviceBuffer, require_lib
+
+    lib = require_lib()
+    shape = tuple(int(d) for d in shape)
+    if not _fp8_applies(dtype, shape, spec):
+        raise ValueError(f"no FP8 encoding for dtype {dtype}, shape {shape}, spec {spec}")
+    sg = scale_groups(shape, spec)
+    numel = sg.rows * sg.head_dim
+    base = _base(spec)
+    n4 = (sg.n + 1) * 4
+    rg = sg.row_group.nbytes
+    # One allocation: row_group | scratch | scales | codes
+    with DeviceBuffer(rg + n4 + sg.n + numel, lib) as buf:
+        buf.upload(sg.row_group, stream)
+        p_scratch, p_scales = buf.ptr + rg, buf.ptr + rg + n4
+        p_codes = p_scales + sg.n
+        lib.call("kvc_fp8_encode", ptr, _DTYPE_CODE[dtype], sg.rows, sg.head_dim, buf.ptr,
+                 sg.n, base, p_scratch, p_scales, p_codes, stream)
+        host = np.empty(n4 + sg.n + numel, dtype=np.uint8)
+        buf.download(host, stream, offset=rg)
+    status = int(host[sg.n * 4:n4].view(np.uint32)[0])
+    if status & 2:
+        raw = np.empty(numel * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8)
+        lib.call("kvc_memcpy_async", raw.ctypes.data, ptr, raw.nbytes, stream)
+        lib.call("kvc_stream_synchronize", stream)
+        t = torch.from_numpy(raw).view(dtype).reshape(shape)
+        return codecs.encode(t, spec)  # stored losslessly, as the codec does
+    return _assemble(base, spec, sg, status, host[n4:n4 + sg.n].view(np.int8), host[n4 + sg.n:])
+
+
+def encode(t: torch.Tensor, spec: CodecSpec) -> tuple[int, U8]:
+    """Same result as :func:`kvstore.codecs.encode`; a CUDA tensor is quantised on its
+    device (current torch stream) when the library is usable, else the codec runs."""
+    if t.device.type == "cuda" and runtime().usable and \
+            _fp8_applies(t.dtype, tuple(t.shape), spec):
+        x = t.detach().contiguous()
+        stream = int(torch.cuda.current_stream(x.device).cuda_stream)
+        return encode_device(x.data_ptr(), x.dtype, tuple(x.shape), spec, stream)
+    return codecs.encode(t, spec)
+
+
+# ------------------------------------------------------------------------ decode
+
+
+def _parse(codec: int, payload: codecs.Payload, dtype: torch.dtype,
+           shape: tuple[int, ...]) -> tuple[ScaleGroups, npt.NDArray[np.int8], U8]:
+    """Header checks of codecs._decode_fp8 (same CorruptionError cases), for the kernels."""
+    data = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8) \
+        if not isinstance(payload, np.ndarray) else payload.reshape(-1).view(np.uint8)
+    if data.size < _HDR.size:
+        raise CorruptionError(f"fp8 payload truncated: {data.size} bytes")
+    version, flags, gk, gv, kv, tok, head, n = _HDR.unpack_from(data.data, 0)
+    if version != 1 or flags & ~1 or gk > 3 or gv > 3:
+        raise CorruptionError("bad fp8 payload header")
+    layout = None
+    if tok != _NO_AXIS or head != _NO_AXIS:
+        layout = codecs.KVLayout(None if kv == _NO_AXIS else kv, tok, head)
+    elif kv != _NO_AXIS:
+        raise CorruptionError("fp8 payload has a kv axis but no token/head axes")
+    try:
+        spec = CodecSpec(fp8="e4m3", layout=layout, k_granularity=_GRANS[gk],
+                         v_granularity=_GRANS[gv])
+        sg = scale_groups(shape, spec)
+    except ValueError as e:
+        raise CorruptionError(f"fp8 payload layout does not fit shape {shape}: {e}") from None
+    if sg.fields != (gk, gv, kv, tok, head) or n != sg.n or data.size < _HDR.size + n:
+        raise CorruptionError(f"fp8 payload has {n} scales, the shape needs {sg.n}")
+    scales = data[_HDR.size:_HDR.size + n].view(np.int8)
+    lo, hi = _K_RANGE[_DTYPE_CODE[dtype]]
+    if n and (int(scales.min()) < lo or int(scales.max()) > hi):
+        raise CorruptionError(f"fp8 scale exponent out of range [{lo}, {hi}]")
+    rest = data[_HDR.size + n:]
+    numel = sg.rows * sg.head_dim
+    if codec & ZSTD:
+        try:
+            if zstandard.frame_content_size(rest.data) != numel:
+                raise CorruptionError("zstd frame size does not match the block")
+            codes = np.frombuffer(zstandard.ZstdDecompressor().decompress(rest.data), np.uint8)
+        except zstandard.ZstdError as e:
+            raise CorruptionError(f"zstd frame does not decode: {e}") from None
+        if codes.size != numel:
+            raise CorruptionError("zstd frame size does not match the block")
+    elif rest.size != numel:
+        raise CorruptionError(f"fp8 payload has {rest.size} code bytes, the block needs {numel}")
+    else:
+        codes = rest
+    return sg, scales, codes
+
+
+def _is_fp8(codec: int, dtype: torch.dtype) -> bool:
+    return codec & 0x0F in (FP8_E4M3, FP8_E5M2) and dtype in _DTYPE_CODE
+
+
+def decode_host(codec: int, payload: codecs.Payload, dtype: torch.dtype,
+                shape: tuple[int, ...], lib: Library | None = None) -> torch.Tensor:
+    """The decode kernel's CPU twin (needs the built library, not a device)."""
+    lib = lib or runtime().lib
+    if lib is None:
+        raise RuntimeError(runtime().reason)
+    shape = tuple(int(d) for d in shape)
+    if not _is_fp8(codec, dtype):
+        return codecs.decode(codec, payload, dtype, shape)
+    sg, scales, codes = _parse(codec, payload, dtype, shape)
+    codes = np.ascontiguousarray(codes)
+    scales = np.ascontiguousarray(scales)
+    out = torch.empty(shape, dtype=dtype)
+    lib.call("kvc_fp8_decode_host", codes.ctypes.data, scales.ctypes.data,
+             sg.row_group.ctypes.data, sg.rows, sg.head_dim, codec & 0x0F, _DTYPE_CODE[dtype],
+             out.data_ptr())
+    return out
+
+
+def decode_device(codec: int, payload: codecs.Payload, dtype: torch.dtype,
+                  shape: tuple[int, ...], out_ptr: int, stream: int = 0) -> None:
+    """Decode into the C-contiguous device buffer at ``out_ptr`` (returns when done)."""
+    from kvstore.cuda.device import DeviceBuffer, require_lib
+
+    lib = require_lib()
+    shape = tuple(int(d) for d in shape)
+    if not _is_fp8(codec, dtype):
+        raise ValueError(f"decode_device handles FP8 codecs into float dtypes, got "
+                         f"{codec:#x} -> {dtype}")
+    sg, scales, codes = _parse(codec, payload, dtype, shape)
+    rg = sg.row_group.nbytes
+    with DeviceBuffer(rg + sg.n + codes.size, lib) as buf:
+        buf.upload(sg.row_group, stream)
+        if sg.n:
+            buf.upload(np.ascontiguousarray(scales), stream, offset=rg)
+        buf.upload(np.ascontiguousarray(codes), stream, offset=rg + sg.n)
+        lib.call("kvc_fp8_decode", buf.ptr + rg + sg.n, buf.ptr + rg, buf.ptr, sg.rows,
+                 sg.head_dim, codec & 0x0F, _DTYPE_CODE[dtype], out_ptr, stream)
+        lib.call("kvc_stream_synchronize", stream)
+
+
+def decode(codec: int, payload: codecs.Payload, dtype: torch.dtype, shape: tuple[int, ...],
+           device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`kvstore.codecs.decode` onto ``device``: FP8 payloads are dequantised by the
+    kernel straight into a CUDA tensor when the library is usable, else on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and runtime().usable and _is_fp8(codec, dtype):
+        out = torch.empty(tuple(shape), dtype=dtype, device=device)
+        stream = int(torch.cuda.current_stream(device).cuda_stream)
+        decode_device(codec, payload, dtype, tuple(shape), out.data_ptr(), stream)
+        return out
+    return codecs.decode(codec, payload, dtype, tuple(shape)).to(device)
+
+

@@ -1,0 +1,147 @@
+"""Pinned host memory: the staging arena registered with ``cudaHostRegister``.
+
+kvstore never allocates pinned memory of its own: it registers the store's staging
+arena (kvstore/io/arena.py), the same pages io_uring reads into, so a get lands where
+the GPU can DMA it with no extra host copy.  Hygiene, the recurring leak in peers
+(LMCache #1285, #2017: pinned buffers allocated per request, freed late or never):
+
+* bounded: a process-wide :class:`PinnedPool` refuses registrations beyond
+  ``limit_bytes`` (``$KVSTORE_CUDA_PINNED_LIMIT``, default half of physical memory:
+  pinned pages cannot be swapped or reclaimed, so unbounded pinning starves the host);
+* registered once per arena, at open; unregistered at close, *before* the arena is
+  unmapped (cudaHostUnregister of an unmapped range fails and leaves driver state);
+* an ``atexit`` hook unregisters whatever is still registered when the process exits
+  without closing its stores.
+
+``pin_arena(arena, mode)`` is the store's hook: ``mode=None`` pins when CUDA is usable
+and otherwise just records why not; ``True`` requires it (raises :class:`CudaError`);
+``False`` never pins.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from contextlib import suppress
+from dataclasses import dataclass
+
+from kvstore.cuda._lib import CudaError, runtime
+from kvstore.io.arena import Arena
+
+__all__ = ["ArenaPin", "PinnedPool", "pin_arena", "pool"]
+
+
+def _default_limit() -> int:
+    env = os.environ.get("KVSTORE_CUDA_PINNED_LIMIT")
+    if env:
+        return int(env)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+@dataclass(frozen=True)
+class _Region:
+    address: int
+    nbytes: int
+    owner: str
+
+
+class PinnedPool:
+    """Every host range this process registered, with a byte budget."""
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
+        self.limit_bytes = _default_limit() if limit_bytes is None else limit_bytes
+        self._regions: dict[int, _Region] = {}
+        self._lock = threading.Lock()
+        self._atexit = False
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(r.nbytes for r in self._regions.values())
+
+    @property
+    def regions(self) -> int:
+        return len(self._regions)
+
+    def register(self, address: int, nbytes: int, owner: str) -> None:
+        rt = runtime()
+        if not rt.usable or rt.lib is None:
+            raise CudaError("cudaHostRegister", -1, rt.reason)
+        with self._lock:
+            if address in self._regions:
+                raise ValueError(f"{owner}: range at {address:#x} is already registered")
+            if self.registered_bytes + nbytes > self.limit_bytes:
+                raise CudaError("cudaHostRegister", -1,
+                                f"pinning {nbytes} more bytes for {owner} would exceed the "
+                                f"pinned-memory limit of {self.limit_bytes} bytes "
+                                f"({self.registered_bytes} in use); raise "
+                                "KVSTORE_CUDA_PINNED_LIMIT or use a smaller staging_bytes")
+            rt.lib.call("kvc_set_device", rt.device)
+            rt.lib.call("kvc_host_register", address, nbytes)
+            self._regions[address] = _Region(address, nbytes, owner)
+            if not self._atexit:
+                # Registered after CUDA initialised, so it runs before the runtime's own
+                # teardown (atexit is LIFO).
+                atexit.register(self.release_all)
+                self._atexit = True
+
+    def unregister(self, address: int) -> None:
+        with self._lock:
+            region = self._regions.pop(address, None)
+        if region is None:
+            return
+        lib = runtime().lib
+        if lib is not None:
+            lib.call("kvc_host_unregister", address)
+
+    def release_all(self) -> None:
+        for address in list(self._regions):
+            # At exit the driver may already be gone; then nothing is left to leak.
+            with suppress(CudaError):
+                self.unregister(address)
+
+
+_pool: PinnedPool | None = None
+
+
+def pool() -> PinnedPool:
+    global _pool
+    if _pool is None:
+        _pool = PinnedPool()
+    return _pool
+
+
+class ArenaPin:
+    """The outcome of :func:`pin_arena`; ``status`` is what ``Store.stats().cuda`` shows."""
+
+    def __init__(self, arena: Arena, status: str, pinned: bool) -> None:
+        self.arena, self.status, self.pinned = arena, status, pinned
+
+    def close(self) -> None:
+        """Unregister (before the arena is unmapped).  Idempotent."""
+        if self.pinned:
+            self.pinned = False
+            pool().unregister(self.arena.address)
+            self.status = "cuda: arena unpinned (store closed)"
+
+
+def pin_arena(arena: Arena, mode: bool | None) -> ArenaPin:
+    """Register ``arena`` as pinned memory per ``mode`` (module docstring)."""
+    if mode is False:
+        return ArenaPin(arena, "cuda: not used (pin_staging=False)", False)
+    rt = runtime()
+    if not rt.usable:
+        if mode:
+            raise CudaError("pin_staging=True", -1, rt.reason)
+        return ArenaPin(arena, f"cuda: unavailable ({rt.reason})", False)
+    try:
+        pool().register(arena.address, arena.size, f"staging arena at {arena.address:#x}")
+    except CudaError as e:
+        if mode:
+            raise
+        return ArenaPin(arena, f"cuda: arena not pinned ({e})", False)
+    return ArenaPin(arena, f"cuda: pinned arena ({arena.size} bytes) on device {rt.device} "
+                           f"({rt.device_name})", True)
