@@ -272,7 +272,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     check_packages()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach the hub
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's progress bars
     path = gguf_path()
     prefixes = [int(x) for x in args.prefixes.split(",")]
     t_start = time.perf_counter()
