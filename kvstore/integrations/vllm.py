@@ -1,0 +1,681 @@
+"""A vLLM (v1) KV connector that keeps the prefix cache in a kvstore store.
+
+Turn it on with one config entry::
+
+    LLM(model, kv_transfer_config={
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"path": "/nvme/kvstore"},
+    })
+
+Design
+------
+*Keys.*  vLLM already hashes every full block of a request (a chained hash over the
+prefix, covering LoRA, multimodal inputs and cache salt).  The scheduler side sees those
+hashes; it carries ``(block id, block hash)`` pairs to the worker in the step metadata,
+and both sides turn a hash into a store key with :meth:`Namespace.engine_key`.  The
+namespace holds what makes KV of one engine unusable by another: model (and revision),
+KV dtype, block size, the physical layout of the paged KV tensors (shape, stride order,
+platform), the layer names and the tensor-parallel rank.  vLLM's hash algorithm is in
+it too: block hashes are reproducible across processes with the default sha256, so a
+restarted engine finds its blocks again.
+
+*One stored block per vLLM block*, holding that block of every layer
+(``[layers, *block shape]``): a hit means the whole block is there for all layers, and a
+chain is ``parent``-linked in the store, so eviction never leaves holes.
+
+*One store per process.*  A store directory is locked by one ``Store``; the scheduler
+and the worker of a single-process engine (the default: one EngineCore process holding
+the scheduler and a uniproc worker) share one handle, opened by whichever side is built
+first and closed when the last one shuts down (or at exit, after pending saves finish).
+The scheduler asks the store (``match_prefix``, an index lookup, no data read) how many
+blocks after the locally cached ones are stored; it uses the namespace the worker set
+when its KV tensors were registered, so it never guesses the layout.  Engines with more
+than one worker process (tensor/pipeline parallel) are refused at start with a clear
+error: each rank would need its own store and the scheduler could not see them.
+
+*Saves* never wait for the disk: the worker copies the blocks that became full in this
+step out of the paged KV (per layer in ``save_kv_layer``, once the layer's attention ran;
+any layer not seen there in ``wait_for_save``) into a staging tensor it hands to a
+background ``put_many``.  The step waits only for that copy.  The copy frees vLLM to
+reuse the blocks at once, so ``request_finished`` never delays freeing.  Pending saves
+are bounded (``max_pending_save_bytes``); at shutdown and at exit they are finished.
+
+*Loads* are synchronous (``start_load_kv`` reads, verifies and scatters before the
+forward runs), since a stored block holds every layer and must be read whole anyway.
+kvstore answers a block that fails its checksum as a miss (and quarantines it).  The
+worker copies only the verified leading blocks of each request and reports the first
+failed block and everything after it through ``get_block_ids_with_load_errors``; vLLM
+then recomputes from there (this needs ``kv_load_failure_policy="recompute"``, checked
+at start).  So wrong KV never reaches the model; the recomputed blocks are saved again.
+
+Hits are reported with the ``disk`` cache-hit source, so vLLM's
+``prompt_tokens_by_source`` and connector prefix-cache metrics show them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstore.codecs import CodecSpec
+from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace
+from kvstore.store import PutResult, Store
+from kvstore.store import open as open_store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata", "connector_stats"]
+
+logger = logging.getLogger(__name__)
+
+_CODECS = {"raw": None, "zstd": CodecSpec(zstd=True),
+           "fp8_e4m3": CodecSpec(fp8="e4m3"), "fp8_e5m2": CodecSpec(fp8="e5m2"),
+           "fp8_e4m3+zstd": CodecSpec(fp8="e4m3", zstd=True),
+           "fp8_e5m2+zstd": CodecSpec(fp8="e5m2", zstd=True)}
+
+
+# ---------------------------------------------------------------------------- config
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` of the connector; only ``path`` is required.
+
+    ``path``            store directory (created if missing).
+    ``capacity_bytes``  bound on stored bytes; least-recently-used chains' tails are
+                        evicted first (default: the store's, 90% of free disk space).
+    ``codec``           ``"raw"`` (default), ``"zstd"`` (lossless), or the lossy
+                        ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (each optionally ``+zstd``).
+    ``sync``            True (default): a saved block survives power loss once written.
+                        False: it survives a process crash only (no fdatasync).
+    ``extent_bytes``    size of each preallocated extent file (default 1 GiB).
+    ``staging_bytes``   the store's host staging arena (default 256 MiB); bounds the
+                        largest block (all layers of one vLLM block).
+    ``io_engine``       ``"auto"`` (default), ``"io_uring"`` or ``"threads"``.
+    ``max_pending_save_bytes``  saves in flight before a step waits for the oldest
+                        (default 1 GiB of staged KV).
+    """
+
+    path: str
+    capacity_bytes: int | None = None
+    codec: str = "raw"
+    sync: bool = True
+    extent_bytes: int = 1 << 30
+    staging_bytes: int = 256 << 20
+    io_engine: str = "auto"
+    max_pending_save_bytes: int = 1 << 30
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvstore connector: unknown kv_connector_extra_config keys "
+                             f"{unknown}; known keys are {sorted(known)}")
+        if not isinstance(extra.get("path"), (str, os.PathLike)) or not os.fspath(extra["path"]):
+            raise ValueError('kvstore connector: kv_connector_extra_config needs "path", the '
+                             'store directory (e.g. {"path": "/nvme/kvstore"})')
+        extra["path"] = os.fspath(extra["path"])
+        for name in ("capacity_bytes", "extent_bytes", "staging_bytes", "max_pending_save_bytes"):
+            value = extra.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value <= 0):
+                raise ValueError(f"kvstore connector: {name} must be a positive int, "
+                                 f"got {value!r}")
+        if "sync" in extra and not isinstance(extra["sync"], bool):
+            raise ValueError(f"kvstore connector: sync must be true or false, got {extra['sync']!r}")
+        if extra.get("codec", "raw") not in _CODECS:
+            raise ValueError(f"kvstore connector: codec must be one of {sorted(_CODECS)}, "
+                             f"got {extra['codec']!r}")
+        if extra.get("io_engine", "auto") not in ("auto", "io_uring", "threads"):
+            raise ValueError("kvstore connector: io_engine must be 'auto', 'io_uring' or "
+                             f"'threads', got {extra['io_engine']!r}")
+        return cls(**extra)
+
+    def open_options(self) -> dict[str, Any]:
+        return {"capacity_bytes": self.capacity_bytes, "codec": _CODECS[self.codec],
+                "sync": self.sync, "extent_bytes": self.extent_bytes,
+                "staging_bytes": self.staging_bytes, "engine": self.io_engine,
+                "allow_new_namespace": True}
+
+
+# ---------------------------------------------------------------------------- shared store
+
+_COUNTERS = ("lookups", "lookup_hit_blocks", "load_blocks", "loaded_blocks",
+             "load_failed_blocks", "save_blocks", "saved_blocks", "save_dedup_blocks",
+             "save_failed_blocks", "saved_bytes")
+
+
+class _SharedStore:
+    """One open store for every connector of this process using that directory.
+
+    The store runs on an event loop in a portal thread; lookups and loads are blocking
+    calls into it, saves are tasks whose futures are kept until they finish.
+    """
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal()
+        self.portal = self._portal_cm.__enter__()
+        try:
+            self._store_cm = self.portal.wrap_async_context_manager(
+                open_store(config.path, **config.open_options()))
+            self.store: Store = self._store_cm.__enter__()
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+        self.namespace: Namespace | None = None
+        self.users = 0
+        self.closed = False
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Future[PutResult], int]] = []
+        self._pending_bytes = 0
+        self._warned: set[str] = set()
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+
+    def count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                self.counters[name] += n
+
+    def warn_once(self, what: str, message: str, *args: object) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(message, *args)
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.portal.call(self.store.match_prefix, keys)
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.portal.call(self.store.contains_many, keys)
+
+    def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]
+                 ) -> list[torch.Tensor | None]:
+        return self.portal.call(self.store.get_many, keys, out)
+
+    def submit_put(self, keys: list[bytes], values: list[torch.Tensor],
+                   parents: list[bytes | None], nbytes: int) -> None:
+        """Start a put in the background; wait only if too much is already pending."""
+        self._reap(block_until=self.config.max_pending_save_bytes - nbytes)
+
+        async def put() -> PutResult:
+            return await self.store.put_many(keys, values, parents=parents)
+
+        future = self.portal.start_task_soon(put)
+        future.add_done_callback(lambda f: self._done(f, len(keys)))
+        with self._lock:
+            self._pending.append((future, nbytes))
+            self._pending_bytes += nbytes
+
+    def _done(self, future: Future[PutResult], n: int) -> None:
+        if future.cancelled():
+            self.count(save_failed_blocks=n)
+            return
+        error = future.exception()
+        if error is None:
+            result = future.result()
+            self.count(saved_blocks=result.written, save_dedup_blocks=result.deduplicated,
+                       saved_bytes=result.bytes_written)
+        else:
+            # A full or read-only store loses a cache fill, never correctness.
+            self.count(save_failed_blocks=n)
+            self.warn_once(type(error).__name__, "kvstore connector: saving %d blocks "
+                           "failed (%s: %s); later saves may fail the same way",
+                           n, type(error).__name__, error)
+
+    def _reap(self, block_until: int | None = None) -> None:
+        """Drop finished saves; with ``block_until``, wait for the oldest until at most
+        that many bytes are pending (None: wait for all)."""
+        while True:
+            with self._lock:
+                self._pending = [(f, b) for f, b in self._pending if not f.done()]
+                self._pending_bytes = sum(b for _, b in self._pending)
+                if not self._pending or (block_until is not None
+                                         and self._pending_bytes <= max(block_until, 0)):
+                    return
+                oldest = self._pending[0][0]
+            try:
+                oldest.result()
+            except Exception:  # reported by _done
+                pass
+
+    def flush(self) -> None:
+        self._reap(block_until=None)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.flush()
+            self._store_cm.__exit__(None, None, None)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+
+_STORES: dict[str, _SharedStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _acquire(config: ConnectorConfig) -> _SharedStore:
+    key = os.path.realpath(config.path)
+    with _STORES_LOCK:
+        shared = _STORES.get(key)
+        if shared is None:
+            try:
+                shared = _SharedStore(config)
+            except (KVStoreError, OSError, ValueError) as e:
+                raise RuntimeError(
+                    f"kvstore connector: cannot open the store at {config.path!r}: "
+                    f"{type(e).__name__}: {e}. Check kv_connector_extra_config['path'] "
+                    "(a writable directory, not open in another process).") from e
+            _STORES[key] = shared
+        elif shared.config != config:
+            raise ValueError(f"kvstore connector: the store at {config.path!r} is already "
+                             f"open in this process with other options ({shared.config})")
+        shared.users += 1
+        return shared
+
+
+def _release(shared: _SharedStore) -> None:
+    with _STORES_LOCK:
+        shared.users -= 1
+        if shared.users > 0:
+            return
+        for key, value in list(_STORES.items()):
+            if value is shared:
+                del _STORES[key]
+    shared.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Finish pending saves and close the stores when the interpreter exits, in case
+    vLLM did not call ``shutdown()`` (e.g. an ``LLM`` that was never deleted)."""
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+        _STORES.clear()
+    for shared in stores:
+        try:
+            shared.close()
+        except Exception as e:  # exiting anyway; say why the last saves may be missing
+            logger.warning("kvstore connector: closing %s failed: %s", shared.config.path, e)
+
+
+def connector_stats(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Counters of the connector(s) using the store at ``path`` in this process, and the
+    store's own ``stats()``; waits for pending saves first so the numbers are final.
+
+    ``lookup_hit_blocks`` are blocks the scheduler claimed as hits; ``loaded_blocks``
+    the ones actually read, verified and copied into vLLM's KV cache;
+    ``load_failed_blocks`` the ones reported back to vLLM for recomputation.
+    """
+    with _STORES_LOCK:
+        shared = _STORES.get(os.path.realpath(os.fspath(path)))
+    if shared is None:
+        raise KeyError(f"no kvstore connector has the store at {os.fspath(path)!r} open "
+                       "in this process")
+    shared.flush()
+    with shared._lock:
+        counters: dict[str, Any] = dict(shared.counters)
+    counters["namespace"] = None if shared.namespace is None else \
+        shared.namespace.canonical_json()
+    counters["store"] = shared.portal.call(_stats, shared.store)
+    return counters
+
+
+async def _stats(store: Store) -> dict[str, Any]:
+    return store.stats().as_dict()
+
+
+# ---------------------------------------------------------------------------- metadata
+
+@dataclass
+class _Load:
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass
+class _Save:
+    block_id: int
+    hash: bytes
+    parent_hash: bytes | None
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the worker: blocks to load before the forward (per request,
+    in chain order) and blocks that become full in it and are not stored yet."""
+
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    lookup_from: int = 0  # block-aligned local hit passed to the last lookup
+
+
+# ---------------------------------------------------------------------------- connector
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """The connector class vLLM instantiates (once per role)."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self._config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ValueError(
+                "kvstore connector: set kv_transfer_config kv_load_failure_policy="
+                "'recompute'. A block that fails its checksum is answered as a miss; vLLM "
+                "must recompute it rather than fail the request.")
+        parallel = vllm_config.parallel_config
+        if parallel.world_size > 1:
+            raise ValueError(
+                "kvstore connector: one worker per engine only (tensor/pipeline parallel "
+                f"size 1, got world size {parallel.world_size}); a store directory is "
+                "served by one process")
+        self._block_size = vllm_config.cache_config.block_size
+        self._shared = _acquire(self._config)
+        self._released = False
+        # scheduler side
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: list[_Load] = []
+        # worker side
+        self._layers: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._block_axis = 0
+        self._block_shape: tuple[int, ...] = ()
+        self._dtype = torch.float32
+        self._staging: torch.Tensor | None = None
+        self._staged_layers: set[int] = set()
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _keys(self, hashes: Sequence[bytes]) -> list[bytes] | None:
+        ns = self._shared.namespace
+        return None if ns is None else ns.engine_keys(hashes)
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        """The request's full-block hashes, or none if they are not per vLLM block
+        (a hybrid model hashing at a finer granularity)."""
+        hashes = list(request.block_hashes)
+        if len(hashes) > request.num_tokens // self._block_size:
+            self._shared.warn_once("granularity", "kvstore connector: block hashes are "
+                                   "finer than blocks (hybrid model?); connector disabled")
+            return []
+        return [bytes(h) for h in hashes]
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        state = self._requests.setdefault(request.request_id, _RequestState(request))
+        state.request, state.lookup_from = request, num_computed_tokens
+        hashes = self._hashes(request)
+        first = num_computed_tokens // self._block_size
+        # At least one prompt token must be computed (it yields the first logits).
+        last = min(len(hashes), (request.num_tokens - 1) // self._block_size)
+        keys = self._keys(hashes[first:last]) if last > first else None
+        if not keys:
+            return 0, False
+        try:
+            hit = self._shared.match_prefix(keys)
+        except KVStoreError as e:
+            self._shared.warn_once("lookup", "kvstore connector: lookup failed: %s", e)
+            return 0, False
+        self._shared.count(lookups=1)
+        return hit * self._block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        state = self._requests.setdefault(request.request_id, _RequestState(request))
+        state.request = request
+        if num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        first = state.lookup_from // self._block_size
+        n = num_external_tokens // self._block_size
+        hashes = self._hashes(request)[first:first + n]
+        self._pending_loads.append(_Load(request.request_id, block_ids[first:first + n], hashes))
+        self._shared.count(lookup_hit_blocks=n)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan_saves(state, new.num_computed_tokens, scheduled[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan_saves(state, cached.num_computed_tokens[i], scheduled[req_id], meta)
+        self._drop_stored(meta)
+        return meta
+
+    def _plan_saves(self, state: _RequestState, computed: int, scheduled: int,
+                    meta: KVStoreConnectorMetadata) -> None:
+        """Blocks that become full in this step (their hash is known once all their
+        tokens are; speculative tokens have none yet, so they are never saved)."""
+        hashes = self._hashes(state.request)
+        end = min((computed + scheduled) // self._block_size, len(hashes), len(state.block_ids))
+        for idx in range(computed // self._block_size, end):
+            meta.saves.append(_Save(state.block_ids[idx], hashes[idx],
+                                    hashes[idx - 1] if idx else None))
+
+    def _drop_stored(self, meta: KVStoreConnectorMetadata) -> None:
+        """Skip blocks the store already has (or that two requests fill in one step):
+        copying them out of the KV cache would be wasted."""
+        seen: set[bytes] = set()
+        unique = [s for s in meta.saves if not (s.hash in seen or seen.add(s.hash))]
+        keys = self._keys([s.hash for s in unique])
+        if not keys:
+            meta.saves = []
+            return
+        try:
+            present = self._shared.contains_many(keys)
+        except KVStoreError:
+            present = [False] * len(keys)
+        meta.saves = [s for s, p in zip(unique, present) if not p]
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copied their blocks out during the steps: nothing holds them now.
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not kv_caches:
+            raise ValueError("kvstore connector: the engine registered no KV cache tensors")
+        num_blocks = self._kv_cache_config.num_blocks
+        names = list(kv_caches)
+        first = kv_caches[names[0]]
+        axes = [i for i, s in enumerate(first.shape) if s == num_blocks]
+        if len(axes) != 1:
+            raise ValueError(f"kvstore connector: cannot tell the block axis of KV cache "
+                             f"shape {tuple(first.shape)} ({num_blocks} blocks)")
+        axis = axes[0]
+        for name in names:
+            t = kv_caches[name]
+            if t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
+                raise ValueError(f"kvstore connector: layer {name} has KV cache shape "
+                                 f"{tuple(t.shape)} {t.dtype}, unlike {names[0]}; "
+                                 "models with mixed layer shapes are not supported")
+        self._layers = dict(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self._block_axis = axis
+        self._block_shape = tuple(s for i, s in enumerate(first.shape) if i != axis)
+        self._dtype = first.dtype
+        self._shared.namespace = self._namespace(first, axis, names)
+
+    def _namespace(self, t: torch.Tensor, axis: int, names: list[str]) -> Namespace:
+        from vllm.platforms import current_platform
+
+        dims = ["B" if i == axis else str(s) for i, s in enumerate(t.shape)]
+        order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+        layout = (f"vllm-v1;{current_platform.device_type};shape={'x'.join(dims)};"
+                  f"order={','.join(map(str, order))}")
+        model = self._vllm_config.model_config
+        cache = self._vllm_config.cache_config
+        parallel = self._vllm_config.parallel_config
+        return Namespace(
+            model=str(model.model), dtype=str(t.dtype).removeprefix("torch."),
+            block_size=self._block_size, layout=layout, tp_rank=parallel.rank,
+            tp_size=parallel.world_size,
+            extra=(("revision", str(model.revision)), ("layers", ",".join(names)),
+                   ("vllm_hash", str(cache.prefix_caching_hash_algo))))
+
+    def _block_index(self, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=device)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        loads = [load for load in meta.loads if load.block_ids]
+        keys = self._keys([h for load in loads for h in load.hashes])
+        if not loads:
+            return
+        n = sum(len(load.block_ids) for load in loads)
+        self._shared.count(load_blocks=n)
+        if keys is None:  # no KV registered: nothing can be loaded
+            self._fail([bid for load in loads for bid in load.block_ids])
+            return
+        buf = torch.empty((n, len(self._layers), *self._block_shape), dtype=self._dtype)
+        try:
+            got = self._shared.get_many(keys, list(buf.unbind(0)))
+        except KVStoreError as e:
+            self._shared.warn_once("load", "kvstore connector: load failed: %s", e)
+            got = [None] * n
+        rows: list[int] = []
+        dest: list[int] = []
+        pos = 0
+        for load in loads:
+            ok = next((i for i, g in enumerate(got[pos:pos + len(load.block_ids)]) if g is None),
+                      len(load.block_ids))
+            # Only a verified prefix is usable: vLLM recomputes from the first failure.
+            rows.extend(range(pos, pos + ok))
+            dest.extend(load.block_ids[:ok])
+            self._fail(load.block_ids[ok:])
+            pos += len(load.block_ids)
+        if rows:
+            self._scatter(buf[torch.tensor(rows, dtype=torch.long)], dest)
+        self._shared.count(loaded_blocks=len(rows))
+
+    def _fail(self, block_ids: Sequence[int]) -> None:
+        self._load_errors.update(block_ids)
+        self._shared.count(load_failed_blocks=len(block_ids))
+
+    def _scatter(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
+        axis = self._block_axis
+        for li, layer in enumerate(self._layers.values()):
+            index = self._block_index(block_ids, layer.device)
+            layer.index_copy_(axis, index, blocks[:, li].to(layer.device).movedim(0, axis))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # start_load_kv finished every layer: a stored block holds all of them.
+        return
+
+    def _stage(self, meta: KVStoreConnectorMetadata, layer_index: int) -> None:
+        if self._staging is None:
+            self._staging = torch.empty((len(meta.saves), len(self._layers), *self._block_shape),
+                                        dtype=self._dtype)
+            self._staged_layers = set()
+        if layer_index in self._staged_layers:
+            return
+        layer = list(self._layers.values())[layer_index]
+        index = self._block_index([s.block_id for s in meta.saves], layer.device)
+        self._staging[:, layer_index] = layer.index_select(self._block_axis, index) \
+            .movedim(self._block_axis, 0).to("cpu")
+        self._staged_layers.add(layer_index)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        if meta.saves and layer_name in self._layer_index:
+            self._stage(meta, self._layer_index[layer_name])
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        keys = self._keys([s.hash for s in meta.saves])
+        if not meta.saves or not keys:
+            return
+        for li in range(len(self._layers)):
+            self._stage(meta, li)
+        staging, self._staging = self._staging, None
+        assert staging is not None
+        ns = self._shared.namespace
+        assert ns is not None
+        parents = [None if s.parent_hash is None else ns.engine_key(s.parent_hash)
+                   for s in meta.saves]
+        self._shared.count(save_blocks=len(keys))
+        try:
+            self._shared.submit_put(keys, list(staging.unbind(0)), parents,
+                                    staging.numel() * staging.element_size())
+        except KVStoreError as e:
+            self._shared.warn_once("save", "kvstore connector: save failed: %s", e)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ both
+
+    def shutdown(self) -> None:
+        if not self._released:
+            self._released = True
+            _release(self._shared)
