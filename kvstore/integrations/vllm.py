@@ -61,10 +61,10 @@ import atexit
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields
+from contextlib import AbstractContextManager, suppress
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,8 +76,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.codecs import CodecSpec
 from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.keys import Namespace
 from kvstore.store import PutResult, Store
 from kvstore.store import open as open_store
@@ -94,77 +94,6 @@ if TYPE_CHECKING:
 __all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata", "connector_stats"]
 
 logger = logging.getLogger(__name__)
-
-_CODECS = {"raw": None, "zstd": CodecSpec(zstd=True),
-           "fp8_e4m3": CodecSpec(fp8="e4m3"), "fp8_e5m2": CodecSpec(fp8="e5m2"),
-           "fp8_e4m3+zstd": CodecSpec(fp8="e4m3", zstd=True),
-           "fp8_e5m2+zstd": CodecSpec(fp8="e5m2", zstd=True)}
-
-
-# ---------------------------------------------------------------------------- config
-
-@dataclass(frozen=True)
-class ConnectorConfig:
-    """``kv_connector_extra_config`` of the connector; only ``path`` is required.
-
-    ``path``            store directory (created if missing).
-    ``capacity_bytes``  bound on stored bytes; least-recently-used chains' tails are
-                        evicted first (default: the store's, 90% of free disk space).
-    ``codec``           ``"raw"`` (default), ``"zstd"`` (lossless), or the lossy
-                        ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (each optionally ``+zstd``).
-    ``sync``            True (default): a saved block survives power loss once written.
-                        False: it survives a process crash only (no fdatasync).
-    ``extent_bytes``    size of each preallocated extent file (default 1 GiB).
-    ``staging_bytes``   the store's host staging arena (default 256 MiB); bounds the
-                        largest block (all layers of one vLLM block).
-    ``io_engine``       ``"auto"`` (default), ``"io_uring"`` or ``"threads"``.
-    ``max_pending_save_bytes``  saves in flight before a step waits for the oldest
-                        (default 1 GiB of staged KV).
-    """
-
-    path: str
-    capacity_bytes: int | None = None
-    codec: str = "raw"
-    sync: bool = True
-    extent_bytes: int = 1 << 30
-    staging_bytes: int = 256 << 20
-    io_engine: str = "auto"
-    max_pending_save_bytes: int = 1 << 30
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(f"kvstore connector: unknown kv_connector_extra_config keys "
-                             f"{unknown}; known keys are {sorted(known)}")
-        if not isinstance(extra.get("path"), (str, os.PathLike)) or not os.fspath(extra["path"]):
-            raise ValueError('kvstore connector: kv_connector_extra_config needs "path", the '
-                             'store directory (e.g. {"path": "/nvme/kvstore"})')
-        extra["path"] = os.fspath(extra["path"])
-        for name in ("capacity_bytes", "extent_bytes", "staging_bytes", "max_pending_save_bytes"):
-            value = extra.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value <= 0):
-                raise ValueError(f"kvstore connector: {name} must be a positive int, "
-                                 f"got {value!r}")
-        if "sync" in extra and not isinstance(extra["sync"], bool):
-            raise ValueError(f"kvstore connector: sync must be true or false, got {extra['sync']!r}")
-        if extra.get("codec", "raw") not in _CODECS:
-            raise ValueError(f"kvstore connector: codec must be one of {sorted(_CODECS)}, "
-                             f"got {extra['codec']!r}")
-        if extra.get("io_engine", "auto") not in ("auto", "io_uring", "threads"):
-            raise ValueError("kvstore connector: io_engine must be 'auto', 'io_uring' or "
-                             f"'threads', got {extra['io_engine']!r}")
-        return cls(**extra)
-
-    def open_options(self) -> dict[str, Any]:
-        return {"capacity_bytes": self.capacity_bytes, "codec": _CODECS[self.codec],
-                "sync": self.sync, "extent_bytes": self.extent_bytes,
-                "staging_bytes": self.staging_bytes, "engine": self.io_engine,
-                "allow_new_namespace": True}
-
 
 # ---------------------------------------------------------------------------- shared store
 
@@ -261,10 +190,8 @@ class _SharedStore:
                                          and self._pending_bytes <= max(block_until, 0)):
                     return
                 oldest = self._pending[0][0]
-            try:
+            with suppress(Exception):  # a failed save is counted and logged by _done
                 oldest.result()
-            except Exception:  # reported by _done
-                pass
 
     def flush(self) -> None:
         self._reap(block_until=None)
@@ -512,8 +439,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _drop_stored(self, meta: KVStoreConnectorMetadata) -> None:
         """Skip blocks the store already has (or that two requests fill in one step):
         copying them out of the KV cache would be wasted."""
-        seen: set[bytes] = set()
-        unique = [s for s in meta.saves if not (s.hash in seen or seen.add(s.hash))]
+        first: dict[bytes, _Save] = {}
+        for save in meta.saves:
+            first.setdefault(save.hash, save)
+        unique = list(first.values())
         keys = self._keys([s.hash for s in unique])
         if not keys:
             meta.saves = []
@@ -560,7 +489,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         from vllm.platforms import current_platform
 
         dims = ["B" if i == axis else str(s) for i, s in enumerate(t.shape)]
-        order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+        order = sorted(range(t.dim()), key=lambda i: -t.stride()[i])
         layout = (f"vllm-v1;{current_platform.device_type};shape={'x'.join(dims)};"
                   f"order={','.join(map(str, order))}")
         model = self._vllm_config.model_config

@@ -6,9 +6,12 @@ Run with the vLLM venv's python (tests/integrations/test_vllm.py does)::
 
 SPEC: ``{"model": DIR, "prompts": [str, ...], "max_tokens": int, "store": PATH | null,
 "extra": {...}}``.  ``store: null`` runs without the connector (the reference outputs).
-Prompts are served one ``generate`` call each, in order, so a later prompt can reuse the
-blocks an earlier one stored.  RESULT: per prompt the output token ids and vLLM's
-``num_cached_tokens``; vLLM's prompt-token metrics by source; the connector's counters
+Prompts are served one ``generate`` call each, in order, with vLLM's own (device) prefix
+cache reset before each: a later prompt can reuse an earlier one's blocks only through
+kvstore.  RESULT: per prompt the output token ids, vLLM's ``num_cached_tokens`` and the
+store keys of its full blocks (vLLM's block hashes, computed here with vLLM's hash
+function, scoped by the connector's namespace: an independent check of the key
+derivation); vLLM's metrics; the connector's counters
 (``kvstore.integrations.vllm.connector_stats``); or ``error`` if the engine failed to
 start.
 """
@@ -21,6 +24,7 @@ import sys
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+BLOCK_SIZE = 32  # the smallest block vLLM's CPU attention supports
 
 
 def metrics(llm: Any) -> dict[str, Any]:
@@ -34,6 +38,22 @@ def metrics(llm: Any) -> dict[str, Any]:
         name = m.name if source is None else f"{m.name}[{source}]"
         out[name] = out.get(name, 0) + value
     return out
+
+
+def block_keys(token_ids: list[int], block_size: int, namespace_json: str) -> list[str]:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    from kvstore import Namespace
+
+    fn = get_hash_fn_by_name("sha256")
+    parent = None
+    hashes = []
+    for i in range(len(token_ids) // block_size):
+        parent = kv_cache_utils.hash_block_tokens(
+            fn, parent, token_ids[i * block_size:(i + 1) * block_size], None)
+        hashes.append(bytes(parent))
+    return [k.hex() for k in Namespace.from_json(namespace_json).engine_keys(hashes)]
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -52,7 +72,7 @@ def main(spec_path: str, result_path: str) -> None:
         }
     result: dict[str, Any] = {}
     try:
-        llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, block_size=32,
+        llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
                   max_model_len=1024, max_num_seqs=4, seed=0, disable_log_stats=False,
                   enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
                   gpu_memory_utilization=0.3, **kwargs)
@@ -68,8 +88,9 @@ def main(spec_path: str, result_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     outputs = []
     for prompt in spec["prompts"]:
+        assert llm.reset_prefix_cache()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
-        outputs.append({"prompt_tokens": len(out.prompt_token_ids),
+        outputs.append({"prompt_token_ids": list(out.prompt_token_ids),
                         "tokens": list(out.outputs[0].token_ids),
                         "num_cached_tokens": out.num_cached_tokens})
     result["outputs"] = outputs
@@ -77,7 +98,11 @@ def main(spec_path: str, result_path: str) -> None:
     if spec.get("store") is not None:
         from kvstore.integrations.vllm import connector_stats
 
-        result["connector"] = connector_stats(spec["store"])
+        stats = connector_stats(spec["store"])
+        result["connector"] = stats
+        for out in outputs:
+            out["keys"] = block_keys(out["prompt_token_ids"] + out["tokens"], BLOCK_SIZE,
+                                     stats["namespace"])
     with open(result_path, "w") as f:
         json.dump(result, f)
 

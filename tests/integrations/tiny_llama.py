@@ -15,14 +15,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-CORPUS = """
+TEXT = """
 the quick brown fox jumps over the lazy dog . a store keeps blocks of attention keys and
 values on disk so that an engine restart does not throw every computed prefix away .
 you are a helpful assistant . answer the question of the user in one short sentence .
 what is the capital of france ? paris is the capital of france . how many legs has a
 spider ? a spider has eight legs . tell me a story about a cat and a mouse who live in
 an old house by the river , and the winter when the river froze .
-""".split()
+"""
 
 
 def build(out: Path) -> None:
@@ -33,7 +33,7 @@ def build(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(CORPUS)], trainers.WordLevelTrainer(
+    tok.train_from_iterator([" ".join(TEXT.split())], trainers.WordLevelTrainer(
         special_tokens=["<unk>", "<s>", "</s>"]))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>")
