@@ -337,6 +337,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 "kvstore connector: one worker per engine only (tensor/pipeline parallel "
                 f"size 1, got world size {parallel.world_size}); a store directory is "
                 "served by one process")
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError(
+                "kvstore connector: models with several KV cache groups (hybrid "
+                "attention) are not supported; one stored block holds every layer")
         self._block_size = vllm_config.cache_config.block_size
         self._shared = _acquire(self._config)
         self._released = False

@@ -52,10 +52,11 @@ LONG = ("tell me a story about a cat and a mouse who live in an old house by the
         "the winter when the river froze . ") * 6
 PROMPTS = [LONG, SP_A, SP_B]
 
-pytestmark = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(),
-    reason=f"no vLLM venv at {VLLM_PYTHON}: run tests/integrations/install_vllm_env.sh "
-           "or set KVSTORE_VLLM_PYTHON")
+_MISSING = (f"no vLLM venv at {VLLM_PYTHON}: run tests/integrations/install_vllm_env.sh "
+            "or set KVSTORE_VLLM_PYTHON")
+if not VLLM_PYTHON.exists() and os.environ.get("KVSTORE_REQUIRE_VLLM"):
+    raise RuntimeError(f"KVSTORE_REQUIRE_VLLM is set but there is {_MISSING}")
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=_MISSING)
 
 
 def life(tmp: Path, name: str, model: Path, store: Path | None) -> dict[str, Any]:
