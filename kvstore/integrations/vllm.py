@@ -49,7 +49,9 @@ kvstore answers a block that fails its checksum as a miss (and quarantines it). 
 worker copies only the verified leading blocks of each request and reports the first
 failed block and everything after it through ``get_block_ids_with_load_errors``; vLLM
 then recomputes from there (this needs ``kv_load_failure_policy="recompute"``, checked
-at start).  So wrong KV never reaches the model; the recomputed blocks are saved again.
+at start) and discards that step's output.  That step's forward did read the unloaded
+blocks, so nothing it computed is saved; the recompute saves the blocks again.  Wrong
+KV therefore never reaches a served token or the store.
 
 Hits are reported with the ``disk`` cache-hit source, so vLLM's
 ``prompt_tokens_by_source`` and connector prefix-cache metrics show them.
@@ -99,7 +101,7 @@ logger = logging.getLogger(__name__)
 
 _COUNTERS = ("lookups", "lookup_hit_blocks", "load_blocks", "loaded_blocks",
              "load_failed_blocks", "save_blocks", "saved_blocks", "save_dedup_blocks",
-             "save_failed_blocks", "saved_bytes")
+             "save_failed_blocks", "save_dropped_blocks", "saved_bytes")
 
 
 class _SharedStore:
@@ -354,6 +356,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._block_shape: tuple[int, ...] = ()
         self._dtype = torch.float32
         self._staging: torch.Tensor | None = None
+        self._staging_meta: KVStoreConnectorMetadata | None = None
+        self._step_load_failed = False
         self._staged_layers: set[int] = set()
         self._load_errors: set[int] = set()
 
@@ -512,6 +516,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
+        self._step_load_failed = False
         loads = [load for load in meta.loads if load.block_ids]
         keys = self._keys([h for load in loads for h in load.hashes])
         if not loads:
@@ -543,6 +548,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._shared.count(loaded_blocks=len(rows))
 
     def _fail(self, block_ids: Sequence[int]) -> None:
+        if block_ids:
+            self._step_load_failed = True
         self._load_errors.update(block_ids)
         self._shared.count(load_failed_blocks=len(block_ids))
 
@@ -557,9 +564,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         return
 
     def _stage(self, meta: KVStoreConnectorMetadata, layer_index: int) -> None:
-        if self._staging is None:
+        if self._staging is None or self._staging_meta is not meta:
             self._staging = torch.empty((len(meta.saves), len(self._layers), *self._block_shape),
                                         dtype=self._dtype)
+            self._staging_meta = meta
             self._staged_layers = set()
         if layer_index in self._staged_layers:
             return
@@ -573,7 +581,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        if meta.saves and layer_name in self._layer_index:
+        if meta.saves and layer_name in self._layer_index and not self._step_load_failed:
             self._stage(meta, self._layer_index[layer_name])
 
     def wait_for_save(self) -> None:
@@ -583,6 +591,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVStoreConnectorMetadata)
         keys = self._keys([s.hash for s in meta.saves])
         if not meta.saves or not keys:
+            return
+        if self._step_load_failed:
+            # This step's forward read KV that failed to load (vLLM discards its output
+            # and recomputes): blocks computed in it may hold KV derived from garbage.
+            # Dropping them costs a cache fill; the recompute plans them again.
+            self._staging = None
+            self._shared.count(save_dropped_blocks=len(meta.saves))
             return
         for li in range(len(self._layers)):
             self._stage(meta, li)

@@ -9,11 +9,15 @@ sharing one store:
             system-prompt blocks, which ``SP_B`` then loads from kvstore (vLLM's own
             prefix cache is reset before every prompt).
 * ``B``     restart: every full prompt block comes from kvstore.
-* tamper    flip a payload byte of ``LONG``'s second block; delete ``SP_A``'s third.
-* ``C``     restart: the corrupt block fails its checksum, the connector loads only the
-            block before it and reports the rest failed, vLLM recomputes; the deleted
-            block ends ``SP_A``'s hit early.  Outputs still equal the reference.
-* ``D``     restart: the recomputed blocks were saved again: full hits again.
+* tamper    flip a payload byte of ``LONG``'s block 1; delete ``LONG``'s block 4 and
+            ``SP_A``'s block 2.
+* ``C``     restart: ``LONG``'s hit ends before block 4; block 1 fails its checksum, the
+            connector loads only block 0 and reports the rest failed, vLLM recomputes.
+            Block 4 is computed in the step that read the failed blocks: it must not be
+            saved from that step (its KV attended to unloaded blocks), only from the
+            recompute.  ``SP_A``'s hit ends before block 2.  Outputs equal the reference.
+* ``D``     restart: the recomputed blocks were saved again (and right: the outputs
+            still equal the reference): full hits again.
 * ``bad``   a store path that is a regular file: the engine refuses to start, saying so.
 
 Six engine lives of ~30-50 s each on two cores (about 5 minutes in all).  The vLLM venv comes from
@@ -76,11 +80,11 @@ def life(tmp: Path, name: str, model: Path, store: Path | None) -> dict[str, Any
     return result
 
 
-async def _tamper(store_path: Path, corrupt: bytes, delete: bytes) -> None:
+async def _tamper(store_path: Path, corrupt: bytes, delete: list[bytes]) -> None:
     async with kvstore.open(store_path) as store:
         (entry,) = store.index.get_entries([corrupt])
         assert entry is not None, "the block to corrupt is not stored"
-        assert await store.delete(delete)
+        assert await store.delete_many(delete) == len(delete)
     with open(extent_path(str(store_path), entry.extent), "r+b") as f:
         f.seek(entry.offset + SLOT_HEADER_BYTES + 100)
         byte = f.read(1)
@@ -108,7 +112,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     keys = [[bytes.fromhex(k) for k in out["keys"]] for out in lives["B"]["outputs"]]
     lives["keys"] = keys
     lives["present_after_B"] = anyio.run(_present, store, [k for ks in keys for k in ks])
-    anyio.run(_tamper, store, keys[0][1], keys[1][2])
+    anyio.run(_tamper, store, keys[0][1], [keys[0][4], keys[1][2]])
     lives["C"] = life(tmp, "C", model, store)
     lives["D"] = life(tmp, "D", model, store)
     bad = tmp / "not-a-directory"
@@ -182,23 +186,28 @@ def test_restart_serves_prompts_from_kvstore(scenario: dict[str, Any]) -> None:
 def test_corrupt_and_missing_blocks_are_recomputed(scenario: dict[str, Any]) -> None:
     b, c = scenario["B"], scenario["C"]
     assert tokens(c) == tokens(scenario["ref"])
-    long_blocks = prompt_blocks(c["outputs"][0])
+    long, sp_a, sp_b = c["outputs"]
+    assert prompt_blocks(long) == 5
     conn = c["connector"]
-    # LONG's block 1 fails its checksum: only block 0 is loaded, blocks 1..4 are
-    # reported failed and recomputed.  (vLLM's own counters still show LONG's claimed
-    # hit: it records hits when it schedules, before the load; the next life shows it.)
-    assert conn["load_failed_blocks"] == long_blocks - 1
+    # LONG's hit stops before the deleted block 4: vLLM schedules 4 blocks from kvstore.
+    # Block 1 fails its checksum: only block 0 is loaded, blocks 1..3 are reported failed
+    # and recomputed.  (vLLM's counters still include them: it counts hits when it
+    # schedules, before the load; connector_stats counts what was loaded.)
+    assert long["num_cached_tokens"] == 4 * BLOCK
+    assert conn["load_failed_blocks"] == 3
     assert conn["store"]["corrupt_blocks"] == 1 and conn["store"]["quarantined"] == 1
-    # SP_A's block 2 is gone: its hit stops before it (vLLM counts only 2 blocks).
-    assert c["outputs"][1]["num_cached_tokens"] == 2 * BLOCK
+    # SP_A's block 2 is gone: its hit stops before it.
+    assert sp_a["num_cached_tokens"] == 2 * BLOCK
+    assert sp_b["num_cached_tokens"] == prompt_blocks(sp_b) * BLOCK
     external = "vllm:prompt_tokens_by_source[external_kv_transfer]"
-    assert c["metrics"][external] == b["metrics"][external] - BLOCK
-    assert c["outputs"][2]["num_cached_tokens"] == prompt_blocks(c["outputs"][2]) * BLOCK
-    # Fewer blocks were loaded than after a clean restart: LONG lost 4, SP_A 1.
-    assert conn["loaded_blocks"] == b["connector"]["loaded_blocks"] - (long_blocks - 1) - 1
-    # The two lost blocks were computed and saved again; the stored blocks after them
-    # were recomputed too but not copied out again.
-    assert conn["saved_blocks"] == 2
+    assert c["metrics"][external] == b["metrics"][external] - 2 * BLOCK
+    # Fewer blocks were loaded than after a clean restart: LONG 1 instead of 5, SP_A 2
+    # instead of 3.
+    assert conn["loaded_blocks"] == b["connector"]["loaded_blocks"] - 4 - 1
+    # LONG's block 4, computed in the step that read the failed blocks, was dropped
+    # there and saved from the recompute, with block 1; SP_A's block 2 was saved too.
+    assert conn["save_dropped_blocks"] == 1
+    assert conn["saved_blocks"] == 3
 
 
 def test_store_heals_after_recompute(scenario: dict[str, Any]) -> None:
