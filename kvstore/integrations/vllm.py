@@ -63,6 +63,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, suppress
@@ -101,7 +102,9 @@ logger = logging.getLogger(__name__)
 
 _COUNTERS = ("lookups", "lookup_hit_blocks", "load_blocks", "loaded_blocks",
              "load_failed_blocks", "save_blocks", "saved_blocks", "save_dedup_blocks",
-             "save_failed_blocks", "save_dropped_blocks", "saved_bytes")
+             "save_failed_blocks", "save_dropped_blocks", "saved_bytes",
+             # nanoseconds: the forward waiting on save copies / on loads; background puts
+             "save_stall_ns", "load_ns", "save_io_ns")
 
 
 class _SharedStore:
@@ -157,7 +160,11 @@ class _SharedStore:
         self._reap(block_until=self.config.max_pending_save_bytes - nbytes)
 
         async def put() -> PutResult:
-            return await self.store.put_many(keys, values, parents=parents)
+            start = time.perf_counter_ns()
+            try:
+                return await self.store.put_many(keys, values, parents=parents)
+            finally:
+                self.count(save_io_ns=time.perf_counter_ns() - start)
 
         future = self.portal.start_task_soon(put)
         future.add_done_callback(lambda f: self._done(f, len(keys)))
@@ -322,6 +329,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     """The connector class vLLM instantiates (once per role)."""
 
     _cache_hit_source = CacheHitSource.DISK
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to preemption is a later cache miss, so a
+        # preempted request need not be recomputed on its account.
+        return False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -517,6 +530,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         self._step_load_failed = False
+        if meta.loads:
+            start = time.perf_counter_ns()
+            self._load(meta)
+            self._shared.count(load_ns=time.perf_counter_ns() - start)
+
+    def _load(self, meta: KVStoreConnectorMetadata) -> None:
         loads = [load for load in meta.loads if load.block_ids]
         keys = self._keys([h for load in loads for h in load.hashes])
         if not loads:
@@ -582,7 +601,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         if meta.saves and layer_name in self._layer_index and not self._step_load_failed:
+            start = time.perf_counter_ns()
             self._stage(meta, self._layer_index[layer_name])
+            self._shared.count(save_stall_ns=time.perf_counter_ns() - start)
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
@@ -599,6 +620,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._staging = None
             self._shared.count(save_dropped_blocks=len(meta.saves))
             return
+        start = time.perf_counter_ns()
         for li in range(len(self._layers)):
             self._stage(meta, li)
         staging, self._staging = self._staging, None
@@ -613,6 +635,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                                     staging.numel() * staging.element_size())
         except KVStoreError as e:
             self._shared.warn_once("save", "kvstore connector: save failed: %s", e)
+        self._shared.count(save_stall_ns=time.perf_counter_ns() - start)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
