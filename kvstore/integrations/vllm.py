@@ -26,20 +26,22 @@ restarted engine finds its blocks again.
 (``[layers, *block shape]``): a hit means the whole block is there for all layers, and a
 chain is ``parent``-linked in the store, so eviction never leaves holes.
 
-*One store per process.*  A store directory is locked by one ``Store``; the scheduler
-and the worker of a single-process engine (the default: one EngineCore process holding
-the scheduler and a uniproc worker) share one handle, opened by whichever side is built
-first and closed when the last one shuts down (or at exit, after pending saves finish).
-The scheduler asks the store (``match_prefix``, an index lookup, no data read) how many
-blocks after the locally cached ones are stored; it uses the namespace the worker set
-when its KV tensors were registered, so it never guesses the layout.  Engines with more
-than one worker process (tensor/pipeline parallel) are refused at start with a clear
-error: each rank would need its own store and the scheduler could not see them.
+*One store, opened by the worker.*  A store directory is locked by one ``Store``; the
+worker opens it (so a path that cannot be opened stops the engine at start, saying
+why) and sets the namespace when its KV tensors are registered, from their real shape
+and strides.  The scheduler asks how many blocks after its local prefix-cache hit are
+stored (``match_prefix``: an index lookup, no data read) without ever computing a key:
+when the worker is in the same process (vLLM's default for one GPU worker, or
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) it shares the worker's handle; otherwise (the
+multiprocess executor, vLLM's default on CPU) it asks the worker over a local socket
+(:mod:`kvstore.integrations.vllm_lookup`).  Engines with more than one worker
+(tensor/pipeline parallel) are refused at start: each rank would need its own store.
 
-*Saves* never wait for the disk: the worker copies the blocks that became full in this
-step out of the paged KV (per layer in ``save_kv_layer``, once the layer's attention ran;
-any layer not seen there in ``wait_for_save``) into a staging tensor it hands to a
-background ``put_many``.  The step waits only for that copy.  The copy frees vLLM to
+*Saves* never wait for the disk: the scheduler lists the blocks that become full in a
+step; the worker drops those already stored and copies the rest out of the paged KV
+(per layer in ``save_kv_layer``, once the layer's attention ran; any layer not seen
+there in ``wait_for_save``) into a staging tensor it hands to a background
+``put_many``.  The step waits only for that copy.  The copy frees vLLM to
 reuse the blocks at once, so ``request_finished`` never delays freeing.  Pending saves
 are bounded (``max_pending_save_bytes``); at shutdown and at exit they are finished.
 
@@ -81,6 +83,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm_config import ConnectorConfig
+from kvstore.integrations.vllm_lookup import LookupClient, LookupServer, socket_name
 from kvstore.keys import Namespace
 from kvstore.store import PutResult, Store
 from kvstore.store import open as open_store
@@ -131,21 +134,31 @@ class _SharedStore:
         self._lock = threading.Lock()
         self._pending: list[tuple[Future[PutResult], int]] = []
         self._pending_bytes = 0
-        self._warned: set[str] = set()
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.server: LookupServer | None = None
 
     def count(self, **deltas: int) -> None:
         with self._lock:
             for name, n in deltas.items():
                 self.counters[name] += n
 
-    def warn_once(self, what: str, message: str, *args: object) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            logger.warning(message, *args)
+    def match_hashes(self, hashes: list[bytes]) -> int:
+        """How many leading vLLM block hashes name stored blocks (0 before the worker
+        registered its KV tensors: without a namespace there are no keys)."""
+        ns = self.namespace
+        if ns is None or not hashes:
+            return 0
+        return self.portal.call(self.store.match_prefix, ns.engine_keys(hashes))
 
-    def match_prefix(self, keys: Sequence[bytes]) -> int:
-        return self.portal.call(self.store.match_prefix, keys)
+    def serve_lookups(self) -> None:
+        """Answer a scheduler in another process (see :mod:`.vllm_lookup`)."""
+        if self.server is None:
+            try:
+                self.server = LookupServer(socket_name(self.config.path), self.match_hashes)
+            except OSError as e:  # another engine serves this name: it would hold the store
+                _warn_once("serve", "kvstore connector: cannot serve lookups for %s: %s; "
+                           "a scheduler in another process will see no hits",
+                           self.config.path, e)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.portal.call(self.store.contains_many, keys)
@@ -184,7 +197,7 @@ class _SharedStore:
         else:
             # A full or read-only store loses a cache fill, never correctness.
             self.count(save_failed_blocks=n)
-            self.warn_once(type(error).__name__, "kvstore connector: saving %d blocks "
+            _warn_once(type(error).__name__, "kvstore connector: saving %d blocks "
                            "failed (%s: %s); later saves may fail the same way",
                            n, type(error).__name__, error)
 
@@ -209,6 +222,8 @@ class _SharedStore:
         if self.closed:
             return
         self.closed = True
+        if self.server is not None:
+            self.server.close()
         try:
             self.flush()
             self._store_cm.__exit__(None, None, None)
@@ -218,6 +233,26 @@ class _SharedStore:
 
 _STORES: dict[str, _SharedStore] = {}
 _STORES_LOCK = threading.Lock()
+_WARNED: set[str] = set()
+
+
+def _warn_once(what: str, message: str, *args: object) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        logger.warning(message, *args)
+
+
+def _find(config: ConnectorConfig) -> _SharedStore | None:
+    """The store a worker of this process opened at ``config.path``, if any."""
+    with _STORES_LOCK:
+        shared = _STORES.get(os.path.realpath(config.path))
+        if shared is None:
+            return None
+        if shared.config != config:
+            raise ValueError(f"kvstore connector: the store at {config.path!r} is already "
+                             f"open in this process with other options ({shared.config})")
+        shared.users += 1
+        return shared
 
 
 def _acquire(config: ConnectorConfig) -> _SharedStore:
@@ -357,8 +392,25 @@ class KVStoreConnector(KVConnectorBase_V1):
                 "kvstore connector: models with several KV cache groups (hybrid "
                 "attention) are not supported; one stored block holds every layer")
         self._block_size = vllm_config.cache_config.block_size
-        self._shared = _acquire(self._config)
+        self._shared: _SharedStore | None = None
+        self._client: LookupClient | None = None
         self._released = False
+        self._counts = dict.fromkeys(("lookups", "lookup_hit_blocks"), 0)
+        if role == KVConnectorRole.WORKER:
+            self._shared = _acquire(self._config)
+        else:
+            # vLLM builds the worker (which opens the store) before the scheduler: find
+            # it in this process, or ask it over its lookup socket.
+            self._shared = _find(self._config)
+            if self._shared is None:
+                try:
+                    self._client = LookupClient(socket_name(self._config.path))
+                except OSError as e:
+                    raise RuntimeError(
+                        f"kvstore connector: no worker serves the store at "
+                        f"{self._config.path!r}, neither in this process nor over its lookup "
+                        f"socket ({e}); the worker opens the store and must start first"
+                    ) from e
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[_Load] = []
@@ -370,14 +422,29 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._dtype = torch.float32
         self._staging: torch.Tensor | None = None
         self._staging_meta: KVStoreConnectorMetadata | None = None
+        self._saves: list[_Save] = []
         self._step_load_failed = False
         self._staged_layers: set[int] = set()
         self._load_errors: set[int] = set()
 
     # ------------------------------------------------------------------ helpers
 
+    def _count(self, **deltas: int) -> None:
+        """Scheduler-side counters: into the shared store's when it is in this process."""
+        if self._shared is not None:
+            self._store.count(**deltas)
+        else:
+            for name, n in deltas.items():
+                self._counts[name] += n
+
+    @property
+    def _store(self) -> _SharedStore:
+        if self._shared is None:
+            raise RuntimeError("kvstore connector: worker method called on the scheduler side")
+        return self._shared
+
     def _keys(self, hashes: Sequence[bytes]) -> list[bytes] | None:
-        ns = self._shared.namespace
+        ns = self._store.namespace
         return None if ns is None else ns.engine_keys(hashes)
 
     def _hashes(self, request: Request) -> list[bytes]:
@@ -385,8 +452,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         (a hybrid model hashing at a finer granularity)."""
         hashes = list(request.block_hashes)
         if len(hashes) > request.num_tokens // self._block_size:
-            self._shared.warn_once("granularity", "kvstore connector: block hashes are "
-                                   "finer than blocks (hybrid model?); connector disabled")
+            _warn_once("granularity", "kvstore connector: block hashes are finer than "
+                       "blocks (hybrid model?); connector disabled")
             return []
         return [bytes(h) for h in hashes]
 
@@ -400,16 +467,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         first = num_computed_tokens // self._block_size
         # At least one prompt token must be computed (it yields the first logits).
         last = min(len(hashes), (request.num_tokens - 1) // self._block_size)
-        keys = self._keys(hashes[first:last]) if last > first else None
-        if not keys:
+        if last <= first:
             return 0, False
         try:
-            hit = self._shared.match_prefix(keys)
-        except KVStoreError as e:
-            self._shared.warn_once("lookup", "kvstore connector: lookup failed: %s", e)
+            if self._client is not None:
+                hit = self._client.match(hashes[first:last])
+            else:
+                hit = self._store.match_hashes(hashes[first:last])
+        except (KVStoreError, OSError) as e:
+            _warn_once("lookup", "kvstore connector: lookup failed (no hits until it "
+                       "works again): %s", e)
             return 0, False
-        self._shared.count(lookups=1)
-        return hit * self._block_size, False
+        self._count(lookups=1)
+        return min(hit, last - first) * self._block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -422,7 +492,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         n = num_external_tokens // self._block_size
         hashes = self._hashes(request)[first:first + n]
         self._pending_loads.append(_Load(request.request_id, block_ids[first:first + n], hashes))
-        self._shared.count(lookup_hit_blocks=n)
+        self._count(lookup_hit_blocks=n)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self._pending_loads)
@@ -444,7 +514,6 @@ class KVStoreConnector(KVConnectorBase_V1):
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
             self._plan_saves(state, cached.num_computed_tokens[i], scheduled[req_id], meta)
-        self._drop_stored(meta)
         return meta
 
     def _plan_saves(self, state: _RequestState, computed: int, scheduled: int,
@@ -456,23 +525,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         for idx in range(computed // self._block_size, end):
             meta.saves.append(_Save(state.block_ids[idx], hashes[idx],
                                     hashes[idx - 1] if idx else None))
-
-    def _drop_stored(self, meta: KVStoreConnectorMetadata) -> None:
-        """Skip blocks the store already has (or that two requests fill in one step):
-        copying them out of the KV cache would be wasted."""
-        first: dict[bytes, _Save] = {}
-        for save in meta.saves:
-            first.setdefault(save.hash, save)
-        unique = list(first.values())
-        keys = self._keys([s.hash for s in unique])
-        if not keys:
-            meta.saves = []
-            return
-        try:
-            present = self._shared.contains_many(keys)
-        except KVStoreError:
-            present = [False] * len(keys)
-        meta.saves = [s for s, p in zip(unique, present) if not p]
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -504,7 +556,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._block_axis = axis
         self._block_shape = tuple(s for i, s in enumerate(first.shape) if i != axis)
         self._dtype = first.dtype
-        self._shared.namespace = self._namespace(first, axis, names)
+        self._store.namespace = self._namespace(first, axis, names)
+        self._store.serve_lookups()
 
     def _namespace(self, t: torch.Tensor, axis: int, names: list[str]) -> Namespace:
         from vllm.platforms import current_platform
@@ -533,7 +586,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if meta.loads:
             start = time.perf_counter_ns()
             self._load(meta)
-            self._shared.count(load_ns=time.perf_counter_ns() - start)
+            self._store.count(load_ns=time.perf_counter_ns() - start)
 
     def _load(self, meta: KVStoreConnectorMetadata) -> None:
         loads = [load for load in meta.loads if load.block_ids]
@@ -541,15 +594,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not loads:
             return
         n = sum(len(load.block_ids) for load in loads)
-        self._shared.count(load_blocks=n)
+        self._store.count(load_blocks=n)
         if keys is None:  # no KV registered: nothing can be loaded
             self._fail([bid for load in loads for bid in load.block_ids])
             return
         buf = torch.empty((n, len(self._layers), *self._block_shape), dtype=self._dtype)
         try:
-            got = self._shared.get_many(keys, list(buf.unbind(0)))
+            got = self._store.get_many(keys, list(buf.unbind(0)))
         except KVStoreError as e:
-            self._shared.warn_once("load", "kvstore connector: load failed: %s", e)
+            _warn_once("load", "kvstore connector: load failed: %s", e)
             got = [None] * n
         rows: list[int] = []
         dest: list[int] = []
@@ -564,13 +617,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             pos += len(load.block_ids)
         if rows:
             self._scatter(buf[torch.tensor(rows, dtype=torch.long)], dest)
-        self._shared.count(loaded_blocks=len(rows))
+        self._store.count(loaded_blocks=len(rows))
 
     def _fail(self, block_ids: Sequence[int]) -> None:
         if block_ids:
             self._step_load_failed = True
         self._load_errors.update(block_ids)
-        self._shared.count(load_failed_blocks=len(block_ids))
+        self._store.count(load_failed_blocks=len(block_ids))
 
     def _scatter(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
         axis = self._block_axis
@@ -582,16 +635,36 @@ class KVStoreConnector(KVConnectorBase_V1):
         # start_load_kv finished every layer: a stored block holds all of them.
         return
 
+    def _step_saves(self, meta: KVStoreConnectorMetadata) -> list[_Save]:
+        """This step's saves less blocks the store already has (or that two requests
+        fill in one step): copying those out of the KV cache would be wasted."""
+        if self._staging_meta is meta:
+            return self._saves
+        first: dict[bytes, _Save] = {}
+        for save in meta.saves:
+            first.setdefault(save.hash, save)
+        saves = list(first.values())
+        keys = self._keys([s.hash for s in saves])
+        if keys is None:
+            saves = []
+        elif keys:
+            try:
+                present = self._store.contains_many(keys)
+            except KVStoreError:
+                present = [False] * len(keys)
+            saves = [s for s, p in zip(saves, present) if not p]
+        self._staging_meta, self._saves, self._staged_layers = meta, saves, set()
+        self._staging = torch.empty((len(saves), len(self._layers), *self._block_shape),
+                                    dtype=self._dtype) if saves else None
+        return saves
+
     def _stage(self, meta: KVStoreConnectorMetadata, layer_index: int) -> None:
-        if self._staging is None or self._staging_meta is not meta:
-            self._staging = torch.empty((len(meta.saves), len(self._layers), *self._block_shape),
-                                        dtype=self._dtype)
-            self._staging_meta = meta
-            self._staged_layers = set()
-        if layer_index in self._staged_layers:
+        """Copy this step's blocks of one layer out of the paged KV cache."""
+        saves = self._step_saves(meta)
+        if self._staging is None or layer_index in self._staged_layers:
             return
         layer = list(self._layers.values())[layer_index]
-        index = self._block_index([s.block_id for s in meta.saves], layer.device)
+        index = self._block_index([s.block_id for s in saves], layer.device)
         self._staging[:, layer_index] = layer.index_select(self._block_axis, index) \
             .movedim(self._block_axis, 0).to("cpu")
         self._staged_layers.add(layer_index)
@@ -603,39 +676,40 @@ class KVStoreConnector(KVConnectorBase_V1):
         if meta.saves and layer_name in self._layer_index and not self._step_load_failed:
             start = time.perf_counter_ns()
             self._stage(meta, self._layer_index[layer_name])
-            self._shared.count(save_stall_ns=time.perf_counter_ns() - start)
+            self._store.count(save_stall_ns=time.perf_counter_ns() - start)
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        keys = self._keys([s.hash for s in meta.saves])
-        if not meta.saves or not keys:
+        if not meta.saves:
             return
         if self._step_load_failed:
             # This step's forward read KV that failed to load (vLLM discards its output
             # and recomputes): blocks computed in it may hold KV derived from garbage.
             # Dropping them costs a cache fill; the recompute plans them again.
-            self._staging = None
-            self._shared.count(save_dropped_blocks=len(meta.saves))
+            self._store.count(save_dropped_blocks=len(meta.saves))
+            self._staging_meta = self._staging = None
             return
         start = time.perf_counter_ns()
+        saves = self._step_saves(meta)
         for li in range(len(self._layers)):
             self._stage(meta, li)
-        staging, self._staging = self._staging, None
-        assert staging is not None
-        ns = self._shared.namespace
-        assert ns is not None
-        parents = [None if s.parent_hash is None else ns.engine_key(s.parent_hash)
-                   for s in meta.saves]
-        self._shared.count(save_blocks=len(keys))
-        try:
-            self._shared.submit_put(keys, list(staging.unbind(0)), parents,
-                                    staging.numel() * staging.element_size())
-        except KVStoreError as e:
-            self._shared.warn_once("save", "kvstore connector: save failed: %s", e)
-        self._shared.count(save_stall_ns=time.perf_counter_ns() - start)
+        staging = self._staging
+        self._staging_meta = self._staging = None
+        ns = self._store.namespace
+        if staging is not None and ns is not None:
+            keys = ns.engine_keys([s.hash for s in saves])
+            parents = [None if s.parent_hash is None else ns.engine_key(s.parent_hash)
+                       for s in saves]
+            self._store.count(save_blocks=len(keys))
+            try:
+                self._store.submit_put(keys, list(staging.unbind(0)), parents,
+                                       staging.numel() * staging.element_size())
+            except KVStoreError as e:
+                _warn_once("save", "kvstore connector: save failed: %s", e)
+        self._store.count(save_stall_ns=time.perf_counter_ns() - start)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
@@ -647,6 +721,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ both
 
     def shutdown(self) -> None:
-        if not self._released:
-            self._released = True
+        if self._released:
+            return
+        self._released = True
+        if self._client is not None:
+            self._client.close()
+        if self._shared is not None:
             _release(self._shared)

@@ -98,9 +98,12 @@ def main(spec_path: str, result_path: str) -> None:
     if spec.get("store") is not None:
         from kvstore.integrations.vllm import connector_stats
 
-        stats = connector_stats(spec["store"])
+        try:
+            stats = connector_stats(spec["store"])
+        except KeyError:  # VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core is a child
+            stats = None
         result["connector"] = stats
-        for out in outputs:
+        for out in outputs if stats is not None else []:
             out["keys"] = block_keys(out["prompt_token_ids"] + out["tokens"], BLOCK_SIZE,
                                      stats["namespace"])
     with open(result_path, "w") as f:

@@ -18,9 +18,12 @@ sharing one store:
             recompute.  ``SP_A``'s hit ends before block 2.  Outputs equal the reference.
 * ``D``     restart: the recomputed blocks were saved again (and right: the outputs
             still equal the reference): full hits again.
+* ``E``     restart with vLLM's multiprocess engine (its default; on CPU the worker is a
+            process of its own): the scheduler asks the worker over the lookup socket;
+            same hits, same outputs.
 * ``bad``   a store path that is a regular file: the engine refuses to start, saying so.
 
-Six engine lives of ~30-50 s each on two cores (about 5 minutes in all).  The vLLM venv comes from
+Seven engine lives of ~30-50 s each on two cores (about 5-6 minutes in all).  The vLLM venv comes from
 ``tests/integrations/install_vllm_env.sh``; its python is ``$KVSTORE_VLLM_PYTHON``
 (default ``.venv-vllm/bin/python`` in the repository).
 """
@@ -63,14 +66,16 @@ if not VLLM_PYTHON.exists() and os.environ.get("KVSTORE_REQUIRE_VLLM"):
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=_MISSING)
 
 
-def life(tmp: Path, name: str, model: Path, store: Path | None) -> dict[str, Any]:
+def life(tmp: Path, name: str, model: Path, store: Path | None,
+         multiprocessing: bool = False) -> dict[str, Any]:
     """Run one engine life in a new process and return its JSON result."""
     spec = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "store": None if store is None else str(store),
             "extra": {"extent_bytes": SMALL_EXTENT}}
     spec_path, result_path = tmp / f"{name}.spec.json", tmp / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
+               PYTHONPATH=str(REPO))
     proc = subprocess.run([str(VLLM_PYTHON), str(HERE / "engine_life.py"), str(spec_path),
                            str(result_path)], env=env, capture_output=True, text=True,
                           timeout=900)
@@ -115,6 +120,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     anyio.run(_tamper, store, keys[0][1], [keys[0][4], keys[1][2]])
     lives["C"] = life(tmp, "C", model, store)
     lives["D"] = life(tmp, "D", model, store)
+    lives["E"] = life(tmp, "E", model, store, multiprocessing=True)
     bad = tmp / "not-a-directory"
     bad.write_text("a file where the store directory should be")
     lives["bad"] = life(tmp, "bad", model, bad)
@@ -217,6 +223,17 @@ def test_store_heals_after_recompute(scenario: dict[str, Any]) -> None:
         [o["num_cached_tokens"] for o in b["outputs"]]
     assert d["connector"]["loaded_blocks"] == b["connector"]["loaded_blocks"]
     assert d["connector"]["load_failed_blocks"] == 0
+
+
+def test_multiprocess_engine_finds_blocks_through_the_worker(scenario: dict[str, Any]) -> None:
+    b, e = scenario["B"], scenario["E"]
+    assert e["connector"] is None  # the store is open in the worker process, not here
+    assert tokens(e) == tokens(scenario["ref"])
+    assert [o["num_cached_tokens"] for o in e["outputs"]] == \
+        [o["num_cached_tokens"] for o in b["outputs"]]
+    for source in ("vllm:prompt_tokens_by_source[external_kv_transfer]",
+                   "vllm:prompt_tokens_cached_by_source[disk]"):
+        assert e["metrics"][source] == b["metrics"][source] > 0
 
 
 def test_unopenable_store_fails_at_start_with_a_clear_error(scenario: dict[str, Any]) -> None:
