@@ -197,9 +197,9 @@ class _SharedStore:
         else:
             # A full or read-only store loses a cache fill, never correctness.
             self.count(save_failed_blocks=n)
-            _warn_once(type(error).__name__, "kvstore connector: saving %d blocks "
-                           "failed (%s: %s); later saves may fail the same way",
-                           n, type(error).__name__, error)
+            _warn_once(type(error).__name__, "kvstore connector: saving %d blocks failed "
+                       "(%s: %s); later saves may fail the same way",
+                       n, type(error).__name__, error)
 
     def _reap(self, block_until: int | None = None) -> None:
         """Drop finished saves; with ``block_until``, wait for the oldest until at most
