@@ -1,0 +1,85 @@
+"""Options of the vLLM connector (``kv_connector_extra_config``), checked up front.
+
+Kept apart from :mod:`kvstore.integrations.vllm` so that it imports without vLLM (and
+is unit-tested in the main test environment).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvstore.codecs import CodecSpec
+
+__all__ = ["CODECS", "ConnectorConfig"]
+
+CODECS: dict[str, CodecSpec | None] = {
+    "raw": None, "zstd": CodecSpec(zstd=True),
+    "fp8_e4m3": CodecSpec(fp8="e4m3"), "fp8_e5m2": CodecSpec(fp8="e5m2"),
+    "fp8_e4m3+zstd": CodecSpec(fp8="e4m3", zstd=True),
+    "fp8_e5m2+zstd": CodecSpec(fp8="e5m2", zstd=True)}
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` of the connector; only ``path`` is required.
+
+    ``path``            store directory (created if missing).
+    ``capacity_bytes``  bound on stored bytes; least-recently-used chains' tails are
+                        evicted first (default: the store's, 90% of free disk space).
+    ``codec``           ``"raw"`` (default), ``"zstd"`` (lossless), or the lossy
+                        ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (each optionally ``+zstd``).
+    ``sync``            True (default): a saved block survives power loss once written.
+                        False: it survives a process crash only (no fdatasync).
+    ``extent_bytes``    size of each preallocated extent file (default 1 GiB).
+    ``staging_bytes``   the store's host staging arena (default 256 MiB); bounds the
+                        largest block (all layers of one vLLM block).
+    ``io_engine``       ``"auto"`` (default), ``"io_uring"`` or ``"threads"``.
+    ``max_pending_save_bytes``  saves in flight before a step waits for the oldest
+                        (default 1 GiB of staged KV).
+    """
+
+    path: str
+    capacity_bytes: int | None = None
+    codec: str = "raw"
+    sync: bool = True
+    extent_bytes: int = 1 << 30
+    staging_bytes: int = 256 << 20
+    io_engine: str = "auto"
+    max_pending_save_bytes: int = 1 << 30
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kvstore connector: unknown kv_connector_extra_config keys "
+                             f"{unknown}; known keys are {sorted(known)}")
+        if not isinstance(extra.get("path"), (str, os.PathLike)) or not os.fspath(extra["path"]):
+            raise ValueError('kvstore connector: kv_connector_extra_config needs "path", the '
+                             'store directory (e.g. {"path": "/nvme/kvstore"})')
+        extra["path"] = os.fspath(extra["path"])
+        for name in ("capacity_bytes", "extent_bytes", "staging_bytes", "max_pending_save_bytes"):
+            value = extra.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value <= 0):
+                raise ValueError(f"kvstore connector: {name} must be a positive int, "
+                                 f"got {value!r}")
+        if "sync" in extra and not isinstance(extra["sync"], bool):
+            raise ValueError(f"kvstore connector: sync must be true or false, got {extra['sync']!r}")
+        if extra.get("codec", "raw") not in CODECS:
+            raise ValueError(f"kvstore connector: codec must be one of {sorted(CODECS)}, "
+                             f"got {extra['codec']!r}")
+        if extra.get("io_engine", "auto") not in ("auto", "io_uring", "threads"):
+            raise ValueError("kvstore connector: io_engine must be 'auto', 'io_uring' or "
+                             f"'threads', got {extra['io_engine']!r}")
+        return cls(**extra)
+
+    def open_options(self) -> dict[str, Any]:
+        return {"capacity_bytes": self.capacity_bytes, "codec": CODECS[self.codec],
+                "sync": self.sync, "extent_bytes": self.extent_bytes,
+                "staging_bytes": self.staging_bytes, "engine": self.io_engine,
+                "allow_new_namespace": True}

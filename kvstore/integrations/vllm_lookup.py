@@ -1,0 +1,166 @@
+"""Prefix lookups for a vLLM scheduler that runs in another process than its worker.
+
+Before it schedules a request, vLLM's scheduler asks the connector how many of the
+request's blocks are stored.  The store is open in the worker (one process owns a store
+directory).  When scheduler and worker share a process (vLLM's default for a single
+worker on GPU, or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler calls the store
+directly; when they do not (the multiprocess executor, vLLM's default on CPU), the
+worker answers over a Unix socket in Linux's abstract namespace (no file to create or
+clean up; it disappears with the worker), named after the store's real path.
+
+Protocol, little-endian, one request at a time per connection::
+
+    request   u32 n, then n times (u16 length, that many bytes of vLLM block hash)
+    response  u32 how many leading hashes name stored blocks
+
+The worker turns the hashes into keys with its own namespace, so the scheduler never
+needs to know the KV layout.  Only processes of the same user are answered
+(``SO_PEERCRED``).  Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+
+__all__ = ["MAX_HASHES", "LookupClient", "LookupServer", "socket_name"]
+
+MatchFn = Callable[[list[bytes]], int]
+MAX_HASHES = 1 << 20  # a request of more blocks than any context holds is refused
+_U32 = struct.Struct("<I")
+_U16 = struct.Struct("<H")
+
+
+def socket_name(store_path: str | os.PathLike[str]) -> str:
+    """The abstract socket name of the worker serving the store at ``store_path``."""
+    real = os.path.realpath(os.fspath(store_path)).encode()
+    return "\0kvstore-vllm-" + hashlib.blake2b(real, digest_size=12).hexdigest()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None if the peer closed the connection first."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def encode_request(hashes: Sequence[bytes]) -> bytes:
+    if len(hashes) > MAX_HASHES:
+        raise ValueError(f"at most {MAX_HASHES} hashes per lookup, got {len(hashes)}")
+    parts = [_U32.pack(len(hashes))]
+    for h in hashes:
+        if len(h) > 0xFFFF:
+            raise ValueError(f"a block hash of {len(h)} bytes is too long")
+        parts += [_U16.pack(len(h)), bytes(h)]
+    return b"".join(parts)
+
+
+def _read_request(conn: socket.socket) -> list[bytes] | None:
+    head = _recv_exact(conn, _U32.size)
+    if head is None:
+        return None
+    (n,) = _U32.unpack(head)
+    if n > MAX_HASHES:
+        return None
+    hashes: list[bytes] = []
+    for _ in range(n):
+        size = _recv_exact(conn, _U16.size)
+        data = None if size is None else _recv_exact(conn, _U16.unpack(size)[0])
+        if data is None:
+            return None
+        hashes.append(data)
+    return hashes
+
+
+class LookupServer:
+    """Answers lookups with ``match(hashes)`` on a thread per connection."""
+
+    def __init__(self, name: str, match: MatchFn) -> None:
+        self.name = name
+        self._match = match
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(name)
+            self._sock.listen(8)
+        except OSError:
+            self._sock.close()
+            raise
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="kvstore-vllm-lookup",
+                                        daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kvstore-vllm-lookup",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                    struct.calcsize("3i"))
+            _pid, uid, _gid = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                return
+            while True:
+                try:
+                    hashes = _read_request(conn)
+                    if hashes is None:
+                        return
+                    conn.sendall(_U32.pack(self._safe_match(hashes)))
+                except OSError:
+                    return
+
+    def _safe_match(self, hashes: list[bytes]) -> int:
+        if not hashes:
+            return 0
+        try:
+            return self._match(hashes)
+        except Exception:  # a lookup that fails (store closing, I/O) is a miss, never wrong
+            return 0
+
+    def close(self) -> None:
+        self._closed = True
+        # shutdown() wakes the thread blocked in accept(); close() alone may not.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+class LookupClient:
+    """The scheduler's end: ``match(hashes)`` asks the worker; thread-safe."""
+
+    def __init__(self, name: str) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(name)
+        except OSError:
+            self._sock.close()
+            raise
+        self._lock = threading.Lock()
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        request = encode_request(hashes)
+        with self._lock:
+            self._sock.sendall(request)
+            reply = _recv_exact(self._sock, _U32.size)
+        if reply is None:
+            raise ConnectionError("the kvstore worker closed the lookup connection")
+        (hit,) = _U32.unpack(reply)
+        return int(hit)
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,52 @@
+"""The vLLM connector's options (``kv_connector_extra_config``), checked without vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.codecs import CodecSpec
+from kvstore.integrations.vllm_config import CODECS, ConnectorConfig
+
+
+def test_only_path_is_required(tmp_path: Path) -> None:
+    config = ConnectorConfig.from_extra({"path": tmp_path})
+    assert config.path == str(tmp_path)
+    options = config.open_options()
+    assert options["codec"] is None and options["sync"] is True
+    assert options["allow_new_namespace"] is True  # keys are namespaced anyway
+
+
+def test_options_reach_the_store(tmp_path: Path) -> None:
+    config = ConnectorConfig.from_extra({
+        "path": str(tmp_path), "capacity_bytes": 1 << 30, "codec": "fp8_e4m3+zstd",
+        "sync": False, "extent_bytes": 4 << 20, "io_engine": "threads"})
+    options = config.open_options()
+    assert options["codec"] == CodecSpec(fp8="e4m3", zstd=True)
+    assert (options["capacity_bytes"], options["sync"], options["extent_bytes"],
+            options["engine"]) == (1 << 30, False, 4 << 20, "threads")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (None, 'needs "path"'),
+    ({}, 'needs "path"'),
+    ({"path": ""}, 'needs "path"'),
+    ({"path": 3}, 'needs "path"'),
+    ({"path": "/x", "capacity": 10}, "unknown kv_connector_extra_config keys ['capacity']"),
+    ({"path": "/x", "capacity_bytes": 0}, "capacity_bytes must be a positive int"),
+    ({"path": "/x", "extent_bytes": True}, "extent_bytes must be a positive int"),
+    ({"path": "/x", "staging_bytes": "1G"}, "staging_bytes must be a positive int"),
+    ({"path": "/x", "sync": "yes"}, "sync must be true or false"),
+    ({"path": "/x", "codec": "fp8"}, "codec must be one of"),
+    ({"path": "/x", "io_engine": "aio"}, "io_engine must be"),
+])
+def test_bad_options_say_what_is_wrong(extra: dict[str, object] | None, message: str) -> None:
+    with pytest.raises(ValueError, match="kvstore connector: ") as info:
+        ConnectorConfig.from_extra(extra)
+    assert message in str(info.value)
+
+
+def test_every_codec_name_is_a_valid_spec() -> None:
+    assert CODECS["raw"] is None
+    assert all(isinstance(spec, CodecSpec) for name, spec in CODECS.items() if name != "raw")

@@ -1,0 +1,87 @@
+"""The scheduler-to-worker lookup socket of the vLLM connector, against a real store."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvstore
+from kvstore.integrations.vllm_lookup import (
+    MAX_HASHES,
+    LookupClient,
+    LookupServer,
+    encode_request,
+    socket_name,
+)
+
+NS = kvstore.Namespace(model="m", dtype="float32", block_size=16)
+HASHES = [bytes([i]) * 32 for i in range(6)]  # vLLM's sha256 block hashes are 32 bytes
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[LookupServer]:
+    """A server answering from a store holding the first four blocks of HASHES."""
+    with kvstore.open_blocking(tmp_path / "store", namespace=NS, extent_bytes=4 << 20) as store:
+        keys = NS.engine_keys(HASHES[:4])
+        store.put_many(keys, [torch.full((64,), float(i)) for i in range(4)],
+                       parents=kvstore.chain_parents(keys))
+        srv = LookupServer(socket_name(tmp_path / "store"),
+                           lambda hashes: store.match_prefix(NS.engine_keys(hashes)))
+        try:
+            yield srv
+        finally:
+            srv.close()
+
+
+def test_client_gets_the_stored_prefix_length(server: LookupServer) -> None:
+    client = LookupClient(server.name)
+    try:
+        assert client.match(HASHES) == 4
+        assert client.match(HASHES[:2]) == 2
+        assert client.match(HASHES[4:]) == 0
+        assert client.match([]) == 0
+        assert client.match([HASHES[0], HASHES[5], HASHES[1]]) == 1  # a prefix, not a count
+    finally:
+        client.close()
+
+
+def test_socket_name_follows_the_real_path(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "store")
+    assert socket_name(tmp_path / "link") == socket_name(tmp_path / "store")
+    assert socket_name(tmp_path / "store") != socket_name(tmp_path / "other")
+    assert socket_name(tmp_path).startswith("\0")  # abstract: no file to clean up
+
+
+def test_no_server_is_a_connection_error(tmp_path: Path) -> None:
+    with pytest.raises(OSError):
+        LookupClient(socket_name(tmp_path / "nobody-serves-this"))
+
+
+def test_a_second_server_for_the_same_store_is_refused(server: LookupServer) -> None:
+    with pytest.raises(OSError):
+        LookupServer(server.name, lambda hashes: 0)
+
+
+def test_oversized_requests_are_refused_before_sending() -> None:
+    with pytest.raises(ValueError, match="at most"):
+        encode_request([b"x"] * (MAX_HASHES + 1))
+    with pytest.raises(ValueError, match="too long"):
+        encode_request([b"x" * 70000])
+
+
+def test_malformed_request_closes_the_connection(server: LookupServer) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect(server.name)
+        raw.sendall(struct.pack("<I", MAX_HASHES + 1))
+        assert raw.recv(4) == b""  # the server hung up instead of reading on
+    client = LookupClient(server.name)  # and still serves others
+    try:
+        assert client.match(HASHES) == 4
+    finally:
+        client.close()
