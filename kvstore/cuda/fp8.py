@@ -53,42 +53,11 @@ class ScaleGroups:
         self.rows, self.head_dim = rows, head_dim
 
 
-def _axes(layout: codecs.KVLayout | None, shape: tuple[int, ...]) -> tuple[int, int, int]:
-    if layout is None:
-        return _NO_AXIS, _NO_AXIS, _NO_AXIS
-    nd = len(shape)
-    out = []
-    for name, ax in (("kv_axis", layout.kv_axis), ("token_axis", layout.token_axis),
-                     ("head_axis", layout.head_axis)):
-        if ax is None and name == "kv_axis":
-            out.append(_NO_AXIS)
-            continue
-        if not isinstance(ax, int) or not -nd <= ax < nd or ax % nd == nd - 1:
-            raise ValueError(f"layout {name}={ax!r} does not fit shape {shape} (the last "
-                             "axis is head_dim)")
-        out.append(ax % nd)
-    used = [a for a in out if a != _NO_AXIS]
-    if len(set(used)) != len(used):
-        raise ValueError(f"layout axes must be distinct, got {layout}")
-    if out[0] != _NO_AXIS and shape[out[0]] != 2:
-        raise ValueError(f"the kv axis must have size 2 (K, V), shape is {shape}")
-    return out[0], out[1], out[2]
-
-
 @functools.lru_cache(maxsize=256)
 def _groups(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: int,
             head: int) -> ScaleGroups:
     rows_shape = shape[:-1]
     nd = len(rows_shape)
-
-    def reduced(gran: int) -> tuple[int, ...]:  # codec: dims that share one scale
-        if gran == 3:
-            return tuple(d for d in range(nd) if d != kv)
-        if gran == 1 and tok != _NO_AXIS:
-            return (tok,)
-        if gran == 2 and head != _NO_AXIS:
-            return (head,)
-        return ()
 
     if kv == _NO_AXIS:
         parts = [(gk, rows_shape)]
@@ -98,7 +67,8 @@ def _groups(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: int,
     pieces = []
     base = 0
     for gran, part in parts:
-        dims = reduced(gran)
+        # The codec's own rules (not a copy of them), so the two paths cannot drift.
+        dims = codecs._reduced_dims(gran, nd, kv, tok, head)
         g = tuple(1 if d in dims else n for d, n in enumerate(part))
         count = int(np.prod(g, dtype=np.int64))
         ids = (np.arange(count, dtype=np.int32) + base).reshape(g)
@@ -113,7 +83,7 @@ def _groups(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: int,
 def scale_groups(shape: tuple[int, ...], spec: CodecSpec) -> ScaleGroups:
     """Row -> scale-group map of a block (the codec's "granularity" rules)."""
     shape = tuple(int(d) for d in shape)
-    kv, tok, head = _axes(spec.layout, shape)
+    kv, tok, head = codecs._norm_axes(spec.layout, shape)
     gk, gv = _GRANS.index(spec.k_granularity), _GRANS.index(spec.v_granularity)
     if kv == _NO_AXIS:
         gv = gk
