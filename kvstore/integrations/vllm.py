@@ -242,17 +242,20 @@ def _warn_once(what: str, message: str, *args: object) -> None:
         logger.warning(message, *args)
 
 
+def _join(shared: _SharedStore, config: ConnectorConfig) -> _SharedStore:
+    """One more user of an open store (caller holds ``_STORES_LOCK``)."""
+    if shared.config != config:
+        raise ValueError(f"kvstore connector: the store at {config.path!r} is already "
+                         f"open in this process with other options ({shared.config})")
+    shared.users += 1
+    return shared
+
+
 def _find(config: ConnectorConfig) -> _SharedStore | None:
     """The store a worker of this process opened at ``config.path``, if any."""
     with _STORES_LOCK:
         shared = _STORES.get(os.path.realpath(config.path))
-        if shared is None:
-            return None
-        if shared.config != config:
-            raise ValueError(f"kvstore connector: the store at {config.path!r} is already "
-                             f"open in this process with other options ({shared.config})")
-        shared.users += 1
-        return shared
+        return None if shared is None else _join(shared, config)
 
 
 def _acquire(config: ConnectorConfig) -> _SharedStore:
@@ -268,11 +271,9 @@ def _acquire(config: ConnectorConfig) -> _SharedStore:
                     f"{type(e).__name__}: {e}. Check kv_connector_extra_config['path'] "
                     "(a writable directory, not open in another process).") from e
             _STORES[key] = shared
-        elif shared.config != config:
-            raise ValueError(f"kvstore connector: the store at {config.path!r} is already "
-                             f"open in this process with other options ({shared.config})")
-        shared.users += 1
-        return shared
+            shared.users += 1
+            return shared
+        return _join(shared, config)
 
 
 def _release(shared: _SharedStore) -> None:
