@@ -22,6 +22,7 @@ read-only transactions on the calling thread; LMDB reads never block on the writ
 from __future__ import annotations
 
 import json
+import operator
 import os
 import queue
 import struct
@@ -29,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
+from itertools import compress, count
 from typing import Any, TypeVar
 
 import anyio
@@ -103,8 +105,18 @@ class Index:
         return [IndexEntry.decode(found[k]) if k in found else None for k in keys]
 
     def present(self, keys: Sequence[bytes]) -> set[bytes]:
-        with self.env.begin() as txn, txn.cursor(self.blocks) as cur:
-            return {k for k, _ in cur.getmulti(keys)}
+        # Cursor.set_key only positions the cursor: unlike getmulti it copies no value
+        # (an IndexEntry per key), which made lookups of long chains 3-5x slower.
+        with self.env.begin(buffers=True) as txn, txn.cursor(self.blocks) as cur:
+            find = cur.set_key
+            return {k for k in keys if find(k)}
+
+    def prefix_length(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` that are indexed; stops at the first miss."""
+        with self.env.begin(buffers=True) as txn, txn.cursor(self.blocks) as cur:
+            # lazy C-level iterators: stops at the first miss, no Python frame per key
+            misses = compress(count(), map(operator.not_, map(cur.set_key, keys)))
+            return next(misses, len(keys))
 
     def count_blocks(self) -> int:
         with self.env.begin() as txn:

@@ -106,7 +106,12 @@ def check_key(key: object) -> bytes:
 def check_keys(keys: Iterable[object]) -> list[bytes]:
     if isinstance(keys, (bytes, bytearray, str)):
         raise InvalidKeyError("pass a sequence of keys, not a single key")
-    return [check_key(k) for k in keys]
+    items: list[Any] = list(keys)
+    # Fast path, C-level loops only: a list of 16-byte bytes is already valid.  Checking
+    # each key in Python cost ~0.2 us a key, a third of match_prefix over 8k blocks.
+    if set(map(type, items)) <= {bytes} and set(map(len, items)) <= {KEY_BYTES}:
+        return items
+    return [check_key(k) for k in items]
 
 
 @dataclass(frozen=True)

@@ -766,11 +766,7 @@ class Store:
         """Number of leading ``keys`` that are all stored (the usable cached prefix)."""
         self._check_open()
         keys = check_keys(keys)
-        present = self.index.present(keys)
-        for i, k in enumerate(keys):
-            if k not in present:
-                return i
-        return len(keys)
+        return self.index.prefix_length(keys)
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete blocks (durably); returns how many were stored."""

@@ -422,6 +422,21 @@ def test_check_key_accepts_16_bytes_like() -> None:
     assert check_keys([]) == []
 
 
+def test_check_keys_fast_path_keeps_keys_and_falls_back_for_the_rest() -> None:
+    keys = [bytes([i % 256]) * 16 for i in range(1000)]
+    out = check_keys(keys)
+    assert out == keys and out is not keys and all(a is b for a, b in zip(out, keys))
+
+    class Key(bytes):
+        pass
+
+    mixed = check_keys([Key(bytes(16)), bytearray(16)])  # not all plain bytes: slow path
+    assert mixed == [bytes(16), bytes(16)] and type(mixed[1]) is bytes
+    # lengths that would average out to 16 are still caught key by key
+    with pytest.raises(InvalidKeyError, match="got 17 bytes"):
+        check_keys([bytes(17), bytes(15)])
+
+
 @pytest.mark.parametrize("key, message", [
     (bytes(15), "got 15 bytes"),
     (bytes(17), "got 17 bytes"),
