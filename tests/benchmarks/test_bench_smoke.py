@@ -1,0 +1,91 @@
+"""``python -m kvstore bench --smoke`` runs end to end and writes a sane report.
+
+No timing is asserted (the shared CI machine makes time meaningless); what is checked is
+that every part of the benchmark ran, measured something positive, read back exactly
+what was written, and reported it in the JSON, the markdown and (with matplotlib) the
+PNG.  LMCache is not installed in CI: it must be skipped with a note, not fail the run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import bench
+from kvstore.cli.main import main as cli_main
+
+KVSTORE = ["kvstore io_uring raw", "kvstore io_uring fp8", "kvstore threads raw",
+           "kvstore threads fp8"]
+FILE_PEERS = ["file-per-block", "torch.save", "numpy"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench-out")
+    scratch = tmp_path_factory.mktemp("bench-scratch")
+    # through the CLI, as a user runs it; LMCache pointed at a path that does not exist
+    rc = cli_main(["bench", "--smoke", "--quiet", "--out", str(out), "--dir", str(scratch),
+                   "--lmcache-python", str(scratch / "no-such-venv" / "bin" / "python")])
+    assert rc == 0
+    doc = json.loads((out / "bench.json").read_text())
+    return out, doc
+
+
+def test_every_system_measured_both_ways_and_read_back_exactly(
+        smoke: tuple[Path, dict[str, Any]]) -> None:
+    _, doc = smoke
+    blocks = doc["config"]["block_sizes"]
+    assert blocks == list(bench.SMOKE_BLOCKS)
+    systems = KVSTORE + FILE_PEERS + (["fio"] if shutil.which("fio") else [])
+    for system in systems:
+        for op in ("put", "get"):
+            got = [s for s in doc["samples"] if (s["system"], s["op"]) == (system, op)]
+            assert sorted(s["block_bytes"] for s in got) == sorted(blocks), (system, op)
+            for s in got:
+                assert s["seconds"] > 0 and s["MB_s"] > 0
+                assert s["bytes"] == s["blocks"] * s["block_bytes"] > 0
+                assert s.get("bad", 0) == 0, (system, op, s)
+    assert not doc["notes"], doc["notes"]  # no failures, no wrong bytes
+    for row in doc["summary"]:
+        mb = row["MB_s"]
+        assert 0 < mb["min"] <= mb["median"] <= mb["max"]
+
+
+def test_missing_peers_are_skipped_with_a_note(smoke: tuple[Path, dict[str, Any]]) -> None:
+    _, doc = smoke
+    assert not any(s["system"] == "lmcache" for s in doc["samples"])
+    assert any(n.startswith("lmcache: not installed") and "--install-peers" in n
+               for n in doc["skipped"])
+    if shutil.which("fio") is None:
+        assert any(n.startswith("fio: not found") for n in doc["skipped"])
+
+
+def test_latency_scale_and_targets_are_reported(smoke: tuple[Path, dict[str, Any]]) -> None:
+    out, doc = smoke
+    lat = {(r["system"], r["op"]): r for r in doc["latency"]}
+    for system in ("kvstore io_uring raw", "kvstore threads raw", "file-per-block"):
+        for op in ("put", "get"):
+            r = lat[(system, op)]
+            assert r["batches"] == 2 and len(r["samples_ms"]) == 2
+            assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+    (row,) = doc["scale"]
+    assert row["blocks"] == 500 and row["chain"] == 500
+    assert row["open_cold_s"] > 0 and row["open_warm_s"] > 0
+    assert 0 < row["match_prefix_ms"]["min"] <= row["match_prefix_ms"]["median"]
+    assert row["rss_after_open"] >= row["rss_before_open"] > 0
+    names = {t["target"] for t in doc["targets"]}
+    assert "put 1 MiB >= 0.9x fio" in names or shutil.which("fio") is None
+    assert "store 64 KiB >= 3x file-per-block" in names
+    assert any(n.startswith("open() of 500 blocks") for n in names)
+    for t in doc["targets"]:
+        assert t["met"] in (True, False) and t["value"] > 0
+    md = (out / "bench.md").read_text()
+    assert "## Targets" in md and "## Store (durable), MB/s" in md and "| numpy |" in md
+    if doc["plot"]:
+        assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert any(n.startswith("plot: matplotlib") for n in doc["skipped"])
