@@ -25,9 +25,10 @@ from kvstore.format import PAGE, round_up
 class ArenaRun:
     """A page-aligned run of the arena, owned by one transfer until ``Arena.release``."""
 
-    __slots__ = ("offset", "length", "view", "tensor", "array")
+    __slots__ = ("arena", "offset", "length", "view", "tensor", "array")
 
     def __init__(self, arena: Arena, offset: int, length: int) -> None:
+        self.arena = arena
         self.offset = offset
         self.length = length
         self.view = arena.view[offset:offset + length]

@@ -17,6 +17,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from kvstore.errors import StoreIOError
+from kvstore.io.coalesce import coalesce, spread
 from kvstore.io.protocol import IoOp
 
 
@@ -55,15 +56,16 @@ class ThreadPoolEngine:
         os.close(fd)
 
     async def _each(self, ops: Sequence[IoOp], write: bool) -> list[int | OSError]:
-        results: list[int | OSError] = [0] * len(ops)
+        merged = coalesce(ops)  # adjacent slots go out as one operation
+        results: list[int | OSError] = [0] * len(merged)
 
         def one(i: int) -> None:
-            op = ops[i]
+            op = merged[i]
             try:
                 if write:
-                    results[i] = os.pwritev(op.fd, [op.run.view], op.offset)
+                    results[i] = os.pwritev(op.fd, [op.view], op.offset)
                 else:
-                    results[i] = os.preadv(op.fd, [op.run.view], op.offset)
+                    results[i] = os.preadv(op.fd, [op.view], op.offset)
             except OSError as e:
                 results[i] = e
 
@@ -71,9 +73,9 @@ class ThreadPoolEngine:
         # thread still copies into them.
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
-                for i in range(len(ops)):
+                for i in range(len(merged)):
                     tg.start_soon(partial(anyio.to_thread.run_sync, one, i, limiter=self._limiter))
-        return results
+        return spread(merged, results)
 
     async def write(self, ops: Sequence[IoOp]) -> None:
         raise_write_errors(await self._each(ops, True), ops, "write")

@@ -32,6 +32,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from kvstore.errors import StoreIOError
+from kvstore.io.coalesce import Merged, coalesce, spread
 from kvstore.io.protocol import IoOp
 from kvstore.io.threads import open_flags, raise_write_errors
 
@@ -43,12 +44,12 @@ except ImportError:  # pragma: no cover
 IORING_FSYNC_DATASYNC = 1
 
 
-def _prep_write(op: IoOp, sqe: Any) -> None:
-    _lu.io_uring_prep_write(sqe, op.fd, op.run.view, op.run.length, op.offset)
+def _prep_write(op: Merged, sqe: Any) -> None:
+    _lu.io_uring_prep_write(sqe, op.fd, op.view, op.length, op.offset)
 
 
-def _prep_read(op: IoOp, sqe: Any) -> None:
-    _lu.io_uring_prep_read(sqe, op.fd, op.run.view, op.run.length, op.offset)
+def _prep_read(op: Merged, sqe: Any) -> None:
+    _lu.io_uring_prep_read(sqe, op.fd, op.view, op.length, op.offset)
 
 
 def _prep_datasync(fd: int, sqe: Any) -> None:
@@ -150,11 +151,13 @@ class UringEngine:
         return [w.res if w.res >= 0 else OSError(-w.res, os.strerror(-w.res)) for w in waits]
 
     async def write(self, ops: Sequence[IoOp]) -> None:
-        results = await self._submit([(partial(_prep_write, op), op) for op in ops])
-        raise_write_errors(results, ops, "write")
+        merged = coalesce(ops)  # adjacent slots go out as one operation
+        results = await self._submit([(partial(_prep_write, m), m) for m in merged])
+        raise_write_errors(spread(merged, results), ops, "write")
 
     async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
-        return await self._submit([(partial(_prep_read, op), op) for op in ops])
+        merged = coalesce(ops)
+        return spread(merged, await self._submit([(partial(_prep_read, m), m) for m in merged]))
 
     async def datasync(self, fds: Sequence[int]) -> None:
         results = await self._submit([(partial(_prep_datasync, fd), None) for fd in fds])

@@ -1,0 +1,71 @@
+"""Merge transfers that are adjacent both in a file and in the staging arena.
+
+A batch of small blocks is allocated back to back in an extent and staged back to back
+in the arena, so N slot writes of 68 KiB are really one sequential range.  Issuing it as
+one large operation instead of N small ones moves the same bytes with a fraction of the
+device operations (this disk: ~4,000 64 KiB writes/s but ~250 2 MiB writes/s, i.e.
+~2x the bandwidth at the larger size) and a fraction of the per-op Python work.
+
+Engines call :func:`coalesce` on the ops of one ``write``/``read`` call and
+:func:`spread` to turn each merged op's result back into one result per original op, so
+the engine protocol (one result per op, short reads reported per op) is unchanged.  A
+merged write that fails fails every op in it; a short merged read is charged to the ops
+at its end.  The simulated disk of the crash tests does not coalesce: it keeps tearing
+and reordering per slot, which covers every state a torn merged write can leave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.io.protocol import IoOp
+
+MAX_MERGED_BYTES = 4 << 20  # large enough to amortise a device op, small enough to overlap
+
+
+@dataclass(slots=True)
+class Merged:
+    """One transfer covering ``ops`` (adjacent in the file and in the arena)."""
+
+    fd: int
+    offset: int
+    length: int
+    ops: list[IoOp]
+    view: memoryview
+
+
+def coalesce(ops: Sequence[IoOp], max_bytes: int = MAX_MERGED_BYTES) -> list[Merged]:
+    merged: list[Merged] = []
+    for op in ops:
+        run = op.run
+        if merged:
+            m = merged[-1]
+            last = m.ops[-1].run
+            if (op.fd == m.fd and m.offset + m.length == op.offset
+                    and last.arena is run.arena and last.offset + last.length == run.offset
+                    and m.length + run.length <= max_bytes):
+                m.ops.append(op)
+                m.length += run.length
+                continue
+        merged.append(Merged(op.fd, op.offset, run.length, [op], run.view))
+    for m in merged:
+        if len(m.ops) > 1:
+            first = m.ops[0].run
+            m.view = first.arena.view[first.offset:first.offset + m.length]
+    return merged
+
+
+def spread(merged: Sequence[Merged], results: Sequence[int | OSError]) -> list[int | OSError]:
+    """Per-op results from per-merged-op results (bytes done, or the error)."""
+    out: list[int | OSError] = []
+    for m, res in zip(merged, results):
+        if isinstance(res, OSError):
+            out.extend(res for _ in m.ops)
+            continue
+        left = res
+        for op in m.ops:
+            done = min(op.run.length, max(left, 0))
+            out.append(done)
+            left -= done
+    return out
