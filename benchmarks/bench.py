@@ -146,6 +146,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="batches in the latency run (default 32; smoke 2; 0 skips)")
     p.add_argument("--no-beyond-dirty", action="store_true",
                    help="skip the store run beyond the dirty limit")
+    p.add_argument("--parts", default="sweep,big,latency,scale",
+                   help="which parts to run (comma-separated: sweep, big, latency, scale; "
+                        "default all)")
+    p.add_argument("--scale-from", default=None,
+                   help="take the scale rows from an earlier bench.json instead of measuring "
+                        "them (the report says so)")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch.set_num_threads(N) first (FP8 codec work; default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
     smoke = args.smoke
@@ -160,6 +168,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.latency_batches is None:
         args.latency_batches = 2 if smoke else 32
     args.cold = args.cold or ("none" if smoke else "auto")
+    args.parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    unknown = args.parts - {"sweep", "big", "latency", "scale"}
+    if unknown:
+        p.error(f"unknown --parts {sorted(unknown)}: choose from sweep, big, latency, scale")
     args.out = args.out or (os.path.join(".bench-tmp", "smoke-results") if smoke else
                             os.path.join(REPO, "benchmarks", "results"))
     if args.reps < 1 or args.volume <= 0 or not args.block_sizes:
@@ -195,12 +207,17 @@ async def _run(args: argparse.Namespace, res: Results, systems: list[System], fi
         (lambda m: print(m, file=sys.stderr, flush=True))
     iodepth = 64  # kvstore's default queue_depth
     try:
-        await sweep(res, systems, fio, args.block_sizes, args.volume, args.reps, root, cold,
-                    iodepth, log)
+        if "sweep" in args.parts:
+            await sweep(res, systems, fio, args.block_sizes, args.volume, args.reps, root,
+                        cold, iodepth, log)
+        else:
+            doc["skipped"].append("throughput sweep: not in --parts")
         by_name = {s.name: s for s in systems}
         big_names = ["kvstore io_uring raw", "lmcache", "file-per-block"]
         big_block = 2 * MiB
-        if args.smoke or args.no_beyond_dirty:
+        if "big" not in args.parts:
+            doc["skipped"].append("store beyond the dirty limit: not in --parts")
+        elif args.smoke or args.no_beyond_dirty:
             doc["skipped"].append("store beyond the dirty limit: "
                                   f"{'smoke run' if args.smoke else '--no-beyond-dirty'}")
         else:
@@ -214,7 +231,9 @@ async def _run(args: argparse.Namespace, res: Results, systems: list[System], fi
             else:
                 await beyond_dirty_limit(res, [by_name[n] for n in big_names if n in by_name],
                                          fio, big_block, volume, root, iodepth, log)
-        if args.latency_batches > 0:
+        if "latency" not in args.parts:
+            doc["skipped"].append("latency: not in --parts")
+        elif args.latency_batches > 0:
             lat_block = 64 * KiB if args.smoke else 2 * MiB
             lat_names = ["kvstore io_uring raw", "kvstore threads raw", "lmcache",
                          "file-per-block"]
@@ -222,7 +241,18 @@ async def _run(args: argparse.Namespace, res: Results, systems: list[System], fi
                           args.latency_batches, root, cold, log)
         else:
             doc["skipped"].append("latency: --latency-batches 0")
-        if args.scale_sizes:
+        if args.scale_from:
+            with open(args.scale_from, encoding="utf-8") as f:
+                earlier = json.load(f)
+            doc["scale"] = earlier["scale"]
+            doc["scale_from"] = {"file": args.scale_from,
+                                 "timestamp_utc": earlier["machine"]["timestamp_utc"],
+                                 "command": earlier["command"],
+                                 "loadavg": [earlier["machine"]["loadavg_start"],
+                                             earlier["machine"]["loadavg_end"]]}
+        elif "scale" not in args.parts:
+            doc["skipped"].append("scale: not in --parts")
+        elif args.scale_sizes:
             path = os.path.join(root, "scale")
             doc["scale"] = await run_scale(path, args.scale_sizes, cold,
                                            (64 * MiB) if args.smoke else (1 << 30), log)
@@ -251,8 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fio is None:
         skipped.append("fio: not found on PATH (apt install fio): no physical-limit "
                        "columns or kvstore/fio ratios")
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     cold = Cold(args.cold, root)
-    info = machine_info(root)
+    info = machine_info(root)  # after set_num_threads: records the threads in use
     info["fio"] = fio_mod.fio_version(fio) if fio else None
     res = Results()
     systems, _ = make_systems(args, skipped)
@@ -274,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "iodepth": 64, "cold": cold.describe(), "cold_mode": cold.mode,
                    "extent_bytes": (64 * MiB) if args.smoke else (1 << 30),
                    "staging_bytes": (16 * MiB) if args.smoke else (256 * MiB),
-                   "latency_batches": args.latency_batches, "scale_sizes": args.scale_sizes},
+                   "latency_batches": args.latency_batches, "scale_sizes": args.scale_sizes,
+                   "parts": sorted(args.parts), "torch_threads": info["torch_threads"]},
         "total_seconds": time.perf_counter() - start,
         "system_order": [FIO] + [s.name for s in systems],
         "systems": [s.describe() for s in systems],
@@ -283,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "beyond_dirty_limit": res.big,
         "latency": res.latency,
         "scale": doc.get("scale", []),
+        "scale_from": doc.get("scale_from"),
         "notes": res.notes,
         "other_cpu": res.other_cpu,
         "other_cpu_pct": summary(other),

@@ -111,7 +111,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if fp8:
             add(f"FP8 {op} > raw (input bytes/s; median over block sizes)",
                 statistics.median(fp8), 1.0)
-    return out
+    return [t for t in out if t["met"] is not None]
 
 
 def _fmt_target_value(t: dict[str, Any]) -> str:
@@ -130,7 +130,8 @@ def markdown(doc: dict[str, Any]) -> str:
     md.append(f"Command: `{doc['command']}`  \n"
               f"{m['timestamp_utc']}, {doc['total_seconds']:.0f} s, mode: {cfg['mode']}\n")
     md.append(f"- machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']} GiB RAM, kernel "
-              f"{m['kernel']}, Python {m['python']}, torch {m['torch']}, kvstore "
+              f"{m['kernel']}, Python {m['python']}, torch {m['torch']} "
+              f"({m['torch_threads']} threads), kvstore "
               f"{m['kvstore']} ({m['kvstore_source']}), {m.get('fio') or 'fio: not found'}")
     md.append(f"- file system: `{m['dir']}` on **{m['fs_type']}** ({m['fs_device']}, I/O "
               f"scheduler {m['io_scheduler']}); dirty page limit "
@@ -165,7 +166,7 @@ def markdown(doc: dict[str, Any]) -> str:
         md.append(f"| {t['target']}{detail} | {_fmt_target_value(t)} | {met} |")
     md.append("")
 
-    for op, title in (("put", "Store (durable), MB/s"), ("get", "Cold get, MB/s")):
+    for op, title in (("put", "Store (durable), MB/s"), ("get", "Cold get, MB/s")) if s else ():
         md.append(f"## {title}\n")
         md.append("| system | " + " | ".join(human(b) for b in blocks) + " |")
         md.append("|---|" + "---:|" * len(blocks))
@@ -223,6 +224,11 @@ def markdown(doc: dict[str, Any]) -> str:
                   "probe), a second `open()`, then `match_prefix` over an 8,192-block chain "
                   "(all present; smaller stores: the whole store), median of 20; resident "
                   "memory of that process.\n")
+        if doc.get("scale_from"):
+            sf = doc["scale_from"]
+            md.append(f"These rows come from an earlier run on this machine "
+                      f"({sf['timestamp_utc']}, load average {sf['loadavg'][0]} at start, "
+                      f"{sf['loadavg'][1]} at end): `{sf['command']}`.\n")
         md.append("| blocks | build s | open() first ms | open() again ms | match_prefix ms "
                   "(chain) | RSS before open MiB | + after open MiB | + after lookups MiB "
                   "| store on disk MiB |")
@@ -264,6 +270,8 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
         doc["skipped"].append("plot: matplotlib is not installed (pip install -e '.[bench]')")
         return None
     s = doc["samples"]
+    if not s:
+        return None
     blocks = doc["config"]["block_sizes"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=False)
     for ax, op, title in zip(axes, ("put", "get"), ("store, durable", "cold get")):
