@@ -128,7 +128,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="scratch directory on the file system to test (default ./.bench-tmp)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; smoke 1)")
     p.add_argument("--volume-mib", type=float, default=None,
-                   help="bytes per sweep measurement, MiB (default 256; smoke 2)")
+                   help="bytes per sweep measurement, MiB (default 128; smoke 2)")
     p.add_argument("--blocks", default=None,
                    help="comma-separated block sizes in KiB (default 64,256,1024,2048,32768)")
     p.add_argument("--lmcache-python", default=None,
@@ -158,7 +158,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     smoke = args.smoke
     args.reps = args.reps or (1 if smoke else 3)
-    args.volume = int((args.volume_mib or (2 if smoke else 256)) * MiB)
+    args.volume = int((args.volume_mib or (2 if smoke else 128)) * MiB)
     args.block_sizes = [int(x) * KiB for x in args.blocks.split(",")] if args.blocks else \
         list(SMOKE_BLOCKS if smoke else FULL_BLOCKS)
     if args.scale is None:

@@ -7,11 +7,13 @@ its own store until the bytes are durable and its own reads, and can check what 
                     returns; O_DIRECT), one engine and codec each; a fresh store per
                     measurement, one small untimed warm-up put creates the first extent.
                     Cold get: the store is closed and reopened (a restart), then the page
-                    cache is emptied, then ``get_many`` is timed.
+                    cache is emptied, then ``get_many(keys, out=...)`` into preallocated
+                    tensors is timed (as an engine reads into its own buffers; LMCache
+                    reads into its preallocated CPU pool, file-per-block ``readinto``s).
 ``FilePerBlock``    one file per block, written to ``KEY.tmp`` and renamed into place (what
                     vLLM's file-system offload tier and SGLang's HiCache file backend do),
                     by a pool of 4 threads (LMCache's default disk I/O thread count);
-                    reads ``readinto`` a preallocated tensor, same pool.
+                    reads ``readinto`` preallocated tensors, same pool.
 ``TorchSave``       ``torch.save(block, KEY.pt)`` / ``torch.load(weights_only=True)``, in a loop.
 ``NumpyFiles``      ``np.save`` / ``np.load`` of the block's bytes, in a loop.
 ``LMCacheSystem``   LMCache's ``LocalDiskBackend`` in LMCache's own virtual environment
@@ -90,6 +92,7 @@ class System(ABC):
         self.ds: Dataset | None = None
         self.dir = ""
         self._got: dict[int, torch.Tensor | None] = {}
+        self._outs: list[torch.Tensor] = []
 
     async def open(self, root: str, ds: Dataset) -> None:
         self.ds = ds
@@ -135,8 +138,23 @@ class System(ABC):
     def drop_results(self) -> None:
         self._got = {}
 
+    def outputs(self, count: int) -> list[torch.Tensor]:
+        """``count`` preallocated, already faulted-in block buffers, reused by every get
+        of this measurement: an engine reads into its own (GPU or pinned) buffers; a
+        fresh allocation per block would time the allocator's page faults instead."""
+        assert self.ds is not None
+        shape = self.ds.src[0].shape
+        have = self._outs
+        if have and have[0].shape != shape:
+            have = []
+        while len(have) < count:
+            have.append(torch.zeros(shape, dtype=torch.bfloat16))
+        self._outs = have
+        return have[:count]
+
     async def close(self) -> None:
         self._got = {}
+        self._outs = []
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -224,8 +242,9 @@ class KvstoreSystem(System):
     async def get(self, lo: int, hi: int, keep: bool = True) -> float:
         assert self.ds is not None
         keys = self.ds.keys[lo:hi]
+        outs = self.outputs(hi - lo)
         t0 = time.perf_counter()
-        got = await self.store.get_many(keys)
+        got = await self.store.get_many(keys, out=outs)
         dt = time.perf_counter() - t0
         if keep:
             self._got.update(zip(range(lo, hi), got))
@@ -283,10 +302,7 @@ class FilePerBlock(System):
             f.write(self.ds.block(i).view(torch.uint8).numpy())
         os.replace(tmp, path)
 
-    def _read(self, i: int) -> torch.Tensor:
-        assert self.ds is not None
-        shape = self.ds.src[0].shape
-        out = torch.empty(shape, dtype=torch.bfloat16)
+    def _read(self, i: int, out: torch.Tensor) -> torch.Tensor:
         with open(self._path(i), "rb", buffering=0) as f:
             _read_exact(f, out.view(torch.uint8).numpy())
         return out
@@ -300,8 +316,9 @@ class FilePerBlock(System):
 
     async def get(self, lo: int, hi: int, keep: bool = True) -> float:
         assert self.pool is not None
+        outs = self.outputs(hi - lo)
         t0 = time.perf_counter()
-        got = list(self.pool.map(self._read, range(lo, hi)))
+        got = list(self.pool.map(self._read, range(lo, hi), outs))
         dt = time.perf_counter() - t0
         if keep:
             self._got.update(zip(range(lo, hi), got))
