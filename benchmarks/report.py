@@ -295,3 +295,26 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def compact(doc: dict[str, Any]) -> str:
+    """A short form for the README: targets, then median MB/s per block size."""
+    s = doc["samples"]
+    blocks = doc["config"]["block_sizes"]
+    systems = [x for x in doc["system_order"] if any(r["system"] == x for r in s)]
+    md = ["| target | measured | met |", "|---|---:|:---:|"]
+    for t in doc["targets"]:
+        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        detail = f" ({t['detail']})" if t["detail"] else ""
+        md.append(f"| {t['target']}{detail} | {_fmt_target_value(t)} | {met} |")
+    md.append("")
+    md.append("| op | block | " + " | ".join(systems) + " |")
+    md.append("|---|---|" + "---:|" * len(systems))
+    for op in ("put", "get"):
+        for b in blocks:
+            cells = []
+            for x in systems:
+                vals = [r["MB_s"] for r in _by(s, x, op, b).values()]
+                cells.append(f"{statistics.median(vals):.0f}" if vals else "n/a")
+            md.append(f"| {op} | {human(b)} | " + " | ".join(cells) + " |")
+    return "\n".join(md) + "\n"
