@@ -96,7 +96,8 @@ def install_peers(python: str) -> int:
         f.write(f"torch=={torch_version}\n")
     # the CPU build of torch first (the default wheel pulls several GB of CUDA libraries)
     cpu = subprocess.run([*pip, f"torch=={torch_version}", "--index-url",
-                          "https://download.pytorch.org/whl/cpu"])
+                          "https://download.pytorch.org/whl/cpu", "--timeout", "20",
+                          "--retries", "1"])
     if cpu.returncode != 0:
         subprocess.run([*pip, f"torch=={torch_version}"], check=True)
     subprocess.run([*pip, "--no-deps", f"lmcache=={LMCACHE_VERSION}"], check=True)
