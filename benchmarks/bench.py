@@ -45,7 +45,7 @@ from benchmarks import fio as fio_mod
 from benchmarks import report
 from benchmarks.common import Cold, KiB, MiB, dirty_limit_bytes, loadavg, machine_info, summary
 from benchmarks.scale import run_scale
-from benchmarks.sweep import FIO, Results, beyond_dirty_limit, latency, sweep
+from benchmarks.sweep import FIO, FIO_BUFFERED, Results, beyond_dirty_limit, latency, sweep
 from benchmarks.systems import (
     FilePerBlock,
     KvstoreSystem,
@@ -312,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "latency_batches": args.latency_batches, "scale_sizes": args.scale_sizes,
                    "parts": sorted(args.parts), "torch_threads": info["torch_threads"]},
         "total_seconds": time.perf_counter() - start,
-        "system_order": [FIO] + [s.name for s in systems],
+        "system_order": [FIO, FIO_BUFFERED] + [s.name for s in systems],
         "systems": [s.describe() for s in systems],
         "samples": res.samples,
         "summary": report.summarise(res.samples),

@@ -150,7 +150,9 @@ def markdown(doc: dict[str, Any]) -> str:
               f"commit), fio `--end_fsync=1`, peers + one `syncfs`; reads are cold: "
               f"{cfg['cold']}")
     md.append(f"- fio: io_uring, O_DIRECT, iodepth {cfg['iodepth']} (kvstore's queue_depth), "
-              f"bs = block size; kvstore: extent_bytes {human(cfg['extent_bytes'])}, "
+              f"bs = block size (`fio buffered`: the same read through the page cache, a "
+              f"reference for what readahead gives buffered readers on this disk); kvstore: "
+              f"extent_bytes {human(cfg['extent_bytes'])}, "
               f"staging_bytes {human(cfg['staging_bytes'])}"
               f"{' (defaults)' if cfg['mode'] == 'full' else ' (small: smoke run)'}")
     for note in doc["skipped"]:
@@ -170,7 +172,7 @@ def markdown(doc: dict[str, Any]) -> str:
         md.append(f"## {title}\n")
         md.append("| system | " + " | ".join(human(b) for b in blocks) + " |")
         md.append("|---|" + "---:|" * len(blocks))
-        for x in systems:
+        for x in [x for x in systems if any((r["system"], r["op"]) == (x, op) for r in s)]:
             cells = []
             for b in blocks:
                 vals = [r["MB_s"] for r in _by(s, x, op, b).values()]
@@ -182,7 +184,7 @@ def markdown(doc: dict[str, Any]) -> str:
         md.append("| other | " + " | ".join(human(b) for b in blocks) + " |")
         md.append("|---|" + "---:|" * len(blocks))
         for x in systems:
-            if x == HEADLINE:
+            if x == HEADLINE or not any((r["system"], r["op"]) == (x, op) for r in s):
                 continue
             md.append(f"| {x} | " + " | ".join(_fmt_ratio(ratios(s, HEADLINE, x, op, b))
                                                for b in blocks) + " |")

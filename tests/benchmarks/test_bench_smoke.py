@@ -49,6 +49,9 @@ def test_every_system_measured_both_ways_and_read_back_exactly(
                 assert s["seconds"] > 0 and s["MB_s"] > 0
                 assert s["bytes"] == s["blocks"] * s["block_bytes"] > 0
                 assert s.get("bad", 0) == 0, (system, op, s)
+    if shutil.which("fio"):  # the page-cache reference read
+        assert sorted(s["block_bytes"] for s in doc["samples"]
+                      if s["system"] == "fio buffered") == sorted(blocks)
     assert not doc["notes"], doc["notes"]  # no failures, no wrong bytes
     for row in doc["summary"]:
         mb = row["MB_s"]
