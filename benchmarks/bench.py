@@ -301,8 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     info["loadavg_end"] = loadavg()
     other = [g["other_cpu_pct"] for g in res.other_cpu] or [0.0]
     doc.update({
-        "command": "python -m kvstore bench " + shlex.join(list(argv if argv is not None
-                                                              else sys.argv[1:])),
+        "command": " ".join(["python -m kvstore bench", shlex.join(list(
+            argv if argv is not None else sys.argv[1:]))]).rstrip(),
         "machine": info,
         "config": {"mode": "smoke" if args.smoke else "full", "reps": args.reps,
                    "volume_bytes": args.volume, "block_sizes": args.block_sizes,

@@ -276,20 +276,24 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
         return None
     blocks = doc["config"]["block_sizes"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=False)
+    colors = plt.get_cmap("tab10").colors
+    color = {x: colors[i % len(colors)] for i, x in enumerate(doc["system_order"])}
     for ax, op, title in zip(axes, ("put", "get"), ("store, durable", "cold get")):
         for x in doc["system_order"]:
             pts = [(b, statistics.median(r["MB_s"] for r in got.values()))
                    for b in blocks if (got := _by(s, x, op, b))]
-            if pts:
-                style = "-" if x.startswith("kvstore") else ("--" if x == FIO else ":")
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=x)
+            if pts:  # one color per system in both panels, whichever it lacks
+                style = "-" if x.startswith("kvstore") else ("--" if x.startswith(FIO) else ":")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=x,
+                        color=color[x])
         ax.set_xscale("log", base=2)
         ax.set_xticks(blocks, [human(b) for b in blocks])
         ax.set_xlabel("block size")
         ax.set_ylabel("MB/s (input bytes, median)")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-    axes[1].legend(fontsize=8, loc="best")
+    handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
+    axes[1].legend(list(handles.values()), list(handles), fontsize=8, loc="upper left")
     fig.suptitle(f"kvstore vs fio and peers ({doc['machine']['timestamp_utc']}, "
                  f"{doc['machine']['fs_type']}, load {doc['machine']['loadavg_start']})",
                  fontsize=9)
