@@ -61,6 +61,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     measured in this run)."""
     s = doc["samples"]
     blocks = doc["config"]["block_sizes"]
+    head = doc.get("headline", HEADLINE)
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: float | None, goal: float, unit: str = "x",
@@ -72,25 +73,25 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     for op in ("put", "get"):
         for b in blocks:
             if b >= (1 << 20):
-                add(f"{op} {human(b)} >= 0.9x fio", _med(ratios(s, HEADLINE, FIO, op, b)), 0.9)
+                add(f"{op} {human(b)} >= 0.9x fio", _med(ratios(s, head, FIO, op, b)), 0.9)
         if 64 << 10 in blocks:
-            add(f"{op} 64 KiB >= 0.7x fio IOPS", _med(ratios(s, HEADLINE, FIO, op, 64 << 10)),
+            add(f"{op} 64 KiB >= 0.7x fio IOPS", _med(ratios(s, head, FIO, op, 64 << 10)),
                 0.7)
     big = {r["system"]: r for r in doc.get("beyond_dirty_limit", [])}
-    if HEADLINE in big and "lmcache" in big:
+    if head in big and "lmcache" in big:
         add("store 2 MiB >= 2x LMCache (beyond the dirty limit)",
-            big[HEADLINE]["MB_s"] / big["lmcache"]["MB_s"], 2.0,
-            detail=f"{big[HEADLINE]['bytes'] / 2**30:.1f} GiB each, one run")
+            big[head]["MB_s"] / big["lmcache"]["MB_s"], 2.0,
+            detail=f"{big[head]['bytes'] / 2**30:.1f} GiB each, one run")
     for b, goal in ((2 << 20, 2.0), (32 << 20, 1.0)):
         if b in blocks:
             add(f"store {human(b)} >= {goal:g}x LMCache",
-                _med(ratios(s, HEADLINE, "lmcache", "put", b)), goal)
+                _med(ratios(s, head, "lmcache", "put", b)), goal)
     for b, goal in ((1 << 20, 1.2), (64 << 10, 3.0)):
         if b in blocks:
             add(f"store {human(b)} >= {goal:g}x file-per-block",
-                _med(ratios(s, HEADLINE, "file-per-block", "put", b)), goal)
+                _med(ratios(s, head, "file-per-block", "put", b)), goal)
     for peer in PEERS:
-        worst = [(_med(ratios(s, HEADLINE, peer, "get", b)), b) for b in blocks]
+        worst = [(_med(ratios(s, head, peer, "get", b)), b) for b in blocks]
         worst = [(v, b) for v, b in worst if v is not None]
         if worst:
             v, b = min(worst)
@@ -106,7 +107,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             add("match_prefix over 8,192 blocks < 5 ms (worst store size)", worst_mp, 5.0,
                 unit="ms", less=True)
     for op in ("put", "get"):
-        fp8 = [v for b in blocks if (v := _med(ratios(s, "kvstore io_uring fp8", HEADLINE,
+        fp8 = [v for b in blocks if (v := _med(ratios(s, head.replace(" raw", " fp8"), head,
                                                          op, b))) is not None]
         if fp8:
             add(f"FP8 {op} > raw (input bytes/s; median over block sizes)",
@@ -126,6 +127,7 @@ def markdown(doc: dict[str, Any]) -> str:
     s = doc["samples"]
     blocks = cfg["block_sizes"]
     systems = [x for x in doc["system_order"] if any(r["system"] == x for r in s)]
+    head = doc.get("headline", HEADLINE)
     md: list[str] = ["# kvstore vs the physical limit and the peers\n"]
     md.append(f"Command: `{doc['command']}`  \n"
               f"{m['timestamp_utc']}, {doc['total_seconds']:.0f} s, mode: {cfg['mode']}\n")
@@ -180,13 +182,13 @@ def markdown(doc: dict[str, Any]) -> str:
                              f"{max(vals):.0f}" if vals else "n/a")
             md.append(f"| {x} | " + " | ".join(cells) + " |")
         md.append("")
-        md.append(f"Ratios, {HEADLINE} / other (per repetition):\n")
+        md.append(f"Ratios, {head} / other (per repetition):\n")
         md.append("| other | " + " | ".join(human(b) for b in blocks) + " |")
         md.append("|---|" + "---:|" * len(blocks))
         for x in systems:
-            if x == HEADLINE or not any((r["system"], r["op"]) == (x, op) for r in s):
+            if x == head or not any((r["system"], r["op"]) == (x, op) for r in s):
                 continue
-            md.append(f"| {x} | " + " | ".join(_fmt_ratio(ratios(s, HEADLINE, x, op, b))
+            md.append(f"| {x} | " + " | ".join(_fmt_ratio(ratios(s, head, x, op, b))
                                                for b in blocks) + " |")
         md.append("")
 
@@ -198,10 +200,10 @@ def markdown(doc: dict[str, Any]) -> str:
                   f"({big[0]['blocks']} blocks of {human(big[0]['block_bytes'])}) per "
                   "system, more than the kernel's dirty limit, so peers' writes are "
                   "throttled and written back while they run.\n")
-        md.append(f"| system | MB/s | {HEADLINE} / system |")
+        md.append(f"| system | MB/s | {head} / system |")
         md.append("|---|---:|---:|")
         for r in big:
-            rel = ref[HEADLINE]["MB_s"] / r["MB_s"] if HEADLINE in ref else None
+            rel = ref[head]["MB_s"] / r["MB_s"] if head in ref else None
             md.append(f"| {r['system']} | {r['MB_s']:.0f} | "
                       f"{'n/a' if rel is None else f'{rel:.2f}'} |")
         md.append("")
