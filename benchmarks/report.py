@@ -278,7 +278,7 @@ def plot(doc: dict[str, Any], path: str) -> str | None:
         return None
     blocks = doc["config"]["block_sizes"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=False)
-    colors = plt.get_cmap("tab10").colors
+    colors = [plt.get_cmap("tab10")(i) for i in range(10)]
     color = {x: colors[i % len(colors)] for i, x in enumerate(doc["system_order"])}
     for ax, op, title in zip(axes, ("put", "get"), ("store, durable", "cold get")):
         for x in doc["system_order"]:

@@ -267,7 +267,7 @@ class KvstoreSystem(System):
 
 
 def _read_exact(f: IO[bytes], buf: np.ndarray) -> None:
-    view = memoryview(buf).cast("B")
+    view = buf.data.cast("B")
     done = 0
     while done < len(view):
         n = f.readinto(view[done:])  # type: ignore[attr-defined]
@@ -299,7 +299,7 @@ class FilePerBlock(System):
         path = self._path(i)
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(self.ds.block(i).view(torch.uint8).numpy())
+            f.write(self.ds.block(i).view(torch.uint8).numpy().data)
         os.replace(tmp, path)
 
     def _read(self, i: int, out: torch.Tensor) -> torch.Tensor:

@@ -376,16 +376,29 @@ def _as_bytes_u8(t: torch.Tensor) -> U8:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _exponents(amax: torch.Tensor, fmt: _Fp8, dtype: torch.dtype) -> torch.Tensor:
-    """Step 2-3 of the algorithm: per-group scale exponents ``k`` (int32) from float32 amax."""
-    m, e = torch.frexp(amax)          # amax = m * 2**e, m in [0.5, 1): E = e - 1, M = 2m
-    k = (fmt.emax + 1) - e - (m > 0.875).to(torch.int32)
-    k = torch.where(amax == 0, torch.zeros_like(k), k)
+def _exponents(amax: npt.NDArray[np.float32], fmt: _Fp8, dtype: torch.dtype) -> npt.NDArray[np.int8]:
+    """Step 2-3 of the algorithm: per-group scale exponents ``k`` from float32 amax.
+
+    NumPy rather than torch on these small per-group arrays: a torch op costs ~10 us of
+    dispatch, which was most of a small block's encode time."""
+    m, e = np.frexp(amax)             # amax = m * 2**e, m in [0.5, 1): E = e - 1, M = 2m
+    k = np.where(amax == 0, 0, (fmt.emax + 1) - e.astype(np.int32) - (m > 0.875))
     lo, hi = _K_RANGE[dtype]
-    return k.clamp_(lo, hi)
+    return np.asarray(np.clip(k, lo, hi), dtype=np.int8)
 
 
-def _fp8_head(x: torch.Tensor, base: int, spec: CodecSpec) -> tuple[U8, torch.Tensor] | None:
+def _rows_of(groups: list[npt.NDArray[np.int8]], parts: list[tuple[int, tuple[int, ...]]],
+             kv: int) -> npt.NDArray[np.int8]:
+    """Every vector's exponent (shape: the block shape without its last axis), C order,
+    from the per-part group exponents."""
+    expanded = [np.broadcast_to(g, part) for g, (_, part) in zip(groups, parts)]
+    if kv == _NO_AXIS:
+        return expanded[0].copy()     # C order; unlike ascontiguousarray, keeps 0-d as 0-d
+    return np.concatenate(expanded, axis=kv)
+
+
+def _fp8_head(x: torch.Tensor, base: int,
+              spec: CodecSpec) -> tuple[U8, npt.NDArray[np.int8]] | None:
     """Steps 1-3 for a contiguous float16/bfloat16/float32 tensor with ndim >= 1 and
     numel > 0: the payload's header and scales, and every vector's exponent (shape
     ``x.shape[:-1]``); or None when the block must be stored losslessly instead."""
@@ -405,40 +418,39 @@ def _fp8_head(x: torch.Tensor, base: int, spec: CodecSpec) -> tuple[U8, torch.Te
             amax = torch.where(torch.isfinite(x), x.abs(),
                                torch.zeros((), dtype=x.dtype)).amax(-1)
         amax = amax.float()
-    if float(amax.max()) >= 2.0 ** _EMAX_DTYPE[x.dtype]:
+    amax_np = amax.numpy()
+    if float(amax_np.max()) >= 2.0 ** _EMAX_DTYPE[x.dtype]:
         return None
 
     grans = (GRANULARITIES.index(spec.k_granularity), GRANULARITIES.index(spec.v_granularity))
     if kv == _NO_AXIS:
         grans = (grans[0], grans[0])
-    scale_parts: list[torch.Tensor] = []
-    k_parts: list[torch.Tensor] = []
-    for p, part in _parts(tuple(amax.shape), kv):
-        a = amax if kv == _NO_AXIS else amax.narrow(kv, p, 1)
+    parts = _parts(amax_np.shape, kv)
+    groups: list[npt.NDArray[np.int8]] = []
+    for p, _part in parts:
+        a = amax_np if kv == _NO_AXIS else amax_np[(slice(None),) * kv + (slice(p, p + 1),)]
         dims = _reduced_dims(grans[p], nd, kv, tok, head)
-        g = a.amax(dim=dims, keepdim=True) if dims else a
-        k = _exponents(g, fmt, x.dtype)
-        scale_parts.append(k.reshape(-1).to(torch.int8))
-        k_parts.append(k.expand(part))
-    k_rows = k_parts[0] if kv == _NO_AXIS else torch.cat(k_parts, dim=kv)
-    scales = torch.cat(scale_parts)
+        g = a.max(axis=dims, keepdims=True) if dims else a
+        groups.append(_exponents(g, fmt, x.dtype))
+    k_rows = _rows_of(groups, parts, kv)
+    scales = np.concatenate([g.reshape(-1) for g in groups])
 
-    n = scales.numel()
+    n = scales.size
     out = np.empty(_HDR.size + n, dtype=np.uint8)
     _HDR.pack_into(out.data, 0, _VERSION, _FLAG_SPECIAL if special else 0, grans[0], grans[1],
                    kv, tok, head, n)
-    out[_HDR.size:] = scales.view(torch.uint8).numpy()
+    out[_HDR.size:] = scales.view(np.uint8)
     return out, k_rows
 
 
-def _fp8_codes(x: torch.Tensor, base: int, k_rows: torch.Tensor, codes: U8,
+def _fp8_codes(x: torch.Tensor, base: int, k_rows: npt.NDArray[np.int8], codes: U8,
                special: bool) -> None:
     """Step 4: ``codes[:] = fp8(float32(x) * 2**k)``, one exponent per vector."""
     if _NATIVE:
-        k8 = k_rows.to(torch.int8).contiguous().numpy().reshape(-1)
-        fp8_kernels.encode_rows(x, k8, base, codes, finite=not special)
+        fp8_kernels.encode_rows(x, k_rows.reshape(-1), base, codes, finite=not special)
         return
-    y = x * _pow2(k_rows.unsqueeze(-1), x.dtype)   # exact where it matters (module docstring)
+    k = torch.from_numpy(k_rows.astype(np.int32)).unsqueeze(-1)
+    y = x * _pow2(k, x.dtype)                      # exact where it matters (module docstring)
     if x.dtype == torch.float32:
         # Round to odd into a bfloat16 pattern: top 16 bits, sticky bit from the low 16.
         bits = y.view(torch.int32)
@@ -465,7 +477,7 @@ class Encoded:
     __slots__ = ("codec", "nbytes", "_payload", "_head", "_x", "_k_rows")
 
     def __init__(self, codec: int, payload: U8 | None = None, *,
-                 fp8: tuple[U8, torch.Tensor, torch.Tensor] | None = None) -> None:
+                 fp8: tuple[U8, torch.Tensor, npt.NDArray[np.int8]] | None = None) -> None:
         self.codec = codec
         self._payload = payload
         if fp8 is not None:
@@ -727,7 +739,7 @@ def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
     want_n = sum(int(np.prod(g)) for _, _, g in groups)
     if n != want_n or data.size < _HDR.size + n:
         raise CorruptionError(f"fp8 payload has {n} scales, the shape needs {want_n}")
-    k_all = torch.from_numpy(data[_HDR.size:_HDR.size + n].view(np.int8).astype(np.int32))
+    k_all = data[_HDR.size:_HDR.size + n].view(np.int8)
     lo, hi = _K_RANGE[dtype]
     if n and (int(k_all.min()) < lo or int(k_all.max()) > hi):
         raise CorruptionError(f"fp8 scale exponent out of range [{lo}, {hi}]")
@@ -740,19 +752,19 @@ def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
         codes_np = rest
 
     pos = 0
-    k_parts = []
-    for _p, part, g in groups:
+    k_groups = []
+    for _p, _part, g in groups:
         cnt = int(np.prod(g))
-        k_parts.append(k_all[pos:pos + cnt].view(g).expand(part))
+        k_groups.append(k_all[pos:pos + cnt].reshape(g))
         pos += cnt
-    k_rows = k_parts[0] if kv == _NO_AXIS else torch.cat(k_parts, dim=kv)
+    k_np = _rows_of(k_groups, [(p, part) for p, part, _ in groups], kv)
 
     ret, work = _prepare_out(out, dtype, shape)
     if _NATIVE:
-        k8 = k_rows.to(torch.int8).contiguous().numpy().reshape(-1)
-        fp8_kernels.decode_rows(np.ascontiguousarray(codes_np), k8, base, work,
+        fp8_kernels.decode_rows(np.ascontiguousarray(codes_np), k_np.reshape(-1), base, work,
                                 finite=not flags & _FLAG_SPECIAL)
         return _finish(ret, work)
+    k_rows = torch.from_numpy(k_np.astype(np.int32))
     codes = _u8_tensor(codes_np).view(shape)
     # FP8 code -> float16 bits holding value * 2**-off (module docstring, "decode").
     bits = codes.view(torch.int8).to(torch.int16)
