@@ -393,7 +393,8 @@ def _rows_of(groups: list[npt.NDArray[np.int8]], parts: list[tuple[int, tuple[in
     from the per-part group exponents."""
     expanded = [np.broadcast_to(g, part) for g, (_, part) in zip(groups, parts)]
     if kv == _NO_AXIS:
-        return expanded[0].copy()     # C order; unlike ascontiguousarray, keeps 0-d as 0-d
+        rows: npt.NDArray[np.int8] = expanded[0].copy()   # C order; keeps 0-d as 0-d
+        return rows
     return np.concatenate(expanded, axis=kv)
 
 
