@@ -30,6 +30,8 @@ codec, bit 4 says that a zstd stage was applied on top; bits 5-7 are zero.
 * a float block with a finite magnitude ``>= 2**EMAX(dtype)`` (32768 for float16,
   2**127 for bfloat16/float32) is stored losslessly, because the FP8 value nearest to
   it, times its scale, could exceed the dtype's range and decode to infinity;
+* an FP8 payload that would not be smaller than the raw bytes (vectors of one or two
+  16-bit elements: the header and scales outweigh the saving) is stored losslessly;
 * the zstd stage is dropped when it does not make the payload smaller.
 
 FP8 payload (ids 0x01, 0x02, 0x11, 0x12)
@@ -572,7 +574,10 @@ def prepare(t: torch.Tensor, spec: CodecSpec) -> Encoded:
             and t.numel() > 0:
         base = want & _BASE_MASK
         planned = _fp8_head(t, base, spec)
-        if planned is not None:
+        raw_size = t.numel() * t.element_size()
+        # Tiny vectors (head_dim of 1-2 in 16-bit) make header + scales + codes larger
+        # than the raw bytes: then FP8 buys nothing and the block is stored losslessly.
+        if planned is not None and planned[0].size + t.numel() < raw_size:
             lazy = Encoded(base, fp8=(planned[0], t, planned[1]))
             if not spec.zstd:
                 return lazy

@@ -195,6 +195,7 @@ def test_fp8_float32_input_bit_exact() -> None:
 def test_fp8_special_values(dtype: torch.dtype) -> None:
     inf, nan = float("inf"), float("nan")
     vals = [0.0, -0.0, 1.0, -1.0, inf, -inf, nan, 1e-7, -1e-7, 3.0, 2.0 ** -24]
+    vals += [0.5] * 21                  # long enough that FP8 is smaller than raw
     x = torch.tensor(vals, dtype=torch.float32).to(dtype).reshape(1, -1)
     for fmt in ("e4m3", "e5m2"):
         base, f8, _ = FP8[fmt]
@@ -227,6 +228,18 @@ def test_huge_values_fall_back_to_lossless(dtype: torch.dtype) -> None:
         assert torch.equal(decode(cid, p, dtype, tuple(x.shape)), x)
     x[2, 5] = 2.0 ** EMAX_DTYPE[dtype] * 0.99      # just below: quantised
     assert encode(x, CodecSpec(fp8="e4m3"))[0] == FP8_E4M3
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_fp8_that_would_not_be_smaller_is_stored_losslessly(dtype: torch.dtype) -> None:
+    # head_dim 1: 12 header bytes + one scale + one code per element >= 2 raw bytes each.
+    x = torch.randn(8, 1).to(dtype)
+    cid, p = encode(x, CodecSpec(fp8="e4m3"))
+    assert cid == (FP8_E4M3 if dtype == torch.float32 else CODEC_RAW)
+    assert p.size < x.numel() * x.element_size() or cid == CODEC_RAW
+    assert cid != CODEC_RAW or torch.equal(decode(cid, p, dtype, tuple(x.shape)), x)
+    # head_dim 64: FP8 halves it, as usual.
+    assert encode(torch.randn(8, 64).to(dtype), CodecSpec(fp8="e4m3"))[0] == FP8_E4M3
 
 
 # --------------------------------------------------------------------------- round trips

@@ -64,6 +64,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -475,7 +476,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 hit = self._client.match(hashes[first:last])
             else:
                 hit = self._store.match_hashes(hashes[first:last])
-        except (KVStoreError, OSError) as e:
+        except (KVStoreError, OSError, ValueError) as e:
             _warn_once("lookup", "kvstore connector: lookup failed (no hits until it "
                        "works again): %s", e)
             return 0, False
@@ -686,10 +687,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVStoreConnectorMetadata)
         if not meta.saves:
             return
-        if self._step_load_failed:
-            # This step's forward read KV that failed to load (vLLM discards its output
-            # and recomputes): blocks computed in it may hold KV derived from garbage.
-            # Dropping them costs a cache fill; the recompute plans them again.
+        # vLLM calls this from a `finally`, so also when the forward raised: layers not
+        # reached this step still hold another request's (or no) KV.  Saving them would
+        # persist wrong bytes under the blocks' real hashes.
+        forward_failed = sys.exc_info()[1] is not None
+        if self._step_load_failed or forward_failed:
+            # (Or) this step's forward read KV that failed to load (vLLM discards its
+            # output and recomputes): blocks computed in it may hold KV derived from
+            # garbage.  Dropping them costs a cache fill; the recompute plans them again.
             self._store.count(save_dropped_blocks=len(meta.saves))
             self._staging_meta = self._staging = None
             return

@@ -141,26 +141,50 @@ class LookupServer:
 
 
 class LookupClient:
-    """The scheduler's end: ``match(hashes)`` asks the worker; thread-safe."""
+    """The scheduler's end: ``match(hashes)`` asks the worker; thread-safe.
 
-    def __init__(self, name: str) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.connect(name)
-        except OSError:
-            self._sock.close()
-            raise
+    A lookup that takes longer than ``timeout`` seconds (a stuck worker) raises instead
+    of blocking the scheduler, and drops the connection -- a late reply would otherwise
+    answer the next request -- so the next lookup reconnects.
+    """
+
+    def __init__(self, name: str, timeout: float = 10.0) -> None:
+        self._name, self._timeout = name, timeout
         self._lock = threading.Lock()
+        self._sock: socket.socket | None = self._connect()  # fails loudly at start
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._timeout)
+        try:
+            sock.connect(self._name)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def match(self, hashes: Sequence[bytes]) -> int:
         request = encode_request(hashes)
         with self._lock:
-            self._sock.sendall(request)
-            reply = _recv_exact(self._sock, _U32.size)
-        if reply is None:
-            raise ConnectionError("the kvstore worker closed the lookup connection")
+            try:
+                if self._sock is None:
+                    self._sock = self._connect()
+                self._sock.sendall(request)
+                reply = _recv_exact(self._sock, _U32.size)
+            except OSError:                      # timeouts included
+                self._drop()
+                raise
+            if reply is None:
+                self._drop()
+                raise ConnectionError("the kvstore worker closed the lookup connection")
         (hit,) = _U32.unpack(reply)
         return int(hit)
 
     def close(self) -> None:
-        self._sock.close()
+        with self._lock:
+            self._drop()

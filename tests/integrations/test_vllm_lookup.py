@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,3 +86,28 @@ def test_malformed_request_closes_the_connection(server: LookupServer) -> None:
         assert client.match(HASHES) == 4
     finally:
         client.close()
+
+
+def test_a_stuck_worker_times_out_and_the_next_lookup_reconnects(tmp_path: Path) -> None:
+    release = threading.Event()
+    calls: list[int] = []
+
+    def match(hashes: list[bytes]) -> int:
+        calls.append(len(hashes))
+        if len(calls) == 1:
+            release.wait(30)        # the worker's event loop is stuck
+        return len(hashes)
+
+    srv = LookupServer(socket_name(tmp_path / "stuck"), match)
+    client = LookupClient(srv.name, timeout=0.2)
+    try:
+        with pytest.raises(OSError):
+            client.match(HASHES[:1])
+        release.set()
+        # A fresh connection: the late reply to the first lookup cannot answer this one.
+        assert client.match(HASHES[:3]) == 3
+        assert calls == [1, 3]
+    finally:
+        release.set()
+        client.close()
+        srv.close()
