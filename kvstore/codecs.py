@@ -557,6 +557,22 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return d
 
 
+def _fp8_smaller(n_scales: int, numel: int, itemsize: int) -> bool:
+    """Whether an FP8 payload (header, scales, one code per element) is smaller than the
+    raw bytes.  Tiny vectors (head_dim 1-2 in 16-bit) make it larger: then FP8 buys
+    nothing and the block is stored losslessly."""
+    return _HDR.size + n_scales + numel < numel * itemsize
+
+
+def _zstd_stage(base: int, payload: U8, head: int) -> tuple[int, U8]:
+    """An FP8 payload (its first ``head`` bytes are header and scales) with its codes
+    zstd-compressed, or as it is when that does not make it smaller."""
+    frame = _cctx().compress(payload[head:].data)
+    if head + len(frame) < payload.size:
+        return base | ZSTD, np.concatenate([payload[:head], np.frombuffer(frame, np.uint8)])
+    return base, payload
+
+
 def prepare(t: torch.Tensor, spec: CodecSpec) -> Encoded:
     """Choose the codec for one block and do everything but the FP8 pass (see
     :class:`Encoded`); zstd stages and lossless fallbacks are computed here in full.
@@ -574,20 +590,12 @@ def prepare(t: torch.Tensor, spec: CodecSpec) -> Encoded:
             and t.numel() > 0:
         base = want & _BASE_MASK
         planned = _fp8_head(t, base, spec)
-        raw_size = t.numel() * t.element_size()
-        # Tiny vectors (head_dim of 1-2 in 16-bit) make header + scales + codes larger
-        # than the raw bytes: then FP8 buys nothing and the block is stored losslessly.
-        if planned is not None and planned[0].size + t.numel() < raw_size:
+        if planned is not None and _fp8_smaller(planned[0].size - _HDR.size, t.numel(),
+                                                t.element_size()):
             lazy = Encoded(base, fp8=(planned[0], t, planned[1]))
             if not spec.zstd:
                 return lazy
-            p = lazy.payload()
-            head = planned[0].size
-            frame = _cctx().compress(p[head:].data)
-            if head + len(frame) < p.size:
-                return Encoded(base | ZSTD,
-                               np.concatenate([p[:head], np.frombuffer(frame, np.uint8)]))
-            return Encoded(base, p)
+            return Encoded(*_zstd_stage(base, lazy.payload(), planned[0].size))
     raw = _as_bytes_u8(t)
     if spec.zstd and raw.size > 0:
         planes = _encode_planes(raw, t.element_size())

@@ -20,12 +20,10 @@ available.
 from __future__ import annotations
 
 import functools
-import struct
 
 import numpy as np
 import numpy.typing as npt
 import torch
-import zstandard
 
 from kvstore import codecs
 from kvstore.codecs import FP8_E4M3, FP8_E5M2, ZSTD, CodecSpec
@@ -36,11 +34,11 @@ __all__ = ["ScaleGroups", "decode", "decode_device", "decode_host", "encode",
            "encode_device", "encode_host", "scale_groups"]
 
 U8 = npt.NDArray[np.uint8]
-_HDR = struct.Struct("<BBBBBBBxI")  # codecs.py "FP8 payload" table
-_NO_AXIS = 0xFF
-_GRANS = ("token_head", "head", "token", "tensor")
+# The codec's own payload header, axis marker, granularity names and exponent ranges, so
+# the GPU path cannot drift from the format it must reproduce.
+_HDR, _NO_AXIS, _GRANS, _K_RANGE = (codecs._HDR, codecs._NO_AXIS, codecs.GRANULARITIES,
+                                    codecs._K_RANGE)
 _DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-_K_RANGE = {0: (-15, 15), 1: (-126, 126), 2: (-126, 126)}
 
 
 class ScaleGroups:
@@ -92,7 +90,10 @@ def scale_groups(shape: tuple[int, ...], spec: CodecSpec) -> ScaleGroups:
 
 def _fp8_applies(dtype: torch.dtype, shape: tuple[int, ...], spec: CodecSpec) -> bool:
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    return spec.fp8 is not None and dtype in _DTYPE_CODE and len(shape) >= 1 and numel > 0
+    if spec.fp8 is None or dtype not in _DTYPE_CODE or len(shape) < 1 or numel == 0:
+        return False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return codecs._fp8_smaller(scale_groups(shape, spec).n, numel, itemsize)
 
 
 def _base(spec: CodecSpec) -> int:
@@ -108,12 +109,7 @@ def _assemble(base: int, spec: CodecSpec, sg: ScaleGroups, status: int,
     _HDR.pack_into(out.data, 0, 1, status & 1, gk, gv, kv, tok, head_ax, sg.n)
     out[_HDR.size:head] = scales.view(np.uint8)
     out[head:] = codes
-    if not spec.zstd:
-        return base, out
-    frame = zstandard.ZstdCompressor(level=codecs.ZSTD_LEVEL).compress(out[head:].data)
-    if head + len(frame) < out.size:
-        return base | ZSTD, np.concatenate([out[:head], np.frombuffer(frame, np.uint8)])
-    return base, out
+    return codecs._zstd_stage(base, out, head) if spec.zstd else (base, out)
 
 
 # ------------------------------------------------------------------------ encode
@@ -213,20 +209,13 @@ def _parse(codec: int, payload: codecs.Payload, dtype: torch.dtype,
     if sg.fields != (gk, gv, kv, tok, head) or n != sg.n or data.size < _HDR.size + n:
         raise CorruptionError(f"fp8 payload has {n} scales, the shape needs {sg.n}")
     scales = data[_HDR.size:_HDR.size + n].view(np.int8)
-    lo, hi = _K_RANGE[_DTYPE_CODE[dtype]]
+    lo, hi = _K_RANGE[dtype]
     if n and (int(scales.min()) < lo or int(scales.max()) > hi):
         raise CorruptionError(f"fp8 scale exponent out of range [{lo}, {hi}]")
     rest = data[_HDR.size + n:]
     numel = sg.rows * sg.head_dim
     if codec & ZSTD:
-        try:
-            if zstandard.frame_content_size(rest.data) != numel:
-                raise CorruptionError("zstd frame size does not match the block")
-            codes = np.frombuffer(zstandard.ZstdDecompressor().decompress(rest.data), np.uint8)
-        except zstandard.ZstdError as e:
-            raise CorruptionError(f"zstd frame does not decode: {e}") from None
-        if codes.size != numel:
-            raise CorruptionError("zstd frame size does not match the block")
+        codes = codecs._decompress(rest, numel)   # one frame of exactly numel bytes
     elif rest.size != numel:
         raise CorruptionError(f"fp8 payload has {rest.size} code bytes, the block needs {numel}")
     else:

@@ -225,6 +225,15 @@ def test_kernel_twin_stores_huge_blocks_losslessly_like_the_codec(
     assert np.array_equal(payload, codecs.encode(x, CodecSpec(fp8="e4m3"))[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kernel_twin_stores_tiny_vectors_like_the_codec(dtype: torch.dtype,
+                                                        host_lib: _lib.Library) -> None:
+    # head_dim 1: an FP8 payload would not be smaller than 16-bit raw bytes.
+    x = torch.randn(8, 1).to(dtype)
+    for spec in (CodecSpec(fp8="e4m3"), CodecSpec(fp8="e5m2", zstd=True)):
+        _check(x, spec, host_lib)
+
+
 @given(seed=st.integers(0, 2 ** 32 - 1), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
        fmt=st.sampled_from(["e4m3", "e5m2"]), gran=st.sampled_from(codecs.GRANULARITIES))
 def test_kernel_twin_matches_codec_on_random_bit_patterns(
