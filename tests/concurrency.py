@@ -1,0 +1,131 @@
+"""Helpers of the concurrency tests: a device whose transfers can be held at a gate, a real
+engine by name, and a deadline that turns a hang (even a shielded one) into a failure.
+
+No sleeps: a test holds an operation at a :class:`Gate`, learns that it arrived there from
+``Gate.entered``, does what it wants to race with it, and lets it go with ``Gate.open()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from kvstore.io.probe import probe
+from kvstore.io.protocol import IOEngine, IoOp
+from kvstore.io.threads import ThreadPoolEngine
+
+DEADLINE = 60.0
+"""Seconds a scenario may take before it counts as hung (generous: CI has 2 busy cores)."""
+
+ENGINES = ["io_uring", "threads"]
+BACKENDS = ["asyncio", "trio"]
+
+
+def real_engine(kind: str, path: Path) -> IOEngine:
+    """A fresh io_uring or thread-pool engine, as ``open(engine=kind)`` would make it."""
+    path.mkdir(parents=True, exist_ok=True)
+    result = probe(str(path), kind)
+    if result.engine != kind:
+        pytest.skip(f"{kind} is not usable here: {result.reason}")
+    if kind == "io_uring":
+        from kvstore.io.uring import UringEngine
+        return UringEngine(direct=result.direct, queue_depth=16)
+    return ThreadPoolEngine(direct=result.direct, queue_depth=16)
+
+
+class Gate:
+    """Holds the next transfer of one kind.  ``hold=False`` only signals its arrival: the
+    transfer then goes to the device in the same step, so it is in the kernel's hands when
+    the test task runs next."""
+
+    def __init__(self, *, hold: bool = True) -> None:
+        self.entered = anyio.Event()
+        self._release: anyio.Event | None = anyio.Event() if hold else None
+
+    def open(self) -> None:
+        if self._release is not None:
+            self._release.set()
+
+    async def pass_through(self) -> None:
+        self.entered.set()
+        if self._release is not None:
+            await self._release.wait()
+
+
+class GatedEngine:
+    """A real engine whose next read / write / datasync call can be held at a gate (each
+    gate catches one call, then is spent)."""
+
+    def __init__(self, inner: IOEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.direct = inner.direct
+        self.gates: dict[str, Gate] = {}
+
+    def gate(self, kind: str, *, hold: bool = True) -> Gate:
+        self.gates[kind] = gate = Gate(hold=hold)
+        return gate
+
+    async def _arrive(self, kind: str) -> None:
+        gate = self.gates.pop(kind, None)
+        if gate is not None:
+            await gate.pass_through()
+
+    async def start(self, *args: Any) -> None:
+        await self.inner.start(*args)
+
+    def open_file(self, path: str, *, create: bool) -> int:
+        return self.inner.open_file(path, create=create)
+
+    def close_file(self, fd: int) -> None:
+        self.inner.close_file(fd)
+
+    async def write(self, ops: Sequence[IoOp]) -> None:
+        await self._arrive("write")
+        await self.inner.write(ops)
+
+    async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
+        await self._arrive("read")
+        return await self.inner.read(ops)
+
+    async def datasync(self, fds: Sequence[int]) -> None:
+        await self._arrive("datasync")
+        await self.inner.datasync(fds)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Let other tasks (and the writer thread) run until ``condition`` holds.  Bounded by the
+    scenario's deadline, not by a timer."""
+    while not condition():
+        await anyio.sleep(0)
+
+
+def run_within(scenario: Callable[[], Awaitable[Any]], backend: str,
+               seconds: float = DEADLINE) -> Any:
+    """Run ``scenario`` on ``backend`` in its own thread and fail if it has not ended within
+    ``seconds``.  A thread, not ``fail_after``: the hangs this catches sit in shielded
+    scopes, which no cancellation reaches."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = anyio.run(scenario, backend=backend)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="scenario", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"the scenario hung: it had not ended after {seconds:.0f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
