@@ -84,6 +84,7 @@ from kvstore.index import (
     Txn,
     init_meta,
 )
+from kvstore.lock import StoreLock
 
 RECLAIMABLE = "reclaimable"
 DAMAGE = "damage"
@@ -199,12 +200,6 @@ def _verify_slot(raw: bytes, key: bytes | None, entry: IndexEntry | None, deep: 
     return header
 
 
-def _lock(path: str) -> Any:
-    from kvstore.store import _Lock  # the same lock the store takes
-
-    return _Lock(path)
-
-
 def check(path: str, *, repair: bool = False, deep: bool = False,
           progress: ProgressFn | None = None) -> Report:
     """Check (and with ``repair`` fix) the store at ``path``; see the module docstring."""
@@ -217,7 +212,7 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
             raise IndexCorruptionError(f"{path} has extent files but no index; run "
                                        f"`python -m kvstore fsck {path} --rebuild-index`")
         raise FileNotFoundError(f"no kvstore at {path}")
-    lock = _lock(path)
+    lock = StoreLock(path)  # the same lock the store takes
     index = Index(os.path.join(path, "index"), map_size=64 << 30, sync=True)
     writer = IndexWriter(index)
     reader = _Reader()
@@ -576,7 +571,7 @@ def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
     started = time.perf_counter()
     report = Report(path=path, deep=True, repair=True)
     progress = progress or (lambda stage, done, total: None)
-    lock = _lock(path)
+    lock = StoreLock(path)  # the same lock the store takes
     reader = _Reader()
     try:
         directory = os.path.join(path, EXTENT_DIR)

@@ -17,18 +17,30 @@ thread (:class:`IndexWriter`), which also does group commit: jobs that queue up 
 a commit is being fsynced are applied together in the next transaction, each in a
 nested transaction so one failing job cannot undo the others.  Reads use short
 read-only transactions on the calling thread; LMDB reads never block on the writer.
+
+Every transaction the store needs is a method here (``commit_puts``, ``delete_blocks``,
+``evict``, ``quarantine``, ``pin``, ``add_extent``), so no caller builds one over raw
+tables.  LMDB errors are translated per job: a job that fills the memory map is retried
+after the map grows (``set_mapsize``, between transactions, while no reader is inside
+one) up to the store's ``index_map_bytes``; past that it fails with
+:class:`~kvstore.errors.StoreFullError`, other LMDB errors with ``StoreIOError``.  Nothing
+LMDB raises leaves this module untranslated.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import operator
 import os
 import queue
 import struct
+import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import replace
 from itertools import compress, count
 from typing import Any, TypeVar
@@ -40,14 +52,17 @@ from kvstore.errors import (
     FormatVersionError,
     IndexCorruptionError,
     KVStoreError,
+    StoreClosedError,
     StoreFullError,
     StoreIOError,
 )
 from kvstore.format import (
     FORMAT_VERSION,
+    PAGE,
     IndexEntry,
     decode_extent_key,
     decode_free_key,
+    extent_key,
     free_key,
     lru_key,
     pack_count,
@@ -58,6 +73,12 @@ from kvstore.format import (
 
 T = TypeVar("T")
 Txn = Any  # lmdb.Transaction (untyped module)
+Touched = dict[bytes, int]  # key -> last use (us) of recent gets, written lazily
+
+INITIAL_MAP_BYTES = 1 << 30
+"""The LMDB map starts at this size (or ``index_map_bytes`` if smaller) and doubles when
+full, up to ``index_map_bytes``.  A map is address space, not disk: the data file only
+grows as the index does."""
 
 _DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru")
 
@@ -69,14 +90,54 @@ META_SEQ = b"seq"
 META_NAMESPACE_PREFIX = b"namespace:"
 
 
+class _ResizeGate:
+    """Readers on any thread vs. the writer growing the map: LMDB allows ``set_mapsize``
+    only while no transaction of this process is open."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._resizing = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._resizing = True
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
 class Index:
-    """An open LMDB environment and its tables."""
+    """An open LMDB environment and its tables.  ``map_size`` is the most the memory map
+    may grow to (``open(index_map_bytes=...)``)."""
 
     def __init__(self, path: str, *, map_size: int, sync: bool) -> None:
         os.makedirs(path, exist_ok=True)
+        self.map_limit = map_size
+        self._gate = _ResizeGate()
         try:
             self.env = lmdb.open(
-                path, map_size=map_size, subdir=True, max_dbs=len(_DBS), sync=sync,
+                path, map_size=min(map_size, INITIAL_MAP_BYTES), subdir=True, max_dbs=len(_DBS), sync=sync,
                 metasync=sync, readahead=False, meminit=False, max_readers=256, lock=True)
         except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
                 lmdb.VersionMismatchError) as e:
@@ -93,55 +154,79 @@ class Index:
     def close(self) -> None:
         self.env.close()
 
-    # ------------------------------------------------------------------ reads
+    @contextmanager
+    def begin(self, *, buffers: bool = False) -> Iterator[Txn]:
+        """A read-only transaction (the map is not resized while one is open)."""
+        with self._gate.reading():
+            txn: Txn = self.env.begin(buffers=True) if buffers else self.env.begin()
+            with txn:
+                yield txn
 
-    def read(self) -> Any:
-        return self.env.begin(buffers=False)
+    def grow_map(self) -> bool:
+        """Double the memory map up to ``map_limit`` (writer thread, between transactions);
+        False if it is at the limit already."""
+        size = self.env.info()["map_size"]
+        if size >= self.map_limit:
+            return False
+        with self._gate.exclusive():
+            self.env.set_mapsize(min(self.map_limit, 2 * size))
+        return True
+
+    # ------------------------------------------------------------------ reads
 
     def get_entries(self, keys: Sequence[bytes]) -> list[IndexEntry | None]:
         """Index entries for ``keys`` in order (None where absent), one C-level batch."""
-        with self.env.begin() as txn, txn.cursor(self.blocks) as cur:
+        with self.begin() as txn, txn.cursor(self.blocks) as cur:
             found = dict(cur.getmulti(keys))
         return [IndexEntry.decode(found[k]) if k in found else None for k in keys]
 
     def present(self, keys: Sequence[bytes]) -> set[bytes]:
         # Cursor.set_key only positions the cursor: unlike getmulti it copies no value
         # (an IndexEntry per key), which made lookups of long chains 3-5x slower.
-        with self.env.begin(buffers=True) as txn, txn.cursor(self.blocks) as cur:
+        with self.begin(buffers=True) as txn, txn.cursor(self.blocks) as cur:
             find = cur.set_key
             return {k for k in keys if find(k)}
 
     def prefix_length(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are indexed; stops at the first miss."""
-        with self.env.begin(buffers=True) as txn, txn.cursor(self.blocks) as cur:
+        with self.begin(buffers=True) as txn, txn.cursor(self.blocks) as cur:
             # lazy C-level iterators: stops at the first miss, no Python frame per key
             misses = compress(count(), map(operator.not_, map(cur.set_key, keys)))
             return next(misses, len(keys))
 
     def count_blocks(self) -> int:
-        with self.env.begin() as txn:
-            return int(txn.stat(self.blocks)["entries"])
+        return self.counts()["blocks"]
+
+    def counts(self) -> dict[str, int]:
+        """Entries in the blocks, quarantine and pins tables."""
+        with self.begin() as txn:
+            return {name: int(txn.stat(table)["entries"]) for name, table in
+                    (("blocks", self.blocks), ("quarantine", self.quarantine),
+                     ("pins", self.pins))}
 
     def iter_entries(self, table: Any = None) -> Iterator[tuple[bytes, IndexEntry]]:
-        with self.env.begin() as txn, txn.cursor(table or self.blocks) as cur:
+        with self.begin() as txn, txn.cursor(table or self.blocks) as cur:
             for k, v in cur:
                 yield k, IndexEntry.decode(v)
 
     def extents_list(self) -> dict[int, int]:
-        with self.env.begin() as txn, txn.cursor(self.extents) as cur:
+        with self.begin() as txn, txn.cursor(self.extents) as cur:
             return {decode_extent_key(k): unpack_u64(v) for k, v in cur}
 
     def free_runs(self) -> list[tuple[int, int, int]]:
-        with self.env.begin() as txn, txn.cursor(self.free) as cur:
+        with self.begin() as txn, txn.cursor(self.free) as cur:
             return [(*decode_free_key(k), unpack_u64(v)) for k, v in cur]
 
     def meta_get(self, key: bytes) -> bytes | None:
-        with self.env.begin() as txn:
+        with self.begin() as txn:
             value = txn.get(key, db=self.meta)
             return None if value is None else bytes(value)
 
+    def next_extent(self) -> int:
+        return unpack_u64(self.meta_get(META_NEXT_EXTENT) or b"")
+
     def namespaces(self) -> dict[bytes, str]:
-        with self.env.begin() as txn, txn.cursor(self.meta) as cur:
+        with self.begin() as txn, txn.cursor(self.meta) as cur:
             out = {}
             if cur.set_range(META_NAMESPACE_PREFIX):
                 for k, v in cur:
@@ -243,29 +328,108 @@ class Index:
             txn.delete(key, db=table)
         return n
 
-    def evict(self, txn: Txn, need: int, protect: set[bytes],
+    def apply_touched(self, txn: Txn, touched: Touched) -> None:
+        for key, when in touched.items():
+            self.touch(txn, key, when)
+
+    def evict(self, txn: Txn, need: int, protect: set[bytes], touched: Touched | None = None,
               scan_limit: int = 1 << 20) -> list[tuple[bytes, IndexEntry]]:
         """Unindex least-recently-used blocks that have no stored children and are not
-        pinned or protected, until ``need`` bytes are freed (or nothing more qualifies)."""
-        chosen: list[tuple[bytes, IndexEntry]] = []
+        pinned or protected, until ``need`` bytes are freed (or nothing more qualifies):
+        at most one block more than needed.  Recent gets' last use is applied first.
+
+        Strict LRU order among leaves: evicting a block can make its parent a leaf; if
+        the scan has already passed the parent's LRU row, it joins a heap that is merged
+        with the scan, so a chain is cut from its tail before a newer leaf is taken."""
+        if touched:
+            self.apply_touched(txn, touched)
+        chosen: dict[bytes, IndexEntry] = {}
         freed = 0
+        gone: Counter[bytes] = Counter()  # children of a key chosen in this pass
+        behind: list[tuple[bytes, bytes]] = []  # (lru row, key) of leaves the scan passed
+
+        def is_leaf(key: bytes) -> bool:
+            raw = txn.get(key, db=self.children)
+            return (0 if raw is None else unpack_count(raw)) <= gone[key]
+
         with txn.cursor(self.lru) as cur:
-            for n, (row, _) in enumerate(cur):
-                if freed >= need or n >= scan_limit:
+            more, scanned = cur.first(), 0
+            while freed < need:
+                ahead = bytes(cur.key()) if more and scanned < scan_limit else None
+                if behind and (ahead is None or behind[0][0] < ahead):
+                    key = heapq.heappop(behind)[1]
+                elif ahead is not None:
+                    key = ahead[8:]
+                    more, scanned = cur.next(), scanned + 1
+                else:
                     break
-                key = bytes(row[8:])
-                if key in protect or txn.get(key, db=self.children) is not None \
+                if key in protect or key in chosen or not is_leaf(key) \
                         or txn.get(key, db=self.pins) is not None:
                     continue
                 raw = txn.get(key, db=self.blocks)
                 if raw is None:
                     continue
-                entry = IndexEntry.decode(raw)
-                chosen.append((key, entry))
+                entry = chosen[key] = IndexEntry.decode(raw)
                 freed += entry.slot_len
-        for key, entry in chosen:
+                parent = entry.parent
+                if parent is None:
+                    continue
+                gone[parent] += 1
+                raw = txn.get(parent, db=self.blocks)
+                if raw is not None and is_leaf(parent):
+                    row = lru_key(IndexEntry.decode(raw).last_use, parent)
+                    if not more or row < bytes(cur.key()):  # else the scan still reaches it
+                        heapq.heappush(behind, (row, parent))
+        for key, entry in chosen.items():
             self.remove_block(txn, key, entry, quarantine=False)
-        return chosen
+        return list(chosen.items())
+
+    # ------------------------------------------------------------------ the store's transactions
+
+    def commit_puts(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]],
+                    touched: Touched, seq: int) -> None:
+        """Index written blocks: their ranges leave the free map in the same transaction."""
+        self.apply_touched(txn, touched)
+        for key, entry in entries:
+            self.take_range(txn, entry.extent, entry.offset, entry.slot_len)
+            self.add_block(txn, key, entry)
+        prev = unpack_u64(txn.get(META_SEQ, db=self.meta))
+        txn.put(META_SEQ, pack_u64(max(prev, seq)), db=self.meta)
+
+    def delete_blocks(self, txn: Txn, keys: Sequence[bytes]) -> list[IndexEntry]:
+        """Unindex ``keys`` (those stored); returns their entries, whose space is free."""
+        freed = []
+        for key in dict.fromkeys(keys):
+            raw = txn.get(key, db=self.blocks)
+            if raw is not None:
+                entry = IndexEntry.decode(raw)
+                self.remove_block(txn, key, entry, quarantine=False)
+                freed.append(entry)
+        return freed
+
+    def quarantine_blocks(self, txn: Txn, bad: Sequence[tuple[bytes, IndexEntry]]) -> None:
+        """Move blocks that failed verification out of the index, if the entry is still
+        the one that was read (a newer put of the key is left alone); their space stays
+        allocated so fsck can look at it."""
+        for key, entry in bad:
+            raw = txn.get(key, db=self.blocks)
+            current = None if raw is None else IndexEntry.decode(raw)
+            if current is not None and (current.extent, current.offset, current.seq) == \
+                    (entry.extent, entry.offset, entry.seq):
+                self.remove_block(txn, key, current, quarantine=True)
+
+    def pin(self, txn: Txn, keys: Sequence[bytes], delta: int) -> None:
+        """Add ``delta`` (+1 or -1) to each key's pin count; unpinning an unpinned key is
+        a no-op."""
+        for key in keys:
+            if delta > 0 or txn.get(key, db=self.pins) is not None:
+                self.bump(txn, self.pins, key, delta)
+
+    def add_extent(self, txn: Txn, extent_id: int, extent_bytes: int) -> None:
+        """Record a new (already durable) extent file and its free run."""
+        txn.put(extent_key(extent_id), pack_u64(extent_bytes), db=self.extents)
+        self.give_range(txn, extent_id, PAGE, extent_bytes - PAGE)
+        txn.put(META_NEXT_EXTENT, pack_u64(extent_id + 1), db=self.meta)
 
     def give_range(self, txn: Txn, extent: int, offset: int, length: int) -> None:
         """Add [offset, offset+length) to the durable free map, merging neighbours."""
@@ -299,17 +463,21 @@ class IndexWriter:
         self._index = index
         self._jobs: queue.SimpleQueue[tuple[Callable[[Txn], Any], Future[Any]] | None] = \
             queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstore-lmdb-writer", daemon=True)
         self._thread.start()
         self.commits = 0
 
     def _run(self) -> None:
-        env = self._index.env
+        retry: list[tuple[Callable[[Txn], Any], Future[Any]]] = []
         while True:
-            first = self._jobs.get()
-            if first is None:
-                return
-            batch = [first]
+            if retry:
+                batch, retry = retry, []
+            else:
+                first = self._jobs.get()
+                if first is None:
+                    return
+                batch = [first]
             while True:  # group commit: take everything that queued meanwhile
                 try:
                     nxt = self._jobs.get_nowait()
@@ -319,34 +487,57 @@ class IndexWriter:
                     self._jobs.put(None)
                     break
                 batch.append(nxt)
-            results: list[tuple[Future[Any], Any, BaseException | None]] = []
-            try:
-                with env.begin(write=True) as txn:
-                    for fn, fut in batch:
-                        child = env.begin(write=True, parent=txn)
-                        try:
-                            value = fn(child)
-                        except BaseException as e:  # noqa: BLE001 - handed to the caller
-                            child.abort()
-                            results.append((fut, None, e))
-                        else:
-                            child.commit()
-                            results.append((fut, value, None))
-                self.commits += 1
-            except lmdb.MapFullError as e:
-                err: BaseException = StoreFullError(
-                    28, f"the LMDB index is full ({e}); reopen with a larger index_map_bytes")
-                results = [(fut, None, err) for _, fut in batch]
-            except lmdb.Error as e:
-                err = StoreIOError(5, f"LMDB commit failed: {e}")
-                results = [(fut, None, err) for _, fut in batch]
-            for fut, value, exc in results:
+            done, full = self._commit(batch)
+            if full:
+                if self._index.grow_map():
+                    retry = full  # applied first in the next transaction, on a larger map
+                else:
+                    err = StoreFullError(
+                        28, f"the LMDB index reached its limit, index_map_bytes="
+                        f"{self._index.map_limit}; reopen the store with a larger "
+                        "index_map_bytes (it is address space: the index file only grows "
+                        "as it fills), or delete blocks")
+                    done += [(fut, None, err) for _, fut in full]
+            for fut, value, exc in done:
                 if exc is not None:
                     fut.set_exception(exc)
                 else:
                     fut.set_result(value)
 
+    def _commit(self, batch: list[tuple[Callable[[Txn], Any], Future[Any]]]) -> tuple[
+            list[tuple[Future[Any], Any, BaseException | None]],
+            list[tuple[Callable[[Txn], Any], Future[Any]]]]:
+        """Apply every job in one transaction, each in a nested one; returns the results
+        and the jobs that found the map full (to run again after it grows)."""
+        env = self._index.env
+        results: list[tuple[Future[Any], Any, BaseException | None]] = []
+        full: list[tuple[Callable[[Txn], Any], Future[Any]]] = []
+        try:
+            with env.begin(write=True) as txn:
+                for fn, fut in batch:
+                    child = env.begin(write=True, parent=txn)
+                    try:
+                        value = fn(child)
+                    except lmdb.MapFullError:
+                        child.abort()
+                        full.append((fn, fut))
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        child.abort()
+                        results.append((fut, None, _translate(e)))
+                    else:
+                        child.commit()
+                        results.append((fut, value, None))
+            self.commits += 1
+        except lmdb.MapFullError:  # the commit itself needed pages: run the whole batch again
+            return [], batch
+        except lmdb.Error as e:
+            err = StoreIOError(5, f"LMDB commit failed: {e}")
+            return [(fut, None, err) for _, fut in batch], []
+        return results, full
+
     def submit(self, fn: Callable[[Txn], T]) -> Future[T]:
+        if self._closed:
+            raise StoreClosedError("the index writer is closed (the store was closed)")
         fut: Future[T] = Future()
         self._jobs.put((fn, fut))
         return fut
@@ -359,14 +550,44 @@ class IndexWriter:
         """Run ``fn`` in a write transaction; returns after it is durably committed.
 
         Not cancellable midway: a commit that has started is waited for, so the caller
-        never mistakes an applied change for an absent one.
+        never mistakes an applied change for an absent one.  The result comes back through
+        the event loop's thread-safe callback, so no worker thread waits per job.
         """
         fut = self.submit(fn)
-        return await anyio.to_thread.run_sync(fut.result)
+        done = anyio.Event()
+        call_soon = _loop_callback()
+        fut.add_done_callback(lambda _: call_soon(done.set))
+        with anyio.CancelScope(shield=True):
+            await done.wait()
+        return fut.result()
 
     def close(self) -> None:
+        self._closed = True
         self._jobs.put(None)
         self._thread.join()
+
+
+def _translate(e: BaseException) -> BaseException:
+    """What a job raised, as the caller should see it: LMDB's errors become KVStoreErrors."""
+    if isinstance(e, lmdb.Error) and not isinstance(e, KVStoreError):
+        if isinstance(e, (lmdb.CorruptedError, lmdb.PageNotFoundError)):
+            return IndexCorruptionError(f"the LMDB index is damaged ({e}); run "
+                                        "`python -m kvstore fsck` on the store")
+        return StoreIOError(getattr(e, "errno", 5) or 5, f"LMDB write failed: {e}")
+    return e
+
+
+def _loop_callback() -> Callable[[Callable[[], object]], object]:
+    """The running event loop's thread-safe "call this soon" (asyncio or trio)."""
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_trio_token().run_sync_soon  # type: ignore[no-any-return]
+        except RuntimeError:  # not inside trio: asyncio runs this task
+            pass
+    import asyncio
+
+    return asyncio.get_running_loop().call_soon_threadsafe
 
 
 def namespace_key(digest: bytes) -> bytes:

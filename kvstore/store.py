@@ -1,8 +1,13 @@
-"""The async block store: the public ``open()`` and ``Store``.
+"""The async block store: the public ``open()`` and ``Store``, a coordinator.
+
+``Store`` validates a call, asks the allocator (``kvstore/allocator.py``: space, eviction,
+growth, read epochs), stages and verifies slots (``kvstore/slots.py``), moves bytes with
+the I/O engine (``kvstore/io/``) and commits through the index (``kvstore/index.py``,
+whose methods are every transaction the store runs).
 
 Commit order of a put (guarantee G1/G3, FORMAT.md "Commit protocol"):
 
-1. reserve space in the in-memory free map (nothing durable changes);
+1. reserve space in the allocator (nothing durable changes);
 2. stage header + payload in the arena, CRC32C computed over the staged bytes;
 3. write every slot (O_DIRECT), wait for all completions;
 4. fdatasync every extent written;
@@ -13,33 +18,35 @@ Commit order of a put (guarantee G1/G3, FORMAT.md "Commit protocol"):
 A crash before 5 leaves no index entry and the space still free in the index: the
 written slots are orphans that fsck reclaims.  A failed write or fdatasync turns the
 store read-only (G5): the kernel may have dropped the dirty pages, so no later
-acknowledgement could be trusted.
+acknowledgement could be trusted.  A put cancelled at any await is likewise either
+committed (5 had started: it is waited for) or absent.
 
 Reads look entries up in a read transaction, read whole slots into the arena, and check
 the slot header (key, sequence, lengths) and the payload CRC32C before a byte reaches
 the caller; a mismatch is counted, quarantined and answered as a miss (G2).
+
+Every public call runs as one tracked operation: ``aclose()`` refuses new ones
+(``StoreClosedError``), waits for those in flight, then stops the engine and the writer.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import anyio
 import torch
-from anyio.abc import TaskGroup
 
 from kvstore import codecs
+from kvstore.allocator import Allocator
 from kvstore.codecs import CODEC_RAW, CodecSpec
 from kvstore.cuda.pinned import pin_arena
 from kvstore.errors import (
     BlockTooLargeError,
-    CapacityError,
     CorruptionError,
     IndexCorruptionError,
     KVStoreError,
@@ -47,29 +54,22 @@ from kvstore.errors import (
     ReadOnlyError,
     StoreClosedError,
     StoreIOError,
-    StoreLockedError,
 )
-from kvstore.extents import create_extent_file, extent_path
+from kvstore.extents import extent_path
 from kvstore.format import (
     PAGE,
     SLOT_HEADER_BYTES,
     IndexEntry,
-    SlotHeader,
-    crc32c,
-    extent_key,
     new_store_uuid,
-    pack_u64,
     round_up,
     unpack_u64,
 )
 from kvstore.index import (
     META_EXTENT_BYTES,
-    META_NEXT_EXTENT,
     META_SEQ,
     META_UUID,
     Index,
     IndexWriter,
-    Txn,
     init_meta,
     record_namespace,
 )
@@ -78,10 +78,12 @@ from kvstore.io.probe import probe
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
-from kvstore.space import FreeSpace, ReadEpochs
+from kvstore.lock import LOCK_FILE, StoreLock
+from kvstore.slots import PutItem, encode_all, stage_all, verify_copy
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
 
-LOCK_FILE = "LOCK"
+__all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
+
 INDEX_DIR = "index"
 
 # Staging and verification of blocks at least this large run on a worker thread, so the
@@ -145,49 +147,30 @@ class PutResult:
     bytes_written: int
 
 
-class _Item:
-    """One block of a put in flight."""
+class _Operations:
+    """Calls in flight, so that ``aclose()`` can wait for every one of them."""
 
-    __slots__ = ("key", "parent", "data", "dtype", "shape", "slot_len", "extent", "offset",
-                 "crc", "seq", "codec", "raw_len", "payload_len", "encoded")
+    def __init__(self) -> None:
+        self.running = 0
+        self.draining = False  # aclose() is waiting for the calls in flight
+        self._idle: anyio.Event | None = None
 
-    def __init__(self, key: bytes, parent: bytes | None, data: torch.Tensor, dtype: int,
-                 shape: tuple[int, ...]) -> None:
-        self.key, self.parent, self.data, self.dtype, self.shape = key, parent, data, dtype, shape
-        self.slot_len = round_up(SLOT_HEADER_BYTES + data.numel())
-        self.extent = self.offset = self.crc = self.seq = 0
-        self.codec, self.raw_len = CODEC_RAW, data.numel()
-        self.payload_len = self.raw_len
-        self.encoded: codecs.Encoded | None = None
-
-    def encode(self, spec: CodecSpec) -> None:
-        """Choose the codec (it may fall back to raw) and size the slot; the payload
-        bytes themselves are produced when the slot is staged (``_stage``)."""
-        value = self.data.view(CODE_DTYPES[self.dtype]).reshape(self.shape)
-        encoded = codecs.prepare(value, spec)
-        if encoded.codec != CODEC_RAW:
-            self.encoded, self.codec, self.payload_len = encoded, encoded.codec, encoded.nbytes
-            self.slot_len = round_up(SLOT_HEADER_BYTES + self.payload_len)
-
-
-class _Lock:
-    """An exclusive ``flock`` on PATH/LOCK, held for the life of the store."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        self.running += 1
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self.fd)
-            raise StoreLockedError(
-                11, f"store {path} is already open (holder pid {holder}); close it there "
-                "first: one store directory is served by one Store at a time") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            self.running -= 1
+            if not self.running and self._idle is not None:
+                self._idle.set()
 
-    def release(self) -> None:
-        os.close(self.fd)  # closing the descriptor drops the flock
+    async def drain(self) -> None:
+        self.draining = True
+        while self.running:
+            self._idle = anyio.Event()
+            await self._idle.wait()
+        self.draining = False
 
 
 class Store:
@@ -208,8 +191,9 @@ class Store:
         self.durable = sync
         self._capacity_option = capacity_bytes
         self._pin_staging = pin_staging
-        self._lock = _Lock(self.path)
+        self._lock = StoreLock(self.path)
         self._closed = False
+        self._ops = _Operations()
         self._cleanups: list[Any] = [self._lock.release]
         try:
             self._open(namespace, allow_new_namespace, engine, sync, extent_bytes,
@@ -257,18 +241,19 @@ class Store:
 
         self._fds: dict[int, int] = {}
         self._cleanups.append(self._close_fds)
-        for extent_id in self.index.extents_list():
+        extents = self.index.extents_list()
+        for extent_id in extents:
             path = extent_path(self.path, extent_id)
             try:
-                self._fds[extent_id] = self.engine.open_file(path, create=False)
+                self._open_extent(extent_id)
             except FileNotFoundError:
                 raise IndexCorruptionError(
                     f"extent file {path} named by the index is missing; run "
                     f"`python -m kvstore fsck {self.path}` to see what is lost") from None
-        self.space = FreeSpace()
-        for run in self.index.free_runs():
-            self.space.free(*run)
-        self.epochs = ReadEpochs(self.space)
+        self.allocator = Allocator(
+            path=self.path, index=self.index, writer=self.writer, extent_bytes=self.extent_bytes,
+            store_uuid=self.store_uuid, extents=extents, free_runs=self.index.free_runs(),
+            capacity_bytes=self._capacity_option, on_new_extent=self._open_extent)
         self.arena = Arena(staging_bytes)
         self._cleanups.append(self.arena.close)
         # Pinned for DMA; unregistered by the cleanup below, which runs before the unmap.
@@ -282,15 +267,11 @@ class Store:
         self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
                                           "dedup_bytes", "gets", "hits", "misses", "read_bytes",
                                           "corrupt_blocks", "read_errors", "deletes",
-                                          "evicted_blocks", "evicted_bytes",
                                           "put_payload_bytes")}
-        self._touched: dict[bytes, int] = {}
-        self._space_event: anyio.Event | None = None
-        self._peak_used = self.used_bytes
-        self.capacity_bytes = self._default_capacity() if self._capacity_option is None \
-            else int(self._capacity_option)
-        if self.capacity_bytes < PAGE:
-            raise ValueError(f"capacity_bytes must be at least {PAGE}")
+
+    def _open_extent(self, extent_id: int) -> None:
+        self._fds[extent_id] = self.engine.open_file(extent_path(self.path, extent_id),
+                                                     create=False)
 
     def _check_namespace(self, namespace: Namespace | None, allow_new: bool) -> None:
         if namespace is None:
@@ -318,23 +299,24 @@ class Store:
             with suppress(Exception):
                 fn()
 
-    async def _start(self, task_group: TaskGroup) -> None:
+    async def _start(self) -> None:
         # anyio primitives are made here, on the event loop, not in the opening thread.
-        self._grow_lock = anyio.Lock()
-        await self.engine.start(task_group)
+        self.allocator.start()
+        await self.engine.start()
 
     async def aclose(self) -> None:
-        """Close the store; waits for I/O in flight.  Idempotent."""
+        """Close the store: new calls raise ``StoreClosedError``; calls in flight (puts,
+        gets, their quarantines, deletes) are waited for, then the engine, the index
+        writer and the files are closed.  Idempotent; not cancellable midway."""
         if self._closed:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            while self._inflight:
-                await next(iter(self._inflight.values())).wait()
-            touched = self._take_touched()
+            await self._ops.drain()
+            touched = self.allocator.take_touched()
             if touched and not self.read_only:
                 with suppress(KVStoreError):
-                    await self.writer.run(lambda txn: self._apply_touched(txn, touched))
+                    await self.writer.run(lambda txn: self.index.apply_touched(txn, touched))
             await self.engine.aclose()
             await anyio.to_thread.run_sync(self._run_cleanups)
 
@@ -351,6 +333,16 @@ class Store:
                 f"store {self.path} stopped accepting writes: {self._read_only_reason}. "
                 "Reads still work; fix the device, run `python -m kvstore fsck`, and reopen.")
 
+    @contextmanager
+    def _operation(self, *, write: bool = False) -> Iterator[None]:
+        """One public call: refused once the store is closed, waited for by ``aclose``."""
+        if write:
+            self._check_writable()
+        else:
+            self._check_open()
+        with self._ops.track():
+            yield
+
     def _fail_closed(self, why: str) -> None:
         if self._read_only_reason is None:
             self._read_only_reason = why
@@ -361,89 +353,15 @@ class Store:
 
     # ------------------------------------------------------------------ space
 
-    def _default_capacity(self) -> int:
-        """What the store already uses plus 90% of the file system's free space."""
-        st = os.statvfs(self.path)
-        return self.used_bytes + int(0.9 * st.f_bavail * st.f_frsize)
-
     @property
     def used_bytes(self) -> int:
         """Bytes of slots indexed, quarantined, reserved by puts in flight, or freed but
         still waiting for earlier readers: what ``capacity_bytes`` bounds."""
-        return len(self._fds) * (self.extent_bytes - PAGE) - self.space.free_bytes
+        return self.allocator.used_bytes
 
-    async def _reserve(self, items: Sequence[_Item]) -> None:
-        """Give every item a slot within capacity, evicting and adding extents as needed."""
-        while not await self._try_reserve(items):
-            await self._space_changed().wait()
-
-    async def _try_reserve(self, items: Sequence[_Item]) -> bool:
-        """Reserve slots for all items, or none and return False when space is held by
-        other tasks' puts in flight (then wait for a change and try again)."""
-        done: list[_Item] = []
-        protect = {item.parent for item in items if item.parent is not None}
-        mine = {item.key for item in items}
-        try:
-            for item in items:
-                while True:  # capacity is re-checked after every await, right before allocating
-                    if self.used_bytes + item.slot_len <= self.capacity_bytes:
-                        where = self.space.allocate(item.slot_len)
-                        if where is not None:
-                            break
-                        await self._grow()
-                        continue
-                    # Evict a little ahead (1/64 of capacity) so a stream of puts does not
-                    # pay one eviction transaction per block.
-                    need = self.used_bytes + item.slot_len - self.capacity_bytes
-                    if await self._evict(max(need, self.capacity_bytes // 64), protect):
-                        continue
-                    if not any(k not in mine for k in self._inflight):
-                        raise CapacityError(
-                            28, f"a batch of {sum(i.slot_len for i in items)} bytes does not fit "
-                            f"capacity_bytes={self.capacity_bytes} ({self.used_bytes} used): "
-                            "every other block is pinned or has stored children. Unpin "
-                            "blocks, delete some, or raise capacity_bytes.")
-                    # Space is held by other tasks' puts in flight: give ours back (no
-                    # hold-and-wait: a task holding space never waits here, so it finishes),
-                    # wait until some put ends or space is freed, and start over.
-                    self._unreserve(done)
-                    done.clear()
-                    return False
-                item.extent, item.offset = where
-                done.append(item)
-                self._peak_used = max(self._peak_used, self.used_bytes)
-        except BaseException:
-            self._unreserve(done)
-            raise
-        return True
-
-    async def _evict(self, need: int, protect: set[bytes]) -> int:
-        """Evict least-recently-used leaf blocks (durably, like a delete); returns bytes
-        freed.  Blocks being written by other tasks and their parents are never chosen."""
-        protect = protect | set(self._inflight)
-        touched = self._take_touched()
-
-        def evict(txn: Txn) -> list[tuple[bytes, IndexEntry]]:
-            self._apply_touched(txn, touched)
-            return self.index.evict(txn, need, protect)
-
-        evicted = await self.writer.run(evict)
-        for _, entry in evicted:
-            self.epochs.free(entry.extent, entry.offset, entry.slot_len)
-        freed = sum(e.slot_len for _, e in evicted)
-        self._counters["evicted_blocks"] += len(evicted)
-        self._counters["evicted_bytes"] += freed
-        return freed
-
-    def _take_touched(self) -> dict[bytes, int]:
-        touched, self._touched = self._touched, {}
-        return touched
-
-    def _apply_touched(self, txn: Txn, touched: dict[bytes, int]) -> None:
-        """Record last-use times of recent gets (kept in memory between write transactions:
-        LRU order is a hint and may lag by one transaction after a crash)."""
-        for key, when in touched.items():
-            self.index.touch(txn, key, when)
+    @property
+    def capacity_bytes(self) -> int:
+        return self.allocator.capacity_bytes
 
     def _check_fits(self, slot_len: int) -> None:
         if slot_len > self.extent_bytes - PAGE:
@@ -454,43 +372,6 @@ class Store:
             raise BlockTooLargeError(
                 f"a {slot_len}-byte slot does not fit the {self.arena.size}-byte staging "
                 "arena; open the store with a larger staging_bytes")
-
-    def _unreserve(self, items: Sequence[_Item]) -> None:
-        for item in items:
-            self.space.free(item.extent, item.offset, item.slot_len)
-        if items:
-            self._notify_space()
-
-    def _space_changed(self) -> anyio.Event:
-        if self._space_event is None:
-            self._space_event = anyio.Event()
-        return self._space_event
-
-    def _notify_space(self) -> None:
-        """Wake puts waiting for capacity: a put ended, or space was freed."""
-        if self._space_event is not None:
-            self._space_event.set()
-            self._space_event = None
-
-    async def _grow(self) -> None:
-        """Add one extent file (durably), then record it and its free run in the index."""
-        before = len(self.space)
-        async with self._grow_lock:
-            if len(self.space) != before:
-                return  # another task grew the store while we waited
-            extent_id = unpack_u64(self.index.meta_get(META_NEXT_EXTENT) or b"")
-            await anyio.to_thread.run_sync(
-                create_extent_file, self.path, extent_id, self.extent_bytes, self.store_uuid)
-
-            def record(txn: Txn) -> None:
-                txn.put(extent_key(extent_id), pack_u64(self.extent_bytes), db=self.index.extents)
-                self.index.give_range(txn, extent_id, PAGE, self.extent_bytes - PAGE)
-                txn.put(META_NEXT_EXTENT, pack_u64(extent_id + 1), db=self.index.meta)
-
-            await self.writer.run(record)
-            self._fds[extent_id] = self.engine.open_file(extent_path(self.path, extent_id),
-                                                         create=False)
-            self.space.free(extent_id, PAGE, self.extent_bytes - PAGE)
 
     # ------------------------------------------------------------------ put
 
@@ -505,7 +386,12 @@ class Store:
         ``codec`` overrides the store's default codec (``open(codec=...)``) for this batch;
         each block records the codec it was written with, so reads need no option.
         """
-        self._check_writable()
+        with self._operation(write=True):
+            return await self._put_many(keys, values, parents, codec)
+
+    async def _put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor],
+                        parents: Sequence[bytes | None] | None,
+                        codec: CodecSpec | None) -> PutResult:
         keys = check_keys(keys)
         values = list(values)
         if len(values) != len(keys):
@@ -529,40 +415,41 @@ class Store:
             await busy.wait()
             self._check_writable()
         present = self.index.present(keys)
-        items: list[_Item] = []
+        items: list[PutItem] = []
         dedup_bytes = 0
         for key, parent, (data, code), value in zip(keys, parent_list, staged, values):
             if key in present or key in self._inflight:
                 dedup_bytes += data.numel()
                 continue
-            items.append(_Item(key, parent, data, code, tuple(value.shape)))
+            items.append(PutItem(key, parent, data, code, tuple(value.shape)))
             self._inflight[key] = anyio.Event()
         self._counters["dedup_blocks"] += len(keys) - len(items)
         self._counters["dedup_bytes"] += dedup_bytes
         if not items:
             return PutResult(0, len(keys), 0)
         spec = codec if codec is not None else self.codec
+        self.allocator.protect(items)  # their parents stay until they are stored
         try:
             if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
                 if sum(i.raw_len for i in items) >= _OFFLOAD_BYTES:
-                    await anyio.to_thread.run_sync(_encode_all, items, spec)
+                    await anyio.to_thread.run_sync(encode_all, items, spec)
                 else:
-                    _encode_all(items, spec)
+                    encode_all(items, spec)
                 for item in items:
                     self._check_fits(item.slot_len)
             await self._put_items(items)
         finally:
             for item in items:
                 self._inflight.pop(item.key).set()
-            self._notify_space()  # its blocks are evictable now
+            self.allocator.unprotect(items)  # its blocks are evictable now
         written = sum(item.payload_len for item in items)
         self._counters["put_blocks"] += len(items)
         self._counters["put_bytes"] += sum(item.raw_len for item in items)
         self._counters["put_payload_bytes"] += written
         return PutResult(len(items), len(keys) - len(items), written)
 
-    async def _put_items(self, items: list[_Item]) -> None:
-        await self._reserve(items)
+    async def _put_items(self, items: list[PutItem]) -> None:
+        await self.allocator.reserve(items)
         committed = False
         try:
             for item in items:
@@ -577,82 +464,68 @@ class Store:
                 payload_len=item.payload_len, raw_len=item.raw_len, codec=item.codec,
                 dtype=item.dtype, payload_crc=item.crc, seq=item.seq, last_use=now,
                 parent=item.parent)) for item in items]
-            seq = self._seq
-            touched = self._take_touched()
-
-            def commit(txn: Txn) -> None:
-                self._apply_touched(txn, touched)
-                for item, (key, entry) in zip(items, entries):
-                    self.index.take_range(txn, item.extent, item.offset, item.slot_len)
-                    self.index.add_block(txn, key, entry)
-                prev = unpack_u64(txn.get(META_SEQ, db=self.index.meta))
-                txn.put(META_SEQ, pack_u64(max(prev, seq)), db=self.index.meta)
-
-            await self.writer.run(commit)
+            seq, touched = self._seq, self.allocator.take_touched()
+            await self.writer.run(lambda txn: self.index.commit_puts(txn, entries, touched, seq))
             committed = True
+            self.allocator.committed(items)
         except StoreIOError as e:
             self._fail_closed(f"I/O error while writing: {e}")
             raise
         finally:
             if not committed:
-                self._unreserve(items)
+                self.allocator.unreserve(items)
 
-    async def _write_items(self, items: list[_Item]) -> None:
+    async def _write_items(self, items: list[PutItem]) -> None:
         """Stage and write slots a chunk (a few MiB) at a time: while the device writes one
         chunk, the next is copied and checksummed (on a worker thread when it is large)."""
         errors: list[BaseException] = []
 
-        async def write_chunk(chunk: list[tuple[_Item, ArenaRun]]) -> None:
+        async def write_chunk(whole: ArenaRun, chunk: list[tuple[PutItem, ArenaRun]]) -> None:
             try:
-                if sum(run.length for _, run in chunk) >= _OFFLOAD_BYTES:
-                    await anyio.to_thread.run_sync(_stage_all, chunk)
+                if whole.length >= _OFFLOAD_BYTES:
+                    await anyio.to_thread.run_sync(stage_all, chunk)
                 else:
-                    _stage_all(chunk)
+                    stage_all(chunk)
                 await self.engine.write([IoOp(self._fds[item.extent], item.offset, run)
                                          for item, run in chunk])
             except Exception as e:  # re-raised below, unwrapped from the task group
                 errors.append(e)
             finally:
-                for _, run in chunk:
-                    self.arena.release(run)
+                self.arena.release(whole)
 
         async with anyio.create_task_group() as tg:
             for chunk in self._chunks(items, lambda item: item.slot_len):
-                runs = await self._acquire_runs([item.slot_len for item in chunk])
+                whole, runs = await self._acquire_runs([item.slot_len for item in chunk])
                 if errors:
-                    for run in runs:
-                        self.arena.release(run)
+                    self.arena.release(whole)
                     break
-                tg.start_soon(write_chunk, list(zip(chunk, runs)))
+                tg.start_soon(write_chunk, whole, list(zip(chunk, runs)))
                 await anyio.lowlevel.checkpoint()  # let the chunk start before staging more
         if errors:
             raise errors[0]
 
     def _chunks(self, items: Sequence[Any], size: Any) -> list[list[Any]]:
-        """Split ``items`` into runs of about ``_chunk_bytes`` (at least one item each)."""
+        """Split ``items`` into runs of at most ``_chunk_bytes`` (or one larger item), so
+        each chunk's staging is one arena run no larger than the arena."""
         chunks: list[list[Any]] = []
         current: list[Any] = []
         pending = 0
         for item in items:
-            current.append(item)
-            pending += size(item)
-            if pending >= self._chunk_bytes:
+            n = size(item)
+            if current and pending + n > self._chunk_bytes:
                 chunks.append(current)
                 current, pending = [], 0
+            current.append(item)
+            pending += n
         if current:
             chunks.append(current)
         return chunks
 
-    async def _acquire_runs(self, lengths: list[int]) -> list[ArenaRun]:
-        runs: list[ArenaRun] = []
-        try:
-            for n in lengths:
-                runs.append(await self.arena.acquire(n))
-        except BaseException:
-            for run in runs:
-                self.arena.release(run)
-            raise
-        return runs
+    async def _acquire_runs(self, lengths: list[int]) -> tuple[ArenaRun, list[ArenaRun]]:
+        """One arena run for a whole chunk, split per block: a task never holds part of
+        its staging while it waits for the rest (that deadlocked on a small arena)."""
+        whole = await self.arena.acquire(sum(lengths))
+        return whole, self.arena.split(whole, lengths)
 
     # ------------------------------------------------------------------ get
 
@@ -664,7 +537,11 @@ class Store:
         elements; any shape, contiguous or not, on any device) and that tensor is
         returned; ``out[i] = None`` allocates as usual.
         """
-        self._check_open()
+        with self._operation():
+            return await self._get_many(keys, out)
+
+    async def _get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None
+                        ) -> list[torch.Tensor | None]:
         keys = check_keys(keys)
         outs: list[torch.Tensor | None] = [None] * len(keys) if out is None else list(out)
         if len(outs) != len(keys):
@@ -678,17 +555,17 @@ class Store:
         self._counters["gets"] += 1
         results: list[torch.Tensor | None] = [None] * len(keys)
         corrupt: list[tuple[bytes, IndexEntry, str]] = []
-        epoch = self.epochs.begin()
+        # No await between the lookup above and this: a block deleted or evicted after it
+        # keeps its space until this read's epoch ends.
+        epoch = self.allocator.begin_read()
         try:
             await self._read_entries(keys, entries, outs, results, corrupt)
         finally:
-            self.epochs.end(epoch)
+            self.allocator.end_read(epoch)
         if corrupt:
             await self._quarantine(corrupt)
-        now = time.time_ns() // 1000
-        for key, r in zip(keys, results):
-            if r is not None:
-                self._touched[key] = now
+        self.allocator.touch((k for k, r in zip(keys, results) if r is not None),
+                             time.time_ns() // 1000)
         hits = sum(r is not None for r in results)
         self._counters["hits"] += hits
         self._counters["misses"] += len(keys) - hits
@@ -708,33 +585,40 @@ class Store:
             else:
                 wanted.append((i, entry))
 
-        def finish(batch: list[tuple[int, IndexEntry, ArenaRun]], res: list[int | OSError]) -> None:
+        def finish(batch: list[tuple[int, IndexEntry, ArenaRun]],
+                   res: list[int | OSError]) -> tuple[int, int]:
+            """Verify and copy out; returns (read errors, bytes read), which the caller
+            counts on the event loop (this may run on a worker thread)."""
+            errors = nbytes = 0
             for (i, entry, run), r in zip(batch, res):
                 if isinstance(r, OSError) or r != run.length:
-                    self._counters["read_errors"] += 1
+                    errors += 1
                     continue
                 try:
-                    results[i] = _verify_copy(run, keys[i], entry, outs[i])
-                    self._counters["read_bytes"] += entry.raw_len
+                    results[i] = verify_copy(run, keys[i], entry, outs[i])
+                    nbytes += entry.raw_len
                 except CorruptionError as e:
                     corrupt.append((keys[i], entry, str(e)))
+            return errors, nbytes
 
-        async def read_chunk(batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
+        async def read_chunk(whole: ArenaRun, batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
             try:
                 res = await self.engine.read([IoOp(self._fds[e.extent], e.offset, run)
                                               for _, e, run in batch])
-                if sum(run.length for _, _, run in batch) >= _OFFLOAD_BYTES:
-                    await anyio.to_thread.run_sync(finish, batch, res)
+                if whole.length >= _OFFLOAD_BYTES:
+                    errors, nbytes = await anyio.to_thread.run_sync(finish, batch, res)
                 else:
-                    finish(batch, res)
+                    errors, nbytes = finish(batch, res)
+                self._counters["read_errors"] += errors
+                self._counters["read_bytes"] += nbytes
             finally:
-                for _, _, run in batch:
-                    self.arena.release(run)
+                self.arena.release(whole)
 
         async with anyio.create_task_group() as tg:
             for chunk in self._chunks(wanted, lambda w: w[1].slot_len):
-                runs = await self._acquire_runs([e.slot_len for _, e in chunk])
-                tg.start_soon(read_chunk, [(i, e, run) for (i, e), run in zip(chunk, runs)])
+                whole, runs = await self._acquire_runs([e.slot_len for _, e in chunk])
+                tg.start_soon(read_chunk, whole,
+                              [(i, e, run) for (i, e), run in zip(chunk, runs)])
                 await anyio.lowlevel.checkpoint()  # let the chunk's reads go out first
 
     async def _quarantine(self, bad: list[tuple[bytes, IndexEntry, str]]) -> None:
@@ -742,76 +626,43 @@ class Store:
         self._counters["corrupt_blocks"] += len(bad)
         if self.read_only:
             return
-
-        def move(txn: Txn) -> None:
-            for key, entry, _ in bad:
-                raw = txn.get(key, db=self.index.blocks)
-                current = None if raw is None else IndexEntry.decode(raw)
-                if current is not None and (current.extent, current.offset, current.seq) == \
-                        (entry.extent, entry.offset, entry.seq):
-                    self.index.remove_block(txn, key, current, quarantine=True)
-
+        moved = [(key, entry) for key, entry, _ in bad]
         with suppress(KVStoreError):
-            await self.writer.run(move)
+            await self.writer.run(lambda txn: self.index.quarantine_blocks(txn, moved))
 
     # ------------------------------------------------------------------ queries, delete
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        self._check_open()
-        keys = check_keys(keys)
-        present = self.index.present(keys)
-        return [k in present for k in keys]
+        with self._operation():
+            keys = check_keys(keys)
+            present = self.index.present(keys)
+            return [k in present for k in keys]
 
     async def match_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are all stored (the usable cached prefix)."""
-        self._check_open()
-        keys = check_keys(keys)
-        return self.index.prefix_length(keys)
+        with self._operation():
+            return self.index.prefix_length(check_keys(keys))
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete blocks (durably); returns how many were stored."""
-        self._check_writable()
-        keys = check_keys(keys)
-
-        def delete(txn: Txn) -> list[IndexEntry]:
-            freed = []
-            for key in dict.fromkeys(keys):
-                raw = txn.get(key, db=self.index.blocks)
-                if raw is None:
-                    continue
-                entry = IndexEntry.decode(raw)
-                self.index.remove_block(txn, key, entry, quarantine=False)
-                freed.append(entry)
-            return freed
-
-        freed = await self.writer.run(delete)
-        for entry in freed:
-            self.epochs.free(entry.extent, entry.offset, entry.slot_len)
-        self._counters["deletes"] += len(freed)
-        return len(freed)
+        with self._operation(write=True):
+            keys = check_keys(keys)
+            freed = await self.writer.run(lambda txn: self.index.delete_blocks(txn, keys))
+            self.allocator.release(freed)
+            self._counters["deletes"] += len(freed)
+            return len(freed)
 
     async def pin(self, keys: Sequence[bytes]) -> None:
         """Never evict these blocks (e.g. a system prompt's chain) until ``unpin``.  Pins
         count: pinning twice needs two unpins.  Keys need not be stored yet."""
-        self._check_writable()
-        keys = check_keys(keys)
-
-        def pin(txn: Txn) -> None:
-            for key in keys:
-                self.index.bump(txn, self.index.pins, key, +1)
-
-        await self.writer.run(pin)
+        with self._operation(write=True):
+            keys = check_keys(keys)
+            await self.writer.run(lambda txn: self.index.pin(txn, keys, +1))
 
     async def unpin(self, keys: Sequence[bytes]) -> None:
-        self._check_writable()
-        keys = check_keys(keys)
-
-        def unpin(txn: Txn) -> None:
-            for key in keys:
-                if txn.get(key, db=self.index.pins) is not None:
-                    self.index.bump(txn, self.index.pins, key, -1)
-
-        await self.writer.run(unpin)
+        with self._operation(write=True):
+            keys = check_keys(keys)
+            await self.writer.run(lambda txn: self.index.pin(txn, keys, -1))
 
     # ------------------------------------------------------------------ single-block sugar
 
@@ -834,97 +685,25 @@ class Store:
         self._check_open()
         extents = self.index.extents_list()
         disk = sum(extents.values())
-        with self.index.env.begin() as txn:
-            blocks = txn.stat(self.index.blocks)["entries"]
-            quarantined = txn.stat(self.index.quarantine)["entries"]
-            pinned = txn.stat(self.index.pins)["entries"]
+        counts = self.index.counts()
         offered = self._counters["put_bytes"] + self._counters["dedup_bytes"]
-        free = self.space.free_bytes
+        alloc = self.allocator
+        free = alloc.space.free_bytes
         return StoreStats(
             path=self.path, engine=self.engine.name, o_direct=self.engine.direct,
             engine_reason=self.engine_reason, durable=self.durable, read_only=self.read_only,
-            read_only_reason=self._read_only_reason, blocks=blocks, quarantined=quarantined,
-            extents=len(extents), extent_bytes=self.extent_bytes, disk_bytes=disk,
+            read_only_reason=self._read_only_reason, blocks=counts["blocks"],
+            quarantined=counts["quarantine"], extents=len(extents),
+            extent_bytes=self.extent_bytes, disk_bytes=disk,
             free_bytes=free, stored_bytes=disk - free - PAGE * len(extents),
-            capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes,
-            peak_used_bytes=self._peak_used, pinned_blocks=pinned,
+            capacity_bytes=alloc.capacity_bytes, used_bytes=alloc.used_bytes,
+            peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
             dedup_ratio=offered / self._counters["put_bytes"] if self._counters["put_bytes"] else 1.0,
             compression_ratio=(self._counters["put_bytes"] / self._counters["put_payload_bytes"]
                                if self._counters["put_payload_bytes"] else 1.0),
             commits=self.writer.commits, cuda=self._cuda.status,
+            evicted_blocks=alloc.evicted_blocks, evicted_bytes=alloc.evicted_bytes,
             namespaces=list(self.index.namespaces().values()), **self._counters)
-
-
-def _stage(run: ArenaRun, item: _Item) -> None:
-    """Copy (or encode) one block into its arena run and write its header; CRC over the
-    staged bytes, so a caller changing the tensor meanwhile cannot make header and
-    payload disagree.
-
-    Copies go through NumPy (one memcpy on this thread) rather than torch, whose
-    intra-op thread pool adds millisecond wake-up stalls to small copies.  Encoded
-    blocks are quantised straight into the arena: no intermediate payload buffer, and
-    this runs per chunk, overlapped with the device writing the previous chunk.
-    """
-    n = item.payload_len
-    body = run.array[SLOT_HEADER_BYTES:]
-    if item.encoded is not None:
-        item.encoded.write_into(body[:n])
-        item.encoded = None            # drop the reference to the caller's tensor
-    else:
-        body[:n] = item.data.numpy()
-    body[n:] = 0
-    item.crc = crc32c(run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n])
-    header = SlotHeader(key=item.key, parent=item.parent, codec=item.codec, dtype=item.dtype,
-                        shape=item.shape, payload_len=n, raw_len=item.raw_len,
-                        payload_crc=item.crc, seq=item.seq)
-    run.view[:SLOT_HEADER_BYTES] = header.encode()
-
-
-def _encode_all(items: list[_Item], spec: CodecSpec) -> None:
-    for item in items:
-        item.encode(spec)
-
-
-def _stage_all(chunk: list[tuple[_Item, ArenaRun]]) -> None:
-    for item, run in chunk:
-        _stage(run, item)
-
-
-def _verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
-                 out: torch.Tensor | None) -> torch.Tensor:
-    """Check a slot read into the arena against its index entry and decode it."""
-    header = SlotHeader.decode(run.view)
-    if not codecs.is_known(header.codec) or header.dtype not in CODE_DTYPES:
-        raise CorruptionError(f"slot has unknown codec {header.codec} or dtype {header.dtype}")
-    if header.key != key or header.seq != entry.seq:
-        raise CorruptionError(f"slot holds another block (key {header.key.hex()}, seq {header.seq})")
-    if (header.payload_len, header.payload_crc, header.dtype) != \
-            (entry.payload_len, entry.payload_crc, entry.dtype):
-        raise CorruptionError("slot header disagrees with the index entry")
-    n = header.payload_len
-    payload = run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
-    if crc32c(payload) != header.payload_crc:
-        raise CorruptionError("payload checksum mismatch")
-    dtype = CODE_DTYPES[header.dtype]
-    src = run.array[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
-    if header.codec != CODEC_RAW:
-        return codecs.decode(header.codec, src, dtype, header.shape, out)
-    if out is not None and out.is_contiguous() and out.device.type == "cpu":
-        out.reshape(-1).view(torch.uint8).numpy()[:] = src
-        return out
-    if out is not None and out.is_contiguous() and out.device.type == "cuda":
-        # Straight from the arena run (a DMA when kvstore.cuda pinned the arena), no host
-        # copy; the run is released after this returns, so wait for the copy first.
-        out.reshape(-1).view(torch.uint8).copy_(
-            run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n], non_blocking=True)
-        torch.cuda.current_stream(out.device).synchronize()
-        return out
-    result = torch.empty(header.shape, dtype=dtype)
-    result.reshape(-1).view(torch.uint8).numpy()[:] = src
-    if out is not None:
-        out.copy_(result.reshape(out.shape))
-        return out
-    return result
 
 
 @asynccontextmanager
@@ -960,13 +739,19 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
                    memory used by transfers in flight and the largest block.
     ``queue_depth``   I/O operations in flight at once.
+    ``index_map_bytes`` the most the LMDB index may grow to.  Its memory map starts at
+                   1 GiB (or this, if smaller) and doubles when full, between
+                   transactions; past this limit puts fail with ``StoreFullError`` (reads
+                   keep working).  Address space, not disk: the file grows as it fills.
     ``codec``      default :class:`~kvstore.codecs.CodecSpec` for puts (None: raw bytes).
                    FP8 is lossy and opt-in; zstd (after FP8, or over bf16/fp16 byte planes)
                    is lossless.  Reads decode whatever each block was written with.
     ``capacity_bytes`` stored bytes (slots, 4 KiB-rounded) never exceed this, even under
                    concurrent puts: least-recently-used blocks without stored children and
-                   not pinned are evicted first (durably, like deletes), so chains never get
-                   holes; default: what the store holds plus 90% of the free disk space.
+                   not pinned are evicted first (durably, like deletes), only as much as a
+                   put needs; parents of blocks being written are never evicted, so chains
+                   never get holes; default: what the store holds plus 90% of the free disk
+                   space.
     ``pin_staging`` register the staging arena as CUDA pinned memory (kvstore.cuda), so
                    gets land where the GPU can DMA them: None (default) when CUDA is
                    usable, True requires it (CudaError if not), False never.  Unregistered
@@ -979,12 +764,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
         capacity_bytes=capacity_bytes, pin_staging=pin_staging))
     store.codec = codec
     try:
-        async with anyio.create_task_group() as tg:
-            await store._start(tg)
-            try:
-                yield store
-            finally:
-                await store.aclose()
+        await store._start()
+        yield store
     finally:
-        if not store._closed:
-            await store.aclose()
+        await store.aclose()

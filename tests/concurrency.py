@@ -76,8 +76,8 @@ class GatedEngine:
         if gate is not None:
             await gate.pass_through()
 
-    async def start(self, *args: Any) -> None:
-        await self.inner.start(*args)
+    async def start(self) -> None:
+        await self.inner.start()
 
     def open_file(self, path: str, *, create: bool) -> int:
         return self.inner.open_file(path, create=create)

@@ -5,6 +5,12 @@ anonymous ``mmap`` is.  The arena is mapped once per store and carved into page 
 for the I/O in flight; ``cuda_ext`` registers this same mapping as pinned memory so
 that NVMe -> host -> GPU needs no extra copy.  Tasks that find the arena full wait
 (anyio) until another transfer returns its run, which bounds the memory a store uses.
+
+No hold-and-wait: a transfer takes everything it needs as *one* run (``acquire`` the sum,
+then ``split`` it into per-block runs), so a task never holds part of its staging while
+it waits for the rest.  Runs held while waiting for the next chunk belong to transfers
+already on the device, which return them without needing more.  Anything up to the
+arena's size is therefore always granted eventually; more is refused at once.
 """
 
 from __future__ import annotations
@@ -81,6 +87,17 @@ class Arena:
                 self._changed = anyio.Event()
             await self._changed.wait()
         return run
+
+    def split(self, run: ArenaRun, lengths: list[int]) -> list[ArenaRun]:
+        """Per-block runs carved, back to back, from one acquired ``run`` (they are released
+        with it).  Adjacent in the arena, so the engines can merge their transfers."""
+        runs, offset = [], run.offset
+        for n in lengths:
+            runs.append(ArenaRun(self, offset, round_up(n)))
+            offset += round_up(n)
+        if offset > run.offset + run.length:
+            raise ValueError(f"{offset - run.offset} bytes do not fit a {run.length}-byte run")
+        return runs
 
     def release(self, run: ArenaRun) -> None:
         run.view.release()

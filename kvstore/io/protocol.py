@@ -1,5 +1,6 @@
 """The contract every I/O engine implements (io_uring, thread pool, and the simulated
-disk of the crash tests).  ``tests/io/conformance.py`` holds the suite each one passes.
+disk of the crash tests).  ``tests/conformance.py`` holds the suite each one passes (``tests/io/test_*.py``
+run it per engine).
 
 An engine moves bytes between arena runs and files at 4 KiB-aligned offsets and makes
 them durable; it knows nothing of keys, slots or the index.  Rules every engine keeps:
@@ -11,6 +12,9 @@ them durable; it knows nothing of keys, slots or the index.  Rules every engine 
   ``OSError``), so one unreadable block is a miss and not a failed batch.
 * ``datasync`` is ordered after every ``write`` that returned before it was called.
 * No call blocks the event loop.
+* A cancelled caller's ops are finished (or never started) before the call returns:
+  the runs are then the caller's again.  The engine owns whatever background work it
+  needs; nothing it depends on lives in a scope a caller can cancel.
 """
 
 from __future__ import annotations
@@ -18,8 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
-
-from anyio.abc import TaskGroup
 
 from kvstore.io.arena import ArenaRun
 
@@ -40,8 +42,8 @@ class IOEngine(Protocol):
     direct: bool
     """Whether files are opened with O_DIRECT (reads then always come from the device)."""
 
-    async def start(self, task_group: TaskGroup) -> None:
-        """Start background work (completion reaping) in the store's task group."""
+    async def start(self) -> None:
+        """Called once on the event loop that will use the engine, before any I/O."""
         ...
 
     def open_file(self, path: str, *, create: bool) -> int:

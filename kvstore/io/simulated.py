@@ -28,8 +28,6 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from anyio.abc import TaskGroup
-
 from kvstore.errors import StoreIOError
 from kvstore.format import PAGE
 from kvstore.io.protocol import IoOp
@@ -141,7 +139,7 @@ class SimulatedEngine:
         self.disk = disk
         self._paths: dict[int, str] = {}
 
-    async def start(self, task_group: TaskGroup) -> None:
+    async def start(self) -> None:
         return None
 
     def open_file(self, path: str, *, create: bool) -> int:

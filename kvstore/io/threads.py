@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from functools import partial
 
 import anyio
-from anyio.abc import TaskGroup
 
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import coalesce, spread
@@ -46,7 +45,7 @@ class ThreadPoolEngine:
         self.direct = direct
         self._limiter = anyio.CapacityLimiter(queue_depth)
 
-    async def start(self, task_group: TaskGroup) -> None:
+    async def start(self) -> None:
         return None
 
     def open_file(self, path: str, *, create: bool) -> int:

@@ -8,10 +8,16 @@ Uses the PyPI ``liburing`` package, release 2024.5.3 (see pyproject.toml for why
   address is not 4 KiB-aligned and fails O_DIRECT with EINVAL); the op and its
   :class:`ArenaRun` stay referenced in ``_pending`` until the kernel's completion is reaped,
   and a cancelled caller waits (shielded) for its ops before the runs are released.
-* No blocking waits: ``io_uring_wait_cqe`` would hold the GIL and the loop.  A reaper
-  task awaits ``anyio.wait_readable(eventfd)``, then reaps with ``io_uring_peek_cqe``.
-  ``io_uring_peek_batch_cqe`` is not used: this binding writes its pointer array into a
-  one-pointer field.
+* The engine owns reaping; no caller's scope can stop it.  There is no reaper task that
+  a cancelled task group could take down while ops are in the kernel (that hung shutdown
+  for good).  Instead the callers waiting for completions reap: one of them at a time
+  (the leader) awaits ``anyio.wait_readable(eventfd)`` and reaps every completion ready,
+  the others wait for its round to end and then check their own ops.  Every wait is
+  shielded, so ops in the kernel are always reaped before their buffers are reused, and
+  as long as any op is in flight some caller is reaping it.
+* No blocking waits: ``io_uring_wait_cqe`` would hold the GIL and the loop; reaping uses
+  ``io_uring_peek_cqe``.  ``io_uring_peek_batch_cqe`` is not used: this binding writes
+  its pointer array into a one-pointer field.
 * Negative ``res`` is an errno, turned into ``OSError`` per op.
 * Durability order: ``datasync`` is only called after the writes it covers completed,
   so fdatasync cannot overtake them (io_uring runs ops of one submission in any order;
@@ -29,7 +35,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-from anyio.abc import TaskGroup
 
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import Merged, coalesce, spread
@@ -57,10 +62,10 @@ def _prep_datasync(fd: int, sqe: Any) -> None:
 
 
 class _Pending:
-    __slots__ = ("event", "res", "keep")
+    __slots__ = ("done", "res", "keep")
 
     def __init__(self, keep: object) -> None:
-        self.event = anyio.Event()
+        self.done = False
         self.res = 0
         self.keep = keep  # what the kernel is pointing into, alive until reaped
 
@@ -82,23 +87,34 @@ class UringEngine:
         self._pending: dict[int, _Pending] = {}
         # CQ ring has 2x queue_depth entries; bounding in-flight ops by queue_depth means
         # the completion queue can never overflow.
-        self._slots: anyio.Semaphore | None = None  # made in start(), on the event loop
-        self._scope: anyio.CancelScope | None = None
+        self._free_slots = queue_depth
+        self._leading = False  # a caller is waiting on the eventfd and reaping
+        self._reaped: anyio.Event | None = None  # set after each reaping round
         self._closed = False
 
-    async def start(self, task_group: TaskGroup) -> None:
-        self._slots = anyio.Semaphore(self.queue_depth)
-        await task_group.start(self._reap_forever)
+    async def start(self) -> None:
+        return None
 
-    async def _reap_forever(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        with anyio.CancelScope() as scope:
-            self._scope = scope
-            task_status.started()
-            while True:
+    async def _until(self, done: Callable[[], bool]) -> None:
+        """Reap (as the leader) or wait for the leader's next round until ``done()``.
+        Callers shield this: ops in flight must be reaped before anything moves on."""
+        while not done():
+            if self._leading:
+                if self._reaped is None:
+                    self._reaped = anyio.Event()
+                await self._reaped.wait()
+                continue
+            self._leading = True
+            try:
                 await anyio.wait_readable(self._efd)
-                with suppress(BlockingIOError):  # another wake-up already drained it
+                with suppress(BlockingIOError):  # the counter was already drained
                     os.eventfd_read(self._efd)
                 self._reap()
+            finally:
+                self._leading = False
+                if self._reaped is not None:  # followers look at their ops (or lead)
+                    self._reaped.set()
+                    self._reaped = None
 
     def _reap(self) -> None:
         ring, cqe = self._ring, self._cqe
@@ -110,9 +126,8 @@ class UringEngine:
             if pending is not None:
                 pending.res = res
                 pending.keep = None
-                pending.event.set()
-                assert self._slots is not None
-                self._slots.release()
+                pending.done = True
+                self._free_slots += 1
 
     def open_file(self, path: str, *, create: bool) -> int:
         return os.open(path, open_flags(self.direct, create), 0o644)
@@ -124,17 +139,13 @@ class UringEngine:
         """Queue one SQE per (prep, keep) pair, submit, and wait for all completions."""
         if self._closed:
             raise StoreIOError(9, "I/O engine is closed")
-        ring, slots = self._ring, self._slots
-        if slots is None:
-            raise RuntimeError("UringEngine.start() was not called")
+        ring = self._ring
         waits: list[_Pending] = []
         with anyio.CancelScope(shield=True):
             for prep, keep in preps:
-                try:
-                    slots.acquire_nowait()
-                except anyio.WouldBlock:
-                    _lu.io_uring_submit(ring)  # never sleep on queued-but-unsubmitted SQEs
-                    await slots.acquire()
+                if not self._free_slots:
+                    _lu.io_uring_submit(ring)  # never wait on queued-but-unsubmitted SQEs
+                    await self._until(lambda: self._free_slots > 0)
                 sqe = _lu.io_uring_get_sqe(ring)
                 if not sqe:
                     _lu.io_uring_submit(ring)
@@ -144,10 +155,10 @@ class UringEngine:
                 sqe.user_data = ud
                 pending = _Pending(keep)
                 self._pending[ud] = pending
+                self._free_slots -= 1
                 waits.append(pending)
             _lu.io_uring_submit(ring)
-            for w in waits:
-                await w.event.wait()
+            await self._until(lambda: all(w.done for w in waits))
         return [w.res if w.res >= 0 else OSError(-w.res, os.strerror(-w.res)) for w in waits]
 
     async def write(self, ops: Sequence[IoOp]) -> None:
@@ -169,11 +180,8 @@ class UringEngine:
         if self._closed:
             return
         self._closed = True
-        with anyio.CancelScope(shield=True):
-            for pending in list(self._pending.values()):  # ops the kernel still holds
-                await pending.event.wait()
-        if self._scope is not None:
-            self._scope.cancel()
+        with anyio.CancelScope(shield=True):  # ops the kernel still holds
+            await self._until(lambda: not self._pending)
         _lu.io_uring_unregister_eventfd(self._ring)
         _lu.io_uring_queue_exit(self._ring)
         os.close(self._efd)

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstore.allocator import FreeSpace, ReadEpochs
 from kvstore.errors import IndexCorruptionError
 from kvstore.format import PAGE
 from kvstore.index import Index, IndexWriter
-from kvstore.space import FreeSpace, ReadEpochs
 
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 8)), min_size=1, max_size=60)
 

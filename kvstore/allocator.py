@@ -1,0 +1,344 @@
+"""Space of the extent files, owned by one object: the rules puts, gets, deletes and
+eviction follow when they run at the same time live here and nowhere else.
+
+Every byte of an extent's usable area (everything after its header page) is in exactly
+one of these states:
+
+``free``          in the runtime free map (:class:`FreeSpace`), ready to allocate;
+``reserved``      allocated to a put in flight, not yet indexed;
+``stored``        named by an index entry (or kept in quarantine for fsck);
+``pending-free``  unindexed (delete, eviction) but possibly still being read by a get
+                  that looked the block up before; it becomes free when every such read
+                  has ended (read epochs, LevelDB's "obsolete files no live version
+                  references").
+
+``used_bytes`` is everything but ``free``; it never exceeds ``capacity_bytes``.
+
+Reserving (:meth:`Allocator.reserve`) is all-or-nothing per batch and never waits while
+holding space, so puts cannot deadlock one another.  When a batch does not fit the
+capacity it
+
+1. counts pending-free space as already coming back (it must not evict for it);
+2. evicts least-recently-used blocks that have no stored children, are not pinned and are
+   not protected, until the rest of the shortfall is covered (no more: at most one block
+   beyond what is needed);
+3. if that is still not enough, waits for a change (a reader ends an epoch, another put
+   ends or gives its reservation back) when one can come, and otherwise raises
+   :class:`~kvstore.errors.CapacityError`.
+
+Protection is counted: every put in flight protects its own keys and its blocks'
+parents, so eviction can never cut a chain under a child that is being written.
+
+The LMDB ``free`` table is the durable free map; this module keeps its runtime mirror.
+A reserved range leaves the durable map in the transaction that indexes its block, so a
+crash before that commit leaves the space free in the index and the written bytes as
+reclaimable orphans (FORMAT.md, "Allocation").
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import anyio
+
+from kvstore.errors import CapacityError
+from kvstore.extents import create_extent_file
+from kvstore.format import PAGE, IndexEntry
+from kvstore.index import Index, IndexWriter, Touched
+
+
+class FreeSpace:
+    """Free runs ``(extent, offset) -> length``, coalesced; best-fit allocation."""
+
+    def __init__(self) -> None:
+        self._by_start: dict[tuple[int, int], int] = {}
+        self._by_end: dict[tuple[int, int], int] = {}  # (extent, end) -> offset
+        self._sizes: list[tuple[int, int, int]] = []  # sorted (length, extent, offset)
+        self.free_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._by_start)
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        return sorted((e, o, n) for (e, o), n in self._by_start.items())
+
+    def _insert(self, extent: int, offset: int, length: int) -> None:
+        self.free_bytes += length
+        self._by_start[(extent, offset)] = length
+        self._by_end[(extent, offset + length)] = offset
+        bisect.insort(self._sizes, (length, extent, offset))
+
+    def _remove(self, extent: int, offset: int) -> int:
+        length = self._by_start.pop((extent, offset))
+        self.free_bytes -= length
+        del self._by_end[(extent, offset + length)]
+        i = bisect.bisect_left(self._sizes, (length, extent, offset))
+        del self._sizes[i]
+        return length
+
+    def allocate(self, length: int) -> tuple[int, int] | None:
+        """Reserve ``length`` bytes from the smallest run that fits; None if none fits."""
+        i = bisect.bisect_left(self._sizes, (length, -1, -1))
+        if i == len(self._sizes):
+            return None
+        run_len, extent, offset = self._sizes[i]
+        self._remove(extent, offset)
+        if run_len > length:
+            self._insert(extent, offset + length, run_len - length)
+        return extent, offset
+
+    def free(self, extent: int, offset: int, length: int) -> None:
+        """Return a range; it must not overlap a free run (checked: overlap is a bug)."""
+        end = offset + length
+        if (extent, offset) in self._by_start:
+            raise AssertionError(f"double free of extent {extent} offset {offset}")
+        prev_start = self._by_end.get((extent, offset))
+        if prev_start is not None:
+            offset = prev_start
+            length += self._remove(extent, prev_start)
+        if (extent, end) in self._by_start:
+            length += self._remove(extent, end)
+        self._insert(extent, offset, length)
+
+
+class ReadEpochs:
+    """Reads in flight, so that freed ranges are reused only once no reader can still be
+    transferring them.  ``on_release`` is told when held space became free."""
+
+    def __init__(self, space: FreeSpace, on_release: Callable[[], None] = lambda: None) -> None:
+        self._space = space
+        self._on_release = on_release
+        self._epoch = 0
+        self._active: Counter[int] = Counter()
+        self._held: list[tuple[int, int, int, int]] = []  # (epoch, extent, offset, length)
+        self.held_bytes = 0
+
+    def begin(self) -> int:
+        self._active[self._epoch] += 1
+        return self._epoch
+
+    def end(self, epoch: int) -> None:
+        self._active[epoch] -= 1
+        if not self._active[epoch]:
+            del self._active[epoch]
+        self._release()
+
+    def free(self, extent: int, offset: int, length: int) -> None:
+        """Free a range once every read that began up to now has ended."""
+        self._held.append((self._epoch, extent, offset, length))
+        self.held_bytes += length
+        self._epoch += 1
+        self._release()
+
+    def _release(self) -> None:
+        oldest = min(self._active) if self._active else self._epoch
+        keep = []
+        for held in self._held:
+            if held[0] < oldest:
+                self._space.free(*held[1:])
+                self.held_bytes -= held[3]
+            else:
+                keep.append(held)
+        if len(keep) != len(self._held):
+            self._held = keep
+            self._on_release()
+
+
+class Slot(Protocol):
+    """What the allocator needs of one block of a put: its size, and where it goes."""
+
+    key: bytes
+    parent: bytes | None
+    slot_len: int
+    extent: int
+    offset: int
+
+
+class Allocator:
+    """Owns the extent files' space: free, reserved and pending-free; reserve, evict, grow."""
+
+    def __init__(self, *, path: str, index: Index, writer: IndexWriter, extent_bytes: int,
+                 store_uuid: bytes, extents: Iterable[int],
+                 free_runs: Iterable[tuple[int, int, int]], capacity_bytes: int | None,
+                 on_new_extent: Callable[[int], None]) -> None:
+        self._path, self._index, self._writer = path, index, writer
+        self.extent_bytes, self._uuid = extent_bytes, store_uuid
+        self._on_new_extent = on_new_extent
+        self._extents = len(list(extents))
+        self.space = FreeSpace()
+        for run in free_runs:
+            self.space.free(*run)
+        self.epochs = ReadEpochs(self.space, self._notify)
+        self.reserved_bytes = 0
+        self._protected: Counter[bytes] = Counter()
+        self._touched: dict[bytes, int] = {}
+        self._changed: anyio.Event | None = None
+        self._grow_lock: anyio.Lock | None = None  # made on the event loop, in start()
+        self.evicted_blocks = self.evicted_bytes = 0
+        self.capacity_bytes = self.default_capacity() if capacity_bytes is None \
+            else int(capacity_bytes)
+        if self.capacity_bytes < PAGE:
+            raise ValueError(f"capacity_bytes must be at least {PAGE}")
+        self.peak_used_bytes = self.used_bytes
+
+    def start(self) -> None:
+        self._grow_lock = anyio.Lock()
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def used_bytes(self) -> int:
+        """Stored, quarantined, reserved and pending-free bytes: what capacity bounds."""
+        return self._extents * (self.extent_bytes - PAGE) - self.space.free_bytes
+
+    @property
+    def pending_free_bytes(self) -> int:
+        return self.epochs.held_bytes
+
+    def default_capacity(self) -> int:
+        """What the store already uses plus 90% of the file system's free space."""
+        st = os.statvfs(self._path)
+        return self.used_bytes + int(0.9 * st.f_bavail * st.f_frsize)
+
+    def begin_read(self) -> int:
+        return self.epochs.begin()
+
+    def end_read(self, epoch: int) -> None:
+        self.epochs.end(epoch)
+
+    def release(self, entries: Iterable[IndexEntry]) -> None:
+        """Space of unindexed blocks: free once no earlier reader can still be reading it."""
+        for e in entries:
+            self.epochs.free(e.extent, e.offset, e.slot_len)
+
+    def touch(self, keys: Iterable[bytes], when: int) -> None:
+        """Remember gets' last use; written with the next transaction that evicts or commits
+        (LRU order is a hint: after a crash it may lag by one transaction)."""
+        for key in keys:
+            self._touched[key] = when
+
+    def take_touched(self) -> Touched:
+        touched, self._touched = self._touched, {}
+        return touched
+
+    # ------------------------------------------------------------------ puts in flight
+
+    def protect(self, items: Sequence[Slot]) -> None:
+        """A put starts: its keys and its blocks' parents must not be evicted."""
+        for item in items:
+            self._protected[item.key] += 1
+            if item.parent is not None:
+                self._protected[item.parent] += 1
+
+    def unprotect(self, items: Sequence[Slot]) -> None:
+        """A put ended (stored or not): its blocks may be evicted now; waiters look again."""
+        for item in items:
+            for key in (item.key, item.parent):
+                if key is not None:
+                    self._protected[key] -= 1
+                    if not self._protected[key]:
+                        del self._protected[key]
+        self._notify()
+
+    async def reserve(self, items: Sequence[Slot]) -> None:
+        """Give every item a slot within capacity, all or none, evicting and adding extents
+        as needed; see the module docstring for the order of resorts."""
+        total = sum(item.slot_len for item in items)
+        while True:
+            short = self.used_bytes + total - self.capacity_bytes
+            if short <= 0:
+                if self._place(items):
+                    return
+                await self._grow()
+                continue
+            evict = short - self.pending_free_bytes
+            if evict > 0 and await self._evict(evict):
+                continue
+            if self.pending_free_bytes or self.reserved_bytes:
+                # Space comes back when a reader ends its epoch or another put ends.  We
+                # hold none, so the puts we wait for can always finish.
+                await self._wait_for_change()
+                continue
+            raise CapacityError(
+                28, f"a batch of {total} bytes does not fit capacity_bytes="
+                f"{self.capacity_bytes} ({self.used_bytes} used): every other block is "
+                "pinned, has stored children or is being written. Unpin blocks, delete "
+                "some, or raise capacity_bytes.")
+
+    def _place(self, items: Sequence[Slot]) -> bool:
+        """Allocate every item, or none (no await in between: all-or-nothing)."""
+        placed: list[Slot] = []
+        for item in items:
+            where = self.space.allocate(item.slot_len)
+            if where is None:
+                self._give_back(placed)
+                return False
+            item.extent, item.offset = where
+            placed.append(item)
+        self.reserved_bytes += sum(item.slot_len for item in items)
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+        return True
+
+    def _give_back(self, items: Sequence[Slot]) -> None:
+        for item in items:
+            self.space.free(item.extent, item.offset, item.slot_len)
+
+    def unreserve(self, items: Sequence[Slot]) -> None:
+        """A put failed or was cancelled before its commit: its slots are free again."""
+        self._give_back(items)
+        self.reserved_bytes -= sum(item.slot_len for item in items)
+        if items:
+            self._notify()
+
+    def committed(self, items: Sequence[Slot]) -> None:
+        """A put's reservation became stored blocks."""
+        self.reserved_bytes -= sum(item.slot_len for item in items)
+
+    # ------------------------------------------------------------------ waiting
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def _wait_for_change(self) -> None:
+        if self._changed is None:
+            self._changed = anyio.Event()
+        await self._changed.wait()
+
+    # ------------------------------------------------------------------ evict, grow
+
+    async def _evict(self, need: int) -> int:
+        """Evict least-recently-used leaf blocks (durably, like a delete) until ``need``
+        bytes are unindexed; returns bytes freed.  Protected and pinned blocks are never
+        chosen."""
+        protect = set(self._protected)
+        touched = self.take_touched()
+        evicted = await self._writer.run(
+            lambda txn: self._index.evict(txn, need, protect, touched))
+        self.release(e for _, e in evicted)
+        freed = sum(e.slot_len for _, e in evicted)
+        self.evicted_blocks += len(evicted)
+        self.evicted_bytes += freed
+        return freed
+
+    async def _grow(self) -> None:
+        """Add one extent file (durably), then record it and its free run in the index."""
+        assert self._grow_lock is not None, "Allocator.start() was not called"
+        before = self._extents
+        async with self._grow_lock:
+            if self._extents != before:
+                return  # another task grew the store while we waited
+            extent_id = self._index.next_extent()
+            await anyio.to_thread.run_sync(
+                create_extent_file, self._path, extent_id, self.extent_bytes, self._uuid)
+            await self._writer.run(
+                lambda txn: self._index.add_extent(txn, extent_id, self.extent_bytes))
+            self._on_new_extent(extent_id)
+            self._extents += 1
+            self.space.free(extent_id, PAGE, self.extent_bytes - PAGE)
+            self._notify()

@@ -1,0 +1,113 @@
+"""One slot's bytes: stage a block into its arena run (header, payload, CRC32C) and verify
+a slot read back against its index entry before a byte reaches the caller (G2).
+
+Slot layout: FORMAT.md, "Slots".  The store stages and verifies through this module only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore import codecs
+from kvstore.codecs import CODEC_RAW, CodecSpec
+from kvstore.errors import CorruptionError
+from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, round_up
+from kvstore.io.arena import ArenaRun
+from kvstore.tensors import CODE_DTYPES
+
+
+class PutItem:
+    """One block of a put in flight (and, for the allocator, the slot it goes to)."""
+
+    __slots__ = ("key", "parent", "data", "dtype", "shape", "slot_len", "extent", "offset",
+                 "crc", "seq", "codec", "raw_len", "payload_len", "encoded")
+
+    def __init__(self, key: bytes, parent: bytes | None, data: torch.Tensor, dtype: int,
+                 shape: tuple[int, ...]) -> None:
+        self.key, self.parent, self.data, self.dtype, self.shape = key, parent, data, dtype, shape
+        self.slot_len = round_up(SLOT_HEADER_BYTES + data.numel())
+        self.extent = self.offset = self.crc = self.seq = 0
+        self.codec, self.raw_len = CODEC_RAW, data.numel()
+        self.payload_len = self.raw_len
+        self.encoded: codecs.Encoded | None = None
+
+    def encode(self, spec: CodecSpec) -> None:
+        """Choose the codec (it may fall back to raw) and size the slot; the payload
+        bytes themselves are produced when the slot is staged (``_stage``)."""
+        value = self.data.view(CODE_DTYPES[self.dtype]).reshape(self.shape)
+        encoded = codecs.prepare(value, spec)
+        if encoded.codec != CODEC_RAW:
+            self.encoded, self.codec, self.payload_len = encoded, encoded.codec, encoded.nbytes
+            self.slot_len = round_up(SLOT_HEADER_BYTES + self.payload_len)
+
+
+def stage(run: ArenaRun, item: PutItem) -> None:
+    """Copy (or encode) one block into its arena run and write its header; CRC over the
+    staged bytes, so a caller changing the tensor meanwhile cannot make header and
+    payload disagree.
+
+    Copies go through NumPy (one memcpy on this thread) rather than torch, whose
+    intra-op thread pool adds millisecond wake-up stalls to small copies.  Encoded
+    blocks are quantised straight into the arena: no intermediate payload buffer, and
+    this runs per chunk, overlapped with the device writing the previous chunk.
+    """
+    n = item.payload_len
+    body = run.array[SLOT_HEADER_BYTES:]
+    if item.encoded is not None:
+        item.encoded.write_into(body[:n])
+        item.encoded = None            # drop the reference to the caller's tensor
+    else:
+        body[:n] = item.data.numpy()
+    body[n:] = 0
+    item.crc = crc32c(run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n])
+    header = SlotHeader(key=item.key, parent=item.parent, codec=item.codec, dtype=item.dtype,
+                        shape=item.shape, payload_len=n, raw_len=item.raw_len,
+                        payload_crc=item.crc, seq=item.seq)
+    run.view[:SLOT_HEADER_BYTES] = header.encode()
+
+
+def encode_all(items: list[PutItem], spec: CodecSpec) -> None:
+    for item in items:
+        item.encode(spec)
+
+
+def stage_all(chunk: list[tuple[PutItem, ArenaRun]]) -> None:
+    for item, run in chunk:
+        stage(run, item)
+
+
+def verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """Check a slot read into the arena against its index entry and decode it."""
+    header = SlotHeader.decode(run.view)
+    if not codecs.is_known(header.codec) or header.dtype not in CODE_DTYPES:
+        raise CorruptionError(f"slot has unknown codec {header.codec} or dtype {header.dtype}")
+    if header.key != key or header.seq != entry.seq:
+        raise CorruptionError(f"slot holds another block (key {header.key.hex()}, seq {header.seq})")
+    if (header.payload_len, header.payload_crc, header.dtype) != \
+            (entry.payload_len, entry.payload_crc, entry.dtype):
+        raise CorruptionError("slot header disagrees with the index entry")
+    n = header.payload_len
+    payload = run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
+    if crc32c(payload) != header.payload_crc:
+        raise CorruptionError("payload checksum mismatch")
+    dtype = CODE_DTYPES[header.dtype]
+    src = run.array[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
+    if header.codec != CODEC_RAW:
+        return codecs.decode(header.codec, src, dtype, header.shape, out)
+    if out is not None and out.is_contiguous() and out.device.type == "cpu":
+        out.reshape(-1).view(torch.uint8).numpy()[:] = src
+        return out
+    if out is not None and out.is_contiguous() and out.device.type == "cuda":
+        # Straight from the arena run (a DMA when kvstore.cuda pinned the arena), no host
+        # copy; the run is released after this returns, so wait for the copy first.
+        out.reshape(-1).view(torch.uint8).copy_(
+            run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n], non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+        return out
+    result = torch.empty(header.shape, dtype=dtype)
+    result.reshape(-1).view(torch.uint8).numpy()[:] = src
+    if out is not None:
+        out.copy_(result.reshape(out.shape))
+        return out
+    return result
