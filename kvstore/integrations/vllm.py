@@ -13,14 +13,17 @@ Turn it on with one config entry::
 Design
 ------
 *Keys.*  vLLM already hashes every full block of a request (a chained hash over the
-prefix, covering LoRA, multimodal inputs and cache salt).  The scheduler side sees those
-hashes; it carries ``(block id, block hash)`` pairs to the worker in the step metadata,
-and both sides turn a hash into a store key with :meth:`Namespace.engine_key`.  The
-namespace holds what makes KV of one engine unusable by another: model (and revision),
-KV dtype, block size, the physical layout of the paged KV tensors (shape, stride order,
-platform), the layer names and the tensor-parallel rank.  vLLM's hash algorithm is in
-it too: block hashes are reproducible across processes with the default sha256, so a
-restarted engine finds its blocks again.
+prefix, covering the LoRA adapter's name, multimodal inputs and cache salt).  The
+scheduler side sees those hashes; it carries ``(block id, block hash)`` pairs to the
+worker in the step metadata, and both sides turn a hash into a store key with
+:meth:`Namespace.engine_key`.  The namespace holds what makes KV of one engine unusable
+by another (:mod:`kvstore.integrations.vllm_scope` lists it): a fingerprint of the
+weights loaded, the model config as vLLM applied it (overrides, RoPE, quantisation),
+model and KV cache dtypes, the codec class, block size, the physical layout of the paged
+KV tensors (shape, stride order, platform), the layer names, the tensor-parallel rank
+and vLLM's hash algorithm (reproducible across processes with the default sha256, so a
+restarted engine finds its blocks again).  A request with a LoRA adapter has its hashes
+bound to a fingerprint of the adapter's files (vLLM hashes only its name and path).
 
 *One stored block per vLLM block*, holding that block of every layer
 (``[layers, *block shape]``): a hit means the whole block is there for all layers, and a
@@ -34,26 +37,35 @@ stored (``match_prefix``: an index lookup, no data read) without ever computing 
 when the worker is in the same process (vLLM's default for one GPU worker, or
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) it shares the worker's handle; otherwise (the
 multiprocess executor, vLLM's default on CPU) it asks the worker over a local socket
-(:mod:`kvstore.integrations.vllm_lookup`).  Engines with more than one worker
-(tensor/pipeline parallel) are refused at start: each rank would need its own store.
+(:mod:`kvstore.integrations.vllm_lookup`), which answers only the scheduler of its own
+engine and key scope.  Engines with more than one worker (tensor/pipeline parallel) are
+refused at start: each rank would need its own store.
 
-*Saves* never wait for the disk: the scheduler lists the blocks that become full in a
-step; the worker drops those already stored and copies the rest out of the paged KV
+*Saves* never wait for the disk: the scheduler keeps, per request, how far its blocks
+were planned for saving, and lists every full block after that mark whose KV is
+computed by the end of the step and whose hash is known (with async scheduling a
+decode block's hash is known a step later: it is planned then); the worker drops those
+already stored and copies the rest out of the paged KV
 (per layer in ``save_kv_layer``, once the layer's attention ran; any layer not seen
 there in ``wait_for_save``) into a staging tensor it hands to a background
 ``put_many``.  The step waits only for that copy.  The copy frees vLLM to
 reuse the blocks at once, so ``request_finished`` never delays freeing.  Pending saves
 are bounded (``max_pending_save_bytes``); at shutdown and at exit they are finished.
 
-*Loads* are synchronous (``start_load_kv`` reads, verifies and scatters before the
-forward runs), since a stored block holds every layer and must be read whole anyway.
-kvstore answers a block that fails its checksum as a miss (and quarantines it).  The
-worker copies only the verified leading blocks of each request and reports the first
-failed block and everything after it through ``get_block_ids_with_load_errors``; vLLM
-then recomputes from there (this needs ``kv_load_failure_policy="recompute"``, checked
-at start) and discards that step's output.  That step's forward did read the unloaded
-blocks, so nothing it computed is saved; the recompute saves the blocks again.  Wrong
-KV therefore never reaches a served token or the store.
+*Loads* are asynchronous: a request with a hit waits in vLLM's
+``WAITING_FOR_REMOTE_KVS`` while other requests keep running; the worker reads its blocks
+in the background (``start_load_kv`` starts the read into a private buffer), and once
+the read is done (``get_finished``) copies the verified leading blocks into the paged KV
+cache and reports the request finished.  kvstore answers a block that fails its
+checksum as a miss (and quarantines it); the first failed block and everything after it
+are reported through ``get_block_ids_with_load_errors`` in the same step, and vLLM
+recomputes from there (this needs ``kv_load_failure_policy="recompute"``, checked at
+start).  vLLM registers an async-loaded request's blocks in its own prefix cache only
+when the load is finished, and only up to the verified prefix: a block that failed to
+load is never a local cache hit for a later request, even if its own request is aborted
+before recomputing it (with synchronous loads vLLM caches the blocks when it allocates
+them).  No forward ever reads a block that failed to load, so nothing computed from one
+is saved.  Wrong KV therefore never reaches a served token or the store.
 
 Hits are reported with the ``disk`` cache-hit source, so vLLM's
 ``prompt_tokens_by_source`` and connector prefix-cache metrics show them.
@@ -68,7 +80,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,6 +97,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.integrations.vllm_lookup import LookupClient, LookupServer, socket_name
+from kvstore.integrations.vllm_saves import SaveMark, plan_saves
+from kvstore.integrations.vllm_scope import LoraScopes, model_scope, scope_digest, scoped_hash
 from kvstore.keys import Namespace
 from kvstore.store import PutResult, Store
 from kvstore.store import open as open_store
@@ -118,8 +132,9 @@ class _SharedStore:
     calls into it, saves are tasks whose futures are kept until they finish.
     """
 
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(self, config: ConnectorConfig, engine_id: str) -> None:
         self.config = config
+        self.engine_id = engine_id
         self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         try:
@@ -151,15 +166,29 @@ class _SharedStore:
             return 0
         return self.portal.call(self.store.match_prefix, ns.engine_keys(hashes))
 
-    def serve_lookups(self) -> None:
-        """Answer a scheduler in another process (see :mod:`.vllm_lookup`)."""
+    def serve_lookups(self, scope: bytes) -> None:
+        """Answer this engine's scheduler in another process (see :mod:`.vllm_lookup`).
+
+        The name is this engine's own; if it is taken, another engine of the same id
+        serves the same path (a copied config with a fixed ``engine_id``): starting would
+        let one engine's scheduler count the other's blocks, so this engine refuses.
+        """
         if self.server is None:
+            name = socket_name(self.config.path, self.engine_id)
             try:
-                self.server = LookupServer(socket_name(self.config.path), self.match_hashes)
-            except OSError as e:  # another engine serves this name: it would hold the store
-                _warn_once("serve", "kvstore connector: cannot serve lookups for %s: %s; "
-                           "a scheduler in another process will see no hits",
-                           self.config.path, e)
+                self.server = LookupServer(name, self.match_hashes, self.engine_id, scope)
+            except OSError as e:
+                raise RuntimeError(
+                    f"kvstore connector: cannot serve lookups for the store at "
+                    f"{self.config.path!r} as engine {self.engine_id!r}: {e}. Another "
+                    "engine with the same kv_transfer_config engine_id uses a store at this "
+                    "path (another mount namespace?); give each engine its own engine_id "
+                    "(or leave it unset) and its own store path") from e
+
+    def start_get(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]
+                  ) -> Future[list[torch.Tensor | None]]:
+        """Read blocks in the background; the future's result is ``get_many``'s."""
+        return self.portal.start_task_soon(self.store.get_many, keys, out)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.portal.call(self.store.contains_many, keys)
@@ -243,8 +272,12 @@ def _warn_once(what: str, message: str, *args: object) -> None:
         logger.warning(message, *args)
 
 
-def _join(shared: _SharedStore, config: ConnectorConfig) -> _SharedStore:
+def _join(shared: _SharedStore, config: ConnectorConfig, engine_id: str) -> _SharedStore:
     """One more user of an open store (caller holds ``_STORES_LOCK``)."""
+    if shared.engine_id != engine_id:
+        raise ValueError(f"kvstore connector: the store at {config.path!r} is already "
+                         f"used by engine {shared.engine_id!r} in this process; give each "
+                         "engine a store directory of its own")
     if shared.config != config:
         raise ValueError(f"kvstore connector: the store at {config.path!r} is already "
                          f"open in this process with other options ({shared.config})")
@@ -252,20 +285,20 @@ def _join(shared: _SharedStore, config: ConnectorConfig) -> _SharedStore:
     return shared
 
 
-def _find(config: ConnectorConfig) -> _SharedStore | None:
-    """The store a worker of this process opened at ``config.path``, if any."""
+def _find(config: ConnectorConfig, engine_id: str) -> _SharedStore | None:
+    """The store a worker of this engine opened at ``config.path`` in this process."""
     with _STORES_LOCK:
         shared = _STORES.get(os.path.realpath(config.path))
-        return None if shared is None else _join(shared, config)
+        return None if shared is None else _join(shared, config, engine_id)
 
 
-def _acquire(config: ConnectorConfig) -> _SharedStore:
+def _acquire(config: ConnectorConfig, engine_id: str) -> _SharedStore:
     key = os.path.realpath(config.path)
     with _STORES_LOCK:
         shared = _STORES.get(key)
         if shared is None:
             try:
-                shared = _SharedStore(config)
+                shared = _SharedStore(config, engine_id)
             except (KVStoreError, OSError, ValueError) as e:
                 raise RuntimeError(
                     f"kvstore connector: cannot open the store at {config.path!r}: "
@@ -274,7 +307,7 @@ def _acquire(config: ConnectorConfig) -> _SharedStore:
             _STORES[key] = shared
             shared.users += 1
             return shared
-        return _join(shared, config)
+        return _join(shared, config, engine_id)
 
 
 def _release(shared: _SharedStore) -> None:
@@ -346,11 +379,14 @@ class _Save:
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the worker: blocks to load before the forward (per request,
-    in chain order) and blocks that become full in it and are not stored yet."""
+    """One step's work for the worker: requests whose blocks to load (per request, in
+    chain order), blocks to save (full, computed by the end of the step, not planned
+    before), and whether the step runs no forward (the worker may then wait a little
+    for loads instead of returning at once)."""
 
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass
@@ -358,6 +394,21 @@ class _RequestState:
     request: Request
     block_ids: list[int] = field(default_factory=list)
     lookup_from: int = 0  # block-aligned local hit passed to the last lookup
+    saves: SaveMark = field(default_factory=SaveMark)
+
+
+@dataclass
+class _InFlightLoad:
+    load: _Load
+    buffer: torch.Tensor
+    future: Future[list[torch.Tensor | None]]
+    started_ns: int
+
+
+# How long a step that runs no forward waits for a background load before returning
+# (vLLM calls again at once while a request waits for its KV: this keeps that loop from
+# spinning, and costs nothing while other requests run, since they never wait).
+_IDLE_WAIT_S = 0.05
 
 
 # ---------------------------------------------------------------------------- connector
@@ -394,25 +445,32 @@ class KVStoreConnector(KVConnectorBase_V1):
                 "kvstore connector: models with several KV cache groups (hybrid "
                 "attention) are not supported; one stored block holds every layer")
         self._block_size = vllm_config.cache_config.block_size
+        self._engine_id = str(transfer.engine_id)
+        # Everything but the KV tensor layout: both sides derive it from the config, and
+        # compare it at the lookup handshake.
+        self._scope = model_scope(vllm_config, self._config)
+        self._scope_digest = scope_digest(self._scope)
+        self._lora = LoraScopes(self._config.weights_fingerprint)
         self._shared: _SharedStore | None = None
         self._client: LookupClient | None = None
         self._released = False
         self._counts = dict.fromkeys(("lookups", "lookup_hit_blocks"), 0)
         if role == KVConnectorRole.WORKER:
-            self._shared = _acquire(self._config)
+            self._shared = _acquire(self._config, self._engine_id)
         else:
             # vLLM builds the worker (which opens the store) before the scheduler: find
             # it in this process, or ask it over its lookup socket.
-            self._shared = _find(self._config)
+            self._shared = _find(self._config, self._engine_id)
             if self._shared is None:
+                name = socket_name(self._config.path, self._engine_id)
                 try:
-                    self._client = LookupClient(socket_name(self._config.path))
+                    self._client = LookupClient(name, self._engine_id, self._scope_digest)
                 except OSError as e:
                     raise RuntimeError(
-                        f"kvstore connector: no worker serves the store at "
-                        f"{self._config.path!r}, neither in this process nor over its lookup "
-                        f"socket ({e}); the worker opens the store and must start first"
-                    ) from e
+                        f"kvstore connector: no worker of engine {self._engine_id!r} serves "
+                        f"the store at {self._config.path!r}, neither in this process nor "
+                        f"over its lookup socket ({e}); the worker opens the store and must "
+                        "start first") from e
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[_Load] = []
@@ -425,8 +483,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._staging: torch.Tensor | None = None
         self._staging_meta: KVStoreConnectorMetadata | None = None
         self._saves: list[_Save] = []
-        self._step_load_failed = False
         self._staged_layers: set[int] = set()
+        self._loading: dict[str, _InFlightLoad] = {}
         self._load_errors: set[int] = set()
 
     # ------------------------------------------------------------------ helpers
@@ -450,14 +508,25 @@ class KVStoreConnector(KVConnectorBase_V1):
         return None if ns is None else ns.engine_keys(hashes)
 
     def _hashes(self, request: Request) -> list[bytes]:
-        """The request's full-block hashes, or none if they are not per vLLM block
-        (a hybrid model hashing at a finer granularity)."""
+        """The request's full-block hashes as store keys see them, or none if they are
+        not per vLLM block (a hybrid model hashing at a finer granularity) or the
+        request's LoRA adapter cannot be fingerprinted."""
         hashes = list(request.block_hashes)
         if len(hashes) > request.num_tokens // self._block_size:
             _warn_once("granularity", "kvstore connector: block hashes are finer than "
                        "blocks (hybrid model?); connector disabled")
             return []
-        return [bytes(h) for h in hashes]
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return [bytes(h) for h in hashes]
+        adapter = self._lora.fingerprint(lora)
+        if adapter is None:
+            _warn_once(f"lora:{getattr(lora, 'lora_path', '')}",
+                       "kvstore connector: cannot read LoRA adapter %s to fingerprint it; "
+                       "its requests are neither loaded nor saved",
+                       getattr(lora, "lora_path", lora))
+            return []
+        return [scoped_hash(bytes(h), adapter) for h in hashes]
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -481,7 +550,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                        "works again): %s", e)
             return 0, False
         self._count(lookups=1)
-        return min(hit, last - first) * self._block_size, False
+        tokens = min(hit, last - first) * self._block_size
+        # Loaded in the background: vLLM caches the blocks only once they arrived, and
+        # only the verified ones (see the module docstring).
+        return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -497,7 +569,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._count(lookup_hit_blocks=n)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVStoreConnectorMetadata(loads=self._pending_loads)
+        meta = KVStoreConnectorMetadata(
+            loads=self._pending_loads, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -520,17 +593,18 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _plan_saves(self, state: _RequestState, computed: int, scheduled: int,
                     meta: KVStoreConnectorMetadata) -> None:
-        """Blocks that become full in this step (their hash is known once all their
-        tokens are; speculative tokens have none yet, so they are never saved)."""
+        """Plan the request's blocks from its save mark on (:mod:`.vllm_saves`)."""
         hashes = self._hashes(state.request)
-        end = min((computed + scheduled) // self._block_size, len(hashes), len(state.block_ids))
-        for idx in range(computed // self._block_size, end):
+        for idx in plan_saves(state.saves, computed, scheduled, self._block_size,
+                              len(hashes), len(state.block_ids)):
             meta.saves.append(_Save(state.block_ids[idx], hashes[idx],
                                     hashes[idx - 1] if idx else None))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves copied their blocks out during the steps: nothing holds them now.
+        # Saves copied their blocks out during the steps, and vLLM itself holds the
+        # blocks of a request whose load is in flight until the worker reports it
+        # finished: nothing here delays freeing.
         self._requests.pop(request.request_id, None)
         return False, None
 
@@ -559,7 +633,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._block_shape = tuple(s for i, s in enumerate(first.shape) if i != axis)
         self._dtype = first.dtype
         self._store.namespace = self._namespace(first, axis, names)
-        self._store.serve_lookups()
+        self._store.serve_lookups(self._scope_digest)
 
     def _namespace(self, t: torch.Tensor, axis: int, names: list[str]) -> Namespace:
         from vllm.platforms import current_platform
@@ -568,64 +642,56 @@ class KVStoreConnector(KVConnectorBase_V1):
         order = sorted(range(t.dim()), key=lambda i: -t.stride()[i])
         layout = (f"vllm-v1;{current_platform.device_type};shape={'x'.join(dims)};"
                   f"order={','.join(map(str, order))}")
-        model = self._vllm_config.model_config
-        cache = self._vllm_config.cache_config
         parallel = self._vllm_config.parallel_config
+        model = str(self._vllm_config.model_config.model)
         return Namespace(
-            model=str(model.model), dtype=str(t.dtype).removeprefix("torch."),
-            block_size=self._block_size, layout=layout, tp_rank=parallel.rank,
-            tp_size=parallel.world_size,
-            extra=(("revision", str(model.revision)), ("layers", ",".join(names)),
-                   ("vllm_hash", str(cache.prefix_caching_hash_algo))))
+            # A local directory by its name only: the weights fingerprint identifies the
+            # model, so the same weights elsewhere (another mount, a copy) still hit.
+            model=os.path.basename(model.rstrip("/")) if os.path.exists(model) else model,
+            dtype=str(t.dtype).removeprefix("torch."), block_size=self._block_size,
+            layout=layout, tp_rank=parallel.rank, tp_size=parallel.world_size,
+            extra=(*self._scope, ("layers", ",".join(names))))
 
     def _block_index(self, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's loads in the background (each into a buffer of its own)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        self._step_load_failed = False
-        if meta.loads:
-            start = time.perf_counter_ns()
-            self._load(meta)
-            self._store.count(load_ns=time.perf_counter_ns() - start)
+        for load in meta.loads:
+            self._start_load(load)
 
-    def _load(self, meta: KVStoreConnectorMetadata) -> None:
-        loads = [load for load in meta.loads if load.block_ids]
-        keys = self._keys([h for load in loads for h in load.hashes])
-        if not loads:
-            return
-        n = sum(len(load.block_ids) for load in loads)
+    def _start_load(self, load: _Load) -> None:
+        n = len(load.block_ids)
         self._store.count(load_blocks=n)
-        if keys is None:  # no KV registered: nothing can be loaded
-            self._fail([bid for load in loads for bid in load.block_ids])
-            return
-        buf = torch.empty((n, len(self._layers), *self._block_shape), dtype=self._dtype)
-        try:
-            got = self._store.get_many(keys, list(buf.unbind(0)))
-        except KVStoreError as e:
-            _warn_once("load", "kvstore connector: load failed: %s", e)
-            got = [None] * n
-        rows: list[int] = []
-        dest: list[int] = []
-        pos = 0
-        for load in loads:
-            ok = next((i for i, g in enumerate(got[pos:pos + len(load.block_ids)]) if g is None),
-                      len(load.block_ids))
-            # Only a verified prefix is usable: vLLM recomputes from the first failure.
-            rows.extend(range(pos, pos + ok))
-            dest.extend(load.block_ids[:ok])
-            self._fail(load.block_ids[ok:])
-            pos += len(load.block_ids)
-        if rows:
-            self._scatter(buf[torch.tensor(rows, dtype=torch.long)], dest)
-        self._store.count(loaded_blocks=len(rows))
+        keys = self._keys(load.hashes)
+        buffer = torch.empty((n, len(self._layers), *self._block_shape), dtype=self._dtype)
+        future: Future[list[torch.Tensor | None]]
+        if keys is None or n == 0:  # no KV registered: nothing can be loaded
+            future = Future()
+            future.set_result([None] * n)
+        else:
+            future = self._store.start_get(keys, list(buffer.unbind(0)))
+        self._loading[load.req_id] = _InFlightLoad(load, buffer, future,
+                                                   time.perf_counter_ns())
 
-    def _fail(self, block_ids: Sequence[int]) -> None:
-        if block_ids:
-            self._step_load_failed = True
-        self._load_errors.update(block_ids)
-        self._store.count(load_failed_blocks=len(block_ids))
+    def _finish_load(self, inflight: _InFlightLoad) -> None:
+        """Copy a finished load's verified leading blocks into the KV cache and record
+        the first failed block and everything after it as load errors."""
+        load = inflight.load
+        try:
+            got = inflight.future.result()
+        except Exception as e:  # a failed read is a miss: vLLM recomputes
+            _warn_once("load", "kvstore connector: load failed: %s: %s", type(e).__name__, e)
+            got = [None] * len(load.block_ids)
+        ok = next((i for i, g in enumerate(got) if g is None), len(load.block_ids))
+        if ok:
+            self._scatter(inflight.buffer[:ok], load.block_ids[:ok])
+        failed = load.block_ids[ok:]
+        self._load_errors.update(failed)
+        self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed),
+                          load_ns=time.perf_counter_ns() - inflight.started_ns)
 
     def _scatter(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
         axis = self._block_axis
@@ -634,8 +700,24 @@ class KVStoreConnector(KVConnectorBase_V1):
             layer.index_copy_(axis, index, blocks[:, li].to(layer.device).movedim(0, axis))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # start_load_kv finished every layer: a stored block holds all of them.
+        # Loads finish before their request is scheduled: a stored block holds all layers.
         return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose background load is done, their blocks copied into the KV
+        cache (the failed ones reported by ``get_block_ids_with_load_errors``, which
+        vLLM calls right after this, in the same step)."""
+        if not self._loading:
+            return None, None
+        idle = self.has_connector_metadata() and getattr(
+            self._get_connector_metadata(), "idle", False)
+        if idle and not any(f.future.done() for f in self._loading.values()):
+            wait([f.future for f in self._loading.values()], timeout=_IDLE_WAIT_S,
+                 return_when=FIRST_COMPLETED)
+        done = {req_id for req_id, f in self._loading.items() if f.future.done()}
+        for req_id in done:
+            self._finish_load(self._loading.pop(req_id))
+        return None, done or None
 
     def _step_saves(self, meta: KVStoreConnectorMetadata) -> list[_Save]:
         """This step's saves less blocks the store already has (or that two requests
@@ -675,7 +757,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        if meta.saves and layer_name in self._layer_index and not self._step_load_failed:
+        if meta.saves and layer_name in self._layer_index:
             start = time.perf_counter_ns()
             self._stage(meta, self._layer_index[layer_name])
             self._store.count(save_stall_ns=time.perf_counter_ns() - start)
@@ -690,11 +772,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # vLLM calls this from a `finally`, so also when the forward raised: layers not
         # reached this step still hold another request's (or no) KV.  Saving them would
         # persist wrong bytes under the blocks' real hashes.
-        forward_failed = sys.exc_info()[1] is not None
-        if self._step_load_failed or forward_failed:
-            # (Or) this step's forward read KV that failed to load (vLLM discards its
-            # output and recomputes): blocks computed in it may hold KV derived from
-            # garbage.  Dropping them costs a cache fill; the recompute plans them again.
+        if sys.exc_info()[1] is not None:
             self._store.count(save_dropped_blocks=len(meta.saves))
             self._staging_meta = self._staging = None
             return
@@ -717,9 +795,6 @@ class KVStoreConnector(KVConnectorBase_V1):
                 _warn_once("save", "kvstore connector: save failed: %s", e)
         self._store.count(save_stall_ns=time.perf_counter_ns() - start)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -732,5 +807,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._released = True
         if self._client is not None:
             self._client.close()
+        for inflight in self._loading.values():  # their buffers, not vLLM's blocks
+            with suppress(Exception):
+                inflight.future.result()
+        self._loading.clear()
         if self._shared is not None:
             _release(self._shared)
+

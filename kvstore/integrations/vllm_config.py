@@ -39,6 +39,12 @@ class ConnectorConfig:
     ``io_engine``       ``"auto"`` (default), ``"io_uring"`` or ``"threads"``.
     ``max_pending_save_bytes``  saves in flight before a step waits for the oldest
                         (default 1 GiB of staged KV).
+    ``weights_fingerprint``  how the model's weight files enter the key scope:
+                        ``"sample"`` (default: names, sizes, headers and sampled
+                        blocks, milliseconds at start) or ``"full"`` (every byte).
+    ``model_id``        the operator's name for these exact weights (a build id, a
+                        commit), used instead of reading the files; required where
+                        the weights are not local files (streamed from object storage).
     """
 
     path: str
@@ -49,6 +55,8 @@ class ConnectorConfig:
     staging_bytes: int = 256 << 20
     io_engine: str = "auto"
     max_pending_save_bytes: int = 1 << 30
+    weights_fingerprint: str = "sample"
+    model_id: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -76,6 +84,13 @@ class ConnectorConfig:
         if extra.get("io_engine", "auto") not in ("auto", "io_uring", "threads"):
             raise ValueError("kvstore connector: io_engine must be 'auto', 'io_uring' or "
                              f"'threads', got {extra['io_engine']!r}")
+        if extra.get("weights_fingerprint", "sample") not in ("sample", "full"):
+            raise ValueError("kvstore connector: weights_fingerprint must be 'sample' or "
+                             f"'full', got {extra['weights_fingerprint']!r}")
+        model_id = extra.get("model_id")
+        if model_id is not None and (not isinstance(model_id, str) or not model_id):
+            raise ValueError("kvstore connector: model_id must be a non-empty string naming "
+                             f"these exact weights, got {model_id!r}")
         return cls(**extra)
 
     def open_options(self) -> dict[str, Any]:

@@ -6,16 +6,26 @@ directory).  When scheduler and worker share a process (vLLM's default for a sin
 worker on GPU, or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler calls the store
 directly; when they do not (the multiprocess executor, vLLM's default on CPU), the
 worker answers over a Unix socket in Linux's abstract namespace (no file to create or
-clean up; it disappears with the worker), named after the store's real path.
+clean up; it disappears with the worker), named after the store's real path and the
+engine's id (vLLM's ``kv_transfer_config.engine_id``, shared by an engine's scheduler and
+workers, unique per engine): two engines never share a name, even where the same path
+is another directory (containers with their own mount namespace but the host's network
+namespace, where abstract socket names are shared).
 
-Protocol, little-endian, one request at a time per connection::
+Protocol, little-endian.  At connect, one handshake; then one request at a time::
 
+    hello     b"KVSL", u16 version (2), u16 n, n bytes engine id (UTF-8), 16 bytes scope
+    welcome   u8 status (0 ok, 1 another engine, 2 another key scope),
+              u16 n, n bytes the server's engine id, 16 bytes the server's scope
     request   u32 n, then n times (u16 length, that many bytes of vLLM block hash)
     response  u32 how many leading hashes name stored blocks
 
-The worker turns the hashes into keys with its own namespace, so the scheduler never
-needs to know the KV layout.  Only processes of the same user are answered
-(``SO_PEERCRED``).  Nothing is pickled.
+The scope is a digest of everything the connector puts in the store's key scope that
+the scheduler knows too (model weights fingerprint, model config, KV cache dtype, ...):
+a scheduler is only ever answered by a worker of its own engine and model, so a hit it
+reports is a block its worker can load.  The worker turns the hashes into keys with its
+own namespace, so the scheduler never needs to know the KV layout.  Only processes of
+the same user are answered (``SO_PEERCRED``).  Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -28,18 +38,49 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 
-__all__ = ["MAX_HASHES", "LookupClient", "LookupServer", "socket_name"]
+__all__ = ["MAX_HASHES", "SCOPE_BYTES", "LookupClient", "LookupMismatchError", "LookupServer",
+           "socket_name"]
 
 MatchFn = Callable[[list[bytes]], int]
 MAX_HASHES = 1 << 20  # a request of more blocks than any context holds is refused
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
+_MAGIC = b"KVSL"
+_VERSION = 2
+SCOPE_BYTES = 16
+_OK, _OTHER_ENGINE, _OTHER_SCOPE = 0, 1, 2
+_MAX_ENGINE_ID = 1024
 
 
-def socket_name(store_path: str | os.PathLike[str]) -> str:
-    """The abstract socket name of the worker serving the store at ``store_path``."""
+class LookupMismatchError(ConnectionError):
+    """The lookup socket is served by another engine, or for another key scope."""
+
+
+def socket_name(store_path: str | os.PathLike[str], engine_id: str) -> str:
+    """The abstract socket name of engine ``engine_id``'s worker serving ``store_path``."""
     real = os.path.realpath(os.fspath(store_path)).encode()
-    return "\0kvstore-vllm-" + hashlib.blake2b(real, digest_size=12).hexdigest()
+    h = hashlib.blake2b(real + b"\0" + engine_id.encode(), digest_size=12)
+    return "\0kvstore-vllm-" + h.hexdigest()
+
+
+def _encode_hello(engine_id: str, scope: bytes, status: int | None = None) -> bytes:
+    ident = engine_id.encode()
+    if len(ident) > _MAX_ENGINE_ID or len(scope) != SCOPE_BYTES:
+        raise ValueError(f"engine id of at most {_MAX_ENGINE_ID} bytes and a "
+                         f"{SCOPE_BYTES}-byte scope expected")
+    head = _MAGIC + struct.pack("<H", _VERSION) if status is None else bytes([status])
+    return head + _U16.pack(len(ident)) + ident + scope
+
+
+def _read_ident(conn: socket.socket) -> tuple[str, bytes] | None:
+    size = _recv_exact(conn, _U16.size)
+    if size is None or (n := _U16.unpack(size)[0]) > _MAX_ENGINE_ID:
+        return None
+    ident = _recv_exact(conn, n)
+    scope = _recv_exact(conn, SCOPE_BYTES)
+    if ident is None or scope is None:
+        return None
+    return ident.decode("utf-8", "replace"), scope
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
@@ -82,11 +123,14 @@ def _read_request(conn: socket.socket) -> list[bytes] | None:
 
 
 class LookupServer:
-    """Answers lookups with ``match(hashes)`` on a thread per connection."""
+    """Answers lookups with ``match(hashes)`` on a thread per connection, to clients
+    of engine ``engine_id`` with key scope ``scope`` only."""
 
-    def __init__(self, name: str, match: MatchFn) -> None:
+    def __init__(self, name: str, match: MatchFn, engine_id: str, scope: bytes) -> None:
         self.name = name
         self._match = match
+        self._engine_id, self._scope = engine_id, bytes(scope)
+        _encode_hello(engine_id, self._scope)  # validates both before binding
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(name)
@@ -113,7 +157,7 @@ class LookupServer:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                     struct.calcsize("3i"))
             _pid, uid, _gid = struct.unpack("3i", creds)
-            if uid != os.getuid():
+            if uid != os.getuid() or not self._welcome(conn):
                 return
             while True:
                 try:
@@ -123,6 +167,23 @@ class LookupServer:
                     conn.sendall(_U32.pack(self._safe_match(hashes)))
                 except OSError:
                     return
+
+    def _welcome(self, conn: socket.socket) -> bool:
+        """Read the client's hello and answer it; True if lookups may follow."""
+        try:
+            magic = _recv_exact(conn, len(_MAGIC) + 2)
+            if magic is None or magic[:4] != _MAGIC or \
+                    struct.unpack("<H", magic[4:])[0] != _VERSION:
+                return False
+            peer = _read_ident(conn)
+            if peer is None:
+                return False
+            status = _OTHER_ENGINE if peer[0] != self._engine_id else \
+                _OTHER_SCOPE if peer[1] != self._scope else _OK
+            conn.sendall(_encode_hello(self._engine_id, self._scope, status))
+            return status == _OK
+        except OSError:
+            return False
 
     def _safe_match(self, hashes: list[bytes]) -> int:
         if not hashes:
@@ -145,11 +206,15 @@ class LookupClient:
 
     A lookup that takes longer than ``timeout`` seconds (a stuck worker) raises instead
     of blocking the scheduler, and drops the connection -- a late reply would otherwise
-    answer the next request -- so the next lookup reconnects.
+    answer the next request -- so the next lookup reconnects.  Every connection starts
+    with the handshake: a server of another engine or key scope raises
+    :class:`LookupMismatchError`, never answers.
     """
 
-    def __init__(self, name: str, timeout: float = 10.0) -> None:
+    def __init__(self, name: str, engine_id: str, scope: bytes, timeout: float = 10.0) -> None:
         self._name, self._timeout = name, timeout
+        self._hello = _encode_hello(engine_id, bytes(scope))
+        self._engine_id, self._scope = engine_id, bytes(scope)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = self._connect()  # fails loudly at start
 
@@ -158,6 +223,18 @@ class LookupClient:
         sock.settimeout(self._timeout)
         try:
             sock.connect(self._name)
+            sock.sendall(self._hello)
+            status = _recv_exact(sock, 1)
+            peer = None if status is None else _read_ident(sock)
+            if status is None or peer is None:
+                raise ConnectionError("the kvstore lookup server closed the connection at "
+                                      "the handshake (another program or protocol version)")
+            if status[0] != _OK:
+                what = "engine" if status[0] == _OTHER_ENGINE else "key scope"
+                raise LookupMismatchError(
+                    f"the kvstore lookup socket is served by another {what} (engine "
+                    f"{peer[0]!r}, scope {peer[1].hex()}; this scheduler is engine "
+                    f"{self._engine_id!r}, scope {self._scope.hex()})")
         except OSError:
             sock.close()
             raise

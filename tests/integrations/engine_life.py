@@ -5,10 +5,15 @@ Run with the vLLM venv's python (tests/integrations/test_vllm.py does)::
     python tests/integrations/engine_life.py SPEC.json RESULT.json
 
 SPEC: ``{"model": DIR, "prompts": [str, ...], "max_tokens": int, "store": PATH | null,
-"extra": {...}}``.  ``store: null`` runs without the connector (the reference outputs).
-Prompts are served one ``generate`` call each, in order, with vLLM's own (device) prefix
-cache reset before each: a later prompt can reuse an earlier one's blocks only through
-kvstore.  RESULT: per prompt the output token ids, vLLM's ``num_cached_tokens`` and the
+"extra": {...}}``, optionally ``"llm": {...}`` (more ``LLM`` arguments: ``hf_overrides``,
+``kv_cache_dtype``), ``"engine_id": str`` (the kv_transfer_config's), ``"abort_first":
+{"I": STEPS}`` (prompt I is first submitted through the engine, stepped STEPS times and
+aborted, then served as usual, without a prefix-cache reset in between) and ``"hold":
+true`` (after writing RESULT, print READY and keep the engine alive until stdin closes).
+``store: null`` runs without the connector (the reference outputs).  Prompts are served
+one ``generate`` call each, in order, with vLLM's own (device) prefix cache reset before
+each: a later prompt can reuse an earlier one's blocks only through kvstore (or, after
+an aborted attempt, through what that attempt left in vLLM's prefix cache).  RESULT: per prompt the output token ids, vLLM's ``num_cached_tokens`` and the
 store keys of its full blocks (vLLM's block hashes, computed here with vLLM's hash
 function, scoped by the connector's namespace: an independent check of the key
 derivation); vLLM's metrics; the connector's counters
@@ -62,8 +67,10 @@ def main(spec_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = {}
+    kwargs.update(spec.get("llm", {}))
     if spec.get("store") is not None:
         kwargs["kv_transfer_config"] = {
+            **({"engine_id": spec["engine_id"]} if "engine_id" in spec else {}),
             "kv_connector": "KVStoreConnector",
             "kv_connector_module_path": "kvstore.integrations.vllm",
             "kv_role": "kv_both",
@@ -87,8 +94,17 @@ def main(spec_path: str, result_path: str) -> None:
         return
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     outputs = []
-    for prompt in spec["prompts"]:
+    aborts = {int(i): steps for i, steps in spec.get("abort_first", {}).items()}
+    for i, prompt in enumerate(spec["prompts"]):
         assert llm.reset_prefix_cache()
+        if i in aborts:
+            engine = llm.llm_engine
+            engine.add_request(f"aborted-{i}", prompt, params)
+            for _ in range(aborts[i]):
+                engine.step()
+            engine.abort_request([f"aborted-{i}"])
+            while engine.has_unfinished_requests():  # let the abort reach the scheduler
+                engine.step()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
         outputs.append({"prompt_token_ids": list(out.prompt_token_ids),
                         "tokens": list(out.outputs[0].token_ids),
@@ -108,6 +124,9 @@ def main(spec_path: str, result_path: str) -> None:
                                      stats["namespace"])
     with open(result_path, "w") as f:
         json.dump(result, f)
+    if spec.get("hold"):
+        print("READY", flush=True)
+        sys.stdin.read()  # the test closes stdin when this engine may end
 
 
 if __name__ == "__main__":

@@ -13,17 +13,26 @@ sharing one store:
             ``SP_A``'s block 2.
 * ``C``     restart: ``LONG``'s hit ends before block 4; block 1 fails its checksum, the
             connector loads only block 0 and reports the rest failed, vLLM recomputes.
-            Block 4 is computed in the step that read the failed blocks: it must not be
-            saved from that step (its KV attended to unloaded blocks), only from the
-            recompute.  ``SP_A``'s hit ends before block 2.  Outputs equal the reference.
+            Loads are asynchronous: the failure is known before ``LONG`` runs, so no
+            forward reads an unloaded block.  ``SP_A``'s hit ends before block 2.
+            Outputs equal the reference.
 * ``D``     restart: the recomputed blocks were saved again (and right: the outputs
             still equal the reference): full hits again.
 * ``E``     restart with vLLM's multiprocess engine (its default; on CPU the worker is a
             process of its own): the scheduler asks the worker over the lookup socket;
             same hits, same outputs.
 * ``bad``   a store path that is a regular file: the engine refuses to start, saying so.
+* ``F``     ``LONG``'s block 1 corrupted again; ``LONG`` is submitted, stepped once (its
+            load fails) and aborted before it recomputes, then sent again without a
+            prefix-cache reset: a block that failed to load must not be a local cache hit.
+* ``G``     restart: the outputs still equal the reference (nothing wrong was saved).
+* ``X``     the store served by a multiprocess engine that stays up while ``Y1`` and
+            ``Y2`` run, each in a mount namespace of its own where the same store path is
+            another (empty) directory, as containers sharing the host's network namespace
+            see it: ``Y1`` must find no hits (its lookups must not reach ``X``'s worker);
+            ``Y2``, configured with ``X``'s engine id, must refuse to start.
 
-Seven engine lives of ~30-50 s each on two cores (about 5-6 minutes in all).  The vLLM venv comes from
+Twelve engine lives of ~30-50 s each on two cores (about 8-10 minutes in all).  The vLLM venv comes from
 ``tests/integrations/install_vllm_env.sh``; its python is ``$KVSTORE_VLLM_PYTHON``
 (default ``.venv-vllm/bin/python`` in the repository).
 """
@@ -33,6 +42,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,23 +77,59 @@ if not VLLM_PYTHON.exists() and os.environ.get("KVSTORE_REQUIRE_VLLM"):
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=_MISSING)
 
 
-def life(tmp: Path, name: str, model: Path, store: Path | None,
-         multiprocessing: bool = False) -> dict[str, Any]:
-    """Run one engine life in a new process and return its JSON result."""
+def _life_command(tmp: Path, name: str, model: Path, store: Path | None,
+                  multiprocessing: bool, prefix: list[str], **spec_extra: Any
+                  ) -> tuple[list[str], dict[str, str], Path]:
     spec = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "store": None if store is None else str(store),
-            "extra": {"extent_bytes": SMALL_EXTENT}}
+            "extra": {"extent_bytes": SMALL_EXTENT}, **spec_extra}
     spec_path, result_path = tmp / f"{name}.spec.json", tmp / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
                PYTHONPATH=str(REPO))
-    proc = subprocess.run([str(VLLM_PYTHON), str(HERE / "engine_life.py"), str(spec_path),
-                           str(result_path)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    return ([*prefix, str(VLLM_PYTHON), str(HERE / "engine_life.py"), str(spec_path),
+             str(result_path)], env, result_path)
+
+
+def life(tmp: Path, name: str, model: Path, store: Path | None,
+         multiprocessing: bool = False, prefix: Sequence[str] = (),
+         **spec_extra: Any) -> dict[str, Any]:
+    """Run one engine life in a new process (after ``prefix``, e.g. ``unshare``) and
+    return its JSON result, with the tail of its stderr as ``stderr``."""
+    cmd, env, result_path = _life_command(tmp, name, model, store, multiprocessing,
+                                          list(prefix), **spec_extra)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and result_path.exists(), \
         f"engine life {name} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
     result: dict[str, Any] = json.loads(result_path.read_text())
+    result["stderr"] = proc.stderr[-20000:]
     return result
+
+
+@contextmanager
+def held_life(tmp: Path, name: str, model: Path, store: Path, **spec_extra: Any
+              ) -> Iterator[dict[str, Any]]:
+    """An engine life that stays up (multiprocess) until the block ends."""
+    cmd, env, result_path = _life_command(tmp, name, model, store, True, [], hold=True,
+                                          **spec_extra)
+    with subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            ready = proc.stdout.readline()  # blocks until the engine served its prompts
+            assert ready.strip() == "READY", f"held engine life {name} ended early"
+            yield json.loads(result_path.read_text())
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=300)
+
+
+def in_own_mount_namespace(store: Path, other_dir: Path) -> list[str]:
+    """A command prefix running the rest with ``other_dir`` mounted over ``store``:
+    the same path, another directory (as in a container)."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'mount --bind "{other_dir}" "{store}" && exec "$@"', "sh"]
 
 
 async def _tamper(store_path: Path, corrupt: bytes, delete: list[bytes]) -> None:
@@ -124,6 +171,18 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     bad = tmp / "not-a-directory"
     bad.write_text("a file where the store directory should be")
     lives["bad"] = life(tmp, "bad", model, bad)
+    # A failed load, then an abort before the recompute, then the same prompt again.
+    anyio.run(_tamper, store, keys[0][1], [])
+    lives["F"] = life(tmp, "F", model, store, abort_first={"0": 1})
+    lives["G"] = life(tmp, "G", model, store)
+    # Another engine whose store path is another directory (its own mount namespace).
+    with held_life(tmp, "X", model, store, engine_id="kvstore-test-engine-x") as x:
+        lives["X"] = x
+        for name, extra in (("Y1", {}), ("Y2", {"engine_id": "kvstore-test-engine-x"})):
+            other = tmp / f"store-{name}"
+            other.mkdir()
+            lives[name] = life(tmp, name, model, store, multiprocessing=True,
+                               prefix=in_own_mount_namespace(store, other), **extra)
     return lives
 
 
@@ -210,9 +269,9 @@ def test_corrupt_and_missing_blocks_are_recomputed(scenario: dict[str, Any]) -> 
     # Fewer blocks were loaded than after a clean restart: LONG 1 instead of 5, SP_A 2
     # instead of 3.
     assert conn["loaded_blocks"] == b["connector"]["loaded_blocks"] - 4 - 1
-    # LONG's block 4, computed in the step that read the failed blocks, was dropped
-    # there and saved from the recompute, with block 1; SP_A's block 2 was saved too.
-    assert conn["save_dropped_blocks"] == 1
+    # Loads finish before their request runs: no forward read the failed blocks, so no
+    # save was dropped.  LONG's blocks 1 and 4 and SP_A's block 2 were saved again.
+    assert conn["save_dropped_blocks"] == 0
     assert conn["saved_blocks"] == 3
 
 
@@ -240,3 +299,32 @@ def test_unopenable_store_fails_at_start_with_a_clear_error(scenario: dict[str, 
     error = scenario["bad"].get("error", "")
     assert "kvstore connector: cannot open the store at" in error, error
     assert "not-a-directory" in error
+
+
+def test_a_failed_load_is_never_a_prefix_cache_hit(scenario: dict[str, Any]) -> None:
+    """LONG's load fails (block 1 corrupt) and the request is aborted before it
+    recomputes; sent again, it must not take the unloaded blocks from vLLM's own prefix
+    cache, and nothing computed from them may reach the store (life G)."""
+    f, g = scenario["F"], scenario["G"]
+    assert tokens(f) == tokens(scenario["ref"])
+    assert tokens(g) == tokens(scenario["ref"])
+    assert f["connector"]["load_failed_blocks"] >= 3  # the corruption was met
+    assert f["connector"]["store"]["corrupt_blocks"] == 1
+
+
+def test_a_second_engine_on_the_same_path_never_sees_the_first_ones_blocks(
+        scenario: dict[str, Any]) -> None:
+    """Y1's store is empty: any hit its scheduler reports came from X's worker."""
+    y1 = scenario["Y1"]
+    assert tokens(y1) == tokens(scenario["ref"])
+    assert y1["metrics"].get("vllm:prompt_tokens_by_source[external_kv_transfer]", 0) == 0
+    assert all(out["num_cached_tokens"] == 0 for out in y1["outputs"])
+    assert tokens(scenario["X"]) == tokens(scenario["ref"])
+
+
+def test_an_engine_that_cannot_serve_its_lookups_refuses_to_start(
+        scenario: dict[str, Any]) -> None:
+    """Y2 has X's engine id: its worker cannot own the lookup socket, so it refuses."""
+    y2 = scenario["Y2"]
+    assert "outputs" not in y2, "the engine started although its lookups go elsewhere"
+    assert "kvstore connector: cannot serve lookups" in y2.get("error", "") + y2["stderr"]

@@ -15,6 +15,7 @@ import kvstore
 from kvstore.integrations.vllm_lookup import (
     MAX_HASHES,
     LookupClient,
+    LookupMismatchError,
     LookupServer,
     encode_request,
     socket_name,
@@ -22,6 +23,12 @@ from kvstore.integrations.vllm_lookup import (
 
 NS = kvstore.Namespace(model="m", dtype="float32", block_size=16)
 HASHES = [bytes([i]) * 32 for i in range(6)]  # vLLM's sha256 block hashes are 32 bytes
+ENGINE = "engine-1"
+SCOPE = bytes(range(16))
+
+
+def client_of(server: LookupServer, timeout: float = 10.0) -> LookupClient:
+    return LookupClient(server.name, ENGINE, SCOPE, timeout=timeout)
 
 
 @pytest.fixture
@@ -31,8 +38,9 @@ def server(tmp_path: Path) -> Iterator[LookupServer]:
         keys = NS.engine_keys(HASHES[:4])
         store.put_many(keys, [torch.full((64,), float(i)) for i in range(4)],
                        parents=kvstore.chain_parents(keys))
-        srv = LookupServer(socket_name(tmp_path / "store"),
-                           lambda hashes: store.match_prefix(NS.engine_keys(hashes)))
+        srv = LookupServer(socket_name(tmp_path / "store", ENGINE),
+                           lambda hashes: store.match_prefix(NS.engine_keys(hashes)),
+                           ENGINE, SCOPE)
         try:
             yield srv
         finally:
@@ -40,7 +48,7 @@ def server(tmp_path: Path) -> Iterator[LookupServer]:
 
 
 def test_client_gets_the_stored_prefix_length(server: LookupServer) -> None:
-    client = LookupClient(server.name)
+    client = client_of(server)
     try:
         assert client.match(HASHES) == 4
         assert client.match(HASHES[:2]) == 2
@@ -51,22 +59,48 @@ def test_client_gets_the_stored_prefix_length(server: LookupServer) -> None:
         client.close()
 
 
-def test_socket_name_follows_the_real_path(tmp_path: Path) -> None:
+def test_socket_name_follows_the_real_path_and_the_engine(tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "store")
-    assert socket_name(tmp_path / "link") == socket_name(tmp_path / "store")
-    assert socket_name(tmp_path / "store") != socket_name(tmp_path / "other")
-    assert socket_name(tmp_path).startswith("\0")  # abstract: no file to clean up
+    assert socket_name(tmp_path / "link", ENGINE) == socket_name(tmp_path / "store", ENGINE)
+    assert socket_name(tmp_path / "store", ENGINE) != socket_name(tmp_path / "other", ENGINE)
+    # Two engines on the same path (another mount namespace) never share a name.
+    assert socket_name(tmp_path / "store", ENGINE) != socket_name(tmp_path / "store", "e2")
+    assert socket_name(tmp_path, ENGINE).startswith("\0")  # abstract: no file to clean up
+
+
+@pytest.mark.parametrize("engine,scope,what", [("engine-2", SCOPE, "another engine"),
+                                               (ENGINE, bytes(16), "another key scope")])
+def test_a_server_of_another_engine_or_scope_never_answers(
+        server: LookupServer, engine: str, scope: bytes, what: str) -> None:
+    """A scheduler reaching a worker that is not its own (a name collision) is refused
+    at the handshake instead of being told about blocks its own worker cannot load."""
+    with pytest.raises(LookupMismatchError, match=what) as info:
+        LookupClient(server.name, engine, scope)
+    assert ENGINE in str(info.value)  # names who answered
+    client_of(server).close()  # the server still serves its own scheduler
+
+
+def test_a_client_without_the_handshake_is_hung_up_on(server: LookupServer) -> None:
+    """An old-protocol client (a lookup request straight away) gets no answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect(server.name)
+        raw.sendall(encode_request(HASHES))
+        try:
+            reply = raw.recv(4)
+        except ConnectionResetError:  # hung up with our bytes unread
+            reply = b""
+        assert reply == b""
 
 
 def test_no_server_is_a_connection_error(tmp_path: Path) -> None:
     with pytest.raises(OSError):
-        LookupClient(socket_name(tmp_path / "nobody-serves-this"))
+        LookupClient(socket_name(tmp_path / "nobody-serves-this", ENGINE), ENGINE, SCOPE)
 
 
 def test_a_second_server_for_the_same_store_is_refused(server: LookupServer) -> None:
     with pytest.raises(OSError):
-        LookupServer(server.name, lambda hashes: 0)
+        LookupServer(server.name, lambda hashes: 0, ENGINE, SCOPE)
 
 
 def test_oversized_requests_are_refused_before_sending() -> None:
@@ -79,9 +113,12 @@ def test_oversized_requests_are_refused_before_sending() -> None:
 def test_malformed_request_closes_the_connection(server: LookupServer) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
         raw.connect(server.name)
+        raw.sendall(b"KVSL" + struct.pack("<HH", 2, len(ENGINE)) + ENGINE.encode() + SCOPE)
+        assert raw.recv(1) == b"\0"   # welcome: status ok
+        raw.recv(2 + len(ENGINE) + 16)
         raw.sendall(struct.pack("<I", MAX_HASHES + 1))
         assert raw.recv(4) == b""  # the server hung up instead of reading on
-    client = LookupClient(server.name)  # and still serves others
+    client = client_of(server)  # and still serves others
     try:
         assert client.match(HASHES) == 4
     finally:
@@ -98,8 +135,8 @@ def test_a_stuck_worker_times_out_and_the_next_lookup_reconnects(tmp_path: Path)
             release.wait(30)        # the worker's event loop is stuck
         return len(hashes)
 
-    srv = LookupServer(socket_name(tmp_path / "stuck"), match)
-    client = LookupClient(srv.name, timeout=0.2)
+    srv = LookupServer(socket_name(tmp_path / "stuck", ENGINE), match, ENGINE, SCOPE)
+    client = LookupClient(srv.name, ENGINE, SCOPE, timeout=0.2)
     try:
         with pytest.raises(OSError):
             client.match(HASHES[:1])

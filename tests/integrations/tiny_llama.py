@@ -2,7 +2,10 @@
 
 Run with the vLLM venv's python (it needs transformers and tokenizers)::
 
-    python tests/integrations/tiny_llama.py OUT_DIR
+    python tests/integrations/tiny_llama.py OUT_DIR [SEED]
+
+SEED (default 0) draws other weights for the same architecture, files and sizes: "a
+retrained model at the same path" for the connector's key-scope tests.
 
 The tokenizer is a WordLevel vocabulary over lower-case words and punctuation, trained on
 a few sentences, saved as a ``PreTrainedTokenizerFast`` so that vLLM loads it like any
@@ -25,7 +28,7 @@ an old house by the river , and the winter when the river froze .
 """
 
 
-def build(out: Path) -> None:
+def build(out: Path, seed: int = 0) -> None:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -39,7 +42,7 @@ def build(out: Path) -> None:
                                    eos_token="</s>")
     fast.save_pretrained(out)
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=max(tok.get_vocab_size(), 128), hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -57,6 +60,6 @@ def build(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(f"usage: {sys.argv[0]} OUT_DIR")
-    build(Path(sys.argv[1]))
+    if len(sys.argv) not in (2, 3):
+        sys.exit(f"usage: {sys.argv[0]} OUT_DIR [SEED]")
+    build(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) == 3 else 0)
