@@ -177,6 +177,7 @@ class Allocator:
         self._protected: Counter[bytes] = Counter()
         self._touched: dict[bytes, int] = {}
         self._changed: anyio.Event | None = None
+        self._generation = 0  # bumped by every change a waiting reserve could use
         self._grow_lock: anyio.Lock | None = None  # made on the event loop, in start()
         self.evicted_blocks = self.evicted_bytes = 0
         self.capacity_bytes = self.default_capacity() if capacity_bytes is None \
@@ -256,7 +257,12 @@ class Allocator:
                 await self._grow()
                 continue
             evict = short - self.pending_free_bytes
+            seen = self._generation
             if evict > 0 and await self._evict(evict):
+                continue
+            if seen != self._generation:
+                # Puts ended or space came back while the eviction ran (it saw their
+                # blocks still protected): look again before concluding anything.
                 continue
             if self.pending_free_bytes or self.reserved_bytes:
                 # Space comes back when a reader ends its epoch or another put ends.  We
@@ -301,6 +307,7 @@ class Allocator:
     # ------------------------------------------------------------------ waiting
 
     def _notify(self) -> None:
+        self._generation += 1
         if self._changed is not None:
             self._changed.set()
             self._changed = None

@@ -27,7 +27,11 @@ a bad sector, a bug, a file edited by hand):
 
 8. Chain bookkeeping: the ``children`` counts (stored blocks naming each parent) and the
    ``lru`` rows (one per block, at its last use) must equal what the ``blocks`` table
-   implies (damage: refcount-drift; repair rewrites both tables from ``blocks``).
+   implies (damage: refcount-drift; repair rewrites both tables from ``blocks``).  Stored
+   blocks whose parent is not stored are holes in their chains (``match_prefix`` stops
+   before them), counted in ``Report.chain_holes``: a caller's delete or a quarantine
+   (or a repair dropping a damaged block) leaves them legitimately, so they are not
+   findings; eviction never does, so holes in a store nobody deleted from point at a bug.
 
 Each key owns exactly one slot, so there are no slot reference counts to drift.
 
@@ -115,6 +119,8 @@ class Report:
     quarantined: int = 0
     extents: int = 0
     payloads_verified: int = 0
+    chain_holes: int = 0  # stored blocks whose parent is not stored (step 8)
+    chain_hole_examples: list[str] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -449,6 +455,11 @@ class _Checker:
 
     # -- step 8
     def check_chains(self, entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
+        stored = {key for key, _, quarantined in entries if not quarantined}
+        holes = [(key, e.parent) for key, e, quarantined in entries
+                 if not quarantined and e.parent is not None and e.parent not in stored]
+        self.report.chain_holes = len(holes)
+        self.report.chain_hole_examples = [f"{k.hex()} (parent {p.hex()})" for k, p in holes[:3]]
         want_children, want_lru = _chain_tables(entries)
         with self.index.env.begin() as txn:
             have_children = {bytes(k): unpack_count(v) for k, v in txn.cursor(self.index.children)}

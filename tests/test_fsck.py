@@ -244,3 +244,14 @@ def test_cli_refuses_a_store_that_is_open(tmp_path: Path) -> None:
 
     held = anyio.run(run)
     assert held.returncode == 2 and "already open" in held.stderr
+
+
+def test_chain_holes_are_counted_not_reported_as_problems(tmp_path: Path) -> None:
+    """A delete may cut a chain (the caller's choice); fsck counts the holes it left, so a
+    hole nobody made by hand (eviction never makes one) is visible."""
+    build(tmp_path, delete=1)
+    report = fsck.check(str(tmp_path))
+    assert report.chain_holes == 1 and report.problems == []
+    assert keys(N)[1].hex() in report.chain_hole_examples[0]
+    build(tmp_path / "whole")
+    assert fsck.check(str(tmp_path / "whole")).chain_holes == 0
