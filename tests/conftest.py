@@ -28,7 +28,8 @@ def pytest_terminal_summary(terminalreporter: object) -> None:
     import sys
 
     for module, title in (("tests.test_crash", "crash consistency (exhaustive)"),
-                          ("tests.test_stateful", "crash consistency (stateful)")):
+                          ("tests.test_stateful", "crash consistency (stateful)"),
+                          ("tests.test_concurrent_stateful", "concurrent state machine")):
         stats = getattr(sys.modules.get(module), "STATS", None)
         if stats and any(stats.values()):
             line = ", ".join(f"{k}={v}" for k, v in stats.items())

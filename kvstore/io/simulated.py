@@ -6,7 +6,13 @@
 * writes through to the real files (so reads and reopen see them, like a page cache) and
   keeps, per file, an undo record of every write since that file's last fdatasync;
 * enforces O_DIRECT rules (4 KiB-aligned offsets, lengths and buffer addresses: EINVAL);
-* completes the ops of one call in a shuffled order, as io_uring may;
+* completes the ops of one call in a shuffled order, as io_uring may, and yields to the
+  event loop a seeded random number of times (``SimulatedDisk.max_yields``, at least
+  once) before every op: other tasks run while I/O is "in flight", ops of concurrent
+  calls complete interleaved and out of order, and a caller can be cancelled at any of
+  these scheduling points (ops already done stay done, later ones never start, which is
+  what a cancelled real engine leaves too).  One seed decides every delay and order;
+
 * counts I/O operations and can stop the "machine" at a chosen one
   (:class:`SimulatedCrash`, a ``BaseException`` so no ``except Exception`` swallows it), or
   fail it with EIO / ENOSPC / a short write;
@@ -27,6 +33,8 @@ import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import anyio
 
 from kvstore.errors import StoreIOError
 from kvstore.format import PAGE
@@ -69,6 +77,10 @@ class SimulatedDisk:
     """Queued faults: (``"write"``/``"read"``/``"datasync"``, errno or -1 for a short write)."""
     crash_states: int = 0
     pending: dict[str, list[_Pending]] = field(default_factory=dict)
+    max_yields: int = 3
+    """Scheduling points before each op: 1 to this many, drawn from the seed."""
+    yields: int = 0
+    """Scheduling points taken so far."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -160,13 +172,22 @@ class SimulatedEngine:
         self.disk.rng.shuffle(order)
         return order
 
-    def _each(self, ops: Sequence[IoOp], kind: str,
-              transfer: Callable[[IoOp, int | None], int]) -> list[int | OSError]:
+    async def _delay(self) -> None:
+        """A seeded number of scheduling points: the op is "on the device" meanwhile."""
+        n = self.disk.rng.randint(1, max(1, self.disk.max_yields))
+        self.disk.yields += n
+        for _ in range(n):
+            await anyio.lowlevel.checkpoint()
+
+    async def _each(self, ops: Sequence[IoOp], kind: str,
+                    transfer: Callable[[IoOp, int | None], int]) -> list[int | OSError]:
         """Run ``transfer`` on every op in a shuffled order, one I/O tick each, after the
-        O_DIRECT checks; an injected errno fails the op, other faults go to ``transfer``."""
+        O_DIRECT checks; an injected errno fails the op, other faults go to ``transfer``.
+        Each op waits its seeded delay first."""
         results: list[int | OSError] = [0] * len(ops)
         for i in self._shuffled(ops):
             op = ops[i]
+            await self._delay()
             self.disk._tick()
             try:
                 self._check_direct(op, op.run.offset)
@@ -188,13 +209,15 @@ class SimulatedEngine:
         return os.pwrite(op.fd, new, op.offset)
 
     async def write(self, ops: Sequence[IoOp]) -> None:
-        raise_write_errors(self._each(ops, "write", self._write_one), ops, "write")
+        raise_write_errors(await self._each(ops, "write", self._write_one), ops, "write")
 
     async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
-        return self._each(ops, "read", lambda op, _: os.preadv(op.fd, [op.run.view], op.offset))
+        return await self._each(ops, "read",
+                                lambda op, _: os.preadv(op.fd, [op.run.view], op.offset))
 
     async def datasync(self, fds: Sequence[int]) -> None:
         for fd in fds:
+            await self._delay()
             self.disk._tick()
             fault = self.disk._fault("datasync")
             if fault is not None:

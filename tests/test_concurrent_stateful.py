@@ -1,0 +1,273 @@
+"""A Hypothesis state machine whose steps are *concurrent* rounds (issue 12).
+
+Each step opens the store on the simulated disk (which yields a seeded number of times
+before every I/O op, so tasks interleave and ops complete out of order), starts 1-5 tasks
+at once - puts of chain prefixes (parents in the batch), gets, match_prefix, deletes of
+chain suffixes - under capacity pressure with pinned blocks, and may cancel any task after
+a drawn number of scheduling points, close the store while tasks run, or crash the machine
+at a drawn I/O op.  Invariants after every round, on asyncio and trio:
+
+* every operation ended (the round runs under a deadline: a hang fails, it does not stall);
+* never wrong bytes: every get returns the stored value or a miss;
+* every acknowledged block that was not deleted reads back bit-exact unless eviction took
+  it (missing blocks never exceed the blocks evicted), pinned blocks are never evicted;
+* a cancelled / unacknowledged put is whole or absent (no partial chain prefix: puts
+  are prefixes, so an absent block's descendants from the same put are absent too);
+* no chain holes (fsck's count) on machines that do not delete (deletes may cut chains);
+* used bytes never exceeded capacity; no eviction without pressure, and a round evicts
+  at most what its puts needed plus one block each;
+* fsck finds no damage after close (a crash may leave only reclaimable space).
+
+CI size: see ``CI`` below (well under a minute); ``-m slow`` runs ``LONG``.  Counts are
+printed at the end of the run (``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+
+import kvstore
+from kvstore import fsck
+from kvstore.errors import CapacityError, StoreClosedError
+from kvstore.format import SLOT_HEADER_BYTES, round_up
+from kvstore.io.simulated import CRASH_MODES, SimulatedDisk, SimulatedEngine, is_simulated_crash
+from tests.concurrency import run_within
+from tests.conformance import NS, make_tensor, same
+
+STATS: dict[str, int] = {"machines": 0, "rounds": 0, "tasks": 0, "cancellations": 0,
+                         "closes_in_flight": 0, "crashes": 0, "scheduling_points": 0,
+                         "evictions": 0, "g1_checks": 0}
+
+CHAINS = [NS.chain_keys(list(range(10_000 * c, 10_000 * c + 4 * 6))) for c in range(3)]
+POOL = [k for chain in CHAINS for k in chain]
+PARENTS = {k: (chain[i - 1] if i else None) for chain in CHAINS for i, k in enumerate(chain)}
+VALUES = {k: make_tensor(torch.uint8, ((1500, 5000, 7000)[i % 3],), i) for i, k in enumerate(POOL)}
+SLOTS = {k: round_up(SLOT_HEADER_BYTES + v.numel()) for k, v in VALUES.items()}
+MAX_SLOT = max(SLOTS.values())
+CAPACITY = 40 << 10  # about 6 of the 18 blocks: puts evict
+PINNED = CHAINS[1][:2]
+OPTIONS: dict[str, Any] = dict(namespace=NS, extent_bytes=64 << 10, staging_bytes=64 << 10,
+                               capacity_bytes=CAPACITY)
+ROUND_DEADLINE = 30.0
+
+ops = st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 2), st.integers(1, 6)),     # chain, prefix length
+    st.tuples(st.just("get"), st.lists(st.sampled_from(POOL), min_size=1, max_size=4)),
+    st.tuples(st.just("match"), st.integers(0, 2)),
+    st.tuples(st.just("delete"), st.integers(0, 2), st.integers(0, 5)),  # chain, suffix start
+)
+cancel_points = st.one_of(st.none(), st.integers(0, 40))
+
+
+class ConcurrentMachine(RuleBasedStateMachine):
+    backend = "asyncio"
+
+    @initialize(deletes=st.booleans(), seed=st.integers(0, 2**16))
+    def setup(self, deletes: bool, seed: int) -> None:
+        self.dir = tempfile.TemporaryDirectory()
+        self.path = Path(self.dir.name) / "store"
+        self.disk = SimulatedDisk(seed=seed)
+        self.deletes = deletes
+        self.acked: set[bytes] = set()      # acknowledged, not deleted
+        self.maybe: set[bytes] = set()      # an unacknowledged put or delete touched them
+        self.evicted = 0                    # blocks evicted so far (all sessions)
+        self.missing = 0                    # acknowledged blocks found gone (evicted)
+        STATS["machines"] += 1
+
+        async def pin() -> None:
+            async with self.open() as store:
+                await store.pin(PINNED)
+
+        run_within(pin, self.backend)
+
+    def teardown(self) -> None:
+        if hasattr(self, "dir"):
+            self.dir.cleanup()
+
+    def open(self) -> Any:
+        return kvstore.open(self.path, engine=SimulatedEngine(self.disk), **OPTIONS)
+
+    # ------------------------------------------------------------------ one round
+
+    @rule(tasks=st.lists(st.tuples(ops, cancel_points), min_size=1, max_size=5),
+          close_after=st.one_of(st.none(), st.integers(0, 60)),
+          crash=st.one_of(st.none(), st.tuples(st.integers(1, 8), st.sampled_from(CRASH_MODES))))
+    def concurrent_round(self, tasks: list[tuple[tuple[Any, ...], int | None]], close_after: int | None,
+              crash: tuple[int, str] | None) -> None:
+        if not self.deletes:
+            tasks = [t for t in tasks if t[0][0] != "delete"] or [(("match", 0), None)]
+        outcomes: list[tuple[str, Any]] = [("unfinished", None)] * len(tasks)
+        round_stats: dict[str, int] = {}
+        yields_before = self.disk.yields
+
+        async def one(store: kvstore.Store, i: int, op: tuple[Any, ...]) -> None:
+            try:
+                outcomes[i] = ("ok", await self.do(store, op))
+            except (StoreClosedError, CapacityError) as e:
+                outcomes[i] = ("refused", e)
+
+        async def cancellable(store: kvstore.Store, i: int, op: tuple[Any, ...],
+                              after: int | None, tg: Any) -> None:
+            with anyio.CancelScope() as scope:
+                if after is not None:
+                    tg.start_soon(cancel_later, scope, after)
+                await one(store, i, op)
+            if scope.cancelled_caught:
+                outcomes[i] = ("cancelled", None)
+                STATS["cancellations"] += 1
+
+        async def cancel_later(scope: anyio.CancelScope, after: int) -> None:
+            for _ in range(after):
+                await anyio.lowlevel.checkpoint()
+            scope.cancel()
+
+        async def close_later(store: kvstore.Store, after: int) -> None:
+            for _ in range(after):
+                await anyio.lowlevel.checkpoint()
+            STATS["closes_in_flight"] += any(o[0] == "unfinished" for o in outcomes)
+            await store.aclose()
+
+        async def go() -> None:
+            crashed = False
+            if crash is not None:
+                self.disk.crash_at = self.disk.ops + crash[0]
+            store: kvstore.Store | None = None
+            try:
+                with anyio.fail_after(ROUND_DEADLINE):
+                    async with self.open() as store:
+                        round_stats["used_before"] = store.used_bytes
+                        async with anyio.create_task_group() as tg:
+                            for i, (op, after) in enumerate(tasks):
+                                tg.start_soon(cancellable, store, i, op, after, tg)
+                            if close_after is not None:
+                                tg.start_soon(close_later, store, close_after)
+            except BaseException as e:
+                if not is_simulated_crash(e):
+                    raise
+                crashed = True
+            finally:
+                self.disk.crash_at = None
+                if store is not None:
+                    round_stats["evicted"] = store.allocator.evicted_blocks
+                    round_stats["evicted_bytes"] = store.allocator.evicted_bytes
+                    round_stats["peak"] = store.allocator.peak_used_bytes
+            if crashed:
+                STATS["crashes"] += 1
+                self.disk.crash(crash[1] if crash else "lose")
+
+        run_within(go, self.backend, ROUND_DEADLINE * 2)
+        STATS["rounds"] += 1
+        STATS["tasks"] += len(tasks)
+        STATS["scheduling_points"] += self.disk.yields - yields_before
+        self.account(tasks, outcomes, round_stats)
+        self.verify()
+
+    async def do(self, store: kvstore.Store, op: tuple[Any, ...]) -> Any:
+        kind = op[0]
+        if kind == "put":
+            keys = CHAINS[op[1]][:op[2]]
+            return await store.put_many(keys, [VALUES[k] for k in keys],
+                                        parents=[PARENTS[k] for k in keys])
+        if kind == "get":
+            got = await store.get_many(op[1])
+            for k, g in zip(op[1], got):  # never wrong bytes, even mid-round
+                assert g is None or same(g, VALUES[k]), "wrong bytes"
+            return got
+        if kind == "match":
+            n = await store.match_prefix(CHAINS[op[1]])
+            assert 0 <= n <= len(CHAINS[op[1]])
+            return n
+        keys = CHAINS[op[1]][op[2]:]
+        return await store.delete_many(keys)
+
+    def account(self, tasks: list[tuple[tuple[Any, ...], int | None]],
+                outcomes: list[tuple[str, Any]], round_stats: dict[str, int]) -> None:
+        """Update the model from what was acknowledged; check the capacity rules."""
+        put_need = 0
+        for (op, _), (status, _) in zip(tasks, outcomes):
+            if op[0] == "put":
+                keys = CHAINS[op[1]][:op[2]]
+                put_need += sum(SLOTS[k] for k in keys) + MAX_SLOT
+                if status == "ok":
+                    self.acked |= set(keys)
+                    self.maybe -= set(keys)
+                else:
+                    self.maybe |= set(keys) - self.acked
+            elif op[0] == "delete":
+                keys = set(CHAINS[op[1]][op[2]:])
+                if status == "ok":
+                    self.acked -= keys
+                    self.maybe -= keys
+                else:
+                    self.maybe |= keys & self.acked
+                    self.acked -= keys
+        evicted = round_stats.get("evicted", 0)
+        self.evicted += evicted
+        STATS["evictions"] += evicted
+        assert round_stats.get("peak", 0) <= CAPACITY, "used bytes exceeded capacity"
+        if evicted:
+            assert round_stats["used_before"] + put_need > CAPACITY, "evicted without pressure"
+            assert round_stats["evicted_bytes"] <= put_need, "evicted more than puts needed"
+
+    def verify(self) -> None:
+        """After the round (and any crash): read everything back and run fsck."""
+        async def read() -> list[torch.Tensor | None]:
+            async with self.open() as store:
+                return await store.get_many(POOL)
+
+        got = dict(zip(POOL, run_within(read, self.backend, ROUND_DEADLINE)))
+        for k, g in got.items():
+            assert g is None or same(g, VALUES[k]), "G2: wrong bytes"
+        present = {k for k, g in got.items() if g is not None}
+        for chain in CHAINS:  # an unacknowledged prefix put is whole or absent
+            seen_gap = False
+            for k in chain:
+                if k not in present:
+                    seen_gap = True
+                elif seen_gap and not self.deletes:
+                    raise AssertionError("a chain has a hole")
+        gone = self.acked - present
+        STATS["g1_checks"] += len(self.acked)
+        assert not (gone & set(PINNED)), "a pinned block was evicted"
+        self.missing += len(gone)
+        assert self.missing <= self.evicted, f"G1: {len(gone)} acknowledged blocks lost"
+        self.acked -= gone
+        self.acked |= present & self.maybe  # they are stored: from now on they must stay
+        self.maybe -= present
+        report = fsck.check(str(self.path))
+        assert not report.damage, [f.detail for f in report.damage]
+        if not self.deletes:
+            assert report.chain_holes == 0, report.chain_hole_examples
+
+
+class AsyncioMachine(ConcurrentMachine):
+    backend = "asyncio"
+
+
+class TrioMachine(ConcurrentMachine):
+    backend = "trio"
+
+
+MACHINES = {"asyncio": AsyncioMachine, "trio": TrioMachine}
+CI = settings(max_examples=20, stateful_step_count=8, deadline=None, derandomize=True)
+LONG = settings(max_examples=60, stateful_step_count=15, deadline=None)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_concurrent_rounds(backend: str) -> None:
+    run_state_machine_as_test(MACHINES[backend], settings=CI)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_concurrent_rounds_long(backend: str) -> None:
+    run_state_machine_as_test(MACHINES[backend], settings=LONG)
