@@ -43,27 +43,35 @@ for c in ${PYTHON312:-} python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bi
     fi
 done
 
-# Start clean: two versions of one package would stop the install there.
-rm -rf "$CARRY/wheels" "$CARRY/kv"
-mkdir -p "$CARRY/wheels" "$CARRY/kv"
+LIBURING_REQ=$(awk '!/^#/ && $2 ~ /^liburing==/ {print $2}' "$LIST")
+LIBURING_WHL="liburing-${LIBURING_REQ#*==}-cp312-*.whl"
+# Start clean (two versions of one package would stop the install there), but keep a
+# liburing wheel of the pinned version built before: building it takes minutes.
+mkdir -p "$CARRY/wheels"
+find "$CARRY/wheels" -mindepth 1 ! -name "$LIBURING_WHL" -delete
+rm -rf "$CARRY/kv"
+mkdir -p "$CARRY/kv"
 
-mapfile -t BINARY < <(awk '!/^#/ && NF == 3 && $2 !~ /^liburing==/ {print $2}' "$LIST")
+mapfile -t BINARY < <(awk -v lu="$LIBURING" '!/^#/ && NF == 3 && $2 !~ /^liburing==/ \
+                           && ($3 == "required" || lu == 1) {print $2}' "$LIST")
 say "downloading ${#BINARY[@]} wheels for CPython 3.12, manylinux x86_64: ${BINARY[*]}"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --abi cp312 --abi abi3 --abi none \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux1_x86_64 --platform any \
+    --platform manylinux1_x86_64 \
     -d "$CARRY/wheels" "${BINARY[@]}" \
     || { say "pip download failed (is PyPI reachable from here?)"; exit 1; }
 
-LIBURING_REQ=$(awk '!/^#/ && $2 ~ /^liburing==/ {print $2}' "$LIST")
-if [ "$LIBURING" = 1 ] && [ -n "$PY312" ]; then
+if [ "$LIBURING" = 0 ]; then
+    rm -f "$CARRY"/wheels/$LIBURING_WHL
+elif compgen -G "$CARRY/wheels/$LIBURING_WHL" >/dev/null; then
+    say "kept $(basename "$CARRY"/wheels/$LIBURING_WHL), built before"
+elif [ -n "$PY312" ]; then
     say "building $LIBURING_REQ for CPython 3.12 with $("$PY312" -V 2>&1) (PyPI has only its sdist)"
     if ! "$PY312" -m pip wheel -q --no-deps -w "$CARRY/wheels" "$LIBURING_REQ"; then
         say "building $LIBURING_REQ failed; the GPU run will use the thread engine"
     fi
-elif [ "$LIBURING" = 1 ]; then
+else
     say "no CPython 3.12 here: $LIBURING_REQ not built; the GPU run will use the thread engine"
 fi
 

@@ -156,7 +156,7 @@ MISSING=$("$PY" -c 'import importlib.util as u, sys
 print(" ".join(n for n in sys.argv[1:] if u.find_spec(n) is None))' "${NAMES[@]}") \
     || fail 6 "'$PY' does not run"
 WHEELS=()
-NO_LIBURING=""
+NO_OPTIONAL=()
 for name in $MISSING; do
     read -r req kind < <(awk -v n="$name" '!/^#/ && $1 == n {print $2, $3}' "$LIST")
     dist=${req%%==*}
@@ -165,13 +165,14 @@ for name in $MISSING; do
     if [ -n "$whl" ]; then
         WHEELS+=("$whl")
     elif [ "$kind" = optional ]; then
-        NO_LIBURING="$req is neither installed nor carried: the store uses its thread engine, io_uring is not exercised"
+        NO_OPTIONAL+=("$req")
     else
         problem 6 "$req is not installed on this machine and not in $CARRY/wheels: run tests/gpu/prepare_device_wheels.sh where PyPI is reachable and carry $CARRY"
     fi
 done
 log "missing here: ${MISSING:-none}; carried wheels to install: ${#WHEELS[@]}"
-[ -z "$NO_LIBURING" ] || log "$NO_LIBURING"
+[ "${#NO_OPTIONAL[@]}" -eq 0 ] || log "${NO_OPTIONAL[*]}: neither installed nor carried;" \
+    "the store uses its thread engine, io_uring is not exercised here"
 if [ "${#PROBLEMS[@]}" -gt 0 ]; then
     end "$FIRST"
     for p in "${PROBLEMS[@]}"; do log "missing prerequisite: $p"; done
@@ -211,8 +212,8 @@ for name in mods:
     try:
         m = importlib.import_module(name)
     except Exception as e:  # every failure is reported, then the step fails
-        if name == "liburing":
-            print("liburing: not importable: the store uses its thread engine")
+        if name in ("liburing", "dynamic_import"):
+            print(f"{name}: not importable ({e}): the store uses its thread engine")
             continue
         failed.append(name)
         print(f"{name}: IMPORT FAILED: {type(e).__name__}: {e}")
@@ -239,6 +240,10 @@ if full:
     import torch
     import kvstore
     print(f"kvstore from {os.path.dirname(kvstore.__file__)}")
+    from kvstore.io.probe import probe
+    os.makedirs(".bench-tmp", exist_ok=True)  # where the benchmark's store lives
+    p = probe(".bench-tmp")
+    print(f"I/O engine here: {p.engine} (O_DIRECT {p.direct}): {p.reason}")
     if not torch.cuda.is_available():
         print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU")
         sys.exit(4)
