@@ -203,7 +203,7 @@ fi
 # ------------------------------------------------------------------ imports
 begin imports 90
 timeout "$STEP_LIMIT" "$PY" - "$MODE" "$SITE" "${NAMES[@]}" <<'EOF' 2>&1 | tee -a "$LOG"
-import importlib, os, sys, tempfile
+import importlib, importlib.metadata, os, sys, tempfile
 mode, site, names = sys.argv[1], os.path.realpath(sys.argv[2]), sys.argv[3:]
 full = mode == "full"
 mods = (["torch", "numpy", "anyio", "pytest", "hypothesis"] if full else []) + names
@@ -219,7 +219,13 @@ for name in mods:
         print(f"{name}: IMPORT FAILED: {type(e).__name__}: {e}")
         continue
     where = "carried" if os.path.realpath(m.__file__ or "").startswith(site) else "machine"
-    print(f"{name} {getattr(m, '__version__', '')} ({where})")
+    version = getattr(m, "__version__", "")
+    if not version:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            version = "?"
+    print(f"{name} {version} ({where})")
 if failed:
     sys.exit(6)
 # each carried package does what kvstore needs of it
