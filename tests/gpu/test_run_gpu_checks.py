@@ -26,6 +26,7 @@ def _run(tmp_path: Path, python: str, *args: str) -> subprocess.CompletedProcess
                KVSTORE_GPU_CARRY=str(tmp_path / "carry"), KVSTORE_GPU_SITE=str(tmp_path / "site"),
                OUT=str(out), https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9",
                PIP_NO_INDEX="1")
+    env.pop("PYTHONPATH", None)  # on the GPU machine it holds the carried packages
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True,
                           text=True, timeout=60, check=False)
 
