@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,11 +22,9 @@ from hypothesis import strategies as st
 from kvstore import codecs
 from kvstore.codecs import CodecSpec, KVLayout
 from kvstore.cuda import _lib, fp8, paged
+from tests.cuda.data import kv_data_dir
 
-# ../shared/data next to the checkout (the project's layout), or shared/data inside it
-DATA = next((d for d in (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv",
-                         Path(__file__).resolve().parents[2] / "shared" / "data" / "kv")
-             if d.is_dir()), Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv")
+DATA = kv_data_dir()
 
 # (name, layout, per-layer shape builder (num_blocks) -> shape)
 LAYOUTS: list[tuple[str, paged.Layout, Callable[[int], tuple[int, ...]]]] = [
