@@ -1,30 +1,33 @@
-"""``python -m kvstore COMMAND``: a thin layer over the library.
+"""python -m kvstore COMMAND: a thin layer over the library.
 
-Commands:
+commands:
+  fsck PATH [--repair] [--deep] [--json] [--rebuild-index]
+      Check a closed store (the numbered steps are in kvstore/fsck.py): format, extent
+      files, allocation map vs index, every slot header; with --deep also every payload's
+      CRC32C and free space. --repair fixes what it finds (a second run finds nothing);
+      --rebuild-index recreates the index from the self-describing extent files.
+      Exit 0 clean, 1 problems found (or fixed with --repair; the output says which),
+      2 cannot run (no store there, store open elsewhere, unreadable index, unknown
+      format version).
+  stats PATH [--json]
+      Print what the store holds, its totals since it was created (puts, dedup,
+      evictions, corruption) and its engine. --json: exact numbers.
+  demo [--path PATH] [--quick] [--remove]
+      The main job: an engine-like workload (sessions sharing system prompts) is
+      offloaded, the "engine" restarts (a new process), and every session's prefix is
+      found, loaded and verified. Prints throughput, where the data is and how to
+      remove it.
+  bench [--smoke] [--install-peers] [--out DIR] [ARGS...]
+      From a source checkout: kvstore against fio (the physical limit) and the peers
+      (LMCache local disk, file-per-block, torch.save, numpy) in one interleaved run, plus
+      batch latency and open()/match_prefix scaling; writes bench.md/.json/.png
+      (benchmarks/bench.py; bench --help lists every option).
+  cuda build [--out PATH] [--archs 80;90] / cuda status [--json]
+      Compile the CUDA library with nvcc (kvstore/cuda/build.py); say whether the GPU
+      path is used and why.
 
-``fsck PATH [--repair] [--deep] [--json] [--rebuild-index]``
-    Check a closed store (see :mod:`kvstore.fsck` for the numbered steps): format, extent
-    files, allocation map vs index, every slot header, with ``--deep`` every payload CRC
-    and free space.  ``--repair`` fixes what it finds (a second run finds nothing);
-    ``--rebuild-index`` recreates the index from the self-describing extents.
-    Exit 0 clean, 1 problems found (or fixed with --repair; the output says which),
-    2 cannot run (store open elsewhere, unreadable index, unknown format version).
-``stats PATH [--json]``
-    Open the store read-mostly and print its counters, engine and space use.
-``demo [--path PATH] [--quick]``
-    The main job: an engine-like workload (sessions sharing system prompts) is offloaded,
-    the "engine" restarts (a new process), and every session's prefix is found, loaded and
-    verified.  Prints throughput and a summary table.
-``bench [--smoke] [--install-peers] [--out DIR] [ARGS...]``
-    From a source checkout: kvstore against fio (the physical limit) and the peers
-    (LMCache local disk, file-per-block, torch.save, numpy) in one interleaved run, plus
-    batch latency and open()/match_prefix scaling; writes bench.md/.json/.png
-    (``benchmarks/bench.py``; ``bench --help`` lists every option).
-``cuda build [--out PATH] [--archs 80;90]`` / ``cuda status [--json]``
-    Compile the CUDA library with nvcc (see :mod:`kvstore.cuda.build`); say whether the
-    GPU path is used and why (:func:`kvstore.cuda.stats`).
-
-Exit codes: 0 success, 1 the command found a problem, 2 it could not run.
+Exit codes: 0 success, 1 the command found a problem, 2 it could not run,
+130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -33,25 +36,114 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import anyio
+
+from kvstore.cli.units import human_bytes
+
+
+class CliError(Exception):
+    """A command cannot run (exit 2); the message is in the CLI user's words."""
+
+
+def _store_path_problem(path: str) -> str | None:
+    """Why ``path`` is not a store ``stats``/``fsck`` can open, or None."""
+    if not os.path.exists(path):
+        return f"{path} does not exist"
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a store directory"
+    if not os.path.isdir(os.path.join(path, "index")):
+        if os.path.isdir(os.path.join(path, "extents")):
+            return (f"{path} has extent files but no index; rebuild it with "
+                    f"`python -m kvstore fsck {path} --rebuild-index`")
+        return f"{path} is not a kvstore store (it has no index/ directory)"
+    return None
+
+
+def _require_store(path: str) -> None:
+    problem = _store_path_problem(path)
+    if problem:
+        raise CliError(problem)
+
+
+# Per-process counters: what the Store object opened by this command did (a stats
+# command opens the store afresh, so they are 0 there; a library caller's stats() has
+# its own). The store's history is in StoreStats.totals.
+_THIS_PROCESS = ("puts", "put_blocks", "put_bytes", "put_payload_bytes", "dedup_blocks",
+                 "dedup_bytes", "dedup_ratio", "compression_ratio", "gets", "hits", "misses",
+                 "read_bytes", "corrupt_blocks", "read_errors", "deletes", "evicted_blocks",
+                 "evicted_bytes", "commits", "peak_used_bytes")
+
+
+def stats_document(stats: dict[str, Any]) -> dict[str, Any]:
+    """``StoreStats.as_dict()`` for --json: exact numbers, namespaces as objects, the
+    per-process counters under ``this_process``."""
+    doc = {k: v for k, v in stats.items() if k not in _THIS_PROCESS}
+    doc["namespaces"] = [json.loads(n) for n in stats["namespaces"]]
+    doc["this_process"] = {k: stats[k] for k in _THIS_PROCESS}
+    return doc
+
+
+def _ratio(offered: int, written: int) -> str:
+    return f"{offered / written:.2f}x" if written else "-"
+
+
+def format_stats(s: dict[str, Any]) -> list[str]:
+    t = s["totals"]
+    lines = [
+        f"store        {s['path']}",
+        f"engine       {s['engine']}{' + O_DIRECT' if s['o_direct'] else ''} "
+        f"({s['engine_reason']})",
+        f"blocks       {s['blocks']} stored, {s['quarantined']} quarantined, "
+        f"{s['pinned_blocks']} pinned",
+        f"space        {human_bytes(s['stored_bytes'])} in slots, "
+        f"{human_bytes(s['free_bytes'])} free, {human_bytes(s['disk_bytes'])} on disk in "
+        f"{s['extents']} extent file(s) of {human_bytes(s['extent_bytes'])}",
+        f"capacity     {human_bytes(s['capacity_bytes'])} "
+        f"({human_bytes(s['used_bytes'])} used)",
+        f"state        {'read-only: ' + str(s['read_only_reason']) if s['read_only'] else 'writable'}"
+        f", {'durable (fdatasync + LMDB fsync)' if s['durable'] else 'sync=False'}",
+        "namespaces" + ("   none recorded" if not s["namespaces"] else ""),
+        *[f"  {n}" for n in s["namespaces"]],
+        "",
+        "since the store was created (all processes; kept in the index):",
+        f"  puts       {t['puts']} batches, {t['put_blocks']} blocks written "
+        f"({human_bytes(t['put_bytes'])})",
+        f"  dedup      {t['dedup_blocks']} blocks ({human_bytes(t['dedup_bytes'])}) not written "
+        f"again; offered / written {_ratio(t['put_bytes'] + t['dedup_bytes'], t['put_bytes'])}",
+        f"  evicted    {t['evicted_blocks']} blocks ({human_bytes(t['evicted_bytes'])})",
+        f"  corrupt    {t['corrupt_blocks']} blocks failed verification when read",
+        "",
+        "this process (the store as opened by this command, so mostly 0):",
+        f"  gets {s['gets']}, hits {s['hits']}, misses {s['misses']}, "
+        f"read {human_bytes(s['read_bytes'])}, puts {s['puts']}, commits {s['commits']}",
+    ]
+    return lines
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     import kvstore
 
-    async def run() -> int:
-        async with kvstore.open(args.path, create=False) as store:
-            stats = store.stats().as_dict()
-        if args.json:
-            print(json.dumps(stats, indent=2))
-        else:
-            width = max(len(k) for k in stats)
-            for k, v in stats.items():
-                print(f"{k:<{width}}  {v}")
-        return 0
+    _require_store(args.path)
 
-    return anyio.run(run)
+    async def run() -> dict[str, Any]:
+        async with kvstore.open(args.path, create=False) as store:
+            return store.stats().as_dict()
+
+    stats = anyio.run(run)
+    if args.json:
+        print(json.dumps(stats_document(stats), indent=2))
+    else:
+        print("\n".join(format_stats(stats)))
+    return 0
+
+
+# fsck's progress stages the CLI draws, and how: --deep's one bar is over payload bytes
+# (the slow part); the free-space scan that follows has no bar of its own.
+_BARS = {"payloads": ("fsck --deep: payloads", "bytes", 256 << 20),
+         "slots": ("fsck: slot headers", " slots", 1000),
+         "extents": ("rebuild-index: extents", "bytes", 256 << 20)}
 
 
 def _cmd_fsck(args: argparse.Namespace) -> int:
@@ -61,16 +153,24 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     bars: dict[str, Progress] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
-        if args.json or total < 1000:
+        if args.json or stage not in _BARS:
             return
-        bar = bars.get(stage) or bars.setdefault(stage, Progress(f"fsck: {stage}", total))
+        label, unit, least = _BARS[stage]
+        if total < least:
+            return
+        bar = bars.get(stage) or bars.setdefault(stage, Progress(label, total, unit))
         bar.advance(done - bar.done)
         if done >= total:
             bar.close()
 
     if args.rebuild_index:
+        if not os.path.exists(args.path):
+            raise CliError(f"{args.path} does not exist (no such directory)")
+        if not os.path.isdir(args.path):
+            raise CliError(f"{args.path} is a file, not a store directory")
         report = fsck.rebuild_index(args.path, progress=progress)
     else:
+        _require_store(args.path)
         report = fsck.check(args.path, repair=args.repair, deep=args.deep, progress=progress)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
@@ -137,6 +237,11 @@ def _cmd_cuda(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    from kvstore import __version__
+    from kvstore.format import FORMAT_VERSION
+
+    parser.add_argument("--version", action="version",
+                        version=f"kvstore {__version__} (on-disk format {FORMAT_VERSION})")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("fsck", help="check (and repair) a closed store")
     p.add_argument("path")
@@ -166,14 +271,49 @@ def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else list(argv)
     if raw[:1] == ["bench"]:  # every option belongs to benchmarks/bench.py (argparse's
         # REMAINDER would refuse a leading "--smoke")
-        return _cmd_bench(argparse.Namespace(rest=raw[1:]))
+        return _run(_cmd_bench, argparse.Namespace(rest=raw[1:]))
     args = parser.parse_args(argv)
+    return _run(args.fn, args)
+
+
+def _run(fn: Any, args: argparse.Namespace) -> int:
+    """Run a command; errors become one line (JSON with --json), Ctrl-C exit 130."""
     try:
-        return int(args.fn(args))
-    except Exception as e:  # noqa: BLE001 - a CLI reports, it does not dump traces
+        return int(fn(args))
+    except BaseException as e:  # noqa: BLE001 - a CLI reports, it does not dump traces
         from kvstore.errors import KVStoreError
 
-        if isinstance(e, (KVStoreError, OSError)):
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
+        if _interrupted(e):
+            if getattr(args, "reload_only", False):
+                return 130  # the demo's reload process: its parent says it once
+            path = getattr(args, "path", None)
+            print("\ninterrupted" + (f"; the store is consistent: run `python -m kvstore fsck "
+                                     f"{path}` to check" if path else ""), file=sys.stderr)
+            return 130
+        if isinstance(e, BrokenPipeError):  # `... | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        if not isinstance(e, (CliError, KVStoreError, OSError)):
+            raise
+        message = _describe(e)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": message, "exit_code": 2}, indent=2))
+        else:
+            print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Ctrl-C, possibly wrapped in the exception group of a task group."""
+    inner = getattr(e, "exceptions", None)
+    if inner is not None and not isinstance(e, KeyboardInterrupt):
+        return bool(inner) and all(_interrupted(x) for x in inner)
+    return isinstance(e, KeyboardInterrupt)
+
+
+def _describe(e: BaseException) -> str:
+    """The message of an error, without Python's ``[Errno N]`` prefix."""
+    if isinstance(e, OSError) and e.strerror:
+        where = e.filename if isinstance(e.filename, str) else None
+        return f"{where}: {e.strerror}" if where else e.strerror
+    return str(e)
