@@ -1,8 +1,11 @@
-"""Shared fixtures: both anyio backends, Hypothesis profiles (zarr-style tiers)."""
+"""Shared fixtures: both anyio backends, Hypothesis profiles (zarr-style tiers), and
+temporary files kept under pytest's base temp directory."""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -16,6 +19,27 @@ settings.register_profile("nightly", max_examples=2000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temp_files_under_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every store a test makes lives under pytest's base temp directory, which
+    ``tmp_path_retention_policy = "none"`` (pyproject.toml) removes at the end of the run,
+    failed or not: tests use ``tmp_path``, and whatever still asks ``tempfile`` (the
+    Hypothesis state machines, subprocesses through ``TMPDIR``) lands there too.  To keep
+    a failing run's stores for a look, pass ``--basetemp=DIR`` (pytest never removes a
+    given base temp)."""
+    tmp = tmp_path_factory.mktemp("tempfile", numbered=False)
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp)
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
 
 
 @pytest.fixture(params=["asyncio", "trio"])
