@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 from collections.abc import Sequence
+from contextlib import suppress
 from typing import Any
 
 import anyio
@@ -141,10 +142,8 @@ _OPEN: set[BlockingStore] = set()
 @atexit.register
 def _close_at_exit() -> None:
     for store in list(_OPEN):
-        try:
+        with suppress(Exception):  # exiting anyway; acknowledged puts are durable
             store.close()
-        except Exception:  # noqa: BLE001, S110 - exiting anyway; the store is consistent
-            pass
 
 
 def open_blocking(path: str | os.PathLike[str], **options: Any) -> BlockingStore:
