@@ -38,106 +38,8 @@ import os
 import sys
 from typing import Any
 
-import anyio
-
-from kvstore.cli.units import human_bytes
-
-
-class CliError(Exception):
-    """A command cannot run (exit 2); the message is in the CLI user's words."""
-
-
-def _store_path_problem(path: str) -> str | None:
-    """Why ``path`` is not a store ``stats``/``fsck`` can open, or None."""
-    if not os.path.exists(path):
-        return f"{path} does not exist"
-    if not os.path.isdir(path):
-        return f"{path} is a file, not a store directory"
-    if not os.path.isdir(os.path.join(path, "index")):
-        if os.path.isdir(os.path.join(path, "extents")):
-            return (f"{path} has extent files but no index; rebuild it with "
-                    f"`python -m kvstore fsck {path} --rebuild-index`")
-        return f"{path} is not a kvstore store (it has no index/ directory)"
-    return None
-
-
-def _require_store(path: str) -> None:
-    problem = _store_path_problem(path)
-    if problem:
-        raise CliError(problem)
-
-
-# Per-process counters: what the Store object opened by this command did (a stats
-# command opens the store afresh, so they are 0 there; a library caller's stats() has
-# its own). The store's history is in StoreStats.totals.
-_THIS_PROCESS = ("puts", "put_blocks", "put_bytes", "put_payload_bytes", "dedup_blocks",
-                 "dedup_bytes", "dedup_ratio", "compression_ratio", "gets", "hits", "misses",
-                 "read_bytes", "corrupt_blocks", "read_errors", "deletes", "evicted_blocks",
-                 "evicted_bytes", "commits", "peak_used_bytes")
-
-
-def stats_document(stats: dict[str, Any]) -> dict[str, Any]:
-    """``StoreStats.as_dict()`` for --json: exact numbers, namespaces as objects, the
-    per-process counters under ``this_process``."""
-    doc = {k: v for k, v in stats.items() if k not in _THIS_PROCESS}
-    doc["namespaces"] = [json.loads(n) for n in stats["namespaces"]]
-    doc["this_process"] = {k: stats[k] for k in _THIS_PROCESS}
-    return doc
-
-
-def _ratio(offered: int, written: int) -> str:
-    return f"{offered / written:.2f}x" if written else "-"
-
-
-def format_stats(s: dict[str, Any]) -> list[str]:
-    t = s["totals"]
-    lines = [
-        f"store        {s['path']}",
-        f"engine       {s['engine']}{' + O_DIRECT' if s['o_direct'] else ''} "
-        f"({s['engine_reason']})",
-        f"blocks       {s['blocks']} stored, {s['quarantined']} quarantined, "
-        f"{s['pinned_blocks']} pinned",
-        f"space        {human_bytes(s['stored_bytes'])} in slots, "
-        f"{human_bytes(s['free_bytes'])} free, {human_bytes(s['disk_bytes'])} on disk in "
-        f"{s['extents']} extent file(s) of {human_bytes(s['extent_bytes'])}",
-        f"capacity     {human_bytes(s['capacity_bytes'])} "
-        f"({human_bytes(s['used_bytes'])} used)",
-        f"state        {'read-only: ' + str(s['read_only_reason']) if s['read_only'] else 'writable'}"
-        f", {'durable (fdatasync + LMDB fsync)' if s['durable'] else 'sync=False'}",
-        "namespaces" + ("   none recorded" if not s["namespaces"] else ""),
-        *[f"  {n}" for n in s["namespaces"]],
-        "",
-        "since the store was created (all processes; kept in the index):",
-        f"  puts       {t['puts']} batches, {t['put_blocks']} blocks written "
-        f"({human_bytes(t['put_bytes'])})",
-        f"  dedup      {t['dedup_blocks']} blocks ({human_bytes(t['dedup_bytes'])}) not written "
-        f"again; offered / written {_ratio(t['put_bytes'] + t['dedup_bytes'], t['put_bytes'])}",
-        f"  evicted    {t['evicted_blocks']} blocks ({human_bytes(t['evicted_bytes'])})",
-        f"  corrupt    {t['corrupt_blocks']} blocks failed verification when read",
-        "",
-        "this process (the store as opened by this command, so mostly 0):",
-        f"  gets {s['gets']}, hits {s['hits']}, misses {s['misses']}, "
-        f"read {human_bytes(s['read_bytes'])}, puts {s['puts']}, commits {s['commits']}",
-    ]
-    return lines
-
-
-def _cmd_stats(args: argparse.Namespace) -> int:
-    import kvstore
-
-    _require_store(args.path)
-
-    async def run() -> dict[str, Any]:
-        async with kvstore.open(args.path, create=False) as store:
-            return store.stats().as_dict()
-
-    stats = anyio.run(run)
-    if args.json:
-        print(json.dumps(stats_document(stats), indent=2))
-    else:
-        print("\n".join(format_stats(stats)))
-    return 0
-
+from kvstore.cli.paths import CliError, require_store
+from kvstore.cli.stats import cmd_stats
 
 # fsck's progress stages the CLI draws, and how: --deep's one bar is over payload bytes
 # (the slow part); the free-space scan that follows has no bar of its own.
@@ -170,7 +72,7 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
             raise CliError(f"{args.path} is a file, not a store directory")
         report = fsck.rebuild_index(args.path, progress=progress)
     else:
-        _require_store(args.path)
+        require_store(args.path)
         report = fsck.check(args.path, repair=args.repair, deep=args.deep, progress=progress)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
@@ -254,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("stats", help="print a store's statistics")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(fn=_cmd_stats)
+    p.set_defaults(fn=cmd_stats)
     from kvstore.cli.demo import add_parser as add_demo
 
     add_demo(sub)

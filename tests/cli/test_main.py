@@ -1,43 +1,16 @@
 """``python -m kvstore`` (kvstore/cli/main.py): plain-text help, --version, errors in the
-CLI user's words (JSON under --json), stats in human units with the store's totals."""
+CLI user's words (JSON under --json); kvstore/cli/paths.py says what is wrong with a path."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import anyio
 import pytest
-import torch
 
 import kvstore
-from kvstore.cli.main import main
-from kvstore.cli.progress import Progress
-from kvstore.cli.units import human_bytes
-from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor
-
-
-@dataclass
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Run]:
-    """``python -m kvstore ARGS`` in this process (subprocesses cost seconds of imports)."""
-    def run(*args: str) -> Run:
-        try:
-            code = main(list(args))
-        except SystemExit as e:  # --help, --version
-            code = int(e.code or 0)
-        out, err = capsys.readouterr()
-        return Run(code, out, err)
-
-    return run
+from tests.cli.conftest import Run
 
 
 def test_help_is_plain_text_and_version_is_there(cli: Callable[..., Run]) -> None:
@@ -95,42 +68,3 @@ def test_an_index_less_store_points_at_rebuild_index(cli: Callable[..., Run],
     run = cli("stats", str(tmp_path))
     assert run.returncode == 2
     assert f"python -m kvstore fsck {tmp_path} --rebuild-index" in run.stderr
-
-
-def test_stats_human_units_totals_and_json(cli: Callable[..., Run], tmp_path: Path) -> None:
-    ks = keys(3)
-    values = [make_tensor(torch.float16, (65536,), i) for i in range(3)]  # 128 KiB each
-
-    async def fill() -> None:
-        async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
-            await store.put_many(ks, values)
-            await store.put_many(ks[:2], values[:2])  # deduplicated
-
-    anyio.run(fill)
-    text = cli("stats", str(tmp_path))
-    assert text.returncode == 0, text.stderr
-    lines = text.stdout.splitlines()
-    assert "since the store was created (all processes; kept in the index):" in lines
-    assert "  puts       2 batches, 3 blocks written (384 KiB)" in lines
-    assert "  dedup      2 blocks (256 KiB) not written again; offered / written 1.67x" in lines
-    assert any(line.startswith("this process") for line in lines)
-    assert "4.00 MiB on disk in 1 extent file(s) of 4.00 MiB" in text.stdout
-
-    doc = json.loads(cli("stats", str(tmp_path), "--json").stdout)
-    assert doc["namespaces"] == [json.loads(NS.canonical_json())]
-    assert doc["totals"]["put_bytes"] == 3 * 131072 and doc["totals"]["dedup_blocks"] == 2
-    assert doc["disk_bytes"] == SMALL_EXTENT  # exact numbers in JSON
-    assert doc["this_process"]["puts"] == 0 and "puts" not in doc
-
-
-def test_human_units() -> None:
-    assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 4 << 20, 123 << 30, 2 << 40)] == \
-        ["0 B", "1023 B", "1.00 KiB", "1.50 KiB", "4.00 MiB", "123 GiB", "2.00 TiB"]
-
-
-def test_byte_progress_bar_prints_human_units(capsys: pytest.CaptureFixture[str]) -> None:
-    bar = Progress("fsck --deep: payloads", 3 << 30, "bytes")
-    bar.advance(1 << 30)
-    bar.close()
-    err = capsys.readouterr().err
-    assert "1.00 GiB of 3.00 GiB" in err and str(1 << 30) not in err
