@@ -289,6 +289,9 @@ class Store:
                                           "evicted_blocks", "evicted_bytes",
                                           "put_payload_bytes")}
         self._totals = Totals(self._counters)
+        # Counts since the last write transaction are flushed at close, on the cleanup
+        # thread, before the writer stops (cleanups run last-registered first).
+        self._cleanups.append(self._flush_totals)
         self._touched: dict[bytes, int] = {}
         self._space_event: anyio.Event | None = None
         self._peak_used = self.used_bytes
@@ -337,7 +340,7 @@ class Store:
             while self._inflight:
                 await next(iter(self._inflight.values())).wait()
             touched = self._take_touched()
-            if (touched or self._totals.pending()) and not self.read_only:
+            if touched and not self.read_only:
                 with suppress(KVStoreError):
                     await self.writer.run(lambda txn: self._apply_touched(txn, touched))
             await self.engine.aclose()
@@ -439,6 +442,10 @@ class Store:
         self._counters["evicted_blocks"] += len(evicted)
         self._counters["evicted_bytes"] += freed
         return freed
+
+    def _flush_totals(self) -> None:
+        if self._totals.pending() and not self.read_only:
+            self.writer.run_sync(lambda txn: self._totals.flush(txn, self.index.meta))
 
     def _take_touched(self) -> dict[bytes, int]:
         touched, self._touched = self._touched, {}
