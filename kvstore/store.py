@@ -80,6 +80,7 @@ from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.space import FreeSpace, ReadEpochs
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
+from kvstore.totals import Totals
 
 LOCK_FILE = "LOCK"
 INDEX_DIR = "index"
@@ -130,6 +131,9 @@ class StoreStats:
     evicted_bytes: int = 0
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
+    # Since the store was created, all processes (kvstore/totals.py); the counters above
+    # (puts ... evicted_bytes) count only this Store object since it was opened.
+    totals: dict[str, int] = field(default_factory=dict)
     cuda: str = ""  # GPU path of the staging arena (kvstore.cuda.pinned.ArenaPin)
 
     def as_dict(self) -> dict[str, Any]:
@@ -284,6 +288,10 @@ class Store:
                                           "corrupt_blocks", "read_errors", "deletes",
                                           "evicted_blocks", "evicted_bytes",
                                           "put_payload_bytes")}
+        self._totals = Totals(self._counters)
+        # Counts since the last write transaction are flushed at close, on the cleanup
+        # thread, before the writer stops (cleanups run last-registered first).
+        self._cleanups.append(self._flush_totals)
         self._touched: dict[bytes, int] = {}
         self._space_event: anyio.Event | None = None
         self._peak_used = self.used_bytes
@@ -435,6 +443,10 @@ class Store:
         self._counters["evicted_bytes"] += freed
         return freed
 
+    def _flush_totals(self) -> None:
+        if self._totals.pending() and not self.read_only:
+            self.writer.run_sync(lambda txn: self._totals.flush(txn, self.index.meta))
+
     def _take_touched(self) -> dict[bytes, int]:
         touched, self._touched = self._touched, {}
         return touched
@@ -444,6 +456,7 @@ class Store:
         LRU order is a hint and may lag by one transaction after a crash)."""
         for key, when in touched.items():
             self.index.touch(txn, key, when)
+        self._totals.flush(txn, self.index.meta)  # issue 11: persisted totals ride along
 
     def _check_fits(self, slot_len: int) -> None:
         if slot_len > self.extent_bytes - PAGE:
@@ -852,7 +865,8 @@ class Store:
             compression_ratio=(self._counters["put_bytes"] / self._counters["put_payload_bytes"]
                                if self._counters["put_payload_bytes"] else 1.0),
             commits=self.writer.commits, cuda=self._cuda.status,
-            namespaces=list(self.index.namespaces().values()), **self._counters)
+            namespaces=list(self.index.namespaces().values()),
+            totals=self._totals.current(self.index), **self._counters)
 
 
 def _stage(run: ArenaRun, item: _Item) -> None:

@@ -116,6 +116,33 @@ def test_orphan_extent_file_is_reclaimable(tmp_path: Path) -> None:
     assert not orphan.exists()
 
 
+def test_repair_never_deletes_a_file_it_did_not_create(tmp_path: Path) -> None:
+    """Only ``NNNNNNNN.kvx`` files in extents/ are the store's; anything else is listed as
+    a note and left alone by --repair."""
+    build(tmp_path)
+    notes = tmp_path / "extents" / "notes.txt"
+    notes.write_text("mine")
+    report = fsck.check(str(tmp_path), repair=True, deep=True)
+    assert [(f.kind, f.severity, f.fixed) for f in report.findings] == \
+        [("foreign-file", fsck.NOTE, False)]
+    assert report.exit_code == 0
+    assert notes.read_text() == "mine"
+
+
+def test_rebuild_index_refuses_a_directory_without_extents(tmp_path: Path) -> None:
+    """An empty or foreign directory is not turned into a store (no LOCK, no index/)."""
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "extents").mkdir()
+    (tmp_path / "extents" / "readme").write_text("not an extent")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(FileNotFoundError, match="nothing to rebuild from"):
+        fsck.rebuild_index(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        fsck.rebuild_index(str(tmp_path / "absent"))
+    assert not (tmp_path / "absent").exists()
+
+
 def test_leaked_space_is_reclaimable(tmp_path: Path) -> None:
     entries = build(tmp_path)
     last = max(entries, key=lambda e: e.offset)

@@ -28,11 +28,10 @@ from kvstore.cuda.device import DeviceBuffer, Stream, copy_async
 from kvstore.cuda.pinned import pool
 from kvstore.format import SLOT_HEADER_BYTES
 from tests.conformance import SMALL_EXTENT
-from tests.cuda.data import kv_data_dir
+from tests.realdata import require_kv_dir
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason=f"no CUDA: {cuda.reason()}")
 ROOT = Path(__file__).resolve().parents[2]
-DATA = kv_data_dir()
 TORCH_CUDA = torch.cuda.is_available()
 
 
@@ -85,12 +84,11 @@ def _device_roundtrip(x: torch.Tensor, spec: CodecSpec) -> None:
 
 
 def _real() -> dict[torch.dtype, torch.Tensor]:
-    if not DATA.is_dir():
-        pytest.skip(f"no real KV data at {DATA}")
-    k16 = torch.from_numpy(np.load(DATA / "smollm2_sample_K_fp16.npy"))
-    v16 = torch.from_numpy(np.load(DATA / "smollm2_sample_V_fp16.npy"))
-    kb = torch.from_numpy(np.load(DATA / "smollm2_sample_K_bf16bits.npy")).view(torch.bfloat16)
-    vb = torch.from_numpy(np.load(DATA / "smollm2_sample_V_bf16bits.npy")).view(torch.bfloat16)
+    data = require_kv_dir()
+    k16 = torch.from_numpy(np.load(data / "smollm2_sample_K_fp16.npy"))
+    v16 = torch.from_numpy(np.load(data / "smollm2_sample_V_fp16.npy"))
+    kb = torch.from_numpy(np.load(data / "smollm2_sample_K_bf16bits.npy")).view(torch.bfloat16)
+    vb = torch.from_numpy(np.load(data / "smollm2_sample_V_bf16bits.npy")).view(torch.bfloat16)
     return {torch.float16: torch.stack([k16, v16]), torch.bfloat16: torch.stack([kb, vb]),
             torch.float32: torch.stack([k16, v16]).float()}
 
