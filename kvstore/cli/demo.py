@@ -27,6 +27,7 @@ import anyio
 import torch
 
 import kvstore
+from kvstore import permissions
 from kvstore.cli.progress import Progress
 from kvstore.format import crc32c
 
@@ -140,13 +141,13 @@ def run_demo(args: argparse.Namespace) -> int:
         return 0 if result["bad"] == 0 else 1
 
     shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    permissions.make_dirs(os.path.dirname(path))
     print(f"kvstore demo: {n_sessions} sessions sharing {n_prompts} system prompts of "
           f"{prompt_tokens} tokens, + {turn_tokens}-token user turns; 2 MiB KV blocks of "
           f"{BLOCK_TOKENS} tokens\nstore: {path}\n", file=sys.stderr)
     t0 = time.perf_counter()
     wrote = anyio.run(offload, path, tokens)
-    with open(manifest, "w") as f:
+    with os.fdopen(permissions.create_file(manifest, os.O_WRONLY | os.O_TRUNC), "w") as f:
         json.dump(wrote["checksums"], f)
     print("engine restart: a new process opens the store ...", file=sys.stderr)
     cmd = [sys.executable, "-m", "kvstore", "demo", "--reload-only", "--path", path]
