@@ -127,6 +127,13 @@ async def reload(path: str, tokens: list[list[int]], checksums: dict[str, int]) 
             "matched_tokens": matched_tokens, "engine": stats.engine}
 
 
+def write_manifest(path: str, checksums: dict[str, int]) -> None:
+    """The writer's checksums for the reloading process; owner-only, as the store is."""
+    permissions.make_dirs(os.path.dirname(path))
+    with os.fdopen(permissions.create_file(path, os.O_WRONLY | os.O_TRUNC), "w") as f:
+        json.dump(checksums, f)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     path = os.path.abspath(args.path or default_path())
     n_sessions, n_prompts, prompt_tokens, turn_tokens = (
@@ -147,8 +154,7 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{BLOCK_TOKENS} tokens\nstore: {path}\n", file=sys.stderr)
     t0 = time.perf_counter()
     wrote = anyio.run(offload, path, tokens)
-    with os.fdopen(permissions.create_file(manifest, os.O_WRONLY | os.O_TRUNC), "w") as f:
-        json.dump(wrote["checksums"], f)
+    write_manifest(manifest, wrote["checksums"])
     print("engine restart: a new process opens the store ...", file=sys.stderr)
     cmd = [sys.executable, "-m", "kvstore", "demo", "--reload-only", "--path", path]
     if args.quick:
