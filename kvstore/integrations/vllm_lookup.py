@@ -14,8 +14,11 @@ Protocol, little-endian, one request at a time per connection::
     response  u32 how many leading hashes name stored blocks
 
 The worker turns the hashes into keys with its own namespace, so the scheduler never
-needs to know the KV layout.  Only processes of the same user are answered
-(``SO_PEERCRED``).  Nothing is pickled.
+needs to know the KV layout.  Both ends check the other's user (``SO_PEERCRED``): the
+worker answers only processes of its own user, and the scheduler talks only to a
+worker of its own user (an abstract name is first come, first served: another user
+could bind it before the worker starts, and would otherwise see the hashes of every
+prompt).  Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -40,6 +43,12 @@ def socket_name(store_path: str | os.PathLike[str]) -> str:
     """The abstract socket name of the worker serving the store at ``store_path``."""
     real = os.path.realpath(os.fspath(store_path)).encode()
     return "\0kvstore-vllm-" + hashlib.blake2b(real, digest_size=12).hexdigest()
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
@@ -110,10 +119,7 @@ class LookupServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                    struct.calcsize("3i"))
-            _pid, uid, _gid = struct.unpack("3i", creds)
-            if uid != os.getuid():
+            if _peer_uid(conn) != os.getuid():
                 return
             while True:
                 try:
@@ -158,6 +164,11 @@ class LookupClient:
         sock.settimeout(self._timeout)
         try:
             sock.connect(self._name)
+            uid = _peer_uid(sock)
+            if uid != os.getuid():
+                raise PermissionError(
+                    f"the lookup socket {self._name[1:]!r} is served by uid {uid}, not by this "
+                    f"user (uid {os.getuid()}); not sending it anything")
         except OSError:
             sock.close()
             raise
