@@ -32,6 +32,7 @@ a bad sector, a bug, a file edited by hand):
    file mode (``file_mode`` meta record, default owner-only 0600/0700) or belongs to
    another user (damage: loose-permissions, repaired by a chmod to the store's mode;
    foreign-owner, which needs a chown by root and stays unfixed) (:mod:`kvstore.permissions`).
+   A damaged ``file_mode`` record is meta damage; repair drops it (back to 0600).
 
 Each key owns exactly one slot, so there are no slot reference counts to drift.
 

@@ -39,7 +39,7 @@ from kvstore.errors import IndexCorruptionError, InsecurePermissionsError
 
 __all__ = [
     "FILE_MODE", "META_FILE_MODE", "LoosePath", "audit", "check_file_mode", "create_file",
-    "dir_mode", "fix_command", "fix_created", "make_dirs", "open_file", "record_mode",
+    "describe", "dir_mode", "fix_command", "fix_created", "make_dirs", "open_file", "record_mode",
     "recorded_mode", "set_mode", "settle",
 ]
 

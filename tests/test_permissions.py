@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import lmdb
 import pytest
 import torch
 
@@ -198,6 +199,21 @@ def test_fsck_repairs_to_the_stores_own_wider_mode(tmp_path: Path) -> None:
     fsck.check(str(store), repair=True)
     assert modes(store) == expect(store, 0o640)
     assert fsck.check(str(store)).findings == []
+
+
+def test_a_damaged_mode_record_is_refused_and_fsck_drops_it(tmp_path: Path) -> None:
+    build(tmp_path, 1, file_mode=0o640)
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=8)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(permissions.META_FILE_MODE, b"\x00\x07\x00\x00", db=meta)
+    env.close()
+    with pytest.raises(kvstore.IndexCorruptionError, match="file_mode record is damaged"):
+        build(tmp_path, 0)
+    report = fsck.check(str(tmp_path), repair=True)
+    assert "meta" in {f.kind for f in report.findings}  # and the 0640 files: now loose
+    assert fsck.check(str(tmp_path)).findings == []
+    assert modes(tmp_path) == expect(tmp_path, 0o600)
 
 
 def test_files_of_another_user_are_flagged(tmp_path: Path) -> None:
