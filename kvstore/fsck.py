@@ -29,6 +29,11 @@ a bad sector, a bug, a file edited by hand):
 8. Chain bookkeeping: the ``children`` counts (stored blocks naming each parent) and the
    ``lru`` rows (one per block, at its last use) must equal what the ``blocks`` table
    implies (damage: refcount-drift; repair rewrites both tables from ``blocks``).
+9. Permissions: no path under the store grants group/other users more than the store's
+   file mode (``file_mode`` meta record, default owner-only 0600/0700) or belongs to
+   another user (damage: loose-permissions, repaired by a chmod to the store's mode;
+   foreign-owner, which needs a chown by root and stays unfixed) (:mod:`kvstore.permissions`).
+   A damaged ``file_mode`` record is meta damage; repair drops it (back to 0600).
 
 Each key owns exactly one slot, so there are no slot reference counts to drift.
 
@@ -58,7 +63,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from kvstore.errors import CorruptionError, KVStoreError
+from kvstore import permissions
+from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
 from kvstore.extents import EXTENT_DIR, extent_path, fsync_dir
 from kvstore.format import (
     EXTENT_HEADER_BYTES,
@@ -217,7 +223,6 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
     report = Report(path=path, deep=deep, repair=repair)
     if not os.path.isdir(os.path.join(path, "index")):
         if os.path.isdir(os.path.join(path, EXTENT_DIR)):
-            from kvstore.errors import IndexCorruptionError
             raise IndexCorruptionError(f"{path} has extent files but no index; run "
                                        f"`python -m kvstore fsck {path} --rebuild-index`")
         raise FileNotFoundError(f"no kvstore at {path}")
@@ -244,6 +249,7 @@ class _Checker:
         self.report, self.repair, self.deep = report, repair, deep
         self.progress = progress or (lambda stage, done, total: None)
         self.fixes: list[Callable[[Txn], None]] = []
+        self.unfixable: list[Finding] = []  # stay unfixed after --repair (foreign-owner)
         self.file_fixes: list[Callable[[], None]] = []
         self.uuid: bytes = index.meta_get(META_UUID) or b""
         self.extent_bytes = unpack_u64(index.meta_get(META_EXTENT_BYTES) or pack_u64(0))
@@ -262,6 +268,7 @@ class _Checker:
             self.scan_free_space(extents)
         self.check_meta(extents, entries)
         self.check_chains(entries)
+        self.check_permissions()
         if self.repair and self.report.findings:
             for fn in self.file_fixes:
                 fn()
@@ -273,7 +280,8 @@ class _Checker:
 
             self.writer.run_sync(apply)
             for f in self.report.findings:
-                f.fixed = f.kind != "foreign-file"  # never touched
+                # Never touched: files fsck did not create, files of another user.
+                f.fixed = f.kind != "foreign-file" and all(f is not u for u in self.unfixable)
 
     # -- step 2
     def check_extents(self) -> dict[int, int]:
@@ -473,6 +481,25 @@ class _Checker:
                   f"chain child counts or LRU rows disagree with the blocks table "
                   f"({len(have_children)} vs {len(want_children)} parents, {len(have_lru)} vs "
                   f"{len(want_lru)} LRU rows)")
+
+    # -- step 9
+    def check_permissions(self) -> None:
+        try:
+            mode = permissions.recorded_mode(self.index.meta_get) or permissions.FILE_MODE
+        except IndexCorruptionError as e:
+            self.find("meta", DAMAGE, str(e))
+            self.fixes.append(partial(_delete, key=permissions.META_FILE_MODE, db=self.index.meta))
+            mode = permissions.FILE_MODE
+        for p in permissions.audit(self.path, mode):
+            if p.foreign:
+                self.unfixable.append(self.find(
+                    "foreign-owner", DAMAGE, f"{p.describe()}: another user can change it; "
+                    f"check it, then {permissions.fix_command(self.path, [p], mode)}"))
+            else:
+                self.find("loose-permissions", DAMAGE, f"{p.describe()}: other users can reach "
+                          f"it; --repair sets {p.want:04o}")
+                self.file_fixes.append(partial(permissions.set_mode, p.path, p.want,
+                                               follow=p.path == self.path))
 
     def rewrite_chain_tables(self, txn: Txn) -> None:
         """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,

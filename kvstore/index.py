@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import anyio
 import lmdb
 
+from kvstore import permissions
 from kvstore.errors import (
     FormatVersionError,
     IndexCorruptionError,
@@ -72,12 +73,18 @@ META_NAMESPACE_PREFIX = b"namespace:"
 class Index:
     """An open LMDB environment and its tables."""
 
-    def __init__(self, path: str, *, map_size: int, sync: bool) -> None:
-        os.makedirs(path, exist_ok=True)
+    def __init__(self, path: str, *, map_size: int, sync: bool,
+                 file_mode: int = permissions.FILE_MODE) -> None:
+        permissions.make_dirs(path, file_mode)
+        # py-lmdb creates data.mdb and lock.mdb with ``mode & ~0o111`` (less the umask):
+        # never more open than file_mode; fix_created restores what a umask took away.
+        fix_modes = permissions.fix_created(
+            [os.path.join(path, "data.mdb"), os.path.join(path, "lock.mdb")], file_mode)
         try:
             self.env = lmdb.open(
                 path, map_size=map_size, subdir=True, max_dbs=len(_DBS), sync=sync,
-                metasync=sync, readahead=False, meminit=False, max_readers=256, lock=True)
+                metasync=sync, readahead=False, meminit=False, max_readers=256, lock=True,
+                mode=permissions.dir_mode(file_mode))
         except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
                 lmdb.VersionMismatchError) as e:
             raise IndexCorruptionError(
@@ -87,6 +94,7 @@ class Index:
         except lmdb.Error as e:
             raise StoreIOError(getattr(e, "errno", 5) or 5,
                                f"cannot open the LMDB index at {path}: {e}") from e
+        fix_modes()
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
          self.pins, self.lru) = (self.env.open_db(name) for name in _DBS)
 

@@ -34,7 +34,7 @@ import anyio
 import torch
 from anyio.abc import TaskGroup
 
-from kvstore import codecs
+from kvstore import codecs, permissions
 from kvstore.codecs import CODEC_RAW, CodecSpec
 from kvstore.cuda.pinned import pin_arena
 from kvstore.errors import (
@@ -178,7 +178,7 @@ class _Lock:
     """An exclusive ``flock`` on PATH/LOCK, held for the life of the store."""
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.fd = permissions.open_file(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CLOEXEC)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -201,10 +201,17 @@ class Store:
     def __init__(self, path: str, *, namespace: Namespace | None, allow_new_namespace: bool,
                  engine: str | IOEngine, sync: bool, extent_bytes: int, staging_bytes: int,
                  queue_depth: int, index_map_bytes: int, create: bool,
-                 capacity_bytes: int | None = None, pin_staging: bool | None = None) -> None:
+                 capacity_bytes: int | None = None, pin_staging: bool | None = None,
+                 file_mode: int | None = None, strict_permissions: bool = False) -> None:
         self.path = os.path.abspath(path)
+        if file_mode is not None:
+            permissions.check_file_mode(file_mode)
+        # what new paths get until the store's recorded mode is known (in the index)
+        self.file_mode = permissions.FILE_MODE if file_mode is None else file_mode
+        self._strict_permissions = strict_permissions
+        self._requested_mode = file_mode
         if create:
-            os.makedirs(self.path, exist_ok=True)
+            permissions.make_dirs(self.path, self.file_mode)
         elif not os.path.isdir(os.path.join(self.path, INDEX_DIR)):
             raise FileNotFoundError(f"no kvstore at {self.path} (open with create=True to make one)")
         self.namespace = namespace
@@ -229,7 +236,8 @@ class Store:
               index_map_bytes: int) -> None:
         if extent_bytes % PAGE or extent_bytes < 4 * PAGE:
             raise ValueError(f"extent_bytes must be a multiple of {PAGE} and >= {4 * PAGE}")
-        self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=index_map_bytes, sync=sync)
+        self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=index_map_bytes, sync=sync,
+                           file_mode=self.file_mode)
         self._cleanups.append(self.index.close)
         self.writer = IndexWriter(self.index)
         self._cleanups.append(self.writer.close)
@@ -242,6 +250,11 @@ class Store:
             self.writer.run_sync(lambda txn: init_meta(
                 txn, self.index, store_uuid=new_store_uuid(), extent_bytes=extent_bytes))
         self.index.check_format()
+        self.file_mode = permissions.settle(
+            self.path, self._requested_mode, permissions.recorded_mode(self.index.meta_get),
+            lambda mode: self.writer.run_sync(
+                lambda txn: permissions.record_mode(txn, self.index.meta, mode)),
+            strict=self._strict_permissions)
         self.store_uuid = self.index.meta_get(META_UUID) or b""
         self.extent_bytes = unpack_u64(self.index.meta_get(META_EXTENT_BYTES) or b"")
         self._seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
@@ -493,7 +506,8 @@ class Store:
                 return  # another task grew the store while we waited
             extent_id = unpack_u64(self.index.meta_get(META_NEXT_EXTENT) or b"")
             await anyio.to_thread.run_sync(
-                create_extent_file, self.path, extent_id, self.extent_bytes, self.store_uuid)
+                create_extent_file, self.path, extent_id, self.extent_bytes, self.store_uuid,
+                self.file_mode)
 
             def record(txn: Txn) -> None:
                 txn.put(extent_key(extent_id), pack_u64(self.extent_bytes), db=self.index.extents)
@@ -957,6 +971,8 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     capacity_bytes: int | None = None,
     codec: CodecSpec | None = None,
     pin_staging: bool | None = None,
+    file_mode: int | None = None,
+    strict_permissions: bool = False,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
@@ -985,12 +1001,24 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
                    gets land where the GPU can DMA them: None (default) when CUDA is
                    usable, True requires it (CudaError if not), False never.  Unregistered
                    at close.  ``stats().cuda`` says what happened.
+    ``file_mode``  permissions of the store's files (directories get search where it
+                   grants read), exact whatever the umask: None (default) keeps the
+                   store's recorded mode, owner-only ``0o600`` (dirs ``0o700``) for a new
+                   one - KV blocks hold users' prompts.  ``0o640``/``0o660`` share the
+                   store with the group on purpose; a mode different from the recorded
+                   one is recorded and applied to every existing file.  Other users
+                   never get write access.
+    ``strict_permissions``  opening a store whose files other users can reach (more
+                   than ``file_mode`` allows, or owned by another user) logs a warning
+                   naming them and the fixing ``chmod``; True refuses instead
+                   (:class:`~kvstore.errors.InsecurePermissionsError`).
     """
     store = await anyio.to_thread.run_sync(lambda: Store(
         os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
         engine=engine, sync=sync, extent_bytes=extent_bytes, staging_bytes=staging_bytes,
         queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create,
-        capacity_bytes=capacity_bytes, pin_staging=pin_staging))
+        capacity_bytes=capacity_bytes, pin_staging=pin_staging, file_mode=file_mode,
+        strict_permissions=strict_permissions))
     store.codec = codec
     try:
         async with anyio.create_task_group() as tg:

@@ -110,6 +110,7 @@ def test_orphan_extent_file_is_reclaimable(tmp_path: Path) -> None:
     build(tmp_path)
     orphan = Path(extent_path(str(tmp_path), 99))
     orphan.write_bytes(bytes(PAGE))
+    orphan.chmod(0o600)  # as create_extent_file leaves it (a wider mode is its own finding)
     report = fsck.check(str(tmp_path))
     assert kinds(report) == {"orphan-extent-file"} and not report.damage
     assert_repair_is_idempotent(tmp_path)
@@ -122,6 +123,7 @@ def test_repair_never_deletes_a_file_it_did_not_create(tmp_path: Path) -> None:
     build(tmp_path)
     notes = tmp_path / "extents" / "notes.txt"
     notes.write_text("mine")
+    notes.chmod(0o600)  # a wider mode is a finding of its own (loose-permissions)
     report = fsck.check(str(tmp_path), repair=True, deep=True)
     assert [(f.kind, f.severity, f.fixed) for f in report.findings] == \
         [("foreign-file", fsck.NOTE, False)]

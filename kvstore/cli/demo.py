@@ -34,6 +34,7 @@ import anyio
 import torch
 
 import kvstore
+from kvstore import permissions
 from kvstore.cli.progress import Progress
 from kvstore.cli.units import disk_usage, human_bytes
 from kvstore.format import PAGE, SLOT_HEADER_BYTES, crc32c, round_up
@@ -231,9 +232,11 @@ def remove_demo_store(path: str) -> None:
     os.rmdir(path)
 
 
-def _write_manifest(path: str, workload: str, checksums: dict[str, int]) -> None:
+def write_manifest(path: str, workload: str, checksums: dict[str, int]) -> None:
+    """Mark ``path`` as the demo's store and keep the writer's checksums for the reloading
+    process; owner-only, as the store is."""
     tmp = os.path.join(path, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
+    with os.fdopen(permissions.create_file(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
         json.dump({"created_by": _MANIFEST_TAG, "workload": workload,
                    "checksums": checksums}, f)
         f.flush()
@@ -277,14 +280,14 @@ def run_demo(args: argparse.Namespace) -> int:
     tokens = sessions(w)
     if exists:
         remove_demo_store(path)
-    os.makedirs(path, exist_ok=True)
-    _write_manifest(path, name, {})  # first: marks the directory as the demo's
+    permissions.make_dirs(path)
+    write_manifest(path, name, {})  # first: marks the directory as the demo's
     print(f"kvstore demo: {w.sessions} sessions sharing {w.prompts} system prompts of "
           f"{w.prompt_tokens} tokens, + {w.turn_tokens}-token user turns; 2 MiB KV blocks of "
           f"{BLOCK_TOKENS} tokens\nstore: {path}\n", file=sys.stderr)
     t0 = time.perf_counter()
     wrote = anyio.run(offload, path, tokens, extent_bytes_for(tokens))
-    _write_manifest(path, name, wrote["checksums"])
+    write_manifest(path, name, wrote["checksums"])
     print("engine restart: a new process opens the store ...", file=sys.stderr)
     cmd = [sys.executable, "-m", "kvstore", "demo", "--reload-only", "--path", path]
     # Its own session: Ctrl-C reaches this process only, which says so once; the reader

@@ -19,6 +19,7 @@ from anyio.abc import TaskGroup
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import coalesce, spread
 from kvstore.io.protocol import IoOp
+from kvstore.permissions import FILE_MODE
 
 
 def open_flags(direct: bool, create: bool) -> int:
@@ -50,7 +51,7 @@ class ThreadPoolEngine:
         return None
 
     def open_file(self, path: str, *, create: bool) -> int:
-        return os.open(path, open_flags(self.direct, create), 0o644)
+        return os.open(path, open_flags(self.direct, create), FILE_MODE)
 
     def close_file(self, fd: int) -> None:
         os.close(fd)
