@@ -548,18 +548,21 @@ class Store:
             raise errors[0]
 
     def _chunks(self, items: Sequence[Any], size: Any) -> list[list[Any]]:
-        """Split ``items`` into runs of at most ``_chunk_bytes`` (or one larger item), so
-        each chunk's staging is one arena run no larger than the arena."""
+        """Split ``items`` into runs of about ``_chunk_bytes`` (at least one item each),
+        never more than the arena holds: each chunk is staged in one arena run."""
         chunks: list[list[Any]] = []
         current: list[Any] = []
         pending = 0
         for item in items:
             n = size(item)
-            if current and pending + n > self._chunk_bytes:
+            if current and pending + n > self.arena.size:
                 chunks.append(current)
                 current, pending = [], 0
             current.append(item)
             pending += n
+            if pending >= self._chunk_bytes:
+                chunks.append(current)
+                current, pending = [], 0
         if current:
             chunks.append(current)
         return chunks
