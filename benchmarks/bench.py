@@ -243,6 +243,7 @@ async def _run_concurrency(args: argparse.Namespace, res: Results, kv: KvstoreSy
                                  root, cold, log)
         part["summary"] = report_concurrency.summarise(part)
         res.notes += part["notes"]
+        res.other_cpu += part["other_cpu"]
         doc["callers"] = part
     else:
         doc["skipped"].append("one caller vs 4 callers: not in --parts")
@@ -253,6 +254,7 @@ async def _run_concurrency(args: argparse.Namespace, res: Results, kv: KvstoreSy
                                        reps=args.reps,
                                        max_bg_bytes=16 * MiB if args.smoke else 4 * GiB,
                                        log=log)
+        res.other_cpu += doc["mixed"]["other_cpu"]
         if doc["mixed"]["bad"]:
             res.notes.append(f"mixed: {doc['mixed']['bad']} foreground blocks read back wrong")
     else:

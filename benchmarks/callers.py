@@ -29,7 +29,9 @@ blocks, 2 per caller); the batch used is recorded.
 CPU cost: this process's user + system CPU time (every thread) across the timed calls,
 in core-seconds per GB moved; for fio the usr + sys CPU it reports for its jobs (and,
 in the JSON, ``getrusage`` of the whole fio process).  Memory: VmRSS before and after
-each kvstore measurement and the peak in between (VmHWM, reset first).
+each kvstore measurement and the peak in between (VmHWM, reset first): the peak growth
+is mostly the staging arena filling (at most ``staging_bytes``), after - before is what
+a measurement left behind.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import torch
 from benchmarks import fio as fio_mod
 from benchmarks.common import (
     Cold,
+    CpuMeter,
     human,
     process_cpu_seconds,
     reset_peak_rss,
@@ -233,11 +236,13 @@ async def run_callers(sysm: KvstoreSystem, fio: str | None, block_sizes: list[in
     samples: list[dict[str, Any]] = []
     notes: list[str] = []
     rss_start = rss_bytes()["rss"]
+    meter, busy = CpuMeter(), []
     runs = [(KVSTORE, c) for c in CALLERS] + ([(FIO, c) for c in CALLERS] if fio else [])
     for bi, block in enumerate(block_sizes):
         n = blocks_for(volume, block)
         ds = Dataset.make(block, n, seed=13)
         for rep in range(reps):
+            meter.lap()
             k = (rep + bi) % len(runs)
             for system, callers in runs[k:] + runs[:k]:
                 batch = min(BATCH, n // callers)
@@ -256,12 +261,14 @@ async def run_callers(sysm: KvstoreSystem, fio: str | None, block_sizes: list[in
                 notes += [f"callers: {system} x{callers} {human(block)} rep {rep + 1}: "
                           f"{s['bad']} blocks missing or different" for s in got
                           if s.get("bad")]
+            busy.append({"part": "callers", "block_bytes": block, "rep": rep, **meter.lap()})
             log(f"[callers {human(block)} rep {rep + 1}/{reps}] MB/s: " + "  ".join(
                 f"{s['system']}x{s['callers']}/{s['op']} {s['MB_s']:.0f}" for s in samples
-                if (s["block_bytes"], s["rep"]) == (block, rep)))
+                if (s["block_bytes"], s["rep"]) == (block, rep)) +
+                f" (other CPU {busy[-1]['other_cpu_pct']:.0f}%)")
         del ds
     return {"config": {"block_sizes": block_sizes, "volume_bytes": volume, "reps": reps,
                        "batch": BATCH, "callers": list(CALLERS), "fio_total_iodepth": FIO_QD,
                        "kvstore": sysm.describe()},
-            "samples": samples, "notes": notes,
+            "samples": samples, "notes": notes, "other_cpu": busy,
             "rss": {"start": rss_start, "end": rss_bytes()["rss"]}}

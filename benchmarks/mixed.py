@@ -30,7 +30,7 @@ import anyio
 import torch
 
 from benchmarks.callers import get_chain, put_chain
-from benchmarks.common import MiB, human, percentile
+from benchmarks.common import CpuMeter, MiB, human, percentile
 from benchmarks.data import block_key
 from benchmarks.systems import Dataset, KvstoreSystem
 
@@ -121,15 +121,18 @@ async def run_mixed(sysm: KvstoreSystem, root: str, block: int, fg_batch: int,
     outs = [torch.zeros_like(ds.block(0)) for _ in range(fg_batch)]
     phases: dict[str, list[float]] = {IDLE: [], LOADED: []}
     streams: list[dict[str, Any]] = []
+    meter, busy = CpuMeter(), []
     await sysm.open(root, ds)
     try:
         await put_chain(sysm.store, ds, 0, ds.n, fg_batch)
         for rep in range(reps):
+            meter.lap()
             phases[IDLE] += await timed_gets(sysm.store, ds, fg_batch, outs)
             stream = Stream(ds, fg_batch, max_bg_bytes, next_key=rep << 32)
             ms, info = await loaded_gets(sysm.store, ds, fg_batch, outs, stream, writers)
             phases[LOADED] += ms
             streams.append(info)
+            busy.append({"part": "mixed", "block_bytes": block, "rep": rep, **meter.lap()})
             log(f"[mixed rep {rep + 1}/{reps}] get p99 idle {percentile(phases[IDLE], 99):.0f}"
                 f" ms, loaded {percentile(phases[LOADED], 99):.0f} ms; background "
                 f"{info['bg_MB_s']:.0f} MB/s")
@@ -141,7 +144,7 @@ async def run_mixed(sysm: KvstoreSystem, root: str, block: int, fg_batch: int,
     return {"config": {"block_bytes": block, "fg_batch": fg_batch, "fg_batches": fg_batches,
                        "writers": writers, "bg_batch": fg_batch, "reps": reps,
                        "max_bg_bytes": max_bg_bytes, "kvstore": sysm.describe()},
-            IDLE: idle, LOADED: loaded, "streams": streams, "bad": wrong,
+            IDLE: idle, LOADED: loaded, "streams": streams, "bad": wrong, "other_cpu": busy,
             "p50_ratio": loaded["p50_ms"] / idle["p50_ms"],
             "p99_ratio": loaded["p99_ms"] / idle["p99_ms"],
             "title": f"{fg_batch} x {human(block)} gets vs {writers} writers of "
