@@ -30,8 +30,8 @@ CPU cost: this process's user + system CPU time (every thread) across the timed 
 in core-seconds per GB moved; for fio the usr + sys CPU it reports for its jobs (and,
 in the JSON, ``getrusage`` of the whole fio process).  Memory: VmRSS before and after
 each kvstore measurement and the peak in between (VmHWM, reset first): the peak growth
-is mostly the staging arena filling (at most ``staging_bytes``), after - before is what
-a measurement left behind.
+is mostly the staging arena filling (at most ``staging_bytes``); ``rss_retained`` is
+VmRSS after the store is closed minus before it was opened (what a store left behind).
 """
 
 from __future__ import annotations
@@ -171,6 +171,7 @@ async def measure_kvstore(sysm: KvstoreSystem, ds: Dataset, callers: int, batch:
     for group in outs:  # fault the pages in now, not inside the timing
         for t in group:
             t.zero_()
+    rss_idle = rss_bytes()["rss"]
     await sysm.open(root, ds)
     try:
         syncfs(root)
@@ -189,8 +190,9 @@ async def measure_kvstore(sysm: KvstoreSystem, ds: Dataset, callers: int, batch:
                     zip(slices, outs))
     finally:
         await sysm.close()
-    return [_kvstore_sample(callers, op, ds, rep, batch, u, **extra) for op, u, extra in
-            (("put", put, {}), ("get", get, {"bad": sum(missing) + wrong}))]
+    retained = rss_bytes()["rss"] - rss_idle  # left behind once the store is closed
+    return [_kvstore_sample(callers, op, ds, rep, batch, u, rss_retained=retained, **extra)
+            for op, u, extra in (("put", put, {}), ("get", get, {"bad": sum(missing) + wrong}))]
 
 
 def _kvstore_sample(callers: int, op: str, ds: Dataset, rep: int, batch: int, u: Usage,

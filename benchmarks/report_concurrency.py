@@ -76,7 +76,7 @@ def summarise(part: dict[str, Any]) -> list[Row]:
                     "kvstore_cpu_s_per_GB": _median_of(kv, "cpu_s_per_GB"),
                     "fio_cpu_s_per_GB": _median_of(fio, "cpu_s_per_GB"),
                     "rss_growth_max": max(x["rss_peak"] - x["rss_before"] for x in kv),
-                    "rss_retained_max": max(x["rss_after"] - x["rss_before"] for x in kv)})
+                    "rss_retained_max": max(x["rss_retained"] for x in kv)})
     return rows
 
 
@@ -130,8 +130,8 @@ def _memory_target(part: dict[str, Any], rows: Sequence[Row]) -> Row:
     staging = part["config"]["kvstore"]["staging_bytes"]
     return target_row("memory: largest RSS growth within a kvstore measurement (reported)",
                       growth, None, unit="MiB", reported=True,
-                      detail=f"staging arena {human(staging)}; RSS after minus before a "
-                             f"measurement at most {retained:.1f} MiB")
+                      detail=f"staging arena {human(staging)}; left behind once a store "
+                             f"is closed: at most {retained:.1f} MiB")
 
 
 def targets(doc: dict[str, Any]) -> list[Row]:
@@ -180,7 +180,8 @@ def callers_markdown(part: dict[str, Any]) -> list[str]:
           "process user+sys time (kvstore, every thread) or fio's reported usr+sys, "
           "core-seconds per GB moved (median). RSS growth: peak VmRSS during the "
           "measurement minus VmRSS before it (max over repetitions; mostly the staging "
-          "arena filling); retained: VmRSS after minus before.\n",
+          "arena filling); retained: VmRSS after the store is closed minus before it was "
+          "opened (max).\n",
           "| op | block | callers (batch) | kvstore MB/s | fio MB/s | kvstore / fio | "
           "kvstore core-s/GB | fio core-s/GB | RSS growth MiB | retained MiB |",
           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
