@@ -16,7 +16,12 @@ What one run does (details in each module's docstring):
 2. one store per system of more data than the page cache's dirty limit (2 MiB blocks);
 3. per-batch latency, 32 blocks of 2 MiB;
 4. scale (:mod:`benchmarks.scale`): open() and match_prefix at 1k .. 1M blocks, memory;
-5. report (:mod:`benchmarks.report`): ``bench.md`` (absolute numbers, ratios, targets),
+5. callers (:mod:`benchmarks.callers`): one caller vs 4 concurrent callers on one store,
+   put (durable) and cold get at 64 KiB, 1 MiB, 2 MiB, 32 MiB, each beside fio (1 job at
+   QD 64; 4 jobs at QD 16), with CPU core-seconds per GB and RSS growth;
+6. mixed (:mod:`benchmarks.mixed`): foreground get latency while 2 tasks stream puts,
+   vs the same gets on an idle store;
+7. report (:mod:`benchmarks.report`): ``bench.md`` (absolute numbers, ratios, targets),
    ``bench.json`` (every sample), ``bench.png`` (throughput vs block size).
 
 Peers that are not installed are skipped with a note.  LMCache runs in its own virtual
@@ -35,15 +40,26 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Any
 
 import anyio
 
 from benchmarks import fio as fio_mod
-from benchmarks import report
-from benchmarks.common import Cold, KiB, MiB, dirty_limit_bytes, loadavg, machine_info, summary
+from benchmarks import report, report_concurrency
+from benchmarks.callers import run_callers
+from benchmarks.common import (
+    Cold,
+    GiB,
+    KiB,
+    MiB,
+    dirty_limit_bytes,
+    loadavg,
+    machine_info,
+    summary,
+)
+from benchmarks.mixed import run_mixed
 from benchmarks.scale import run_scale
 from benchmarks.sweep import FIO, FIO_BUFFERED, Results, beyond_dirty_limit, latency, sweep
 from benchmarks.systems import (
@@ -63,6 +79,9 @@ FULL_BLOCKS = (64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 32 * MiB)
 SMOKE_BLOCKS = (64 * KiB, 1 * MiB)
 FULL_SCALE = (1_000, 10_000, 100_000, 1_000_000)
 SMOKE_SCALE = (500,)
+FULL_CALLER_BLOCKS = (64 * KiB, 1 * MiB, 2 * MiB, 32 * MiB)
+SMOKE_CALLER_BLOCKS = (64 * KiB, 1 * MiB)
+PARTS = ("sweep", "big", "latency", "scale", "callers", "mixed")
 LMCACHE_VERSION = "0.5.6"
 # LMCache's wheel requires CUDA packages (cupy-cuda13x, cuda-python, cufile-python and,
 # through an unpinned torch, the CUDA build of torch).  Its local disk backend needs
@@ -147,9 +166,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="batches in the latency run (default 32; smoke 2; 0 skips)")
     p.add_argument("--no-beyond-dirty", action="store_true",
                    help="skip the store run beyond the dirty limit")
-    p.add_argument("--parts", default="sweep,big,latency,scale",
-                   help="which parts to run (comma-separated: sweep, big, latency, scale; "
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"which parts to run (comma-separated: {', '.join(PARTS)}; "
                         "default all)")
+    p.add_argument("--caller-blocks", default=None,
+                   help="block sizes in KiB for the callers part (default 64,1024,2048,32768;"
+                        " smoke 64,1024); --volume-mib applies to it too")
     p.add_argument("--scale-from", default=None,
                    help="take the scale rows from an earlier bench.json instead of measuring "
                         "them (the report says so)")
@@ -169,10 +191,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.latency_batches is None:
         args.latency_batches = 2 if smoke else 32
     args.cold = args.cold or ("none" if smoke else "auto")
+    args.caller_block_sizes = [int(x) * KiB for x in args.caller_blocks.split(",")] if \
+        args.caller_blocks else list(SMOKE_CALLER_BLOCKS if smoke else FULL_CALLER_BLOCKS)
     args.parts = {x.strip() for x in args.parts.split(",") if x.strip()}
-    unknown = args.parts - {"sweep", "big", "latency", "scale"}
+    unknown = args.parts - set(PARTS)
     if unknown:
-        p.error(f"unknown --parts {sorted(unknown)}: choose from sweep, big, latency, scale")
+        p.error(f"unknown --parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
     args.out = args.out or (os.path.join(".bench-tmp", "smoke-results") if smoke else
                             os.path.join(REPO, "benchmarks", "results"))
     if args.reps < 1 or args.volume <= 0 or not args.block_sizes:
@@ -208,6 +232,33 @@ def make_systems(args: argparse.Namespace, skipped: list[str], root: str
                            "--install-peers` sets it up")
     systems += [FilePerBlock(), TorchSave(), NumpyFiles()]
     return systems, lm
+
+
+async def _run_concurrency(args: argparse.Namespace, res: Results, kv: KvstoreSystem,
+                           fio: str | None, root: str, cold: Cold, doc: dict[str, Any],
+                           log: Callable[[str], None]) -> None:
+    """The callers and mixed parts, on the headline kvstore configuration."""
+    if "callers" in args.parts:
+        part = await run_callers(kv, fio, args.caller_block_sizes, args.volume, args.reps,
+                                 root, cold, log)
+        part["summary"] = report_concurrency.summarise(part)
+        res.notes += part["notes"]
+        res.other_cpu += part["other_cpu"]
+        doc["callers"] = part
+    else:
+        doc["skipped"].append("one caller vs 4 callers: not in --parts")
+    if "mixed" in args.parts:
+        block = 64 * KiB if args.smoke else 2 * MiB
+        doc["mixed"] = await run_mixed(kv, root, block, fg_batch=8,
+                                       fg_batches=2 if args.smoke else 16, writers=2,
+                                       reps=args.reps,
+                                       max_bg_bytes=16 * MiB if args.smoke else 4 * GiB,
+                                       log=log)
+        res.other_cpu += doc["mixed"]["other_cpu"]
+        if doc["mixed"]["bad"]:
+            res.notes.append(f"mixed: {doc['mixed']['bad']} foreground blocks read back wrong")
+    else:
+        doc["skipped"].append("mixed load latency: not in --parts")
 
 
 async def _run(args: argparse.Namespace, res: Results, systems: list[System], fio: str | None,
@@ -250,6 +301,9 @@ async def _run(args: argparse.Namespace, res: Results, systems: list[System], fi
                           args.latency_batches, root, cold, log)
         else:
             doc["skipped"].append("latency: --latency-batches 0")
+        head = by_name[doc["headline"]]
+        assert isinstance(head, KvstoreSystem)
+        await _run_concurrency(args, res, head, fio, root, cold, doc, log)
         if args.scale_from:
             with open(args.scale_from, encoding="utf-8") as f:
                 earlier = json.load(f)
@@ -320,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "extent_bytes": (64 * MiB) if args.smoke else (1 << 30),
                    "staging_bytes": (16 * MiB) if args.smoke else (256 * MiB),
                    "latency_batches": args.latency_batches, "scale_sizes": args.scale_sizes,
+                   "caller_block_sizes": args.caller_block_sizes,
                    "parts": sorted(args.parts), "torch_threads": info["torch_threads"]},
         "total_seconds": time.perf_counter() - start,
         "system_order": [FIO, FIO_BUFFERED] + [s.name for s in systems],
@@ -329,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "beyond_dirty_limit": res.big,
         "latency": res.latency,
         "scale": doc.get("scale", []),
+        "callers": doc.get("callers"),
+        "mixed": doc.get("mixed"),
         "scale_from": doc.get("scale_from"),
         "notes": res.notes,
         "other_cpu": res.other_cpu,

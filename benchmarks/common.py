@@ -75,6 +75,22 @@ def rss_bytes() -> dict[str, int]:
     return out
 
 
+def reset_peak_rss() -> None:
+    """Start VmHWM afresh at the current VmRSS (``echo 5 > /proc/self/clear_refs``, Linux
+    >= 4.0), so that the next :func:`rss_bytes` peak is this measurement's; a no-op where
+    the kernel refuses."""
+    with suppress(OSError):
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5\n")
+
+
+def process_cpu_seconds() -> float:
+    """User + system CPU time of this process so far, every thread of it (the event loop,
+    I/O threads, the LMDB writer, io_uring workers); ``CLOCK_PROCESS_CPUTIME_ID``, finer
+    than ``os.times``' clock ticks."""
+    return time.process_time()
+
+
 def syncfs(path: str) -> None:
     """Flush the file system holding ``path`` (``syncfs(2)``; ``sync`` where missing)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

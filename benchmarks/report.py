@@ -13,7 +13,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks import report_concurrency
 from benchmarks.common import human
+from benchmarks.report_concurrency import target_row
 
 HEADLINE = "kvstore io_uring raw"
 FIO = "fio"
@@ -66,9 +68,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
     def add(name: str, value: float | None, goal: float, unit: str = "x",
             less: bool = False, detail: str = "") -> None:
-        met = None if value is None else (value < goal if less else value >= goal)
-        out.append({"target": name, "value": value, "goal": goal, "unit": unit,
-                    "less_is_better": less, "met": met, "detail": detail})
+        out.append(target_row(name, value, goal, unit=unit, less=less, detail=detail))
 
     for op in ("put", "get"):
         for b in blocks:
@@ -112,7 +112,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if fp8:
             add(f"FP8 {op} > raw (input bytes/s; median over block sizes)",
                 statistics.median(fp8), 1.0)
-    return [t for t in out if t["met"] is not None]
+    return [t for t in out if t["met"] is not None] + report_concurrency.targets(doc)
 
 
 def _fmt_target_value(t: dict[str, Any]) -> str:
@@ -120,6 +120,16 @@ def _fmt_target_value(t: dict[str, Any]) -> str:
     if v is None:
         return "n/a"
     return f"{v:.2f}{'' if t['unit'] == 'x' else ' ' + t['unit']}"
+
+
+def _target_rows(doc: dict[str, Any]) -> list[str]:
+    md = ["| target | measured | met |", "|---|---:|:---:|"]
+    for t in doc["targets"]:
+        met = "reported" if t.get("reported") else \
+            {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        detail = f" ({t['detail']})" if t["detail"] else ""
+        md.append(f"| {t['target']}{detail} | {_fmt_target_value(t)} | {met} |")
+    return md
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -162,12 +172,7 @@ def markdown(doc: dict[str, Any]) -> str:
     md.append("")
 
     md.append("## Targets\n")
-    md.append("| target | measured | met |")
-    md.append("|---|---:|:---:|")
-    for t in doc["targets"]:
-        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
-        detail = f" ({t['detail']})" if t["detail"] else ""
-        md.append(f"| {t['target']}{detail} | {_fmt_target_value(t)} | {met} |")
+    md += _target_rows(doc)
     md.append("")
 
     for op, title in (("put", "Store (durable), MB/s"), ("get", "Cold get, MB/s")) if s else ():
@@ -220,6 +225,8 @@ def markdown(doc: dict[str, Any]) -> str:
             md.append(f"| {r['system']} | {r['op']} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
                       f"{r['max_ms']:.0f} | {r['MB_s_median']:.0f} |")
         md.append("")
+
+    md += report_concurrency.markdown(doc)
 
     if doc.get("scale"):
         md.append("## Scale: open() and match_prefix vs stored blocks\n")
@@ -310,11 +317,7 @@ def compact(doc: dict[str, Any]) -> str:
     s = doc["samples"]
     blocks = doc["config"]["block_sizes"]
     systems = [x for x in doc["system_order"] if any(r["system"] == x for r in s)]
-    md = ["| target | measured | met |", "|---|---:|:---:|"]
-    for t in doc["targets"]:
-        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
-        detail = f" ({t['detail']})" if t["detail"] else ""
-        md.append(f"| {t['target']}{detail} | {_fmt_target_value(t)} | {met} |")
+    md = _target_rows(doc)
     md.append("")
     md.append("| op | block | " + " | ".join(systems) + " |")
     md.append("|---|---|" + "---:|" * len(systems))

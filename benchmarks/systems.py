@@ -98,7 +98,7 @@ class System(ABC):
         self.ds = ds
         self.dir = os.path.join(root, self.slug())
         shutil.rmtree(self.dir, ignore_errors=True)
-        os.makedirs(self.dir)
+        os.makedirs(self.dir, mode=0o700)  # owner-only, as kvstore wants its stores
         self._got = {}
 
     def slug(self) -> str:

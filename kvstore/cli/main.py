@@ -20,7 +20,8 @@ commands:
   bench [--smoke] [--install-peers] [--out DIR] [ARGS...]
       From a source checkout: kvstore against fio (the physical limit) and the peers
       (LMCache local disk, file-per-block, torch.save, numpy) in one interleaved run, plus
-      batch latency and open()/match_prefix scaling; writes bench.md/.json/.png
+      batch latency, open()/match_prefix scaling, one vs 4 concurrent callers with CPU
+      cost, and get latency under a put stream; writes bench.md/.json/.png
       (benchmarks/bench.py; bench --help lists every option).
   cuda build [--out PATH] [--archs 80;90] / cuda status [--json]
       Compile the CUDA library with nvcc (kvstore/cuda/build.py); say whether the GPU
