@@ -79,6 +79,33 @@ def timed(fn: Callable[[], None], chunk_bytes: int, mib: int, reps: int) -> floa
     return statistics.median(samples)
 
 
+def bench_size(arena: Arena, label: str, block: int, mib: int, reps: int) -> None:
+    """One table row per step for blocks of ``block`` bytes."""
+    items, whole, runs = make_chunk(arena, block)
+    chunk = list(zip(items, runs))
+    nbytes = sum(item.payload_len for item in items)
+    outs = [torch.empty(block // 2, dtype=torch.float16) for _ in items]
+
+    def verify(native: bool, with_out: bool) -> None:
+        batch = [(run, item.key, entry(item), out if with_out else None)
+                 for item, run, out in zip(items, runs, outs)]
+        for result in slots.verify_copy_all(batch, native=native):
+            assert isinstance(result, torch.Tensor)
+
+    steps: list[tuple[str, Callable[[bool], None]]] = [
+        ("stage", lambda native: slots.stage_all(chunk, native=native)),
+        ("verify, out=None", lambda native: verify(native, False)),
+        ("verify, out=", lambda native: verify(native, True)),
+    ]
+    for step, fn in steps:
+        t_py = timed(lambda fn=fn: fn(False), nbytes, mib, reps)  # type: ignore[misc]
+        t_nat = timed(lambda fn=fn: fn(True), nbytes, mib, reps)  # type: ignore[misc]
+        print(f"| {label} | {step} | {nbytes / t_py / 1e9:.2f} | {nbytes / t_nat / 1e9:.2f} "
+              f"| {t_py / t_nat:.2f}x | {t_py / len(items) * 1e6:.1f} "
+              f"| {t_nat / len(items) * 1e6:.1f} |", flush=True)
+    arena.release(whole)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=128, help="MiB moved per timed pass")
@@ -94,29 +121,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     arena = Arena(80 << 20)
     for label, block in SIZES:
-        items, whole, runs = make_chunk(arena, block)
-        chunk = list(zip(items, runs))
-        nbytes = sum(item.payload_len for item in items)
-        outs = [torch.empty(block // 2, dtype=torch.float16) for _ in items]
-
-        def verify(native: bool, with_out: bool) -> None:
-            batch = [(run, item.key, entry(item), out if with_out else None)
-                     for item, run, out in zip(items, runs, outs)]
-            for result in slots.verify_copy_all(batch, native=native):
-                assert isinstance(result, torch.Tensor)
-
-        steps: list[tuple[str, Callable[[bool], None]]] = [
-            ("stage", lambda native: slots.stage_all(chunk, native=native)),
-            ("verify, out=None", lambda native: verify(native, False)),
-            ("verify, out=", lambda native: verify(native, True)),
-        ]
-        for step, fn in steps:
-            t_py = timed(lambda fn=fn: fn(False), nbytes, args.mib, args.reps)  # type: ignore[misc]
-            t_nat = timed(lambda fn=fn: fn(True), nbytes, args.mib, args.reps)  # type: ignore[misc]
-            print(f"| {label} | {step} | {nbytes / t_py / 1e9:.2f} | {nbytes / t_nat / 1e9:.2f} "
-                  f"| {t_py / t_nat:.2f}x | {t_py / len(items) * 1e6:.1f} "
-                  f"| {t_nat / len(items) * 1e6:.1f} |", flush=True)
-        arena.release(whole)
+        bench_size(arena, label, block, args.mib, args.reps)
     arena.close()
 
 

@@ -16,16 +16,13 @@ while debugging.
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
-import os
 import struct
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kvstore import codecs
+from kvstore import codecs, native_lib
 from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.format import MAX_NDIM, NO_PARENT, SLOT_FLAG_HAS_PARENT, SLOT_HEADER_BYTES, SlotHeader
 from kvstore.tensors import CODE_DTYPES
@@ -57,34 +54,13 @@ _known_codec = ctypes.create_string_buffer(bytes(codecs.is_known(i) for i in ran
 _known_dtype = ctypes.create_string_buffer(bytes(i in CODE_DTYPES for i in range(256)), 256)
 
 
-def _find_library() -> Path | None:
-    here = Path(__file__).resolve().parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = here / f"_slots{suffix}"
-        if p.exists():
-            return p
-    return None
-
-
 def _load() -> None:
     global _lib, _reason
-    if os.environ.get("KVSTORE_NATIVE_SLOTS", "1") == "0":
-        _reason = "disabled by KVSTORE_NATIVE_SLOTS=0"
-        return
-    path = _find_library()
-    if path is None:
-        _reason = ("compiled slot kernels not built (no C compiler at install time?); "
-                   "staging and verification run in Python")
-        return
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        _reason = f"cannot load {path.name}: {e}"
-        return
-    lib.kvs_slots_abi_version.restype = ctypes.c_int
-    if lib.kvs_slots_abi_version() != _ABI_VERSION:
-        _reason = (f"{path.name} has ABI {lib.kvs_slots_abi_version()}, this kvstore needs "
-                   f"{_ABI_VERSION}; rebuild with `pip install -e .`")
+    lib, _reason = native_lib.load(
+        "_slots", "KVSTORE_NATIVE_SLOTS", "kvs_slots_abi_version", _ABI_VERSION,
+        "compiled slot kernels not built (no C compiler at install time?); staging and "
+        "verification run in Python")
+    if lib is None:
         return
     vp, i64, u32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int
     lib.kvs_crc32c_hardware.restype = c_int
@@ -98,7 +74,7 @@ def _load() -> None:
     lib.kvs_verify.restype = i64
     _lib = lib
     crc = "SSE4.2 crc32" if lib.kvs_crc32c_hardware() else "table CRC32C"
-    _reason = f"compiled slot kernels ({path.name}, {crc})"
+    _reason = f"compiled slot kernels ({_reason}, {crc})"
 
 
 _load()
