@@ -29,6 +29,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,7 +131,9 @@ async def h2d_ceiling(store: kvstore.Store, dev: DeviceBuffer, stream: Stream, t
 async def run(args: argparse.Namespace) -> dict[str, object]:
     block = args.block_mib << 20
     n = max(1, (args.volume_mib << 20) // block)
-    path = Path(args.dir)
+    # A directory of our own inside --dir: only what this run created is ever deleted.
+    os.makedirs(args.dir, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="kvstore-cuda-transfer-", dir=args.dir)) / "store"
     await write(path, n, block)
     torch_cuda = torch.cuda.is_available()
     keys = _keys(n)
@@ -155,7 +158,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             dev.download(check)
             (ref,) = await store.get_many(keys[-1:])
             assert ref is not None and np.array_equal(check, ref.numpy())
-    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(path.parent, ignore_errors=True)
     total = n * block
     rates = {k: total / statistics.median(v) / 1e9 for k, v in times.items()}
     return {"blocks": n, "block_bytes": block, "reps": args.reps, "engine": info.engine,

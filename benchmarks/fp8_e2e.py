@@ -18,6 +18,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,11 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     keys = [os.urandom(16) for _ in blocks]
     volume = sum(b.numel() * b.element_size() for b in blocks)
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in CODECS}
-    for rep in range(args.reps):
-        for name, spec in CODECS.items():
-            results[name].append(anyio.run(one, Path(args.dir), spec, keys, blocks))
-            print(f"rep {rep + 1} {name}: done", file=sys.stderr)
-    shutil.rmtree(args.dir, ignore_errors=True)
+    # A directory of our own inside --dir: only what this run created is ever deleted.
+    os.makedirs(args.dir, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvstore-fp8-e2e-", dir=args.dir))
+    try:
+        for rep in range(args.reps):
+            for name, spec in CODECS.items():
+                results[name].append(anyio.run(one, work / "store", spec, keys, blocks))
+                print(f"rep {rep + 1} {name}: done", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
     def mbps(xs: list[float]) -> str:
         v = sorted(volume / x / 1e6 for x in xs)

@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KVC_ABI_VERSION 1
+#define KVC_ABI_VERSION 2
 
 /* Errors of our own (negative, so they never collide with cudaError_t). */
 #define KVC_E_ARG (-1)     /* an argument is out of range (message says which) */
@@ -57,8 +57,13 @@ int kvc_memcpy_async(void *dst, const void *src, int64_t nbytes, uintptr_t strea
 int kvc_stream_create(uintptr_t *stream);
 int kvc_stream_destroy(uintptr_t stream);
 int kvc_stream_synchronize(uintptr_t stream);
-/* When all work queued on `stream` so far has finished, write 1 to eventfd `fd`
- * (cudaLaunchHostFunc).  The caller keeps `fd` open until it has read that 1. */
+/* 0 when all work queued on `stream` has finished, cudaErrorNotReady (600) while some is
+ * still running, another error when the stream failed (cudaStreamQuery). */
+int kvc_stream_query(uintptr_t stream);
+/* When all work queued on `stream` so far has finished, or the stream has failed, write
+ * 1 + the stream's cudaError_t to eventfd `fd` (a stream callback: it runs exactly once,
+ * also after a sticky error).  The caller keeps `fd` open until it has read that value.
+ * ABI 2: ABI 1 wrote 1 from a cudaLaunchHostFunc, never called after an error. */
 int kvc_notify_eventfd(uintptr_t stream, int fd);
 
 /* ---- paged KV gather / scatter -------------------------------------------------------

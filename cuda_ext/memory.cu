@@ -113,19 +113,30 @@ extern "C" int kvc_stream_synchronize(uintptr_t stream) {
   return static_cast<int>(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)));
 }
 
-// Runs on a CUDA runtime thread once the stream reaches it.  It may not call CUDA; a
-// write(2) to an eventfd is all it does, and the event loop waits on that fd.
-static void CUDART_CB notify_eventfd(void *arg) {
+extern "C" int kvc_stream_query(uintptr_t stream) {
+  // 0: all work done; cudaErrorNotReady (600): still running; anything else: the stream
+  // (its context) failed.
+  return static_cast<int>(cudaStreamQuery(reinterpret_cast<cudaStream_t>(stream)));
+}
+
+// Runs on a CUDA runtime thread once the stream reaches it, or once the stream has
+// failed.  A stream callback (cudaStreamAddCallback) runs exactly once and is passed the
+// stream's status; a cudaLaunchHostFunc function, used before, is never called after an
+// error in the context (a "sticky" error such as a kernel's illegal address), and the
+// waiter then slept forever.  It may not call CUDA; it writes 1 + status to the eventfd
+// (1 = success), which wakes the waiting event loop in every case.
+static void CUDART_CB notify_eventfd(cudaStream_t, cudaError_t status, void *arg) {
   const int fd = static_cast<int>(reinterpret_cast<intptr_t>(arg));
-  const uint64_t one = 1;
+  const uint64_t value = 1 + static_cast<uint64_t>(status);
   // An eventfd write of 8 bytes cannot be short; EAGAIN only at a counter near 2**64.
-  ssize_t n = write(fd, &one, sizeof one);
+  ssize_t n = write(fd, &value, sizeof value);
   (void)n;
 }
 
 extern "C" int kvc_notify_eventfd(uintptr_t stream, int fd) {
   if (fd < 0) return KVC_E_ARG;
-  return static_cast<int>(cudaLaunchHostFunc(reinterpret_cast<cudaStream_t>(stream),
-                                             notify_eventfd,
-                                             reinterpret_cast<void *>(static_cast<intptr_t>(fd))));
+  return static_cast<int>(cudaStreamAddCallback(reinterpret_cast<cudaStream_t>(stream),
+                                                notify_eventfd,
+                                                reinterpret_cast<void *>(static_cast<intptr_t>(fd)),
+                                                0));
 }

@@ -1,5 +1,9 @@
 import sys
 
-from kvstore.cli.main import main
+try:
+    from kvstore.cli.main import main
+except KeyboardInterrupt:  # Ctrl-C while torch is still importing: nothing was opened
+    print("\ninterrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

@@ -48,7 +48,7 @@ import anyio
 from kvstore.errors import CapacityError
 from kvstore.extents import create_extent_file
 from kvstore.format import PAGE, IndexEntry
-from kvstore.index import Index, IndexWriter, Touched
+from kvstore.index import Index, IndexWriter, Touched, Txn
 
 
 class FreeSpace:
@@ -164,10 +164,14 @@ class Allocator:
     def __init__(self, *, path: str, index: Index, writer: IndexWriter, extent_bytes: int,
                  store_uuid: bytes, extents: Iterable[int],
                  free_runs: Iterable[tuple[int, int, int]], capacity_bytes: int | None,
-                 on_new_extent: Callable[[int], None]) -> None:
+                 file_mode: int, counters: dict[str, int],
+                 on_new_extent: Callable[[int], None],
+                 ride_along: Callable[[Txn], None] = lambda txn: None) -> None:
         self._path, self._index, self._writer = path, index, writer
-        self.extent_bytes, self._uuid = extent_bytes, store_uuid
+        self.extent_bytes, self._uuid, self._file_mode = extent_bytes, store_uuid, file_mode
         self._on_new_extent = on_new_extent
+        self._ride_along = ride_along  # more of the store's writes in the eviction's txn
+        self._counters = counters  # the store's: evicted_blocks, evicted_bytes
         self._extents = len(list(extents))
         self.space = FreeSpace()
         for run in free_runs:
@@ -179,7 +183,6 @@ class Allocator:
         self._changed: anyio.Event | None = None
         self._generation = 0  # bumped by every change a waiting reserve could use
         self._grow_lock: anyio.Lock | None = None  # made on the event loop, in start()
-        self.evicted_blocks = self.evicted_bytes = 0
         self.capacity_bytes = self.default_capacity() if capacity_bytes is None \
             else int(capacity_bytes)
         if self.capacity_bytes < PAGE:
@@ -195,6 +198,14 @@ class Allocator:
     def used_bytes(self) -> int:
         """Stored, quarantined, reserved and pending-free bytes: what capacity bounds."""
         return self._extents * (self.extent_bytes - PAGE) - self.space.free_bytes
+
+    @property
+    def evicted_blocks(self) -> int:
+        return self._counters["evicted_blocks"]
+
+    @property
+    def evicted_bytes(self) -> int:
+        return self._counters["evicted_bytes"]
 
     @property
     def pending_free_bytes(self) -> int:
@@ -325,12 +336,16 @@ class Allocator:
         chosen."""
         protect = set(self._protected)
         touched = self.take_touched()
-        evicted = await self._writer.run(
-            lambda txn: self._index.evict(txn, need, protect, touched))
+        def evict(txn: Txn) -> list[tuple[bytes, IndexEntry]]:
+            chosen = self._index.evict(txn, need, protect, touched)
+            self._ride_along(txn)
+            return chosen
+
+        evicted = await self._writer.run(evict)
         self.release(e for _, e in evicted)
         freed = sum(e.slot_len for _, e in evicted)
-        self.evicted_blocks += len(evicted)
-        self.evicted_bytes += freed
+        self._counters["evicted_blocks"] += len(evicted)
+        self._counters["evicted_bytes"] += freed
         return freed
 
     async def _grow(self) -> None:
@@ -342,7 +357,8 @@ class Allocator:
                 return  # another task grew the store while we waited
             extent_id = self._index.next_extent()
             await anyio.to_thread.run_sync(
-                create_extent_file, self._path, extent_id, self.extent_bytes, self._uuid)
+                create_extent_file, self._path, extent_id, self.extent_bytes, self._uuid,
+                self._file_mode)
             await self._writer.run(
                 lambda txn: self._index.add_extent(txn, extent_id, self.extent_bytes))
             self._on_new_extent(extent_id)

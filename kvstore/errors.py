@@ -27,6 +27,7 @@ __all__ = [
     "ReadOnlyError",
     "CorruptionError",
     "IndexCorruptionError",
+    "InsecurePermissionsError",
 ]
 
 
@@ -117,3 +118,10 @@ class IndexCorruptionError(CorruptionError):
     """Raised by ``open()`` when the LMDB index cannot be read.  Run
     ``python -m kvstore fsck PATH --rebuild-index`` to rebuild it from the extent files,
     which describe themselves."""
+
+
+class InsecurePermissionsError(KVStoreError, PermissionError):
+    """Raised by ``open(strict_permissions=True)`` when files of the store can be read or
+    written by other users, or belong to another user.  The message names them and the
+    ``chmod`` that fixes them (``python -m kvstore fsck PATH --repair`` does the same);
+    nothing was changed."""

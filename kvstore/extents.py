@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 
+from kvstore import permissions
 from kvstore.errors import StoreFullError, StoreIOError
 from kvstore.format import ExtentHeader
 
@@ -30,13 +31,13 @@ def fsync_dir(path: str) -> None:
 
 
 def create_extent_file(store_path: str, extent_id: int, extent_bytes: int,
-                       store_uuid: bytes) -> None:
-    """Create, preallocate and durably initialise one extent file."""
+                       store_uuid: bytes, file_mode: int = permissions.FILE_MODE) -> None:
+    """Create, preallocate and durably initialise one extent file (mode ``file_mode``)."""
     directory = os.path.join(store_path, EXTENT_DIR)
-    os.makedirs(directory, exist_ok=True)
+    permissions.make_dirs(directory, file_mode)
     path = extent_path(store_path, extent_id)
     # O_TRUNC: a file of this id can only be an orphan of a crash before its index commit.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = permissions.create_file(path, os.O_RDWR | os.O_TRUNC | os.O_CLOEXEC, file_mode)
     try:
         try:
             os.posix_fallocate(fd, 0, extent_bytes)

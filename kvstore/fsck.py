@@ -8,9 +8,10 @@ a bad sector, a bug, a file edited by hand):
 1. Take the store lock; open the LMDB index; check the format version.        (else exit 2)
 2. Extent files: every extent in the ``extents`` table exists, has its recorded size and
    a valid extent header naming its id and the store's uuid (damage: missing-extent,
-   short-extent, bad-extent-header).  Files in ``extents/`` that the table does not name
-   are left by a crash between creating a file and committing it (reclaimable:
-   orphan-extent-file).
+   short-extent, bad-extent-header).  Extent files (``NNNNNNNN.kvx``) that the table does
+   not name are left by a crash between creating a file and committing it (reclaimable:
+   orphan-extent-file).  Any other file there is not the store's: listed, never deleted
+   (note: foreign-file).
 3. Allocation map: the ranges of ``blocks`` and ``quarantine`` entries and the runs of the
    ``free`` table must tile every extent from 4096 to its end exactly once.  Two owners
    of one byte is damage (overlap, free-and-referenced, out-of-bounds); bytes owned by
@@ -32,6 +33,11 @@ a bad sector, a bug, a file edited by hand):
    before them), counted in ``Report.chain_holes``: a caller's delete or a quarantine
    (or a repair dropping a damaged block) leaves them legitimately, so they are not
    findings; eviction never does, so holes in a store nobody deleted from point at a bug.
+9. Permissions: no path under the store grants group/other users more than the store's
+   file mode (``file_mode`` meta record, default owner-only 0600/0700) or belongs to
+   another user (damage: loose-permissions, repaired by a chmod to the store's mode;
+   foreign-owner, which needs a chown by root and stays unfixed) (:mod:`kvstore.permissions`).
+   A damaged ``file_mode`` record is meta damage; repair drops it (back to 0600).
 
 Each key owns exactly one slot, so there are no slot reference counts to drift.
 
@@ -45,10 +51,13 @@ missing extents are dropped, meta counters are raised.  A second check finds not
 itself): the old index directory is kept aside, slots whose header and payload verify are
 indexed (the newest sequence number wins per key), everything else becomes free space.
 Namespace records cannot be recovered; the next ``open`` with a namespace records it.
+It refuses (creating nothing) a path with no extent files: there is nothing to rebuild
+from, and writing an index there would turn a foreign directory into a store.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -58,7 +67,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from kvstore.errors import CorruptionError, KVStoreError
+from kvstore import permissions
+from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
 from kvstore.extents import EXTENT_DIR, extent_path, fsync_dir
 from kvstore.format import (
     EXTENT_HEADER_BYTES,
@@ -214,7 +224,6 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
     report = Report(path=path, deep=deep, repair=repair)
     if not os.path.isdir(os.path.join(path, "index")):
         if os.path.isdir(os.path.join(path, EXTENT_DIR)):
-            from kvstore.errors import IndexCorruptionError
             raise IndexCorruptionError(f"{path} has extent files but no index; run "
                                        f"`python -m kvstore fsck {path} --rebuild-index`")
         raise FileNotFoundError(f"no kvstore at {path}")
@@ -241,6 +250,7 @@ class _Checker:
         self.report, self.repair, self.deep = report, repair, deep
         self.progress = progress or (lambda stage, done, total: None)
         self.fixes: list[Callable[[Txn], None]] = []
+        self.unfixable: list[Finding] = []  # stay unfixed after --repair (foreign-owner)
         self.file_fixes: list[Callable[[], None]] = []
         self.uuid: bytes = index.meta_get(META_UUID) or b""
         self.extent_bytes = unpack_u64(index.meta_get(META_EXTENT_BYTES) or pack_u64(0))
@@ -259,6 +269,7 @@ class _Checker:
             self.scan_free_space(extents)
         self.check_meta(extents, entries)
         self.check_chains(entries)
+        self.check_permissions()
         if self.repair and self.report.findings:
             for fn in self.file_fixes:
                 fn()
@@ -270,7 +281,8 @@ class _Checker:
 
             self.writer.run_sync(apply)
             for f in self.report.findings:
-                f.fixed = True
+                # Never touched: files fsck did not create, files of another user.
+                f.fixed = f.kind != "foreign-file" and all(f is not u for u in self.unfixable)
 
     # -- step 2
     def check_extents(self) -> dict[int, int]:
@@ -303,9 +315,10 @@ class _Checker:
                 del f
         directory = os.path.join(self.path, EXTENT_DIR)
         for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-            stem = name.removesuffix(".kvx")
-            if not (name.endswith(".kvx") and stem.isdigit() and int(stem) in table):
-                p = os.path.join(directory, name)
+            p = os.path.join(directory, name)
+            if not _is_extent_name(name):  # not the store's: never deleted (a note only)
+                self.find("foreign-file", NOTE, f"{p} is not an extent file; left alone")
+            elif int(name.removesuffix(".kvx")) not in table:
                 self.find("orphan-extent-file", RECLAIMABLE,
                           f"{p} is not named by the index (a crash before its commit)")
                 self.file_fixes.append(partial(_remove_file, p))
@@ -401,9 +414,13 @@ class _Checker:
     # -- steps 4 and 5
     def check_slots(self, extents: dict[int, int],
                     entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
-        total = len(entries)
-        for n, (key, e, quarantined) in enumerate(entries):
-            self.progress("slots", n, total)
+        # --deep reads every payload: progress in bytes (stage "payloads"), else in slots
+        stage = "payloads" if self.deep else "slots"
+        sizes = [e.slot_len if self.deep else 1 for _, e, _ in entries]
+        total, done = sum(sizes), 0
+        for (key, e, quarantined), n in zip(entries, sizes):
+            self.progress(stage, done, total)
+            done += n
             size = extents.get(e.extent, 0)
             if size == 0 or e.offset + e.slot_len > size:
                 continue
@@ -423,7 +440,7 @@ class _Checker:
                 kind = "bad-payload" if "payload" in str(err) else "bad-slot"
                 self.find(kind, DAMAGE, f"block {key.hex()}: {err}", **where)
                 self._fix_free_slot(key, e, quarantined=False)
-        self.progress("slots", total, total)
+        self.progress(stage, total, total)
 
     def _fix_free_slot(self, key: bytes, e: IndexEntry, *, quarantined: bool) -> None:
         p = extent_path(self.path, e.extent)
@@ -470,6 +487,25 @@ class _Checker:
                   f"chain child counts or LRU rows disagree with the blocks table "
                   f"({len(have_children)} vs {len(want_children)} parents, {len(have_lru)} vs "
                   f"{len(want_lru)} LRU rows)")
+
+    # -- step 9
+    def check_permissions(self) -> None:
+        try:
+            mode = permissions.recorded_mode(self.index.meta_get) or permissions.FILE_MODE
+        except IndexCorruptionError as e:
+            self.find("meta", DAMAGE, str(e))
+            self.fixes.append(partial(_delete, key=permissions.META_FILE_MODE, db=self.index.meta))
+            mode = permissions.FILE_MODE
+        for p in permissions.audit(self.path, mode):
+            if p.foreign:
+                self.unfixable.append(self.find(
+                    "foreign-owner", DAMAGE, f"{p.describe()}: another user can change it; "
+                    f"check it, then {permissions.fix_command(self.path, [p], mode)}"))
+            else:
+                self.find("loose-permissions", DAMAGE, f"{p.describe()}: other users can reach "
+                          f"it; --repair sets {p.want:04o}")
+                self.file_fixes.append(partial(permissions.set_mode, p.path, p.want,
+                                               follow=p.path == self.path))
 
     def rewrite_chain_tables(self, txn: Txn) -> None:
         """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,
@@ -576,18 +612,38 @@ def _slot_headers_in(reader: _Reader, path: str, offset: int, length: int) -> It
         pos += header.slot_len
 
 
+def _is_extent_name(name: str) -> bool:
+    """``NNNNNNNN.kvx``: the only names the store gives files in ``extents/``."""
+    stem = name.removesuffix(".kvx")
+    return name.endswith(".kvx") and len(stem) == 8 and stem.isdigit()
+
+
+def _require_extents(path: str, directory: str) -> None:
+    """Refuse to rebuild where there is no store: creating ``LOCK`` and ``index/`` in an
+    empty or foreign directory would turn it into an (empty) store."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, f"no such directory: {path}")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, f"{path} is a file, not a store directory")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    if not any(_is_extent_name(n) for n in names):
+        raise FileNotFoundError(errno.ENOENT, f"no kvstore at {path}: nothing to rebuild from "
+                                f"(no extent files in {directory})")
+
+
 def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
     """Recreate the LMDB index from the extent files (see the module docstring)."""
     path = os.path.abspath(path)
     started = time.perf_counter()
     report = Report(path=path, deep=True, repair=True)
     progress = progress or (lambda stage, done, total: None)
+    directory = os.path.join(path, EXTENT_DIR)
+    _require_extents(path, directory)  # before the lock: a foreign directory gets nothing
     lock = StoreLock(path)  # the same lock the store takes
     reader = _Reader()
     try:
-        directory = os.path.join(path, EXTENT_DIR)
         headers: dict[int, tuple[str, ExtentHeader]] = {}
-        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        for name in sorted(os.listdir(directory)):
             p = os.path.join(directory, name)
             try:
                 h = ExtentHeader.decode(reader.read(p, 0, EXTENT_HEADER_BYTES))

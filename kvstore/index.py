@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 import anyio
 import lmdb
 
+from kvstore import permissions
 from kvstore.errors import (
     FormatVersionError,
     IndexCorruptionError,
@@ -131,14 +132,20 @@ class Index:
     """An open LMDB environment and its tables.  ``map_size`` is the most the memory map
     may grow to (``open(index_map_bytes=...)``)."""
 
-    def __init__(self, path: str, *, map_size: int, sync: bool) -> None:
-        os.makedirs(path, exist_ok=True)
+    def __init__(self, path: str, *, map_size: int, sync: bool,
+                 file_mode: int = permissions.FILE_MODE) -> None:
+        permissions.make_dirs(path, file_mode)
         self.map_limit = map_size
         self._gate = _ResizeGate()
+        # py-lmdb creates data.mdb and lock.mdb with ``mode & ~0o111`` (less the umask):
+        # never more open than file_mode; fix_created restores what a umask took away.
+        fix_modes = permissions.fix_created(
+            [os.path.join(path, "data.mdb"), os.path.join(path, "lock.mdb")], file_mode)
         try:
             self.env = lmdb.open(
-                path, map_size=min(map_size, INITIAL_MAP_BYTES), subdir=True, max_dbs=len(_DBS), sync=sync,
-                metasync=sync, readahead=False, meminit=False, max_readers=256, lock=True)
+                path, map_size=min(map_size, INITIAL_MAP_BYTES), subdir=True, max_dbs=len(_DBS),
+                sync=sync, metasync=sync, readahead=False, meminit=False, max_readers=256,
+                lock=True, mode=permissions.dir_mode(file_mode))
         except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
                 lmdb.VersionMismatchError) as e:
             raise IndexCorruptionError(
@@ -148,6 +155,7 @@ class Index:
         except lmdb.Error as e:
             raise StoreIOError(getattr(e, "errno", 5) or 5,
                                f"cannot open the LMDB index at {path}: {e}") from e
+        fix_modes()
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
          self.pins, self.lru) = (self.env.open_db(name) for name in _DBS)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 
+from kvstore import permissions
 from kvstore.errors import StoreLockedError
 
 LOCK_FILE = "LOCK"
@@ -16,7 +17,7 @@ class StoreLock:
     holder's pid, for the error another opener sees."""
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.fd = permissions.open_file(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CLOEXEC)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

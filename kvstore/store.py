@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -41,7 +41,7 @@ from typing import Any
 import anyio
 import torch
 
-from kvstore import codecs
+from kvstore import codecs, permissions
 from kvstore.allocator import Allocator
 from kvstore.codecs import CODEC_RAW, CodecSpec
 from kvstore.cuda.pinned import pin_arena
@@ -70,6 +70,7 @@ from kvstore.index import (
     META_UUID,
     Index,
     IndexWriter,
+    Txn,
     init_meta,
     record_namespace,
 )
@@ -81,6 +82,7 @@ from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.lock import LOCK_FILE, StoreLock
 from kvstore.slots import PutItem, encode_all, stage_all, verify_copy
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
+from kvstore.totals import Totals
 
 __all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
 
@@ -132,6 +134,9 @@ class StoreStats:
     evicted_bytes: int = 0
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
+    # Since the store was created, all processes (kvstore/totals.py); the counters above
+    # (puts ... evicted_bytes) count only this Store object since it was opened.
+    totals: dict[str, int] = field(default_factory=dict)
     cuda: str = ""  # GPU path of the staging arena (kvstore.cuda.pinned.ArenaPin)
 
     def as_dict(self) -> dict[str, Any]:
@@ -180,10 +185,17 @@ class Store:
     def __init__(self, path: str, *, namespace: Namespace | None, allow_new_namespace: bool,
                  engine: str | IOEngine, sync: bool, extent_bytes: int, staging_bytes: int,
                  queue_depth: int, index_map_bytes: int, create: bool,
-                 capacity_bytes: int | None = None, pin_staging: bool | None = None) -> None:
+                 capacity_bytes: int | None = None, pin_staging: bool | None = None,
+                 file_mode: int | None = None, strict_permissions: bool = False) -> None:
         self.path = os.path.abspath(path)
+        if file_mode is not None:
+            permissions.check_file_mode(file_mode)
+        # what new paths get until the store's recorded mode is known (in the index)
+        self.file_mode = permissions.FILE_MODE if file_mode is None else file_mode
+        self._strict_permissions = strict_permissions
+        self._requested_mode = file_mode
         if create:
-            os.makedirs(self.path, exist_ok=True)
+            permissions.make_dirs(self.path, self.file_mode)
         elif not os.path.isdir(os.path.join(self.path, INDEX_DIR)):
             raise FileNotFoundError(f"no kvstore at {self.path} (open with create=True to make one)")
         self.namespace = namespace
@@ -209,7 +221,8 @@ class Store:
               index_map_bytes: int) -> None:
         if extent_bytes % PAGE or extent_bytes < 4 * PAGE:
             raise ValueError(f"extent_bytes must be a multiple of {PAGE} and >= {4 * PAGE}")
-        self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=index_map_bytes, sync=sync)
+        self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=index_map_bytes, sync=sync,
+                           file_mode=self.file_mode)
         self._cleanups.append(self.index.close)
         self.writer = IndexWriter(self.index)
         self._cleanups.append(self.writer.close)
@@ -222,6 +235,11 @@ class Store:
             self.writer.run_sync(lambda txn: init_meta(
                 txn, self.index, store_uuid=new_store_uuid(), extent_bytes=extent_bytes))
         self.index.check_format()
+        self.file_mode = permissions.settle(
+            self.path, self._requested_mode, permissions.recorded_mode(self.index.meta_get),
+            lambda mode: self.writer.run_sync(
+                lambda txn: permissions.record_mode(txn, self.index.meta, mode)),
+            strict=self._strict_permissions)
         self.store_uuid = self.index.meta_get(META_UUID) or b""
         self.extent_bytes = unpack_u64(self.index.meta_get(META_EXTENT_BYTES) or b"")
         self._seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
@@ -250,10 +268,6 @@ class Store:
                 raise IndexCorruptionError(
                     f"extent file {path} named by the index is missing; run "
                     f"`python -m kvstore fsck {self.path}` to see what is lost") from None
-        self.allocator = Allocator(
-            path=self.path, index=self.index, writer=self.writer, extent_bytes=self.extent_bytes,
-            store_uuid=self.store_uuid, extents=extents, free_runs=self.index.free_runs(),
-            capacity_bytes=self._capacity_option, on_new_extent=self._open_extent)
         self.arena = Arena(staging_bytes)
         self._cleanups.append(self.arena.close)
         # Pinned for DMA; unregistered by the cleanup below, which runs before the unmap.
@@ -267,7 +281,34 @@ class Store:
         self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
                                           "dedup_bytes", "gets", "hits", "misses", "read_bytes",
                                           "corrupt_blocks", "read_errors", "deletes",
+                                          "evicted_blocks", "evicted_bytes",
                                           "put_payload_bytes")}
+        self._totals = Totals(self._counters)
+        # Counts since the last write transaction are flushed at close, on the cleanup
+        # thread, before the writer stops (cleanups run last-registered first).
+        self._cleanups.append(self._flush_totals)
+        self.allocator = Allocator(
+            path=self.path, index=self.index, writer=self.writer, extent_bytes=self.extent_bytes,
+            store_uuid=self.store_uuid, extents=extents, free_runs=self.index.free_runs(),
+            capacity_bytes=self._capacity_option, file_mode=self.file_mode,
+            counters=self._counters, on_new_extent=self._open_extent,
+            ride_along=self._flush_totals_in)
+
+    def _flush_totals(self) -> None:
+        if self._totals.pending() and not self.read_only:
+            self.writer.run_sync(self._flush_totals_in)
+
+    def _flush_totals_in(self, txn: Txn) -> None:
+        """Persisted totals (issue 11) ride along in every transaction that commits puts,
+        evicts or records last use."""
+        self._totals.flush(txn, self.index.meta)
+
+    def _with_totals(self, job: Callable[[Txn], None]) -> Callable[[Txn], None]:
+        def with_totals(txn: Txn) -> None:
+            job(txn)
+            self._flush_totals_in(txn)
+
+        return with_totals
 
     def _open_extent(self, extent_id: int) -> None:
         self._fds[extent_id] = self.engine.open_file(extent_path(self.path, extent_id),
@@ -316,7 +357,8 @@ class Store:
             touched = self.allocator.take_touched()
             if touched and not self.read_only:
                 with suppress(KVStoreError):
-                    await self.writer.run(lambda txn: self.index.apply_touched(txn, touched))
+                    await self.writer.run(self._with_totals(
+                        lambda txn: self.index.apply_touched(txn, touched)))
             await self.engine.aclose()
             await anyio.to_thread.run_sync(self._run_cleanups)
 
@@ -465,7 +507,8 @@ class Store:
                 dtype=item.dtype, payload_crc=item.crc, seq=item.seq, last_use=now,
                 parent=item.parent)) for item in items]
             seq, touched = self._seq, self.allocator.take_touched()
-            await self.writer.run(lambda txn: self.index.commit_puts(txn, entries, touched, seq))
+            await self.writer.run(self._with_totals(
+                lambda txn: self.index.commit_puts(txn, entries, touched, seq)))
             committed = True
             self.allocator.committed(items)
         except StoreIOError as e:
@@ -505,18 +548,21 @@ class Store:
             raise errors[0]
 
     def _chunks(self, items: Sequence[Any], size: Any) -> list[list[Any]]:
-        """Split ``items`` into runs of at most ``_chunk_bytes`` (or one larger item), so
-        each chunk's staging is one arena run no larger than the arena."""
+        """Split ``items`` into runs of about ``_chunk_bytes`` (at least one item each),
+        never more than the arena holds: each chunk is staged in one arena run."""
         chunks: list[list[Any]] = []
         current: list[Any] = []
         pending = 0
         for item in items:
             n = size(item)
-            if current and pending + n > self._chunk_bytes:
+            if current and pending + n > self.arena.size:
                 chunks.append(current)
                 current, pending = [], 0
             current.append(item)
             pending += n
+            if pending >= self._chunk_bytes:
+                chunks.append(current)
+                current, pending = [], 0
         if current:
             chunks.append(current)
         return chunks
@@ -702,8 +748,8 @@ class Store:
             compression_ratio=(self._counters["put_bytes"] / self._counters["put_payload_bytes"]
                                if self._counters["put_payload_bytes"] else 1.0),
             commits=self.writer.commits, cuda=self._cuda.status,
-            evicted_blocks=alloc.evicted_blocks, evicted_bytes=alloc.evicted_bytes,
-            namespaces=list(self.index.namespaces().values()), **self._counters)
+            namespaces=list(self.index.namespaces().values()),
+            totals=self._totals.current(self.index), **self._counters)
 
 
 @asynccontextmanager
@@ -722,6 +768,8 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     capacity_bytes: int | None = None,
     codec: CodecSpec | None = None,
     pin_staging: bool | None = None,
+    file_mode: int | None = None,
+    strict_permissions: bool = False,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
@@ -756,12 +804,24 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
                    gets land where the GPU can DMA them: None (default) when CUDA is
                    usable, True requires it (CudaError if not), False never.  Unregistered
                    at close.  ``stats().cuda`` says what happened.
+    ``file_mode``  permissions of the store's files (directories get search where it
+                   grants read), exact whatever the umask: None (default) keeps the
+                   store's recorded mode, owner-only ``0o600`` (dirs ``0o700``) for a new
+                   one - KV blocks hold users' prompts.  ``0o640``/``0o660`` share the
+                   store with the group on purpose; a mode different from the recorded
+                   one is recorded and applied to every existing file.  Other users
+                   never get write access.
+    ``strict_permissions``  opening a store whose files other users can reach (more
+                   than ``file_mode`` allows, or owned by another user) logs a warning
+                   naming them and the fixing ``chmod``; True refuses instead
+                   (:class:`~kvstore.errors.InsecurePermissionsError`).
     """
     store = await anyio.to_thread.run_sync(lambda: Store(
         os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
         engine=engine, sync=sync, extent_bytes=extent_bytes, staging_bytes=staging_bytes,
         queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create,
-        capacity_bytes=capacity_bytes, pin_staging=pin_staging))
+        capacity_bytes=capacity_bytes, pin_staging=pin_staging, file_mode=file_mode,
+        strict_permissions=strict_permissions))
     store.codec = codec
     try:
         await store._start()

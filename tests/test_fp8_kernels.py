@@ -5,7 +5,6 @@ other byte for byte."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +12,13 @@ import torch
 
 from kvstore import codecs, fp8_kernels
 from kvstore.codecs import CodecSpec, KVLayout
+from tests.realdata import kv_dir
 
 needs_kernels = pytest.mark.skipif(not fp8_kernels.available(), reason=fp8_kernels.reason())
 FP8 = {1: torch.float8_e4m3fn, 2: torch.float8_e5m2}
 FP8_MAX = {1: 448.0, 2: 57344.0}
 INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "kv"
+DATA = kv_dir()
 
 
 def test_kernels_are_built_in_this_checkout() -> None:

@@ -110,10 +110,39 @@ def test_orphan_extent_file_is_reclaimable(tmp_path: Path) -> None:
     build(tmp_path)
     orphan = Path(extent_path(str(tmp_path), 99))
     orphan.write_bytes(bytes(PAGE))
+    orphan.chmod(0o600)  # as create_extent_file leaves it (a wider mode is its own finding)
     report = fsck.check(str(tmp_path))
     assert kinds(report) == {"orphan-extent-file"} and not report.damage
     assert_repair_is_idempotent(tmp_path)
     assert not orphan.exists()
+
+
+def test_repair_never_deletes_a_file_it_did_not_create(tmp_path: Path) -> None:
+    """Only ``NNNNNNNN.kvx`` files in extents/ are the store's; anything else is listed as
+    a note and left alone by --repair."""
+    build(tmp_path)
+    notes = tmp_path / "extents" / "notes.txt"
+    notes.write_text("mine")
+    notes.chmod(0o600)  # a wider mode is a finding of its own (loose-permissions)
+    report = fsck.check(str(tmp_path), repair=True, deep=True)
+    assert [(f.kind, f.severity, f.fixed) for f in report.findings] == \
+        [("foreign-file", fsck.NOTE, False)]
+    assert report.exit_code == 0
+    assert notes.read_text() == "mine"
+
+
+def test_rebuild_index_refuses_a_directory_without_extents(tmp_path: Path) -> None:
+    """An empty or foreign directory is not turned into a store (no LOCK, no index/)."""
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "extents").mkdir()
+    (tmp_path / "extents" / "readme").write_text("not an extent")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(FileNotFoundError, match="nothing to rebuild from"):
+        fsck.rebuild_index(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        fsck.rebuild_index(str(tmp_path / "absent"))
+    assert not (tmp_path / "absent").exists()
 
 
 def test_leaked_space_is_reclaimable(tmp_path: Path) -> None:

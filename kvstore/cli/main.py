@@ -1,30 +1,33 @@
-"""``python -m kvstore COMMAND``: a thin layer over the library.
+"""python -m kvstore COMMAND: a thin layer over the library.
 
-Commands:
+commands:
+  fsck PATH [--repair] [--deep] [--json] [--rebuild-index]
+      Check a closed store (the numbered steps are in kvstore/fsck.py): format, extent
+      files, allocation map vs index, every slot header; with --deep also every payload's
+      CRC32C and free space. --repair fixes what it finds (a second run finds nothing);
+      --rebuild-index recreates the index from the self-describing extent files.
+      Exit 0 clean, 1 problems found (or fixed with --repair; the output says which),
+      2 cannot run (no store there, store open elsewhere, unreadable index, unknown
+      format version).
+  stats PATH [--json]
+      Print what the store holds, its totals since it was created (puts, dedup,
+      evictions, corruption) and its engine. --json: exact numbers.
+  demo [--path PATH] [--quick] [--remove]
+      The main job: an engine-like workload (sessions sharing system prompts) is
+      offloaded, the "engine" restarts (a new process), and every session's prefix is
+      found, loaded and verified. Prints throughput, where the data is and how to
+      remove it.
+  bench [--smoke] [--install-peers] [--out DIR] [ARGS...]
+      From a source checkout: kvstore against fio (the physical limit) and the peers
+      (LMCache local disk, file-per-block, torch.save, numpy) in one interleaved run, plus
+      batch latency and open()/match_prefix scaling; writes bench.md/.json/.png
+      (benchmarks/bench.py; bench --help lists every option).
+  cuda build [--out PATH] [--archs 80;90] / cuda status [--json]
+      Compile the CUDA library with nvcc (kvstore/cuda/build.py); say whether the GPU
+      path is used and why.
 
-``fsck PATH [--repair] [--deep] [--json] [--rebuild-index]``
-    Check a closed store (see :mod:`kvstore.fsck` for the numbered steps): format, extent
-    files, allocation map vs index, every slot header, with ``--deep`` every payload CRC
-    and free space.  ``--repair`` fixes what it finds (a second run finds nothing);
-    ``--rebuild-index`` recreates the index from the self-describing extents.
-    Exit 0 clean, 1 problems found (or fixed with --repair; the output says which),
-    2 cannot run (store open elsewhere, unreadable index, unknown format version).
-``stats PATH [--json]``
-    Open the store read-mostly and print its counters, engine and space use.
-``demo [--path PATH] [--quick]``
-    The main job: an engine-like workload (sessions sharing system prompts) is offloaded,
-    the "engine" restarts (a new process), and every session's prefix is found, loaded and
-    verified.  Prints throughput and a summary table.
-``bench [--smoke] [--install-peers] [--out DIR] [ARGS...]``
-    From a source checkout: kvstore against fio (the physical limit) and the peers
-    (LMCache local disk, file-per-block, torch.save, numpy) in one interleaved run, plus
-    batch latency and open()/match_prefix scaling; writes bench.md/.json/.png
-    (``benchmarks/bench.py``; ``bench --help`` lists every option).
-``cuda build [--out PATH] [--archs 80;90]`` / ``cuda status [--json]``
-    Compile the CUDA library with nvcc (see :mod:`kvstore.cuda.build`); say whether the
-    GPU path is used and why (:func:`kvstore.cuda.stats`).
-
-Exit codes: 0 success, 1 the command found a problem, 2 it could not run.
+Exit codes: 0 success, 1 the command found a problem, 2 it could not run,
+130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -33,25 +36,16 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
-import anyio
+from kvstore.cli.paths import CliError, require_store
+from kvstore.cli.stats import cmd_stats
 
-
-def _cmd_stats(args: argparse.Namespace) -> int:
-    import kvstore
-
-    async def run() -> int:
-        async with kvstore.open(args.path, create=False) as store:
-            stats = store.stats().as_dict()
-        if args.json:
-            print(json.dumps(stats, indent=2))
-        else:
-            width = max(len(k) for k in stats)
-            for k, v in stats.items():
-                print(f"{k:<{width}}  {v}")
-        return 0
-
-    return anyio.run(run)
+# fsck's progress stages the CLI draws, and how: --deep's one bar is over payload bytes
+# (the slow part); the free-space scan that follows has no bar of its own.
+_BARS = {"payloads": ("fsck --deep: payloads", "bytes", 256 << 20),
+         "slots": ("fsck: slot headers", " slots", 1000),
+         "extents": ("rebuild-index: extents", "bytes", 256 << 20)}
 
 
 def _cmd_fsck(args: argparse.Namespace) -> int:
@@ -61,16 +55,24 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     bars: dict[str, Progress] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
-        if args.json or total < 1000:
+        if args.json or stage not in _BARS:
             return
-        bar = bars.get(stage) or bars.setdefault(stage, Progress(f"fsck: {stage}", total))
+        label, unit, least = _BARS[stage]
+        if total < least:
+            return
+        bar = bars.get(stage) or bars.setdefault(stage, Progress(label, total, unit))
         bar.advance(done - bar.done)
         if done >= total:
             bar.close()
 
     if args.rebuild_index:
+        if not os.path.exists(args.path):
+            raise CliError(f"{args.path} does not exist (no such directory)")
+        if not os.path.isdir(args.path):
+            raise CliError(f"{args.path} is a file, not a store directory")
         report = fsck.rebuild_index(args.path, progress=progress)
     else:
+        require_store(args.path)
         report = fsck.check(args.path, repair=args.repair, deep=args.deep, progress=progress)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
@@ -137,6 +139,11 @@ def _cmd_cuda(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    from kvstore import __version__
+    from kvstore.format import FORMAT_VERSION
+
+    parser.add_argument("--version", action="version",
+                        version=f"kvstore {__version__} (on-disk format {FORMAT_VERSION})")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("fsck", help="check (and repair) a closed store")
     p.add_argument("path")
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("stats", help="print a store's statistics")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(fn=_cmd_stats)
+    p.set_defaults(fn=cmd_stats)
     from kvstore.cli.demo import add_parser as add_demo
 
     add_demo(sub)
@@ -166,14 +173,49 @@ def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else list(argv)
     if raw[:1] == ["bench"]:  # every option belongs to benchmarks/bench.py (argparse's
         # REMAINDER would refuse a leading "--smoke")
-        return _cmd_bench(argparse.Namespace(rest=raw[1:]))
+        return _run(_cmd_bench, argparse.Namespace(rest=raw[1:]))
     args = parser.parse_args(argv)
+    return _run(args.fn, args)
+
+
+def _run(fn: Any, args: argparse.Namespace) -> int:
+    """Run a command; errors become one line (JSON with --json), Ctrl-C exit 130."""
     try:
-        return int(args.fn(args))
-    except Exception as e:  # noqa: BLE001 - a CLI reports, it does not dump traces
+        return int(fn(args))
+    except BaseException as e:  # noqa: BLE001 - a CLI reports, it does not dump traces
         from kvstore.errors import KVStoreError
 
-        if isinstance(e, (KVStoreError, OSError)):
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
+        if _interrupted(e):
+            if getattr(args, "reload_only", False):
+                return 130  # the demo's reload process: its parent says it once
+            path = getattr(args, "path", None)
+            print("\ninterrupted" + (f"; the store is consistent: run `python -m kvstore fsck "
+                                     f"{path}` to check" if path else ""), file=sys.stderr)
+            return 130
+        if isinstance(e, BrokenPipeError):  # `... | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        if not isinstance(e, (CliError, KVStoreError, OSError)):
+            raise
+        message = _describe(e)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": message, "exit_code": 2}, indent=2))
+        else:
+            print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Ctrl-C, possibly wrapped in the exception group of a task group."""
+    inner = getattr(e, "exceptions", None)
+    if inner is not None and not isinstance(e, KeyboardInterrupt):
+        return bool(inner) and all(_interrupted(x) for x in inner)
+    return isinstance(e, KeyboardInterrupt)
+
+
+def _describe(e: BaseException) -> str:
+    """The message of an error, without Python's ``[Errno N]`` prefix."""
+    if isinstance(e, OSError) and e.strerror:
+        where = e.filename if isinstance(e.filename, str) else None
+        return f"{where}: {e.strerror}" if where else e.strerror
+    return str(e)

@@ -20,7 +20,7 @@ from kvstore.errors import KVStoreError
 
 __all__ = ["ABI_VERSION", "CudaError", "Library", "Runtime", "load", "runtime"]
 
-ABI_VERSION = 1  # cuda_ext/kvcuda.h KVC_ABI_VERSION
+ABI_VERSION = 2  # cuda_ext/kvcuda.h KVC_ABI_VERSION
 
 _c_int_p = ctypes.POINTER(ctypes.c_int)
 _i64 = ctypes.c_int64
@@ -45,6 +45,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvc_stream_create": [ctypes.POINTER(_u64)],
     "kvc_stream_destroy": [_u64],
     "kvc_stream_synchronize": [_u64],
+    "kvc_stream_query": [_u64],
     "kvc_notify_eventfd": [_u64, ctypes.c_int],
     "kvc_gather": [_ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _u64],
     "kvc_scatter": [_ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _u64],

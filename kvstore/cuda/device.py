@@ -1,14 +1,26 @@
 """Device memory, streams, async copies, and completion the event loop can await.
 
-Completion without blocking the loop: :func:`wait_stream` enqueues a host function on
-the stream (``cudaLaunchHostFunc``) that writes to an eventfd once everything queued
-before it has finished, and awaits ``anyio.wait_readable`` on that fd -- the same way
+Completion without blocking the loop: :func:`wait_stream` enqueues a stream callback
+(``cudaStreamAddCallback``) that writes to an eventfd once everything queued before it
+has finished, and awaits ``anyio.wait_readable`` on that fd -- the same way
 :mod:`kvstore.io.uring` waits for io_uring completions.  No thread blocks in
-``cudaStreamSynchronize`` and nothing polls.  A cancelled waiter still waits (shielded)
-for the callback before the fd is closed, because the callback writes to the fd number
-whenever the GPU gets there and that number could otherwise belong to another file by
-then; GPU work cannot be cancelled anyway, so this only delays a cancellation by the
-time the queued work needs.
+``cudaStreamSynchronize``.  The callback runs exactly once, also when the stream has
+failed (a "sticky" error such as a kernel's illegal address), and reports the stream's
+status, which :func:`wait_stream` raises as :class:`CudaError`; a ``cudaLaunchHostFunc``
+function, used before, is never called after such an error and the waiter slept for
+ever.  In case a driver never runs the callback at all (a GPU lost), the waiter also
+asks ``cudaStreamQuery`` once a second and gives up when it reports an error.
+
+A cancelled waiter still waits (shielded) for the callback before the fd is closed,
+because the callback writes to the fd number whenever the GPU gets there and that
+number could otherwise belong to another file by then; GPU work cannot be cancelled
+anyway, so this only delays a cancellation by the time the queued work needs.  When the
+stream failed and the callback never ran, the fd is left open for the same reason: one
+descriptor lost after a device failure, which leaves the CUDA context unusable anyway.
+
+:func:`on_device` makes a device current for a block and restores the thread's previous
+device after it (the current device is per-thread state that other CUDA code in the
+process, torch's included, relies on).
 
 These classes take raw device pointers and need no torch: the GPU checks use them
 where torch has no CUDA build.
@@ -18,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 import anyio
@@ -26,7 +40,10 @@ import numpy.typing as npt
 
 from kvstore.cuda._lib import CudaError, Library, runtime
 
-__all__ = ["DeviceBuffer", "Stream", "copy_async", "require_lib", "wait_stream"]
+__all__ = ["DeviceBuffer", "Stream", "copy_async", "on_device", "require_lib", "wait_stream"]
+
+_NOT_READY = 600        # cudaErrorNotReady: kvc_stream_query's "still running"
+CHECK_EVERY_S = 1.0     # how often a waiter asks cudaStreamQuery whether the stream failed
 
 
 def require_lib() -> Library:
@@ -35,6 +52,28 @@ def require_lib() -> Library:
     if not rt.usable or rt.lib is None:
         raise CudaError("CUDA", -1, rt.reason)
     return rt.lib
+
+
+@contextmanager
+def on_device(device: int | None, lib: Library | None = None) -> Iterator[None]:
+    """Run the block with ``device`` as this thread's current CUDA device (allocations,
+    registrations and launches go there), then restore the device that was current,
+    also when the block raises.  ``None`` leaves the current device alone."""
+    if device is None:
+        yield
+        return
+    lib = lib or require_lib()
+    previous = lib.get_int("kvc_get_device")
+    if previous == device:
+        yield
+        return
+    lib.call("kvc_set_device", device)
+    try:
+        yield
+    finally:
+        # try_call: a failed restore (the context died in the block) must not hide the
+        # block's own error.
+        lib.try_call("kvc_set_device", previous)
 
 
 class Stream:
@@ -67,9 +106,10 @@ class Stream:
         self.close()
 
 
-async def wait_stream(stream: int, lib: Library | None = None) -> None:
+async def wait_stream(stream: int, lib: Library | None = None,
+                      check_every: float = CHECK_EVERY_S) -> None:
     """Return once all work queued on ``stream`` so far has finished, without blocking
-    the event loop (see the module docstring)."""
+    the event loop; raise :class:`CudaError` if the stream failed (module docstring)."""
     lib = lib or require_lib()
     efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
     try:
@@ -77,16 +117,35 @@ async def wait_stream(stream: int, lib: Library | None = None) -> None:
     except BaseException:
         os.close(efd)
         raise
+    fired, code = False, 0
     try:
         try:
-            await anyio.wait_readable(efd)
+            fired, code = await _await_callback(efd, stream, lib, check_every)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
-                await anyio.wait_readable(efd)
-            raise
-        os.eventfd_read(efd)
+                fired, code = await _await_callback(efd, stream, lib, check_every)
+            raise  # the cancellation wins; a sticky error shows again at the next call
     finally:
-        os.close(efd)
+        if fired:
+            os.close(efd)
+    if code:
+        raise CudaError("CUDA stream", code, lib.error_string(code))
+
+
+async def _await_callback(efd: int, stream: int, lib: Library,
+                          check_every: float) -> tuple[bool, int]:
+    """(True, the stream's status) once the callback wrote to ``efd``; (False, error)
+    when the stream reports an error and the callback has not run."""
+    while True:
+        with anyio.move_on_after(check_every):
+            await anyio.wait_readable(efd)
+        try:
+            return True, os.eventfd_read(efd) - 1
+        except BlockingIOError:
+            pass
+        code = lib.try_call("kvc_stream_query", stream)
+        if code not in (0, _NOT_READY):
+            return False, code
 
 
 class DeviceBuffer:

@@ -28,6 +28,7 @@ import torch
 from kvstore import codecs
 from kvstore.codecs import FP8_E4M3, FP8_E5M2, ZSTD, CodecSpec
 from kvstore.cuda._lib import Library, runtime
+from kvstore.cuda.paged import cuda_index
 from kvstore.errors import CorruptionError
 
 __all__ = ["ScaleGroups", "decode", "decode_device", "decode_host", "encode",
@@ -138,15 +139,27 @@ def encode_host(t: torch.Tensor, spec: CodecSpec, lib: Library | None = None) ->
 
 
 def encode_device(ptr: int, dtype: torch.dtype, shape: tuple[int, ...], spec: CodecSpec,
-                  stream: int = 0) -> tuple[int, U8]:
+                  stream: int = 0, device: int | None = None) -> tuple[int, U8]:
     """Encode a C-contiguous block at device address ``ptr`` on ``stream`` (returns when
-    done).  Uses the library's own allocations: no torch CUDA needed."""
-    from kvstore.cuda.device import DeviceBuffer, require_lib
+    done).  Uses the library's own allocations: no torch CUDA needed.  ``device``: the
+    GPU that holds ``ptr`` and ``stream``; the scratch memory is allocated and the kernel
+    launched there (the thread's current device is restored after), ``None`` = the
+    current device."""
+    from kvstore.cuda.device import on_device, require_lib
 
     lib = require_lib()
     shape = tuple(int(d) for d in shape)
     if not _fp8_applies(dtype, shape, spec):
         raise ValueError(f"no FP8 encoding for dtype {dtype}, shape {shape}, spec {spec}")
+    with on_device(device, lib):
+        return _encode_on_current_device(lib, ptr, dtype, shape, spec, stream)
+
+
+def _encode_on_current_device(lib: Library, ptr: int, dtype: torch.dtype,
+                              shape: tuple[int, ...], spec: CodecSpec,
+                              stream: int) -> tuple[int, U8]:
+    from kvstore.cuda.device import DeviceBuffer
+
     sg = scale_groups(shape, spec)
     numel = sg.rows * sg.head_dim
     base = _base(spec)
@@ -178,7 +191,8 @@ def encode(t: torch.Tensor, spec: CodecSpec) -> tuple[int, U8]:
             _fp8_applies(t.dtype, tuple(t.shape), spec):
         x = t.detach().contiguous()
         stream = int(torch.cuda.current_stream(x.device).cuda_stream)
-        return encode_device(x.data_ptr(), x.dtype, tuple(x.shape), spec, stream)
+        return encode_device(x.data_ptr(), x.dtype, tuple(x.shape), spec, stream,
+                             cuda_index(x.device))
     return codecs.encode(t, spec)
 
 
@@ -247,9 +261,11 @@ def decode_host(codec: int, payload: codecs.Payload, dtype: torch.dtype,
 
 
 def decode_device(codec: int, payload: codecs.Payload, dtype: torch.dtype,
-                  shape: tuple[int, ...], out_ptr: int, stream: int = 0) -> None:
-    """Decode into the C-contiguous device buffer at ``out_ptr`` (returns when done)."""
-    from kvstore.cuda.device import DeviceBuffer, require_lib
+                  shape: tuple[int, ...], out_ptr: int, stream: int = 0,
+                  device: int | None = None) -> None:
+    """Decode into the C-contiguous device buffer at ``out_ptr`` (returns when done);
+    ``device`` as for :func:`encode_device`."""
+    from kvstore.cuda.device import DeviceBuffer, on_device, require_lib
 
     lib = require_lib()
     shape = tuple(int(d) for d in shape)
@@ -258,7 +274,7 @@ def decode_device(codec: int, payload: codecs.Payload, dtype: torch.dtype,
                          f"{codec:#x} -> {dtype}")
     sg, scales, codes = _parse(codec, payload, dtype, shape)
     rg = sg.row_group.nbytes
-    with DeviceBuffer(rg + sg.n + codes.size, lib) as buf:
+    with on_device(device, lib), DeviceBuffer(rg + sg.n + codes.size, lib) as buf:
         buf.upload(sg.row_group, stream)
         if sg.n:
             buf.upload(np.ascontiguousarray(scales), stream, offset=rg)
@@ -276,7 +292,8 @@ def decode(codec: int, payload: codecs.Payload, dtype: torch.dtype, shape: tuple
     if device.type == "cuda" and runtime().usable and _is_fp8(codec, dtype):
         out = torch.empty(tuple(shape), dtype=dtype, device=device)
         stream = int(torch.cuda.current_stream(device).cuda_stream)
-        decode_device(codec, payload, dtype, tuple(shape), out.data_ptr(), stream)
+        decode_device(codec, payload, dtype, tuple(shape), out.data_ptr(), stream,
+                      cuda_index(device))
         return out
     return codecs.decode(codec, payload, dtype, tuple(shape)).to(device)
 

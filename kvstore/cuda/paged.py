@@ -19,7 +19,9 @@ the kernels (``cuda_ext/gather_scatter.cu``) produce, so a staged block can be p
 one kvstore block.
 
 :func:`gather` / :func:`scatter` run the kernel on the caller's torch stream when the
-tensors are on a CUDA device and the library is usable; otherwise the torch reference
+tensors are on a CUDA device, the staging tensor is memory the kernel can reach (that
+device's, or pinned/registered host memory: :func:`device_can_reach`) and the library
+is usable; otherwise the torch reference
 (:func:`gather_reference` / :func:`scatter_reference`, index_select/index_copy_) runs,
 on any device, with identical bytes.  :func:`gather_ptrs` / :func:`scatter_ptrs` take
 raw device pointers (for callers without torch CUDA, e.g. the GPU checks).
@@ -35,9 +37,12 @@ import numpy.typing as npt
 import torch
 
 from kvstore.cuda._lib import Library, runtime
+from kvstore.cuda.device import on_device
+from kvstore.cuda.pinned import pool
 
-__all__ = ["LAYOUTS", "Layout", "gather", "gather_ptrs", "gather_reference", "scatter",
-           "scatter_ptrs", "scatter_reference", "staging_shape"]
+__all__ = ["LAYOUTS", "Layout", "cuda_index", "device_can_reach", "gather", "gather_ptrs",
+           "gather_reference",
+           "scatter", "scatter_ptrs", "scatter_reference", "staging_shape"]
 
 Layout = Literal["kv_first", "blocks_first"]
 LAYOUTS: tuple[str, ...] = ("kv_first", "blocks_first")
@@ -180,6 +185,30 @@ def _use_kernel(layers: Sequence[torch.Tensor]) -> Library | None:
     return None
 
 
+def device_can_reach(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether a kernel on CUDA ``device`` may read and write ``t`` (contiguous) through
+    its pointer: memory of that device, or host memory that is pinned (torch's
+    ``pin_memory()``) or inside a range kvstore registered (the staging arena).  Pageable
+    host memory is not mapped for the GPU: the kernel would fault, a sticky error that
+    leaves the process's CUDA context unusable; another GPU's memory needs peer access
+    that nothing here sets up.  Otherwise gather/scatter take the torch path."""
+    if t.device.type == "cuda":
+        return t.device == device
+    if t.device.type != "cpu":
+        return False
+    if pool().covers(t.data_ptr(), t.numel() * t.element_size()):
+        return True
+    try:
+        return bool(t.is_pinned())
+    except RuntimeError:  # a torch without CUDA cannot tell, and cannot pin either
+        return False
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` (``cuda`` alone: torch's current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def gather(layers: Sequence[torch.Tensor],
            block_ids: Sequence[int] | torch.Tensor | npt.NDArray[np.int64], layout: Layout,
            out: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,7 +218,7 @@ def gather(layers: Sequence[torch.Tensor],
     on the host)."""
     axis = _check_layers(layers, layout)
     lib = _use_kernel(layers)
-    if lib is None:
+    if lib is None or (out is not None and not device_can_reach(out, layers[0].device)):
         return gather_reference(layers, block_ids, layout, out)
     ids = _ids(block_ids, layers[0].shape[axis], unique=False)
     want = staging_shape(layers[0].shape, len(layers), ids.size, layout)
@@ -203,8 +232,9 @@ def gather(layers: Sequence[torch.Tensor],
         if _geometry(t, axis) != (outer, ostride, bstride, inner):
             raise ValueError("every layer must have the same strides")
     stream = int(torch.cuda.current_stream(layers[0].device).cuda_stream)
-    gather_ptrs(lib, [t.data_ptr() for t in layers], outer, ostride, bstride, inner, ids,
-                out.data_ptr(), stream)
+    with on_device(cuda_index(layers[0].device), lib):  # the stream's device
+        gather_ptrs(lib, [t.data_ptr() for t in layers], outer, ostride, bstride, inner, ids,
+                    out.data_ptr(), stream)
     return out
 
 
@@ -214,7 +244,8 @@ def scatter(staging: torch.Tensor, layers: Sequence[torch.Tensor],
     """Copy staged blocks back into the cache at ``block_ids`` (distinct ids)."""
     axis = _check_layers(layers, layout)
     lib = _use_kernel(layers)
-    if lib is None or not staging.is_contiguous():
+    if lib is None or not staging.is_contiguous() \
+            or not device_can_reach(staging, layers[0].device):
         scatter_reference(staging, layers, block_ids, layout)
         return
     ids = _ids(block_ids, layers[0].shape[axis], unique=True)
@@ -225,5 +256,6 @@ def scatter(staging: torch.Tensor, layers: Sequence[torch.Tensor],
         if _geometry(t, axis) != (outer, ostride, bstride, inner):
             raise ValueError("every layer must have the same strides")
     stream = int(torch.cuda.current_stream(layers[0].device).cuda_stream)
-    scatter_ptrs(lib, [t.data_ptr() for t in layers], outer, ostride, bstride, inner, ids,
-                 staging.data_ptr(), stream)
+    with on_device(cuda_index(layers[0].device), lib):
+        scatter_ptrs(lib, [t.data_ptr() for t in layers], outer, ostride, bstride, inner, ids,
+                     staging.data_ptr(), stream)

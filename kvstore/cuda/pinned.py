@@ -27,6 +27,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from kvstore.cuda._lib import CudaError, runtime
+from kvstore.cuda.device import on_device
 from kvstore.io.arena import Arena
 
 __all__ = ["ArenaPin", "PinnedPool", "pin_arena", "pool"]
@@ -66,6 +67,13 @@ class PinnedPool:
     def regions(self) -> int:
         return len(self._regions)
 
+    def covers(self, address: int, nbytes: int) -> bool:
+        """Whether ``[address, address + nbytes)`` lies inside one registered range (the
+        device can then read and write it in place)."""
+        with self._lock:
+            return any(r.address <= address and address + nbytes <= r.address + r.nbytes
+                       for r in self._regions.values())
+
     def register(self, address: int, nbytes: int, owner: str) -> None:
         rt = runtime()
         if not rt.usable or rt.lib is None:
@@ -79,8 +87,10 @@ class PinnedPool:
                                 f"pinned-memory limit of {self.limit_bytes} bytes "
                                 f"({self.registered_bytes} in use); raise "
                                 "KVSTORE_CUDA_PINNED_LIMIT or use a smaller staging_bytes")
-            rt.lib.call("kvc_set_device", rt.device)
-            rt.lib.call("kvc_host_register", address, nbytes)
+            # On kvstore's device, and the thread's current device back afterwards: the
+            # engine's own CUDA work on this thread must not move to another GPU.
+            with on_device(rt.device, rt.lib):
+                rt.lib.call("kvc_host_register", address, nbytes)
             self._regions[address] = _Region(address, nbytes, owner)
             if not self._atexit:
                 # Registered after CUDA initialised, so it runs before the runtime's own

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvstore import permissions
 from kvstore.codecs import CodecSpec
 
 __all__ = ["CODECS", "ConnectorConfig"]
@@ -45,6 +46,11 @@ class ConnectorConfig:
     ``model_id``        the operator's name for these exact weights (a build id, a
                         commit), used instead of reading the files; required where
                         the weights are not local files (streamed from object storage).
+    ``file_mode``       permissions of the store's files, an int or an octal string
+                        (``"0660"``: shared with the group); default the store's own
+                        (owner-only 0600 for a new store).  See ``kvstore.open``.
+    ``strict_permissions``  refuse to start on a store other users can reach (default:
+                        log a warning naming the files and the fixing chmod).
     """
 
     path: str
@@ -57,6 +63,8 @@ class ConnectorConfig:
     max_pending_save_bytes: int = 1 << 30
     weights_fingerprint: str = "sample"
     model_id: str | None = None
+    file_mode: int | None = None
+    strict_permissions: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -76,8 +84,12 @@ class ConnectorConfig:
                                       or value <= 0):
                 raise ValueError(f"kvstore connector: {name} must be a positive int, "
                                  f"got {value!r}")
-        if "sync" in extra and not isinstance(extra["sync"], bool):
-            raise ValueError(f"kvstore connector: sync must be true or false, got {extra['sync']!r}")
+        for name in ("sync", "strict_permissions"):
+            if name in extra and not isinstance(extra[name], bool):
+                raise ValueError(f"kvstore connector: {name} must be true or false, "
+                                 f"got {extra[name]!r}")
+        if extra.get("file_mode") is not None:
+            extra["file_mode"] = _file_mode(extra["file_mode"])
         if extra.get("codec", "raw") not in CODECS:
             raise ValueError(f"kvstore connector: codec must be one of {sorted(CODECS)}, "
                              f"got {extra['codec']!r}")
@@ -97,4 +109,19 @@ class ConnectorConfig:
         return {"capacity_bytes": self.capacity_bytes, "codec": CODECS[self.codec],
                 "sync": self.sync, "extent_bytes": self.extent_bytes,
                 "staging_bytes": self.staging_bytes, "engine": self.io_engine,
+                "file_mode": self.file_mode, "strict_permissions": self.strict_permissions,
                 "allow_new_namespace": True}
+
+
+def _file_mode(value: object) -> int:
+    """An int, or an octal string as JSON configs spell modes ("0660", "0o660")."""
+    mode = value
+    if isinstance(value, str):
+        try:
+            mode = int(value.removeprefix("0o"), 8)
+        except ValueError:
+            mode = value
+    try:
+        return permissions.check_file_mode(mode)
+    except ValueError as e:
+        raise ValueError(f"kvstore connector: {e}") from None

@@ -24,8 +24,11 @@ The scope is a digest of everything the connector puts in the store's key scope 
 the scheduler knows too (model weights fingerprint, model config, KV cache dtype, ...):
 a scheduler is only ever answered by a worker of its own engine and model, so a hit it
 reports is a block its worker can load.  The worker turns the hashes into keys with its
-own namespace, so the scheduler never needs to know the KV layout.  Only processes of
-the same user are answered (``SO_PEERCRED``).  Nothing is pickled.
+own namespace, so the scheduler never needs to know the KV layout.  Both ends check the
+other's user (``SO_PEERCRED``): the worker answers only processes of its own user, and
+the scheduler talks only to a worker of its own user (an abstract name is first come,
+first served: another user could bind it before the worker starts, and would otherwise
+see the hashes of every prompt).  Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -81,6 +84,12 @@ def _read_ident(conn: socket.socket) -> tuple[str, bytes] | None:
     if ident is None or scope is None:
         return None
     return ident.decode("utf-8", "replace"), scope
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
@@ -154,10 +163,7 @@ class LookupServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                    struct.calcsize("3i"))
-            _pid, uid, _gid = struct.unpack("3i", creds)
-            if uid != os.getuid() or not self._welcome(conn):
+            if _peer_uid(conn) != os.getuid() or not self._welcome(conn):
                 return
             while True:
                 try:
@@ -223,6 +229,11 @@ class LookupClient:
         sock.settimeout(self._timeout)
         try:
             sock.connect(self._name)
+            uid = _peer_uid(sock)
+            if uid != os.getuid():
+                raise PermissionError(
+                    f"the lookup socket {self._name[1:]!r} is served by uid {uid}, not by this "
+                    f"user (uid {os.getuid()}); not sending it anything")
             sock.sendall(self._hello)
             status = _recv_exact(sock, 1)
             peer = None if status is None else _read_ident(sock)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 from typing import Any
 
 from kvstore.integrations.fingerprint import FingerprintError, fingerprint_weights
@@ -53,10 +52,6 @@ Scope = tuple[tuple[str, str], ...]
 _VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation",
              "_attn_implementation_autoset", "name_or_path")
 
-_fingerprints: dict[tuple[str, str], str] = {}
-_fingerprints_lock = threading.Lock()
-
-
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
 
@@ -65,13 +60,10 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _cached_fingerprint(path: str, mode: str) -> str:
-    """One fingerprint per path and mode per process (scheduler and worker may share)."""
-    key = (os.path.realpath(path), mode)
-    with _fingerprints_lock:
-        if key not in _fingerprints:
-            _fingerprints[key] = fingerprint_weights(path, mode)  # type: ignore[arg-type]
-        return _fingerprints[key]
+def _fingerprint(path: str, mode: str) -> str:
+    # Taken afresh by every connector (milliseconds): an engine started later in the
+    # same process may run other weights written to the same path.
+    return fingerprint_weights(path, mode)  # type: ignore[arg-type]
 
 
 def _strip(value: Any) -> Any:
@@ -111,8 +103,8 @@ def _weights(vllm_config: Any, config: ConnectorConfig) -> str:
         return "id:" + config.model_id
     try:
         path = _weights_path(vllm_config.model_config, vllm_config.load_config)
-        return f"{config.weights_fingerprint}:" + _cached_fingerprint(
-            path, config.weights_fingerprint)
+        return f"{config.weights_fingerprint}:" + _fingerprint(path,
+                                                                config.weights_fingerprint)
     except FingerprintError as e:
         raise ValueError(
             f"kvstore connector: cannot fingerprint the model's weights: {e}. Stored KV "
@@ -187,7 +179,7 @@ class LoraScopes:
         key = (int(getattr(lora_request, "lora_int_id", 0)), path)
         if key not in self._known:
             try:
-                self._known[key] = _cached_fingerprint(path, self._mode)
+                self._known[key] = _fingerprint(path, self._mode)
             except FingerprintError:
                 self._known[key] = None
         return self._known[key]

@@ -40,6 +40,7 @@ from kvstore.errors import StoreIOError
 from kvstore.format import PAGE
 from kvstore.io.protocol import IoOp
 from kvstore.io.threads import raise_write_errors
+from kvstore.permissions import FILE_MODE
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -155,7 +156,7 @@ class SimulatedEngine:
         return None
 
     def open_file(self, path: str, *, create: bool) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), FILE_MODE)
         self._paths[fd] = path
         return fd
 

@@ -18,6 +18,7 @@ import anyio
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import coalesce, spread
 from kvstore.io.protocol import IoOp
+from kvstore.permissions import FILE_MODE
 
 
 def open_flags(direct: bool, create: bool) -> int:
@@ -49,7 +50,7 @@ class ThreadPoolEngine:
         return None
 
     def open_file(self, path: str, *, create: bool) -> int:
-        return os.open(path, open_flags(self.direct, create), 0o644)
+        return os.open(path, open_flags(self.direct, create), FILE_MODE)
 
     def close_file(self, fd: int) -> None:
         os.close(fd)

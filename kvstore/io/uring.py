@@ -40,6 +40,7 @@ from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import Merged, coalesce, spread
 from kvstore.io.protocol import IoOp
 from kvstore.io.threads import open_flags, raise_write_errors
+from kvstore.permissions import FILE_MODE
 
 try:  # pragma: no cover - exercised through the probe
     import liburing as _lu
@@ -130,7 +131,7 @@ class UringEngine:
                 self._free_slots += 1
 
     def open_file(self, path: str, *, create: bool) -> int:
-        return os.open(path, open_flags(self.direct, create), 0o644)
+        return os.open(path, open_flags(self.direct, create), FILE_MODE)
 
     def close_file(self, fd: int) -> None:
         os.close(fd)

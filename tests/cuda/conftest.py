@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.cuda import _lib
 from kvstore.cuda.build import BuildResult, build, find_nvcc
+from tests.cuda.standin import StandInLibrary
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +55,21 @@ def no_library(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_lib.Runtim
         yield rt
     finally:
         _lib.reset_for_tests(old)
+
+
+@pytest.fixture
+def standin() -> Iterator[StandInLibrary]:
+    """kvstore.cuda sees two stand-in devices (tests/cuda/standin.py), device 0 current."""
+    lib = StandInLibrary()
+    old = _lib.reset_for_tests(lib.runtime(devices=2, device=1))
+    try:
+        yield lib
+    finally:
+        _lib.reset_for_tests(old)
+
+
+@pytest.fixture
+def standin_kernels(standin: StandInLibrary, host_lib: _lib.Library) -> StandInLibrary:
+    """The stand-in, its FP8 "kernels" being the built library's host twins."""
+    standin.host = host_lib
+    return standin

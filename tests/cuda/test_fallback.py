@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,11 +22,7 @@ from hypothesis import strategies as st
 from kvstore import codecs
 from kvstore.codecs import CodecSpec, KVLayout
 from kvstore.cuda import _lib, fp8, paged
-
-# ../shared/data next to the checkout (the project's layout), or shared/data inside it
-DATA = next((d for d in (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv",
-                         Path(__file__).resolve().parents[2] / "shared" / "data" / "kv")
-             if d.is_dir()), Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv")
+from tests.realdata import kv_dir, require_kv_dir
 
 # (name, layout, per-layer shape builder (num_blocks) -> shape)
 LAYOUTS: list[tuple[str, paged.Layout, Callable[[int], tuple[int, ...]]]] = [
@@ -142,15 +137,14 @@ def test_bad_layouts_are_refused() -> None:
 
 
 def _real(name: str) -> torch.Tensor:
-    arr = np.load(DATA / name)
+    arr = np.load(kv_dir() / name)
     t = torch.from_numpy(arr)
     return t.view(torch.bfloat16) if "bf16bits" in name else t
 
 
 @pytest.fixture(scope="module")
 def kv_real() -> dict[torch.dtype, torch.Tensor]:
-    if not DATA.is_dir():
-        pytest.skip(f"real KV data not found at {DATA}")
+    require_kv_dir()
     k16, v16 = _real("smollm2_sample_K_fp16.npy"), _real("smollm2_sample_V_fp16.npy")
     kb, vb = _real("smollm2_sample_K_bf16bits.npy"), _real("smollm2_sample_V_bf16bits.npy")
     # [2, layers, tokens, heads, head_dim]; a 64-token slice keeps the test quick

@@ -28,13 +28,10 @@ from kvstore.cuda.device import DeviceBuffer, Stream, copy_async
 from kvstore.cuda.pinned import pool
 from kvstore.format import SLOT_HEADER_BYTES
 from tests.conformance import SMALL_EXTENT
+from tests.realdata import require_kv_dir
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason=f"no CUDA: {cuda.reason()}")
 ROOT = Path(__file__).resolve().parents[2]
-# ../shared/data next to the checkout (the project's layout), or shared/data inside it
-DATA = next((d for d in (Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv",
-                         Path(__file__).resolve().parents[2] / "shared" / "data" / "kv")
-             if d.is_dir()), Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv")
 TORCH_CUDA = torch.cuda.is_available()
 
 
@@ -87,12 +84,11 @@ def _device_roundtrip(x: torch.Tensor, spec: CodecSpec) -> None:
 
 
 def _real() -> dict[torch.dtype, torch.Tensor]:
-    if not DATA.is_dir():
-        pytest.skip(f"no real KV data at {DATA}")
-    k16 = torch.from_numpy(np.load(DATA / "smollm2_sample_K_fp16.npy"))
-    v16 = torch.from_numpy(np.load(DATA / "smollm2_sample_V_fp16.npy"))
-    kb = torch.from_numpy(np.load(DATA / "smollm2_sample_K_bf16bits.npy")).view(torch.bfloat16)
-    vb = torch.from_numpy(np.load(DATA / "smollm2_sample_V_bf16bits.npy")).view(torch.bfloat16)
+    data = require_kv_dir()
+    k16 = torch.from_numpy(np.load(data / "smollm2_sample_K_fp16.npy"))
+    v16 = torch.from_numpy(np.load(data / "smollm2_sample_V_fp16.npy"))
+    kb = torch.from_numpy(np.load(data / "smollm2_sample_K_bf16bits.npy")).view(torch.bfloat16)
+    vb = torch.from_numpy(np.load(data / "smollm2_sample_V_bf16bits.npy")).view(torch.bfloat16)
     return {torch.float16: torch.stack([k16, v16]), torch.bfloat16: torch.stack([kb, vb]),
             torch.float32: torch.stack([k16, v16]).float()}
 
@@ -357,3 +353,79 @@ def test_pinned_pool_is_bounded() -> None:
         assert ok.registered_bytes == 0 and ok.regions == 0
     finally:
         arena.close()
+
+
+# --------------------------------------------------------------------------- failures and placement
+
+_STICKY = """
+import anyio, numpy as np
+from kvstore.cuda import CudaError, paged
+from kvstore.cuda._lib import runtime
+from kvstore.cuda.device import Stream, wait_stream
+
+async def main() -> None:
+    lib = runtime().lib
+    s = Stream()
+    # pointers no allocation covers: the kernel faults, a sticky error of the context
+    paged.gather_ptrs(lib, [0x10], 1, 0, 4096, 4096, np.zeros(1, np.int64), 0x20, s.handle)
+    try:
+        with anyio.fail_after(60):
+            await wait_stream(s.handle, lib)
+    except CudaError as e:
+        print("wait_stream raised", e.code, e)
+    except TimeoutError:
+        print("wait_stream HUNG")
+    else:
+        print("wait_stream returned without an error")
+
+anyio.run(main)
+"""
+
+
+def test_sticky_error_is_raised_by_wait_stream_not_hung() -> None:
+    # In a child process: the sticky error ends that process's CUDA context.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _STICKY], capture_output=True, text=True,
+                          timeout=180, env=env, check=False)
+    assert "wait_stream raised" in proc.stdout, proc.stdout + proc.stderr
+    code = int(proc.stdout.split("wait_stream raised", 1)[1].split()[0])
+    assert code > 0  # e.g. 700, cudaErrorIllegalAddress
+
+
+@pytest.mark.skipif(not TORCH_CUDA, reason="torch has no CUDA here")
+@pytest.mark.parametrize("pinned", [False, True])
+def test_gather_scatter_with_host_staging(pinned: bool) -> None:
+    # pageable host staging: the torch path (the kernel would fault on it);
+    # pinned host staging: the kernel writes it in place.
+    layers = [torch.randn(2, 32, 16, 4, 64, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    ids = [7, 0, 31, 2]
+    shape = paged.staging_shape(layers[0].shape, 3, len(ids), "kv_first")
+    out = torch.empty(shape, dtype=torch.bfloat16, pin_memory=pinned)
+    assert paged.device_can_reach(out, layers[0].device) == pinned
+    got = paged.gather(layers, ids, "kv_first", out=out)
+    torch.cuda.synchronize()
+    want = paged.gather_reference([t.cpu() for t in layers], ids, "kv_first")
+    assert got is out and torch.equal(out, want)
+    dst = [torch.zeros_like(t) for t in layers]
+    paged.scatter(out, dst, ids, "kv_first")
+    torch.cuda.synchronize()
+    back = paged.gather_reference([t.cpu() for t in dst], ids, "kv_first")
+    assert torch.equal(back, want)
+
+
+@pytest.mark.skipif(not TORCH_CUDA or torch.cuda.device_count() < 2,
+                    reason="needs torch CUDA and two GPUs")
+def test_fp8_on_the_second_gpu_leaves_the_current_device() -> None:
+    torch.cuda.set_device(0)
+    x = _real()[torch.bfloat16][:, :, :64].contiguous()
+    spec = CodecSpec(fp8="e4m3", layout=KVLayout(0, 2, 3))
+    codec, payload = fp8.encode(x.to("cuda:1"), spec)
+    want = codecs.encode(x, spec)
+    assert codec == want[0] and np.array_equal(payload, want[1])
+    dec = fp8.decode(codec, payload, x.dtype, tuple(x.shape), device="cuda:1")
+    assert dec.device == torch.device("cuda", 1)
+    assert torch.cuda.current_device() == 0

@@ -9,7 +9,7 @@ SPEC: ``{"model": DIR, "prompts": [str, ...], "max_tokens": int, "store": PATH |
 ``kv_cache_dtype``), ``"engine_id": str`` (the kv_transfer_config's), ``"abort_first":
 {"I": STEPS}`` (prompt I is first submitted through the engine, stepped STEPS times and
 aborted, then served as usual, without a prefix-cache reset in between) and ``"hold":
-true`` (after writing RESULT, print READY and keep the engine alive until stdin closes).
+true`` (after writing RESULT, print KVSTORE-ENGINE-LIFE-READY and keep the engine alive until stdin closes).
 ``store: null`` runs without the connector (the reference outputs).  Prompts are served
 one ``generate`` call each, in order, with vLLM's own (device) prefix cache reset before
 each: a later prompt can reuse an earlier one's blocks only through kvstore (or, after
@@ -125,7 +125,7 @@ def main(spec_path: str, result_path: str) -> None:
     with open(result_path, "w") as f:
         json.dump(result, f)
     if spec.get("hold"):
-        print("READY", flush=True)
+        print("KVSTORE-ENGINE-LIFE-READY", flush=True)
         sys.stdin.read()  # the test closes stdin when this engine may end
 
 

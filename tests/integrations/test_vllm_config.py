@@ -40,6 +40,9 @@ def test_options_reach_the_store(tmp_path: Path) -> None:
     ({"path": "/x", "sync": "yes"}, "sync must be true or false"),
     ({"path": "/x", "codec": "fp8"}, "codec must be one of"),
     ({"path": "/x", "io_engine": "aio"}, "io_engine must be"),
+    ({"path": "/x", "weights_fingerprint": "fast"}, "weights_fingerprint must be"),
+    ({"path": "/x", "model_id": ""}, "model_id must be a non-empty string"),
+    ({"path": "/x", "model_id": 7}, "model_id must be a non-empty string"),
 ])
 def test_bad_options_say_what_is_wrong(extra: dict[str, object] | None, message: str) -> None:
     with pytest.raises(ValueError, match="kvstore connector: ") as info:

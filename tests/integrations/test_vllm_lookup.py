@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +99,26 @@ def test_a_client_without_the_handshake_is_hung_up_on(server: LookupServer) -> N
 def test_no_server_is_a_connection_error(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         LookupClient(socket_name(tmp_path / "nobody-serves-this", ENGINE), ENGINE, SCOPE)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a server of another user needs root")
+def test_a_server_of_another_user_is_not_talked_to(tmp_path: Path) -> None:
+    """Another user binding the store's socket name first sees no lookups."""
+    name = socket_name(tmp_path / "store", ENGINE)
+    squatter = subprocess.Popen([sys.executable, "-c", (
+        "import os, socket, sys\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        f"s.bind({name!r}); s.listen(1)\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline() == "ready\n"
+        with pytest.raises(PermissionError, match="served by uid 65534"):
+            LookupClient(name, ENGINE, SCOPE)
+    finally:
+        squatter.kill()
+        squatter.wait()
 
 
 def test_a_second_server_for_the_same_store_is_refused(server: LookupServer) -> None:

@@ -1,0 +1,68 @@
+"""Store-lifetime totals (puts, dedup, evictions, corruption), persisted in the index.
+
+``Store.stats()`` counters say what one ``Store`` object did since it was opened; an
+operator asking "how much has this store deduplicated?" wants the store's history.
+These totals are meta records ``total:<name>`` (u64 LE, FORMAT.md "Meta records") that
+the store raises inside its own write transactions by what its counters grew since the
+previous one: :meth:`Totals.flush` runs in ``Store._apply_touched``, the hook every
+put, eviction and close transaction already calls to persist last-use times, and once
+more at close (``Store._flush_totals``, a cleanup run before the writer thread stops)
+for the counts of the last operations.
+
+They are statistics, not state: a crash (or a write transaction that fails) loses at
+most the counts since the last commit, fsck does not check them, and
+``fsck --rebuild-index`` starts them again at 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvstore.format import pack_u64, unpack_u64
+
+TOTAL_NAMES = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes",
+               "evicted_blocks", "evicted_bytes", "corrupt_blocks")
+META_TOTAL_PREFIX = b"total:"
+
+
+def _value(raw: Any) -> int:
+    # absent (never written) or not 8 bytes (damaged: statistics only, so start over)
+    return unpack_u64(bytes(raw)) if raw is not None and len(raw) == 8 else 0
+
+
+def read_totals(index: Any) -> dict[str, int]:
+    """The persisted totals of the store behind ``index``."""
+    with index.begin() as txn:
+        return {name: _value(txn.get(META_TOTAL_PREFIX + name.encode(), db=index.meta))
+                for name in TOTAL_NAMES}
+
+
+class Totals:
+    """Adds a store's per-open ``counters`` to the persisted totals, a delta at a time."""
+
+    def __init__(self, counters: Mapping[str, int]) -> None:
+        self._counters = counters
+        self._flushed = dict.fromkeys(TOTAL_NAMES, 0)
+
+    def pending(self) -> bool:
+        return any(self._counters[n] != self._flushed[n] for n in TOTAL_NAMES)
+
+    def flush(self, txn: Any, meta_db: Any) -> None:
+        """Raise the records by what the counters grew since the last flush (writer thread;
+        the event loop may raise a counter meanwhile: that growth goes to the next flush)."""
+        for name in TOTAL_NAMES:
+            now = self._counters[name]
+            delta = now - self._flushed[name]
+            if delta:
+                key = META_TOTAL_PREFIX + name.encode()
+                txn.put(key, pack_u64(_value(txn.get(key, db=meta_db)) + delta), db=meta_db)
+                self._flushed[name] = now
+
+    def current(self, index: Any) -> dict[str, int]:
+        """Persisted totals plus what this store counted and has not flushed yet."""
+        stored = read_totals(index)
+        return {n: stored[n] + self._counters[n] - self._flushed[n] for n in TOTAL_NAMES}
+
+
+__all__ = ["META_TOTAL_PREFIX", "TOTAL_NAMES", "Totals", "read_totals"]
