@@ -135,6 +135,25 @@ def test_staged_slot_is_byte_identical(arena: Arena, dtype: torch.dtype, numel: 
         arena.release(nat_run)
 
 
+def test_kernels_write_the_format_md_worked_example(arena: Arena) -> None:
+    """FORMAT.md, test vector (e): block k1 of the worked example, staged by the kernels."""
+    k0 = bytes.fromhex("782b070a2ad4030b8762ceac8ce20f2d")
+    k1 = bytes.fromhex("924cc38c6017b641e4da25a5e4381a17")
+    item = _item(torch.arange(6, 12, dtype=torch.float16).reshape(2, 3), parent=k0, seq=2,
+                 key=k1)
+    run = arena.try_acquire(item.slot_len)
+    assert run is not None
+    _fill(run)
+    slots.stage_all([(item, run)], native=True)
+    assert item.crc == 0x71A75621
+    assert bytes(run.view[:SLOT_HEADER_BYTES]) == bytes.fromhex(
+        "4b56534201000001924cc38c6017b641e4da25a5e4381a17782b070a2ad4030b"
+        "8762ceac8ce20f2d010001022156a7710c000000000000000c00000000000000"
+        "0200000000000000020000000000000003000000000000000000000000000000"
+        + "00" * 132 + "00000000000000000000000000000000000000000000000083d007d6")
+    assert bytes(run.view[SLOT_HEADER_BYTES + 12:]) == bytes(4096 - SLOT_HEADER_BYTES - 12)
+
+
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("zstd", [False, True])
 def test_encoded_slot_is_byte_identical(arena: Arena, fp8: str, zstd: bool) -> None:
