@@ -77,7 +77,6 @@ from kvstore.format import (
     ExtentHeader,
     IndexEntry,
     SlotHeader,
-    crc32c,
     extent_key,
     free_key,
     lru_key,
@@ -99,6 +98,7 @@ from kvstore.index import (
     init_meta,
 )
 from kvstore.lock import StoreLock
+from kvstore.slots import check_payload, check_slot
 
 RECLAIMABLE = "reclaimable"
 DAMAGE = "damage"
@@ -201,18 +201,11 @@ def _zero_page(path: str, offset: int) -> None:
 
 
 def _verify_slot(raw: bytes, key: bytes | None, entry: IndexEntry | None, deep: bool) -> SlotHeader:
-    header = SlotHeader.decode(raw)
-    if key is not None and header.key != key:
-        raise CorruptionError(f"slot holds key {header.key.hex()}")
-    if entry is not None and (header.seq, header.payload_len, header.payload_crc, header.dtype,
-                              header.codec) != (entry.seq, entry.payload_len, entry.payload_crc,
-                                                entry.dtype, entry.codec):
-        raise CorruptionError("slot header disagrees with its index entry")
+    header = check_slot(raw, key, entry)  # the store's reads check exactly this
     if header.slot_len > len(raw) and deep:
         raise CorruptionError("slot runs past the end of its extent")
-    if deep and crc32c(raw[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + header.payload_len]) \
-            != header.payload_crc:
-        raise CorruptionError("payload checksum mismatch")
+    if deep:
+        check_payload(raw, header)
     return header
 
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["available", "reason", "hardware_crc", "crc32c", "stage", "verify", "Verified"]
 
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 # slot, data, slot_len, payload_len, raw_len, seq, shape[8], key, parent, flags, codec,
 # dtype, ndim, crc, status, options -- the C struct kvs_slot, field for field.
 _DESC = struct.Struct("<6Q8Q16s16sBBBBIiI")
@@ -178,7 +178,7 @@ def verify(batch: Sequence[tuple[ArenaRun, bytes, IndexEntry, int, int, bool]]
     ``dst_len`` bytes is copied to address ``dst`` (0: verify only).  ``fresh`` says
     nobody sees ``dst`` unless the slot verifies, which lets the kernel copy and checksum
     in one pass; otherwise a corrupt payload never reaches ``dst``.  The checks and their
-    order, and the errors, are ``kvstore.slots``' Python path's.
+    order, and the errors, are those of ``kvstore.slots.check_slot`` and ``check_payload``.
     """
     assert _lib is not None
     if not batch:
@@ -187,7 +187,7 @@ def verify(batch: Sequence[tuple[ArenaRun, bytes, IndexEntry, int, int, bool]]
     for i, (run, key, entry, dst, dst_len, fresh) in enumerate(batch):
         _DESC.pack_into(
             descs, i * _DESC.size, _run_address(run), dst, run.length, entry.payload_len,
-            dst_len, entry.seq, *_ZEROS, key, NO_PARENT, 0, 0, entry.dtype, 0,
+            dst_len, entry.seq, *_ZEROS, key, NO_PARENT, 0, entry.codec, entry.dtype, 0,
             entry.payload_crc, 0, _FRESH_DST if fresh else 0)
     _lib.kvs_verify(ctypes.addressof(descs), len(batch), _known_codec, _known_dtype)
     out: list[Verified | CorruptionError | FormatVersionError] = []
@@ -205,7 +205,7 @@ def verify(batch: Sequence[tuple[ArenaRun, bytes, IndexEntry, int, int, bool]]
             out.append(CorruptionError(
                 f"slot holds another block (key {key.hex()}, seq {seq})"))
         elif status == _EENTRY:
-            out.append(CorruptionError("slot header disagrees with the index entry"))
+            out.append(CorruptionError("slot header disagrees with its index entry"))
         elif status == _EPAYLOAD_TRUNCATED:
             out.append(CorruptionError(
                 f"payload checksum mismatch: the slot's {payload_len}-byte payload runs "

@@ -104,7 +104,8 @@ def verify_copy_all(batch: list[tuple[ArenaRun, bytes, IndexEntry, torch.Tensor 
         results: list[torch.Tensor | CorruptionError | FormatVersionError] = []
         for run, key, entry, out in batch:
             try:
-                header = _check(run, key, entry)
+                header = check_slot(run.view, key, entry)
+                check_payload(run.view, header)
             except (CorruptionError, FormatVersionError) as e:
                 results.append(e)
                 continue
@@ -154,21 +155,26 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _check(run: ArenaRun, key: bytes, entry: IndexEntry) -> SlotHeader:
-    """The checks of a slot read back, in Python (the reference for the native path)."""
-    header = SlotHeader.decode(run.view)
+def check_slot(raw: bytes | memoryview, key: bytes | None,
+               entry: IndexEntry | None) -> SlotHeader:
+    """Decode a slot header and check it against the key and index entry it should
+    belong to: the one slot verifier the store's reads and fsck share."""
+    header = SlotHeader.decode(raw)
     if not codecs.is_known(header.codec) or header.dtype not in CODE_DTYPES:
         raise CorruptionError(f"slot has unknown codec {header.codec} or dtype {header.dtype}")
-    if header.key != key or header.seq != entry.seq:
+    if key is not None and header.key != key:
         raise CorruptionError(f"slot holds another block (key {header.key.hex()}, seq {header.seq})")
-    if (header.payload_len, header.payload_crc, header.dtype) != \
-            (entry.payload_len, entry.payload_crc, entry.dtype):
-        raise CorruptionError("slot header disagrees with the index entry")
-    n = header.payload_len
-    payload = run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
-    if crc32c(payload) != header.payload_crc:
-        raise CorruptionError("payload checksum mismatch")
+    if entry is not None and (header.seq, header.payload_len, header.payload_crc, header.dtype,
+                              header.codec) != (entry.seq, entry.payload_len, entry.payload_crc,
+                                                entry.dtype, entry.codec):
+        raise CorruptionError("slot header disagrees with its index entry")
     return header
+
+
+def check_payload(raw: bytes | memoryview, header: SlotHeader) -> None:
+    """The payload CRC32C (``raw`` is the slot from its first byte)."""
+    if crc32c(raw[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + header.payload_len]) != header.payload_crc:
+        raise CorruptionError("payload checksum mismatch")
 
 
 def _deliver(run: ArenaRun, codec: int, dtype_code: int, shape: tuple[int, ...], n: int,

@@ -47,7 +47,6 @@ from kvstore.codecs import CODEC_RAW, CodecSpec
 from kvstore.cuda.pinned import pin_arena
 from kvstore.errors import (
     BlockTooLargeError,
-    CorruptionError,
     IndexCorruptionError,
     KVStoreError,
     NamespaceMismatchError,
@@ -74,24 +73,20 @@ from kvstore.index import (
     init_meta,
     record_namespace,
 )
-from kvstore.io.arena import Arena, ArenaRun
+from kvstore.io.arena import Arena
 from kvstore.io.probe import probe
-from kvstore.io.protocol import IOEngine, IoOp
+from kvstore.io.protocol import IOEngine
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.lock import LOCK_FILE, StoreLock
-from kvstore.slots import PutItem, encode_all, stage_all, verify_copy
+from kvstore.slots import PutItem, encode_all
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
 from kvstore.totals import Totals
+from kvstore.transfers import OFFLOAD_BYTES, Transfers
 
 __all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
 
 INDEX_DIR = "index"
-
-# Staging and verification of blocks at least this large run on a worker thread, so the
-# event loop keeps serving other tasks while megabytes are copied and checksummed.
-_OFFLOAD_BYTES = 1 << 20
-
 
 @dataclass
 class StoreStats:
@@ -273,9 +268,7 @@ class Store:
         # Pinned for DMA; unregistered by the cleanup below, which runs before the unmap.
         self._cuda = pin_arena(self.arena, self._pin_staging)
         self._cleanups.append(self._cuda.close)
-        # Transfers are submitted in chunks of a few MiB so that staging (copy + CRC) of
-        # the next chunk overlaps the device writing the previous one.
-        self._chunk_bytes = max(min(self.arena.size // 4, 8 << 20), PAGE)
+        self.transfers = Transfers(self.engine, self.arena, self._fds)
         self._inflight: dict[bytes, anyio.Event] = {}
         self._read_only_reason: str | None = None
         self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
@@ -473,7 +466,7 @@ class Store:
         self.allocator.protect(items)  # their parents stay until they are stored
         try:
             if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
-                if sum(i.raw_len for i in items) >= _OFFLOAD_BYTES:
+                if sum(i.raw_len for i in items) >= OFFLOAD_BYTES:
                     await anyio.to_thread.run_sync(encode_all, items, spec)
                 else:
                     encode_all(items, spec)
@@ -497,7 +490,7 @@ class Store:
             for item in items:
                 self._seq += 1
                 item.seq = self._seq
-            await self._write_items(items)
+            await self.transfers.write(items)
             if self.durable:
                 await self.engine.datasync(sorted({self._fds[i.extent] for i in items}))
             now = time.time_ns() // 1000
@@ -517,61 +510,6 @@ class Store:
         finally:
             if not committed:
                 self.allocator.unreserve(items)
-
-    async def _write_items(self, items: list[PutItem]) -> None:
-        """Stage and write slots a chunk (a few MiB) at a time: while the device writes one
-        chunk, the next is copied and checksummed (on a worker thread when it is large)."""
-        errors: list[BaseException] = []
-
-        async def write_chunk(whole: ArenaRun, chunk: list[tuple[PutItem, ArenaRun]]) -> None:
-            try:
-                if whole.length >= _OFFLOAD_BYTES:
-                    await anyio.to_thread.run_sync(stage_all, chunk)
-                else:
-                    stage_all(chunk)
-                await self.engine.write([IoOp(self._fds[item.extent], item.offset, run)
-                                         for item, run in chunk])
-            except Exception as e:  # re-raised below, unwrapped from the task group
-                errors.append(e)
-            finally:
-                self.arena.release(whole)
-
-        async with anyio.create_task_group() as tg:
-            for chunk in self._chunks(items, lambda item: item.slot_len):
-                whole, runs = await self._acquire_runs([item.slot_len for item in chunk])
-                if errors:
-                    self.arena.release(whole)
-                    break
-                tg.start_soon(write_chunk, whole, list(zip(chunk, runs)))
-                await anyio.lowlevel.checkpoint()  # let the chunk start before staging more
-        if errors:
-            raise errors[0]
-
-    def _chunks(self, items: Sequence[Any], size: Any) -> list[list[Any]]:
-        """Split ``items`` into runs of about ``_chunk_bytes`` (at least one item each),
-        never more than the arena holds: each chunk is staged in one arena run."""
-        chunks: list[list[Any]] = []
-        current: list[Any] = []
-        pending = 0
-        for item in items:
-            n = size(item)
-            if current and pending + n > self.arena.size:
-                chunks.append(current)
-                current, pending = [], 0
-            current.append(item)
-            pending += n
-            if pending >= self._chunk_bytes:
-                chunks.append(current)
-                current, pending = [], 0
-        if current:
-            chunks.append(current)
-        return chunks
-
-    async def _acquire_runs(self, lengths: list[int]) -> tuple[ArenaRun, list[ArenaRun]]:
-        """One arena run for a whole chunk, split per block: a task never holds part of
-        its staging while it waits for the rest (that deadlocked on a small arena)."""
-        whole = await self.arena.acquire(sum(lengths))
-        return whole, self.arena.split(whole, lengths)
 
     # ------------------------------------------------------------------ get
 
@@ -605,7 +543,9 @@ class Store:
         # keeps its space until this read's epoch ends.
         epoch = self.allocator.begin_read()
         try:
-            await self._read_entries(keys, entries, outs, results, corrupt)
+            errors, nbytes = await self.transfers.read(keys, entries, outs, results, corrupt)
+            self._counters["read_errors"] += errors
+            self._counters["read_bytes"] += nbytes
         finally:
             self.allocator.end_read(epoch)
         if corrupt:
@@ -616,56 +556,6 @@ class Store:
         self._counters["hits"] += hits
         self._counters["misses"] += len(keys) - hits
         return results
-
-    async def _read_entries(self, keys: list[bytes], entries: list[IndexEntry | None],
-                            outs: list[torch.Tensor | None], results: list[torch.Tensor | None],
-                            corrupt: list[tuple[bytes, IndexEntry, str]]) -> None:
-        """Read slots a chunk at a time; each chunk is verified and copied out (on a worker
-        thread when large) while later chunks are still on the device."""
-        wanted: list[tuple[int, IndexEntry]] = []
-        for i, entry in enumerate(entries):
-            if entry is None:
-                continue
-            if entry.extent not in self._fds:
-                corrupt.append((keys[i], entry, f"extent {entry.extent} is not open"))
-            else:
-                wanted.append((i, entry))
-
-        def finish(batch: list[tuple[int, IndexEntry, ArenaRun]],
-                   res: list[int | OSError]) -> tuple[int, int]:
-            """Verify and copy out; returns (read errors, bytes read), which the caller
-            counts on the event loop (this may run on a worker thread)."""
-            errors = nbytes = 0
-            for (i, entry, run), r in zip(batch, res):
-                if isinstance(r, OSError) or r != run.length:
-                    errors += 1
-                    continue
-                try:
-                    results[i] = verify_copy(run, keys[i], entry, outs[i])
-                    nbytes += entry.raw_len
-                except CorruptionError as e:
-                    corrupt.append((keys[i], entry, str(e)))
-            return errors, nbytes
-
-        async def read_chunk(whole: ArenaRun, batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
-            try:
-                res = await self.engine.read([IoOp(self._fds[e.extent], e.offset, run)
-                                              for _, e, run in batch])
-                if whole.length >= _OFFLOAD_BYTES:
-                    errors, nbytes = await anyio.to_thread.run_sync(finish, batch, res)
-                else:
-                    errors, nbytes = finish(batch, res)
-                self._counters["read_errors"] += errors
-                self._counters["read_bytes"] += nbytes
-            finally:
-                self.arena.release(whole)
-
-        async with anyio.create_task_group() as tg:
-            for chunk in self._chunks(wanted, lambda w: w[1].slot_len):
-                whole, runs = await self._acquire_runs([e.slot_len for _, e in chunk])
-                tg.start_soon(read_chunk, whole,
-                              [(i, e, run) for (i, e), run in zip(chunk, runs)])
-                await anyio.lowlevel.checkpoint()  # let the chunk's reads go out first
 
     async def _quarantine(self, bad: list[tuple[bytes, IndexEntry, str]]) -> None:
         """Move corrupt blocks out of the index (their space stays allocated for fsck)."""

@@ -217,6 +217,11 @@ class ConcurrentMachine(RuleBasedStateMachine):
                 else:
                     self.maybe |= keys & self.acked
                     self.acked -= keys
+        # A put and a delete of one key in the same round: which ran last decides.
+        put_keys = {k for (op, _) in tasks if op[0] == "put" for k in CHAINS[op[1]][:op[2]]}
+        deleted = {k for (op, _) in tasks if op[0] == "delete" for k in CHAINS[op[1]][op[2]:]}
+        self.maybe |= put_keys & deleted
+        self.acked -= put_keys & deleted
         evicted = round_stats.get("evicted", 0)
         self.evicted += evicted
         STATS["evictions"] += evicted

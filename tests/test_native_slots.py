@@ -220,6 +220,8 @@ def _damage(kind: str, run: ArenaRun, entry: IndexEntry) -> tuple[ArenaRun, byte
         key = bytes(16)
     elif kind == "wrong seq":
         entry = IndexEntry(**{**_fields(entry), "seq": entry.seq + 1})
+    elif kind == "entry codec":
+        entry = IndexEntry(**{**_fields(entry), "codec": 1})
     elif kind == "entry disagrees":
         entry = IndexEntry(**{**_fields(entry), "payload_crc": entry.payload_crc ^ 1})
     elif kind == "bad payload crc":
@@ -238,7 +240,7 @@ def _fields(entry: IndexEntry) -> dict[str, object]:
 
 
 KINDS = ["intact", "bad magic", "bad header crc", "bad version", "bad header_len", "bad ndim",
-         "unknown codec", "unknown dtype", "wrong key", "wrong seq", "entry disagrees",
+         "unknown codec", "unknown dtype", "wrong key", "wrong seq", "entry codec", "entry disagrees",
          "bad payload crc", "truncated header", "truncated payload"]
 
 

@@ -43,7 +43,7 @@
 #define KVS_X86 0
 #endif
 
-#define KVS_SLOTS_ABI_VERSION 1
+#define KVS_SLOTS_ABI_VERSION 2
 
 #define POLY 0x82f63b78u
 #define HEADER_BYTES 256
@@ -260,7 +260,7 @@ typedef struct {
     uint8_t key[16];        /* stage: header key; verify: expected in, header's out */
     uint8_t parent[16];     /* stage: header parent (flags bit 0); verify out: header's */
     uint8_t flags;          /* stage in / verify out */
-    uint8_t codec;          /* stage in / verify out */
+    uint8_t codec;          /* stage: header; verify: expected in, header's out */
     uint8_t dtype;          /* stage: header; verify: expected in, header's out */
     uint8_t ndim;           /* stage in / verify out */
     uint32_t crc;           /* stage out: payload CRC; verify: expected in, header's out */
@@ -279,8 +279,9 @@ enum {
     KVS_EVERSION = 5,
     KVS_EHDR_LEN = 6,           /* header_len != 256 or ndim > 8 */
     KVS_EUNKNOWN = 7,           /* codec or dtype this build does not know */
-    KVS_EOTHER_BLOCK = 8,       /* key or seq differ from the index entry */
-    KVS_EENTRY = 9,             /* payload_len, payload_crc or dtype differ from the entry */
+    KVS_EOTHER_BLOCK = 8,       /* the key differs from the one looked up */
+    KVS_EENTRY = 9,             /* seq, payload_len, payload_crc, dtype or codec differ
+                                   from the index entry */
     KVS_EPAYLOAD_TRUNCATED = 10,/* the payload runs past the readable bytes */
     KVS_EPAYLOAD_CRC = 11,
 };
@@ -352,7 +353,7 @@ static int32_t verify_one(kvs_slot *s, const uint8_t known_codec[256],
 
     const uint64_t want_payload = s->payload_len, want_seq = s->seq, capacity = s->raw_len;
     const uint32_t want_crc = s->crc;
-    const uint8_t want_dtype = s->dtype;
+    const uint8_t want_dtype = s->dtype, want_codec = s->codec;
     uint8_t want_key[16];
     memcpy(want_key, s->key, 16);
     /* Report the header's fields (the Python side builds its result or message). */
@@ -369,8 +370,9 @@ static int32_t verify_one(kvs_slot *s, const uint8_t known_codec[256],
     for (int d = 0; d < MAX_NDIM; d++) s->shape[d] = d < ndim ? get64(slot + 0x48 + 8 * d) : 0;
 
     if (!known_codec[s->codec] || !known_dtype[s->dtype]) return KVS_EUNKNOWN;
-    if (memcmp(s->key, want_key, 16) != 0 || s->seq != want_seq) return KVS_EOTHER_BLOCK;
-    if (s->payload_len != want_payload || s->crc != want_crc || s->dtype != want_dtype)
+    if (memcmp(s->key, want_key, 16) != 0) return KVS_EOTHER_BLOCK;
+    if (s->seq != want_seq || s->payload_len != want_payload || s->crc != want_crc ||
+            s->dtype != want_dtype || s->codec != want_codec)
         return KVS_EENTRY;
     if (s->payload_len > s->slot_len - HEADER_BYTES) return KVS_EPAYLOAD_TRUNCATED;
 

@@ -1,0 +1,148 @@
+"""Staged transfers between blocks and extent files, a chunk (a few MiB) at a time: while
+the device moves one chunk, the next is staged (copy + CRC32C) or verified and copied
+out, on a worker thread when it is large.
+
+Each chunk's staging is one arena run (``Arena.acquire`` of the chunk, ``Arena.split`` per
+block), so a transfer never holds part of its staging while waiting for the rest; a chunk
+never exceeds the arena.  Arena runs go back only after the engine returned, i.e. after
+the kernel is done with them, even when the caller is cancelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import anyio
+import torch
+
+from kvstore.errors import CorruptionError
+from kvstore.format import PAGE, IndexEntry
+from kvstore.io.arena import Arena, ArenaRun
+from kvstore.io.protocol import IOEngine, IoOp
+from kvstore.slots import PutItem, stage_all, verify_copy
+
+T = TypeVar("T")
+
+# Staging and verification of chunks at least this large run on a worker thread, so the
+# event loop keeps serving other tasks while megabytes are copied and checksummed.
+OFFLOAD_BYTES = 1 << 20
+
+
+class Transfers:
+    """Moves slots between the caller's blocks, the staging arena and the extent files."""
+
+    def __init__(self, engine: IOEngine, arena: Arena, fds: dict[int, int]) -> None:
+        self.engine, self.arena = engine, arena
+        self._fds = fds  # extent id -> descriptor; the store adds extents as it grows
+        # Chunks of a few MiB, so that staging the next overlaps the device moving this one.
+        self._chunk_bytes = max(min(arena.size // 4, 8 << 20), PAGE)
+
+    def _chunks(self, items: Sequence[T], size: Callable[[T], int]) -> list[list[T]]:
+        """Split ``items`` into runs of about ``_chunk_bytes`` (at least one item each),
+        never more than the arena holds: each chunk is staged in one arena run."""
+        chunks: list[list[T]] = []
+        current: list[T] = []
+        pending = 0
+        for item in items:
+            n = size(item)
+            if current and pending + n > self.arena.size:
+                chunks.append(current)
+                current, pending = [], 0
+            current.append(item)
+            pending += n
+            if pending >= self._chunk_bytes:
+                chunks.append(current)
+                current, pending = [], 0
+        if current:
+            chunks.append(current)
+        return chunks
+
+    async def _acquire_runs(self, lengths: list[int]) -> tuple[ArenaRun, list[ArenaRun]]:
+        """One arena run for a whole chunk, split per block: a task never holds part of
+        its staging while it waits for the rest (that deadlocked on a small arena)."""
+        whole = await self.arena.acquire(sum(lengths))
+        return whole, self.arena.split(whole, lengths)
+
+    async def write(self, items: list[PutItem]) -> None:
+        """Stage and write slots a chunk (a few MiB) at a time: while the device writes one
+        chunk, the next is copied and checksummed (on a worker thread when it is large)."""
+        errors: list[BaseException] = []
+
+        async def write_chunk(whole: ArenaRun, chunk: list[tuple[PutItem, ArenaRun]]) -> None:
+            try:
+                if whole.length >= OFFLOAD_BYTES:
+                    await anyio.to_thread.run_sync(stage_all, chunk)
+                else:
+                    stage_all(chunk)
+                await self.engine.write([IoOp(self._fds[item.extent], item.offset, run)
+                                         for item, run in chunk])
+            except Exception as e:  # re-raised below, unwrapped from the task group
+                errors.append(e)
+            finally:
+                self.arena.release(whole)
+
+        async with anyio.create_task_group() as tg:
+            for chunk in self._chunks(items, lambda item: item.slot_len):
+                whole, runs = await self._acquire_runs([item.slot_len for item in chunk])
+                if errors:
+                    self.arena.release(whole)
+                    break
+                tg.start_soon(write_chunk, whole, list(zip(chunk, runs)))
+                await anyio.lowlevel.checkpoint()  # let the chunk start before staging more
+        if errors:
+            raise errors[0]
+
+    async def read(self, keys: list[bytes], entries: list[IndexEntry | None],
+                   outs: list[torch.Tensor | None], results: list[torch.Tensor | None],
+                   corrupt: list[tuple[bytes, IndexEntry, str]]) -> tuple[int, int]:
+        """Read slots a chunk at a time into ``results``; each chunk is verified and copied
+        out (on a worker thread when large) while later chunks are still on the device.
+        Blocks that fail verification go to ``corrupt``; returns (read errors, bytes read)
+        for the caller to count on the event loop."""
+        counts = [0, 0]
+        wanted: list[tuple[int, IndexEntry]] = []
+        for i, entry in enumerate(entries):
+            if entry is None:
+                continue
+            if entry.extent not in self._fds:
+                corrupt.append((keys[i], entry, f"extent {entry.extent} is not open"))
+            else:
+                wanted.append((i, entry))
+
+        def finish(batch: list[tuple[int, IndexEntry, ArenaRun]],
+                   res: list[int | OSError]) -> tuple[int, int]:
+            """Verify and copy out; returns (read errors, bytes read), which the caller
+            counts on the event loop (this may run on a worker thread)."""
+            errors = nbytes = 0
+            for (i, entry, run), r in zip(batch, res):
+                if isinstance(r, OSError) or r != run.length:
+                    errors += 1
+                    continue
+                try:
+                    results[i] = verify_copy(run, keys[i], entry, outs[i])
+                    nbytes += entry.raw_len
+                except CorruptionError as e:
+                    corrupt.append((keys[i], entry, str(e)))
+            return errors, nbytes
+
+        async def read_chunk(whole: ArenaRun, batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
+            try:
+                res = await self.engine.read([IoOp(self._fds[e.extent], e.offset, run)
+                                              for _, e, run in batch])
+                if whole.length >= OFFLOAD_BYTES:
+                    errors, nbytes = await anyio.to_thread.run_sync(finish, batch, res)
+                else:
+                    errors, nbytes = finish(batch, res)
+                counts[0] += errors
+                counts[1] += nbytes
+            finally:
+                self.arena.release(whole)
+
+        async with anyio.create_task_group() as tg:
+            for chunk in self._chunks(wanted, lambda w: w[1].slot_len):
+                whole, runs = await self._acquire_runs([e.slot_len for _, e in chunk])
+                tg.start_soon(read_chunk, whole,
+                              [(i, e, run) for (i, e), run in zip(chunk, runs)])
+                await anyio.lowlevel.checkpoint()  # let the chunk's reads go out first
+        return counts[0], counts[1]
