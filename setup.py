@@ -1,8 +1,10 @@
-"""Build hook for the optional compiled FP8 kernels (everything else is in pyproject.toml).
+"""Build hook for the optional compiled kernels (everything else is in pyproject.toml).
 
-``kvstore/_native/fp8.c`` is a plain C library loaded with ctypes (no Python C API), built
-as an optional extension: without a C compiler the install still succeeds and
-``kvstore.codecs`` uses its NumPy/torch path, which gives bit-identical results, slower.
+``kvstore/_native/fp8.c`` (FP8 codec rows) and ``kvstore/_native/slots.c`` (slot staging
+and verification, CRC32C) are plain C libraries loaded with ctypes (no Python C API),
+built as optional extensions: without a C compiler the install still succeeds and
+``kvstore.codecs`` / ``kvstore.slots`` use their NumPy/torch/Python paths, which give
+bit-identical results, slower.
 """
 
 from setuptools import Extension, setup
@@ -18,6 +20,12 @@ setup(
             extra_compile_args=["-O3", "-std=c11", "-fno-fast-math", "-fno-trapping-math",
                                 "-Wall", "-Wextra"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvstore._slots",
+            sources=["kvstore/_native/slots.c"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"],
+            optional=True,
+        ),
     ]
 )

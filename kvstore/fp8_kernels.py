@@ -18,13 +18,12 @@ bounds.
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
-import os
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from kvstore import native_lib
 
 __all__ = ["available", "reason", "row_amax", "encode_rows", "decode_rows"]
 
@@ -35,34 +34,13 @@ _lib: ctypes.CDLL | None = None
 _reason = "not loaded yet"
 
 
-def _find_library() -> Path | None:
-    here = Path(__file__).resolve().parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = here / f"_fp8{suffix}"
-        if p.exists():
-            return p
-    return None
-
-
 def _load() -> None:
     global _lib, _reason
-    if os.environ.get("KVSTORE_NATIVE_CODECS", "1") == "0":
-        _reason = "disabled by KVSTORE_NATIVE_CODECS=0"
-        return
-    path = _find_library()
-    if path is None:
-        _reason = ("compiled FP8 kernels not built (no C compiler at install time?); "
-                   "reinstall with a C compiler for ~10x faster FP8 encode/decode")
-        return
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        _reason = f"cannot load {path.name}: {e}"
-        return
-    lib.kvs_abi_version.restype = ctypes.c_int
-    if lib.kvs_abi_version() != _ABI_VERSION:
-        _reason = (f"{path.name} has ABI {lib.kvs_abi_version()}, this kvstore needs "
-                   f"{_ABI_VERSION}; rebuild with `pip install -e .`")
+    lib, _reason = native_lib.load(
+        "_fp8", "KVSTORE_NATIVE_CODECS", "kvs_abi_version", _ABI_VERSION,
+        "compiled FP8 kernels not built (no C compiler at install time?); reinstall with "
+        "a C compiler for ~10x faster FP8 encode/decode")
+    if lib is None:
         return
     i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.kvs_row_amax.argtypes = [vp, c_int, i64, i64, vp]
@@ -72,7 +50,7 @@ def _load() -> None:
     lib.kvs_decode.argtypes = [vp, c_int, i64, i64, vp, vp, c_int, c_int]
     lib.kvs_decode.restype = c_int
     _lib = lib
-    _reason = f"compiled kernels ({path.name})"
+    _reason = f"compiled kernels ({_reason})"
 
 
 _load()

@@ -2,15 +2,18 @@
 a slot read back against its index entry before a byte reaches the caller (G2).
 
 Slot layout: FORMAT.md, "Slots".  The store stages and verifies through this module only.
+The per-byte work runs in the compiled kernels of ``kvstore/_native/slots.c`` (through
+``kvstore.native_slots``: one call per chunk, GIL released) when they are built; the
+Python code here is the reference they are tested against and the fallback without them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvstore import codecs
+from kvstore import codecs, native_slots
 from kvstore.codecs import CODEC_RAW, CodecSpec
-from kvstore.errors import CorruptionError
+from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, round_up
 from kvstore.io.arena import ArenaRun
 from kvstore.tensors import CODE_DTYPES
@@ -71,9 +74,85 @@ def encode_all(items: list[PutItem], spec: CodecSpec) -> None:
         item.encode(spec)
 
 
-def stage_all(chunk: list[tuple[PutItem, ArenaRun]]) -> None:
+def stage_all(chunk: list[tuple[PutItem, ArenaRun]], *, native: bool | None = None) -> None:
+    """Stage a chunk: one call into the compiled kernels (``kvstore.native_slots``, GIL
+    released) when they are built, else ``stage`` per slot.  Same bytes either way;
+    ``native`` forces a path (tests and benchmarks compare them)."""
+    if native_slots.available() if native is None else native:
+        native_slots.stage(chunk)
+        return
     for item, run in chunk:
         stage(run, item)
+
+
+def verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry, out: torch.Tensor | None,
+                *, native: bool | None = None) -> torch.Tensor:
+    """Check a slot read into the arena against its index entry and decode it."""
+    result = verify_copy_all([(run, key, entry, out)], native=native)[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def verify_copy_all(batch: list[tuple[ArenaRun, bytes, IndexEntry, torch.Tensor | None]], *,
+                    native: bool | None = None
+                    ) -> list[torch.Tensor | CorruptionError | FormatVersionError]:
+    """``verify_copy`` for a chunk of slots: one call into the compiled kernels when they
+    are built (header checks, CRC32C and raw copies, GIL released), the Python checks
+    otherwise; each slot's tensor, or the error it failed with."""
+    if not (native_slots.available() if native is None else native):
+        results: list[torch.Tensor | CorruptionError | FormatVersionError] = []
+        for run, key, entry, out in batch:
+            try:
+                header = check_slot(run.view, key, entry)
+                check_payload(run.view, header)
+            except (CorruptionError, FormatVersionError) as e:
+                results.append(e)
+                continue
+            results.append(_deliver(run, header.codec, header.dtype, header.shape,
+                                    header.payload_len, out))
+        return results
+    requests, fresh = [], []
+    for run, key, entry, out in batch:
+        dst, dst_len, new = _destination(entry, out)
+        requests.append((run, key, entry, dst.data_ptr() if dst is not None else 0, dst_len,
+                         new))
+        fresh.append(dst if new else None)
+    results = []
+    for (run, _, _, out), checked, dst in zip(batch, native_slots.verify(requests), fresh):
+        if isinstance(checked, Exception):
+            results.append(checked)
+        elif checked.copied and dst is not None and dst.numel() == _numel(checked.shape):
+            results.append(dst.view(checked.shape))
+        elif checked.copied and out is not None and dst is None:
+            results.append(out)
+        else:
+            results.append(_deliver(run, checked.codec, checked.dtype, checked.shape,
+                                    checked.payload_len, out))
+    return results
+
+
+def _destination(entry: IndexEntry, out: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, int, bool]:
+    """Where the kernel may copy a raw payload: (tensor, its bytes, freshly allocated).
+    Encoded payloads, GPU and non-contiguous outputs go through ``_deliver`` instead."""
+    if entry.codec != CODEC_RAW:
+        return None, 0, False
+    if out is None:
+        dtype = CODE_DTYPES.get(entry.dtype)
+        if dtype is None or entry.raw_len % dtype.itemsize:
+            return None, 0, False
+        return torch.empty(entry.raw_len // dtype.itemsize, dtype=dtype), entry.raw_len, True
+    if out.device.type == "cpu" and out.is_contiguous():
+        return out, out.numel() * out.element_size(), False
+    return None, 0, False
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def check_slot(raw: bytes | memoryview, key: bytes | None,
@@ -98,16 +177,13 @@ def check_payload(raw: bytes | memoryview, header: SlotHeader) -> None:
         raise CorruptionError("payload checksum mismatch")
 
 
-def verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
-                out: torch.Tensor | None) -> torch.Tensor:
-    """Check a slot read into the arena against its index entry and decode it."""
-    header = check_slot(run.view, key, entry)
-    check_payload(run.view, header)
-    n = header.payload_len
-    dtype = CODE_DTYPES[header.dtype]
+def _deliver(run: ArenaRun, codec: int, dtype_code: int, shape: tuple[int, ...], n: int,
+             out: torch.Tensor | None) -> torch.Tensor:
+    """Decode or copy a verified payload out of the arena run."""
+    dtype = CODE_DTYPES[dtype_code]
     src = run.array[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
-    if header.codec != CODEC_RAW:
-        return codecs.decode(header.codec, src, dtype, header.shape, out)
+    if codec != CODEC_RAW:
+        return codecs.decode(codec, src, dtype, shape, out)
     if out is not None and out.is_contiguous() and out.device.type == "cpu":
         out.reshape(-1).view(torch.uint8).numpy()[:] = src
         return out
@@ -118,7 +194,7 @@ def verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry,
             run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n], non_blocking=True)
         torch.cuda.current_stream(out.device).synchronize()
         return out
-    result = torch.empty(header.shape, dtype=dtype)
+    result = torch.empty(shape, dtype=dtype)
     result.reshape(-1).view(torch.uint8).numpy()[:] = src
     if out is not None:
         out.copy_(result.reshape(out.shape))
