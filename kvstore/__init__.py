@@ -9,7 +9,9 @@ Public API (everything else is private and may change)::
         blocks = await store.get_many(keys[:n])
 """
 
+from kvstore import pinning as _pinning
 from kvstore.blocking import BlockingStore, open_blocking
+from kvstore.cuda.pinned import pin_arena as _pin_arena
 from kvstore.errors import (
     BlockTooLargeError,
     CapacityError,
@@ -31,6 +33,10 @@ from kvstore.errors import (
 from kvstore.format import FORMAT_VERSION
 from kvstore.keys import Namespace, chain_parents
 from kvstore.store import PutResult, Store, StoreStats, open
+
+# The store pins its staging arena through a hook (kvstore.pinning), so that it does not
+# depend on the optional CUDA package, which sits above it and is installed here.
+_pinning.set_default_pinner(_pin_arena)
 
 __version__ = "0.1.0"
 

@@ -41,10 +41,9 @@ from typing import Any
 import anyio
 import torch
 
-from kvstore import codecs, permissions
+from kvstore import codecs, permissions, pinning
 from kvstore.allocator import Allocator
 from kvstore.codecs import CODEC_RAW, CodecSpec
-from kvstore.cuda.pinned import pin_arena
 from kvstore.errors import (
     BlockTooLargeError,
     IndexCorruptionError,
@@ -266,7 +265,7 @@ class Store:
         self.arena = Arena(staging_bytes)
         self._cleanups.append(self.arena.close)
         # Pinned for DMA; unregistered by the cleanup below, which runs before the unmap.
-        self._cuda = pin_arena(self.arena, self._pin_staging)
+        self._cuda = pinning.default_pinner()(self.arena, self._pin_staging)
         self._cleanups.append(self._cuda.close)
         self.transfers = Transfers(self.engine, self.arena, self._fds)
         self._inflight: dict[bytes, anyio.Event] = {}
