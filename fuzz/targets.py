@@ -49,7 +49,7 @@ from fuzz.mutate import (
     apply_ops,
     ops_from,
 )
-from kvstore import codecs
+from kvstore import codecs, slots
 from kvstore.errors import KVStoreError
 from kvstore.format import (
     KEY_BYTES,
@@ -202,6 +202,43 @@ def _mutated_target(name: str) -> Target:
     target.__doc__ = (f"A valid {name} encoding, mutated (and CRC re-sealed on request), "
                       f"into its decoder; see :func:`mutated_input`.")
     return target
+
+
+def check_slot_verifier(slot: bytes) -> bool:
+    """``slot`` (a header, then payload bytes) through the one slot verifier the store's
+    reads and fsck share (:func:`kvstore.slots.check_slot`, :func:`~kvstore.slots.check_payload`),
+    called as they call it: without expectations, and with the key and index entry the
+    header claims.  Only kvstore errors may escape; a slot that passes is the header the
+    reference decoder reads, with a known codec and dtype, and its payload's CRC32C.
+    Returns whether the slot was accepted."""
+    expected = spec.slot_header(slot)
+    accepted = False
+    for with_claims in (False, True):
+        try:
+            header = slots.check_slot(slot, None, None)
+            if with_claims:
+                entry = IndexEntry(extent=1, offset=PAGE, slot_len=round_up(
+                    SLOT_HEADER_BYTES + header.payload_len), payload_len=header.payload_len,
+                    raw_len=header.raw_len, codec=header.codec, dtype=header.dtype,
+                    payload_crc=header.payload_crc, seq=header.seq, last_use=0,
+                    parent=header.parent)
+                header = slots.check_slot(slot, header.key, entry)
+            slots.check_payload(slot, header)
+        except KVStoreError:
+            continue
+        assert not isinstance(expected, type) and header == expected, \
+            f"slot verifier accepted {slot.hex()} as {header!r}; the spec says {expected!r}"
+        payload = slot[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + header.payload_len]
+        assert len(payload) == header.payload_len and spec.crc32c(payload) == header.payload_crc
+        accepted = True
+    return accepted
+
+
+def fuzz_slot_verifier(data: bytes) -> None:
+    """A valid slot header, mutated (see :func:`mutated_input`), then the rest of the input
+    as payload, through the shared slot verifier (:func:`check_slot_verifier`)."""
+    head = mutated_input("slot_header", bytes(data))
+    check_slot_verifier(head[:SLOT_HEADER_BYTES] + bytes(data)[-256:])
 
 
 fuzz_slot_header = _binary_target("slot_header")
@@ -387,6 +424,7 @@ TARGETS: dict[str, Target] = {
     "namespace_mutated": fuzz_namespace_mutated,
     "codec_payload": fuzz_codec_payload,
     "codec_mutated": fuzz_codec_mutated,
+    "slot_verifier": fuzz_slot_verifier,
 }
 """Target name (as given to ``fuzz/run_atheris.py``) -> ``bytes -> None`` function."""
 

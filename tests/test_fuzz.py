@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -42,6 +43,7 @@ from fuzz.targets import (
     NsOp,
     check_binary,
     check_namespace,
+    check_slot_verifier,
     mutated_input,
     render_namespace,
 )
@@ -88,7 +90,7 @@ def test_registry_covers_every_decoder() -> None:
     """Adding a decoder without a target (or a target without a name) should be noticed."""
     assert set(TARGETS) == set(BINARY) | set(MUTATED) | {
         "namespace_json", "namespace_record", "namespace_mutated", "codec_payload",
-        "codec_mutated"}
+        "codec_mutated", "slot_verifier"}
     assert all(callable(t) for t in TARGETS.values())
 
 
@@ -355,3 +357,35 @@ def test_codec_payload_decoder(data: bytes) -> None:
 def test_codec_mutated_payloads(data: bytes) -> None:
     """Real encoded blocks with bytes changed or cut: a tensor or the store's own error."""
     TARGETS["codec_mutated"](data)
+
+
+# --------------------------------------------------------------------------- the slot verifier
+
+
+def _valid_slot(payload: bytes, key: bytes = bytes(range(16))) -> bytes:
+    from kvstore.codecs import CODEC_RAW
+    from kvstore.format import crc32c
+    from kvstore.tensors import DTYPE_CODES
+
+    header = SlotHeader(key=key, parent=None, codec=CODEC_RAW, dtype=DTYPE_CODES[torch.uint8],
+                        shape=(len(payload),), payload_len=len(payload), raw_len=len(payload),
+                        payload_crc=crc32c(payload), seq=7)
+    return header.encode() + payload
+
+
+@FUZZ
+@given(data=st.binary(max_size=400))
+def test_slot_verifier_on_recipes(data: bytes) -> None:
+    """The store's and fsck's shared verifier, fed mutated slots (fuzz/targets.py)."""
+    TARGETS["slot_verifier"](data)
+
+
+@FUZZ
+@given(payload=st.binary(min_size=1, max_size=300), flip=st.integers(min_value=0))
+def test_slot_verifier_accepts_valid_slots_and_rejects_any_flipped_byte(
+        payload: bytes, flip: int) -> None:
+    slot = _valid_slot(payload)
+    assert check_slot_verifier(slot)  # accepted, equal to the reference decoder's reading
+    damaged = bytearray(slot)
+    damaged[flip % len(slot)] ^= 0x01  # header (under its CRC) or payload (under its own)
+    assert not check_slot_verifier(bytes(damaged))
