@@ -716,9 +716,24 @@ def _decode_planes(data: U8, dtype: torch.dtype, shape: tuple[int, ...],
     return _finish(ret, work)
 
 
-def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
-                shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
-    fmt = _FORMATS[base]
+@dataclass(frozen=True)
+class Fp8Payload:
+    """An FP8 payload whose header, scales and codes passed every check: what
+    :func:`parse_fp8_payload` returns to the CPU decoder and to the GPU kernels' host side
+    (``kvstore.cuda.fp8``), so both refuse exactly the same payloads."""
+
+    flags: int
+    granularities: tuple[int, int]
+    axes: tuple[int, int, int]          # kv, token, head (_NO_AXIS where absent)
+    groups: list[tuple[int, tuple[int, ...], tuple[int, ...]]]
+    scales: npt.NDArray[np.int8]
+    codes: U8
+
+
+def parse_fp8_payload(data: U8, zstd: bool, dtype: torch.dtype,
+                      shape: tuple[int, ...]) -> Fp8Payload:
+    """Check an FP8 payload against the block's dtype and shape (module docstring,
+    "payload"); any inconsistency is a CorruptionError."""
     if dtype not in _FLOAT_DTYPES:
         raise CorruptionError(f"an fp8 block cannot decode to {dtype}")
     numel = 1
@@ -764,6 +779,15 @@ def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
         raise CorruptionError(f"fp8 payload has {rest.size} code bytes, the block needs {numel}")
     else:
         codes_np = rest
+    return Fp8Payload(flags, (gk, gv), (kv, tok, head), groups, k_all, codes_np)
+
+
+def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
+                shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
+    fmt = _FORMATS[base]
+    parsed = parse_fp8_payload(data, zstd, dtype, shape)
+    flags, kv = parsed.flags, parsed.axes[0]
+    groups, k_all, codes_np = parsed.groups, parsed.scales, parsed.codes
 
     pos = 0
     k_groups = []

@@ -37,8 +37,7 @@ __all__ = ["ScaleGroups", "decode", "decode_device", "decode_host", "encode",
 U8 = npt.NDArray[np.uint8]
 # The codec's own payload header, axis marker, granularity names and exponent ranges, so
 # the GPU path cannot drift from the format it must reproduce.
-_HDR, _NO_AXIS, _GRANS, _K_RANGE = (codecs._HDR, codecs._NO_AXIS, codecs.GRANULARITIES,
-                                    codecs._K_RANGE)
+_HDR, _NO_AXIS, _GRANS = codecs._HDR, codecs._NO_AXIS, codecs.GRANULARITIES
 _DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -201,40 +200,25 @@ def encode(t: torch.Tensor, spec: CodecSpec) -> tuple[int, U8]:
 
 def _parse(codec: int, payload: codecs.Payload, dtype: torch.dtype,
            shape: tuple[int, ...]) -> tuple[ScaleGroups, npt.NDArray[np.int8], U8]:
-    """Header checks of codecs._decode_fp8 (same CorruptionError cases), for the kernels."""
+    """The codec's own payload parser (:func:`kvstore.codecs.parse_fp8_payload`: the same
+    checks, the same CorruptionError cases), then the kernels' scale-group geometry."""
     data = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8) \
         if not isinstance(payload, np.ndarray) else payload.reshape(-1).view(np.uint8)
-    if data.size < _HDR.size:
-        raise CorruptionError(f"fp8 payload truncated: {data.size} bytes")
-    version, flags, gk, gv, kv, tok, head, n = _HDR.unpack_from(data.data, 0)
-    if version != 1 or flags & ~1 or gk > 3 or gv > 3:
-        raise CorruptionError("bad fp8 payload header")
-    layout = None
-    if tok != _NO_AXIS or head != _NO_AXIS:
-        layout = codecs.KVLayout(None if kv == _NO_AXIS else kv, tok, head)
-    elif kv != _NO_AXIS:
-        raise CorruptionError("fp8 payload has a kv axis but no token/head axes")
+    parsed = codecs.parse_fp8_payload(data, bool(codec & ZSTD), dtype, shape)
+    kv, tok, head = parsed.axes
+    gk, gv = parsed.granularities
+    layout = None if tok == _NO_AXIS and head == _NO_AXIS else \
+        codecs.KVLayout(None if kv == _NO_AXIS else kv, tok, head)
     try:
         spec = CodecSpec(fp8="e4m3", layout=layout, k_granularity=_GRANS[gk],
                          v_granularity=_GRANS[gv])
         sg = scale_groups(shape, spec)
     except ValueError as e:
         raise CorruptionError(f"fp8 payload layout does not fit shape {shape}: {e}") from None
-    if sg.fields != (gk, gv, kv, tok, head) or n != sg.n or data.size < _HDR.size + n:
-        raise CorruptionError(f"fp8 payload has {n} scales, the shape needs {sg.n}")
-    scales = data[_HDR.size:_HDR.size + n].view(np.int8)
-    lo, hi = _K_RANGE[dtype]
-    if n and (int(scales.min()) < lo or int(scales.max()) > hi):
-        raise CorruptionError(f"fp8 scale exponent out of range [{lo}, {hi}]")
-    rest = data[_HDR.size + n:]
-    numel = sg.rows * sg.head_dim
-    if codec & ZSTD:
-        codes = codecs._decompress(rest, numel)   # one frame of exactly numel bytes
-    elif rest.size != numel:
-        raise CorruptionError(f"fp8 payload has {rest.size} code bytes, the block needs {numel}")
-    else:
-        codes = rest
-    return sg, scales, codes
+    if sg.fields != (gk, gv, kv, tok, head) or sg.n != parsed.scales.size:
+        raise CorruptionError(f"fp8 payload has {parsed.scales.size} scales, the kernels' "
+                              f"groups need {sg.n}")
+    return sg, parsed.scales, parsed.codes
 
 
 def _is_fp8(codec: int, dtype: torch.dtype) -> bool:

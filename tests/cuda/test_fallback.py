@@ -260,3 +260,28 @@ def test_public_fp8_falls_back_to_the_codec_without_a_device(
     assert codec == want[0] and np.array_equal(payload, want[1])
     out = fp8.decode(codec, payload, x.dtype, tuple(x.shape))
     assert torch.equal(out, codecs.decode(codec, payload, x.dtype, tuple(x.shape)))
+
+
+@given(pos=st.integers(min_value=0), bit=st.integers(min_value=0, max_value=7),
+       cut=st.integers(min_value=0, max_value=4), zstd=st.booleans())
+def test_kernel_twin_refuses_exactly_what_the_codec_refuses(
+        host_lib: _lib.Library, pos: int, bit: int, cut: int, zstd: bool) -> None:
+    """One payload parser: a damaged or truncated FP8 payload is a CorruptionError for
+    the GPU path's host side exactly when it is one for the codec, and decodes alike."""
+    x = torch.randn(2, 2, 16, 4, 32, generator=torch.Generator().manual_seed(3))
+    spec = CodecSpec(fp8="e4m3", zstd=zstd, layout=KVLayout(0, 2, 3), k_granularity="head")
+    codec, payload = codecs.encode(x, spec)
+    damaged = np.array(payload, dtype=np.uint8).copy()
+    damaged[pos % min(damaged.size, 96)] ^= 1 << bit   # header, scales or first codes
+    damaged = damaged[:damaged.size - cut]
+    outcomes = []
+    for decode in (codecs.decode, lambda *a: fp8.decode_host(*a, lib=host_lib)):
+        try:
+            outcomes.append(decode(codec, damaged, x.dtype, tuple(x.shape)))
+        except codecs.CorruptionError as e:
+            outcomes.append(type(e))
+    ref, twin = outcomes
+    if isinstance(ref, torch.Tensor) and isinstance(twin, torch.Tensor):
+        assert _same_decode(twin, ref)
+    else:
+        assert ref is twin is codecs.CorruptionError, (ref, twin)
