@@ -26,8 +26,12 @@ capacity it
    ends or gives its reservation back) when one can come, and otherwise raises
    :class:`~kvstore.errors.CapacityError`.
 
-Protection is counted: every put in flight protects its own keys and its blocks'
-parents, so eviction can never cut a chain under a child that is being written.
+Protection is counted: every put in flight protects its own keys, its blocks' parents
+and the stored blocks it deduplicated against, so eviction never cuts a chain under a
+child that is being written.  An eviction that chose its blocks *before* a put protected
+them can still commit after the put's decision; the put's commit therefore checks, in its
+own transaction, that what it deduplicated against is still stored, and redoes the put
+otherwise (:class:`~kvstore.index.ChainCut`).
 
 The LMDB ``free`` table is the durable free map; this module keeps its runtime mirror.
 A reserved range leaves the durable map in the transaction that indexes its block, so a
@@ -239,21 +243,19 @@ class Allocator:
 
     # ------------------------------------------------------------------ puts in flight
 
-    def protect(self, items: Sequence[Slot]) -> None:
-        """A put starts: its keys and its blocks' parents must not be evicted."""
-        for item in items:
-            self._protected[item.key] += 1
-            if item.parent is not None:
-                self._protected[item.parent] += 1
+    def protect(self, keys: Iterable[bytes]) -> None:
+        """A put starts: these keys (its own, its blocks' parents and the stored blocks it
+        deduplicated against) must not be evicted until :meth:`unprotect`."""
+        self._protected.update(keys)
 
-    def unprotect(self, items: Sequence[Slot]) -> None:
-        """A put ended (stored or not): its blocks may be evicted now; waiters look again."""
-        for item in items:
-            for key in (item.key, item.parent):
-                if key is not None:
-                    self._protected[key] -= 1
-                    if not self._protected[key]:
-                        del self._protected[key]
+    def unprotect(self, keys: Iterable[bytes]) -> None:
+        """A put ended (stored or not): its keys may be evicted now; waiters look again."""
+        for key in keys:
+            left = self._protected[key] - 1
+            if left:
+                self._protected[key] = left
+            else:
+                del self._protected[key]
         self._notify()
 
     async def reserve(self, items: Sequence[Slot]) -> None:

@@ -395,8 +395,16 @@ class Index:
     # ------------------------------------------------------------------ the store's transactions
 
     def commit_puts(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]],
-                    touched: Touched, seq: int) -> None:
-        """Index written blocks: their ranges leave the free map in the same transaction."""
+                    touched: Touched, seq: int, relies_on: Sequence[bytes] = ()) -> None:
+        """Index written blocks: their ranges leave the free map in the same transaction.
+
+        ``relies_on`` are the stored blocks the put deduplicated against; if one of them
+        was unindexed since the put decided (an eviction that chose it before the put
+        protected it, or a delete), nothing is applied and :class:`ChainCut` names them."""
+        with txn.cursor(self.blocks) as cur:
+            gone = [k for k in relies_on if not cur.set_key(k)]
+        if gone:
+            raise ChainCut(gone)
         self.apply_touched(txn, touched)
         for key, entry in entries:
             self.take_range(txn, entry.extent, entry.offset, entry.slot_len)
@@ -456,6 +464,15 @@ class Index:
                 txn.delete(free_key(extent, prev[1]), db=self.free)
                 offset, length = prev[1], length + prev[2]
         txn.put(free_key(extent, offset), pack_u64(length), db=self.free)
+
+
+class ChainCut(Exception):
+    """A put's commit found blocks it deduplicated against unindexed meanwhile; the put
+    is redone (it writes them itself).  Internal: never reaches a caller."""
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        super().__init__(f"{len(keys)} deduplicated block(s) were unindexed before the commit")
+        self.keys = list(keys)
 
 
 def _drift(extent: int, offset: int, length: int) -> KVStoreError:
@@ -549,6 +566,10 @@ class IndexWriter:
         fut: Future[T] = Future()
         self._jobs.put((fn, fut))
         return fut
+
+    def queued(self) -> int:
+        """Jobs waiting for the writer thread (not counting the batch being committed)."""
+        return self._jobs.qsize()
 
     def run_sync(self, fn: Callable[[Txn], T]) -> T:
         """Run ``fn`` in a write transaction and wait (for use off the event loop)."""

@@ -66,6 +66,7 @@ from kvstore.index import (
     META_EXTENT_BYTES,
     META_SEQ,
     META_UUID,
+    ChainCut,
     Index,
     IndexWriter,
     Txn,
@@ -126,6 +127,7 @@ class StoreStats:
     deletes: int = 0
     evicted_blocks: int = 0
     evicted_bytes: int = 0
+    put_retries: int = 0  # puts redone because an eviction cut what they deduplicated against
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/totals.py); the counters above
@@ -274,7 +276,7 @@ class Store:
                                           "dedup_bytes", "gets", "hits", "misses", "read_bytes",
                                           "corrupt_blocks", "read_errors", "deletes",
                                           "evicted_blocks", "evicted_bytes",
-                                          "put_payload_bytes")}
+                                          "put_payload_bytes", "put_retries")}
         self._totals = Totals(self._counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
         # thread, before the writer stops (cleanups run last-registered first).
@@ -440,7 +442,20 @@ class Store:
         for data, _ in staged:
             self._check_fits(round_up(SLOT_HEADER_BYTES + data.numel()))
         self._counters["puts"] += 1
+        spec = codec if codec is not None else self.codec
+        while True:
+            try:
+                return await self._put_once(keys, parent_list, staged, values, spec)
+            except ChainCut:
+                # An eviction chose blocks this put deduplicated against before the put
+                # protected them, and committed after the put's decision: decide again
+                # (now they are absent, so this put writes them).  Rare; bounded by the
+                # evictions that were in flight when the put decided.
+                self._counters["put_retries"] += 1
 
+    async def _put_once(self, keys: Sequence[bytes], parent_list: Sequence[bytes | None],
+                        staged: Sequence[tuple[torch.Tensor, int]],
+                        values: Sequence[torch.Tensor], spec: CodecSpec | None) -> PutResult:
         # Wait out other tasks' puts of the same keys, then decide without yielding.
         while True:
             busy = next((self._inflight[k] for k in keys if k in self._inflight), None)
@@ -450,19 +465,23 @@ class Store:
             self._check_writable()
         present = self.index.present(keys)
         items: list[PutItem] = []
+        deduplicated: dict[bytes, None] = {}
         dedup_bytes = 0
         for key, parent, (data, code), value in zip(keys, parent_list, staged, values):
             if key in present or key in self._inflight:
                 dedup_bytes += data.numel()
+                if key in present:
+                    deduplicated[key] = None
                 continue
             items.append(PutItem(key, parent, data, code, tuple(value.shape)))
             self._inflight[key] = anyio.Event()
-        self._counters["dedup_blocks"] += len(keys) - len(items)
-        self._counters["dedup_bytes"] += dedup_bytes
         if not items:
+            self._count_dedup(len(keys), dedup_bytes)
             return PutResult(0, len(keys), 0)
-        spec = codec if codec is not None else self.codec
-        self.allocator.protect(items)  # their parents stay until they are stored
+        # Their parents and what they were deduplicated against stay until they are stored.
+        guarded = [*(i.key for i in items), *(i.parent for i in items if i.parent is not None),
+                   *deduplicated]
+        self.allocator.protect(guarded)
         try:
             if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
                 if sum(i.raw_len for i in items) >= OFFLOAD_BYTES:
@@ -471,18 +490,23 @@ class Store:
                     encode_all(items, spec)
                 for item in items:
                     self._check_fits(item.slot_len)
-            await self._put_items(items)
+            await self._put_items(items, list(deduplicated))
         finally:
             for item in items:
                 self._inflight.pop(item.key).set()
-            self.allocator.unprotect(items)  # its blocks are evictable now
+            self.allocator.unprotect(guarded)  # its blocks are evictable now
         written = sum(item.payload_len for item in items)
+        self._count_dedup(len(keys) - len(items), dedup_bytes)
         self._counters["put_blocks"] += len(items)
         self._counters["put_bytes"] += sum(item.raw_len for item in items)
         self._counters["put_payload_bytes"] += written
         return PutResult(len(items), len(keys) - len(items), written)
 
-    async def _put_items(self, items: list[PutItem]) -> None:
+    def _count_dedup(self, blocks: int, raw_bytes: int) -> None:
+        self._counters["dedup_blocks"] += blocks
+        self._counters["dedup_bytes"] += raw_bytes
+
+    async def _put_items(self, items: list[PutItem], relies_on: list[bytes]) -> None:
         await self.allocator.reserve(items)
         committed = False
         try:
@@ -500,7 +524,7 @@ class Store:
                 parent=item.parent)) for item in items]
             seq, touched = self._seq, self.allocator.take_touched()
             await self.writer.run(self._with_totals(
-                lambda txn: self.index.commit_puts(txn, entries, touched, seq)))
+                lambda txn: self.index.commit_puts(txn, entries, touched, seq, relies_on)))
             committed = True
             self.allocator.committed(items)
         except StoreIOError as e:

@@ -6,6 +6,7 @@ are held at gates (``tests/concurrency.py``) and released when the race is set u
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,63 @@ def test_eviction_spares_the_parent_of_an_inflight_put(tmp_path: Path, kind: str
             assert await store.match_prefix([p, c]) == 2
             assert await store.contains(x)
             assert not await store.contains(other)
+        report = fsck.check(str(tmp_path / "store"))
+        assert report.problems == [] and report.chain_holes == 0
+
+    run_within(scenario, backend)
+
+
+def test_an_eviction_chosen_before_a_put_decided_cannot_leave_its_chain_holed(
+        tmp_path: Path, kind: str, backend: str) -> None:
+    """Bug 7 (found by the slow state machine): a put's eviction chooses the leaf P
+    before another put of P's chain decides; the second put deduplicates P, writes P's
+    children and commits after the eviction: the children were stored without P.  The
+    commit now checks what it deduplicated against and the put is redone."""
+    chain = keys(6)
+    other = keys(5, 50)
+    holding, released = threading.Event(), threading.Event()
+
+    def hold_the_writer(txn: Any) -> bool:
+        holding.set()
+        return released.wait(DEADLINE_IN)
+
+    async def scenario() -> None:
+        engine = real_engine(kind, tmp_path)
+        async with opener(tmp_path, engine, capacity_bytes=7 * SLOT) as store:
+            await store.put_many(chain[:3], [block(i) for i in range(3)],
+                                 parents=[None, *chain[:2]])
+            got: dict[str, Any] = {}
+
+            async def evicting_put() -> None:  # 3 + 5 > 7 slots: evicts P = chain[2]
+                got["other"] = await store.put_many(other, [block(9)] * 5,
+                                                    parents=[None, *other[:4]])
+
+            async def child_put() -> None:  # 3 + 3 <= 7: no eviction of its own
+                got["chain"] = await store.put_many(chain, [block(i) for i in range(6)],
+                                                    parents=[None, *chain[:5]])
+
+            holder = store.writer.submit(hold_the_writer)
+            try:
+                await until(holding.is_set)  # the writer thread is inside our job
+                with anyio.fail_after(DEADLINE_IN):
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(evicting_put)
+                        await until(lambda: store.writer.queued() == 1)  # eviction chosen
+                        tg.start_soon(child_put)
+                        await until(lambda: store.writer.queued() == 2)  # its commit waits
+                        released.set()
+            finally:
+                released.set()
+            assert holder.result() is True
+            # P was redone: it wrote P itself (and whatever else was evicted meanwhile)
+            assert got["chain"].written >= 4
+            assert got["chain"].written + got["chain"].deduplicated == 6
+            assert store.stats().put_retries >= 1
+            # 5 + 6 blocks exceed 7 slots: the other put evicted from the chain's tail
+            # once its put ended; what is left of the chain is a prefix
+            assert got["other"].written == 5
+            assert sum(await store.contains_many(other)) == 5
+            assert await store.match_prefix(chain) == sum(await store.contains_many(chain))
         report = fsck.check(str(tmp_path / "store"))
         assert report.problems == [] and report.chain_holes == 0
 
