@@ -62,6 +62,7 @@ from kvstore.format import (
     round_up,
     unpack_u64,
 )
+from kvstore.group_sync import GroupSync
 from kvstore.index import (
     META_EXTENT_BYTES,
     META_SEQ,
@@ -270,6 +271,7 @@ class Store:
         self._cuda = pinning.default_pinner()(self.arena, self._pin_staging)
         self._cleanups.append(self._cuda.close)
         self.transfers = Transfers(self.engine, self.arena, self._fds)
+        self.syncs = GroupSync(self.engine)  # concurrent puts share fdatasyncs
         self._inflight: dict[bytes, anyio.Event] = {}
         self._read_only_reason: str | None = None
         self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
@@ -515,7 +517,7 @@ class Store:
                 item.seq = self._seq
             await self.transfers.write(items)
             if self.durable:
-                await self.engine.datasync(sorted({self._fds[i.extent] for i in items}))
+                await self.syncs.datasync(sorted({self._fds[i.extent] for i in items}))
             now = time.time_ns() // 1000
             entries = [(item.key, IndexEntry(
                 extent=item.extent, offset=item.offset, slot_len=item.slot_len,

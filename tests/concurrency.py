@@ -46,12 +46,15 @@ class Gate:
     def __init__(self, *, hold: bool = True) -> None:
         self.entered = anyio.Event()
         self._release: anyio.Event | None = anyio.Event() if hold else None
+        self.on_enter: Callable[[], Awaitable[None]] | None = None  # runs in the caught task
 
     def open(self) -> None:
         if self._release is not None:
             self._release.set()
 
     async def pass_through(self) -> None:
+        if self.on_enter is not None:
+            await self.on_enter()
         self.entered.set()
         if self._release is not None:
             await self._release.wait()

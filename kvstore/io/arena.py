@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import ctypes.util
 import mmap
+import threading
+from collections.abc import Callable
 from contextlib import suppress
 
 import anyio
@@ -47,8 +50,12 @@ class Arena:
 
     def __init__(self, nbytes: int) -> None:
         self.size = round_up(max(nbytes, PAGE))
-        # Not MAP_POPULATE: prefaulting 256 MiB costs ~200 ms at every open (an engine
-        # restart waits for it); pages fault in on the first transfer through them instead.
+        # Not MAP_POPULATE: prefaulting 256 MiB costs ~200 ms of page zeroing at every open
+        # (an engine restart would wait for it, and a store moving 64 KiB blocks never
+        # uses more than a few MiB).  A transfer through a never-touched page pays that
+        # zeroing itself (~1.3 GB/s vs ~5 GB/s once faulted in), which capped a store's
+        # first 256 MiB of large-block puts (issue 13).  So a thread faults pages in *ahead
+        # of use*: up to twice the highest offset handed out so far (at least 8 MiB).
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -59,6 +66,44 @@ class Arena:
         self._lengths: list[int] = [self.size]
         self._changed: anyio.Event | None = None  # made on first wait, on the event loop
         self.closed = False
+        self.prefaulted_bytes = 0  # pages [0, prefaulted_bytes) are resident
+        self._high = 0  # the highest end of a run handed out so far
+        self._wake = threading.Condition()
+        self._prefault: threading.Thread | None = None
+
+    def _note_high(self, end: int) -> None:
+        """A run up to ``end`` was handed out: fault in ahead of it (background thread)."""
+        if end <= self._high or _madvise is None:
+            return
+        with self._wake:
+            self._high = end
+            if self._prefault is None:
+                self._prefault = threading.Thread(target=self._populate, daemon=True,
+                                                  name="kvstore-arena-prefault")
+                self._prefault.start()
+            self._wake.notify()
+
+    def _populate(self) -> None:
+        """Fault pages in, a few MiB per madvise(MADV_POPULATE_WRITE) with the GIL released,
+        until ``close``.  Stops for good where the kernel lacks it (Linux < 5.14): pages
+        then fault in on first use, as without this thread."""
+        assert _madvise is not None
+        step = 8 << 20
+        while True:
+            with self._wake:
+                while not self.closed and self.prefaulted_bytes >= self._goal():
+                    self._wake.wait()
+                if self.closed:
+                    return
+                start = self.prefaulted_bytes
+            length = min(step, self.size - start)
+            if _madvise(ctypes.c_void_p(self.address + start), ctypes.c_size_t(length),
+                        _MADV_POPULATE_WRITE) != 0:
+                return
+            self.prefaulted_bytes = start + length
+
+    def _goal(self) -> int:
+        return min(self.size, max(2 * self._high, 8 << 20)) if self._high else 0
 
     @property
     def free_bytes(self) -> int:
@@ -74,6 +119,7 @@ class Arena:
                 else:
                     self._starts[i] += need
                     self._lengths[i] -= need
+                self._note_high(start + need)
                 return ArenaRun(self, start, need)
         return None
 
@@ -119,10 +165,33 @@ class Arena:
     def close(self) -> None:
         if self.closed:
             return
-        self.closed = True
+        with self._wake:
+            self.closed = True
+            self._wake.notify()
+        if self._prefault is not None:
+            self._prefault.join()  # at most one step: it checks ``closed`` between steps
         del self.tensor, self.array
         self.view.release()
         # A caller may still hold a view (a tensor aliasing the arena): then the mapping
         # is freed when that view goes away.
         with suppress(BufferError):
             self._map.close()
+
+
+_MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14
+
+
+def _load_madvise() -> Callable[[ctypes.c_void_p, ctypes.c_size_t, int], int] | None:
+    """libc's madvise through ctypes, which releases the GIL for the call (CPython's
+    ``mmap.madvise`` holds it: 200 ms of page zeroing would stall the event loop)."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return,unused-ignore]
+
+
+_madvise = _load_madvise()

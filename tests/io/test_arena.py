@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import anyio
 import pytest
 
@@ -48,3 +51,50 @@ async def test_a_transfer_larger_than_the_arena_is_refused() -> None:
     with pytest.raises(BlockTooLargeError, match="staging_bytes"):
         await arena.acquire(8192)
     arena.close()
+
+
+def _resident_kib(arena: Arena) -> int:
+    """Rss of the arena's mapping, from /proc/self/smaps."""
+    start = f"{arena.address:x}-"
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            if "-" in line.split()[0] and not line.startswith(("Rss", "Size")):
+                inside = line.startswith(start)
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError("arena mapping not found in /proc/self/smaps")
+
+
+def _until_prefaulted(arena: Arena, nbytes: int) -> None:
+    deadline = time.monotonic() + 30
+    while arena.prefaulted_bytes < nbytes:
+        assert time.monotonic() < deadline, f"prefaulted {arena.prefaulted_bytes} of {nbytes}"
+        os.sched_yield()
+
+
+def test_pages_are_faulted_in_ahead_of_use_not_at_creation() -> None:
+    arena = Arena(64 << 20)
+    assert _resident_kib(arena) < 1024 and arena.prefaulted_bytes == 0  # opening is free
+    small = arena.try_acquire(1 << 20)  # a store moving small blocks: 8 MiB ahead
+    assert small is not None
+    _until_prefaulted(arena, 8 << 20)
+    assert 8 << 20 <= _resident_kib(arena) * 1024 < 16 << 20
+    big = arena.try_acquire(24 << 20)  # now up to 2 x 25 MiB: the whole 50 MiB
+    assert big is not None
+    _until_prefaulted(arena, 50 << 20)
+    assert _resident_kib(arena) * 1024 >= 50 << 20
+    assert bytes(big.view[:4]) == b"\0\0\0\0"  # and the runs work as before
+    arena.release(small)
+    arena.release(big)
+    arena.close()
+
+
+def test_close_stops_a_prefault_in_progress() -> None:
+    arena = Arena(512 << 20)
+    run = arena.try_acquire(256 << 20)  # 512 MiB to fault in: close comes first
+    assert run is not None
+    arena.release(run)
+    arena.close()  # joins the thread: at most one step more
+    assert arena._prefault is not None and not arena._prefault.is_alive()
+    assert arena.prefaulted_bytes <= arena.size
