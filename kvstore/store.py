@@ -80,10 +80,10 @@ from kvstore.io.protocol import IOEngine
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.lock import LOCK_FILE, StoreLock
-from kvstore.slots import PutItem, encode_all
+from kvstore.slots import PutItem
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
 from kvstore.totals import Totals
-from kvstore.transfers import OFFLOAD_BYTES, Transfers
+from kvstore.transfers import Transfers
 
 __all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
 
@@ -486,10 +486,7 @@ class Store:
         self.allocator.protect(guarded)
         try:
             if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
-                if sum(i.raw_len for i in items) >= OFFLOAD_BYTES:
-                    await anyio.to_thread.run_sync(encode_all, items, spec)
-                else:
-                    encode_all(items, spec)
+                await self.transfers.encode(items, spec)
                 for item in items:
                     self._check_fits(item.slot_len)
             await self._put_items(items, list(deduplicated))

@@ -1,0 +1,181 @@
+"""Where a durable put spends its time: the wall-clock split of ``put_many`` into its
+phases, and (with ``--py-spy``) an on-CPU sampling profile summarised by what the code
+was doing.  Issue 13's "profiles before and after".
+
+    python benchmarks/profile_put.py [TREE] [--block 2M] [--mib 256] [--batch 32] [--py-spy]
+
+``TREE`` is the kvstore tree to import (default: this one), so the same command
+profiles an older commit's worktree.  One caller, a fresh store (``kvstore.open``
+defaults: ``sync=True``, the engine the probe picks), batches of ``--batch`` blocks
+chained one after another, as the bench's 1-caller run.
+
+Phases (wall time inside ``put_many``, summed over the batches): ``stage+write``
+(staging into the arena and the device writes, pipelined per chunk), ``fdatasync``
+(the extent data made durable), ``commit`` (the LMDB transaction, fsynced), and
+``other`` (the rest of ``put_many``: validation, dedup lookup, reservation).  They are
+found by timing the store's own calls, so a tree lacking one (older layout) shows it
+under ``other``.
+
+With ``--py-spy`` the same workload runs under ``py-spy record --format raw`` (every
+thread, on-CPU samples only) and the samples are grouped by the innermost frame that
+names a known activity: staging/CRC (native or Python), device I/O submission, LMDB,
+the put path's Python, the event loop, other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (category, substrings of a frame "function (file)" that identify it), innermost wins
+CATEGORIES = [
+    ("staging: copy + CRC32C + header (native kernels)", ("stage_all", "_stage_native",
+                                                          "native_slots", "stage_slots")),
+    ("staging: Python fallback / torch copies", ("copy_", "crc32c", "build_header",
+                                                 "stage_slot", "host_bytes")),
+    ("LMDB commit (writer thread)", ("commit_puts", "_commit (kvstore/index.py)",
+                                     "IndexWriter", "add_block", "take_range")),
+    ("device I/O submission / reaping", ("uring.py", "threads.py", "_submit", "_reap")),
+    ("page faults / zeroing (arena)", ("arena.py",)),
+    ("put path Python (store, allocator, transfers)", ("store.py", "allocator.py",
+                                                       "transfers.py", "slots.py")),
+    ("event loop / anyio", ("asyncio", "anyio", "selectors", "trio")),
+]
+
+
+SKIP_FRAMES = ("_find_and_load", "Store.__init__", "acquire_lock", "cond_wait",
+               "cond_timedwait", "epoll_wait", "select (", "_queue_SimpleQueue_get",
+               "sem_wait", "Event.wait", "Condition.wait")
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def run_workload(tree: str, block: int, volume: int, batch: int) -> dict[str, float]:
+    sys.path.insert(0, tree)
+    import anyio
+    import torch
+
+    import kvstore
+
+    assert kvstore.__file__.startswith(tree), kvstore.__file__
+    phases: dict[str, float] = collections.defaultdict(float)
+
+    def timed(obj: object, name: str, label: str) -> None:
+        orig = getattr(obj, name, None)
+        if orig is None:
+            return
+
+        async def wrapper(*args: object, **kwargs: object) -> object:
+            t = time.perf_counter()
+            try:
+                return await orig(*args, **kwargs)
+            finally:
+                phases[label] += time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    n = max(batch, volume // block)
+    ns = kvstore.Namespace(model="profile-put", dtype="uint8", block_size=1)
+    keys = ns.chain_keys(list(range(n)))
+    values = [torch.randint(0, 255, (block,), dtype=torch.uint8) for _ in range(batch)]
+
+    async def main() -> float:
+        root = os.path.join(HERE, ".bench-tmp")
+        os.makedirs(root, exist_ok=True)
+        path = tempfile.mkdtemp(prefix="profile-put-", dir=root)
+        try:
+            async with kvstore.open(path, namespace=ns, create=True) as store:
+                await store.put(ns.chain_keys([n + 1])[0], torch.zeros(16, dtype=torch.uint8))
+                timed(getattr(store, "transfers", None) or store, "write", "stage+write")
+                timed(getattr(store, "syncs", None) or store.engine, "datasync", "fdatasync")
+                timed(store.writer, "run", "commit")
+                inside = 0.0
+                t0 = time.perf_counter()
+                for i in range(0, n, batch):
+                    ks = keys[i:i + batch]
+                    t = time.perf_counter()
+                    await store.put_many(ks, values[:len(ks)], parents=kvstore.chain_parents(
+                        ks, first_parent=keys[i - 1] if i else None))
+                    inside += time.perf_counter() - t
+                wall = time.perf_counter() - t0
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+        phases["other"] = inside - sum(v for k, v in phases.items() if k != "other")
+        phases["wall"] = wall
+        return wall
+
+    anyio.run(main)
+    return dict(phases)
+
+
+def summarise_raw(path: str) -> list[tuple[str, int]]:
+    counts: collections.Counter[str] = collections.Counter()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            stack, _, num = line.rstrip("\n").rpartition(" ")
+            if not num.isdigit():
+                continue
+            frames = stack.split(";")
+            # only the workload, on CPU: stacks through kvstore's code, not imports or the
+            # store's opening, not a thread waiting (py-spy --native keeps some of those)
+            if not any("kvstore/" in fr for fr in frames) or \
+                    any(m in fr for fr in frames for m in SKIP_FRAMES):
+                continue
+            label = "other"
+            for frame in reversed(frames):  # innermost first
+                hit = next((cat for cat, keys in CATEGORIES if any(k in frame for k in keys)),
+                           None)
+                if hit is not None:
+                    label = hit
+                    break
+            counts[label] += int(num)
+    return counts.most_common()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("tree", nargs="?", default=HERE)
+    p.add_argument("--block", default="2M")
+    p.add_argument("--mib", type=float, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--py-spy", action="store_true", help="also sample on-CPU stacks")
+    p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    args = p.parse_args(argv)
+    tree, block = os.path.abspath(args.tree), parse_size(args.block)
+    volume = int(args.mib * (1 << 20))
+    phases = run_workload(tree, block, volume, args.batch)
+    wall = phases.pop("wall")
+    print(f"tree {tree}: {block >> 10} KiB blocks, {volume >> 20} MiB, batches of "
+          f"{args.batch}: {volume / wall / 1e6:.0f} MB/s")
+    for name, secs in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:12s} {secs * 1e3:8.0f} ms  {100 * secs / wall:5.1f}% of wall")
+    if args.py_spy and not os.environ.get("PROFILE_PUT_CHILD"):
+        spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        out = tempfile.mktemp(suffix=".txt")
+        cmd = [spy, "record", "--format", "raw", "--rate", str(args.rate), "--threads",
+               "--native", "-o", out, "--", sys.executable, os.path.abspath(__file__), tree,
+               "--block", args.block, "--mib", str(args.mib), "--batch", str(args.batch)]
+        subprocess.run(cmd, check=True, env={**os.environ, "PROFILE_PUT_CHILD": "1"},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rows = summarise_raw(out)
+        total = sum(c for _, c in rows) or 1
+        print(f"  on-CPU samples ({total}, every thread):")
+        for label, c in rows:
+            print(f"    {100 * c / total:5.1f}%  {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
