@@ -170,10 +170,12 @@ class Allocator:
                  free_runs: Iterable[tuple[int, int, int]], capacity_bytes: int | None,
                  file_mode: int, counters: dict[str, int],
                  on_new_extent: Callable[[int], None],
+                 on_evicted: Callable[[list[bytes]], None] = lambda keys: None,
                  ride_along: Callable[[Txn], None] = lambda txn: None) -> None:
         self._path, self._index, self._writer = path, index, writer
         self.extent_bytes, self._uuid, self._file_mode = extent_bytes, store_uuid, file_mode
         self._on_new_extent = on_new_extent
+        self._on_evicted = on_evicted  # the store drops evicted blocks from its memory tier
         self._ride_along = ride_along  # more of the store's writes in the eviction's txn
         self._counters = counters  # the store's: evicted_blocks, evicted_bytes
         self._extents = len(list(extents))
@@ -344,6 +346,7 @@ class Allocator:
             return chosen
 
         evicted = await self._writer.run(evict)
+        self._on_evicted([key for key, _ in evicted])
         self.release(e for _, e in evicted)
         freed = sum(e.slot_len for _, e in evicted)
         self._counters["evicted_blocks"] += len(evicted)

@@ -254,6 +254,11 @@ def is_known(codec: int) -> bool:
     return codec in _KNOWN_IDS
 
 
+def is_lossless(codec: int) -> bool:
+    """Whether a block written with ``codec`` reads back as the exact bytes put."""
+    return codec & _BASE_MASK == CODEC_RAW
+
+
 def codec_id(spec: CodecSpec) -> int:
     """The codec id ``spec`` asks for (``encode`` may fall back to a simpler one)."""
     base = {None: CODEC_RAW, "e4m3": FP8_E4M3, "e5m2": FP8_E5M2}[spec.fp8]

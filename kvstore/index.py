@@ -202,6 +202,12 @@ class Index:
             misses = compress(count(), map(operator.not_, map(cur.set_key, keys)))
             return next(misses, len(keys))
 
+    def pinned(self, keys: Sequence[bytes]) -> set[bytes]:
+        """Which of ``keys`` are pinned."""
+        with self.begin(buffers=True) as txn, txn.cursor(self.pins) as cur:
+            find = cur.set_key
+            return {k for k in keys if find(k)}
+
     def count_blocks(self) -> int:
         return self.counts()["blocks"]
 

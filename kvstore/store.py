@@ -80,10 +80,11 @@ from kvstore.io.protocol import IOEngine
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.lock import LOCK_FILE, StoreLock
+from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.slots import PutItem
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
 from kvstore.totals import Totals
-from kvstore.transfers import Transfers
+from kvstore.transfers import OFFLOAD_BYTES, Transfers
 
 __all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
 
@@ -129,6 +130,13 @@ class StoreStats:
     evicted_blocks: int = 0
     evicted_bytes: int = 0
     put_retries: int = 0  # puts redone because an eviction cut what they deduplicated against
+    memory_hits: int = 0  # blocks served from the memory tier (no disk I/O)
+    memory_misses: int = 0  # stored blocks a get looked for in memory and read from disk
+    memory_read_bytes: int = 0
+    memory_capacity_bytes: int = 0  # 0: the memory tier is off
+    memory_used_bytes: int = 0
+    memory_blocks: int = 0
+    memory_evicted_blocks: int = 0
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/totals.py); the counters above
@@ -183,8 +191,13 @@ class Store:
                  engine: str | IOEngine, sync: bool, extent_bytes: int, staging_bytes: int,
                  queue_depth: int, index_map_bytes: int, create: bool,
                  capacity_bytes: int | None = None, pin_staging: bool | None = None,
-                 file_mode: int | None = None, strict_permissions: bool = False) -> None:
+                 file_mode: int | None = None, strict_permissions: bool = False,
+                 memory_bytes: int = 0) -> None:
         self.path = os.path.abspath(path)
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be >= 0 (0 turns the memory tier off), "
+                             f"got {memory_bytes}")
+        self._memory_bytes = memory_bytes
         if file_mode is not None:
             permissions.check_file_mode(file_mode)
         # what new paths get until the store's recorded mode is known (in the index)
@@ -270,6 +283,13 @@ class Store:
         # Pinned for DMA; unregistered by the cleanup below, which runs before the unmap.
         self._cuda = pinning.default_pinner()(self.arena, self._pin_staging)
         self._cleanups.append(self._cuda.close)
+        self.memory: MemoryTier | None = None
+        if self._memory_bytes:
+            self.memory = MemoryTier(self._memory_bytes, self.index.pinned)
+            self._cleanups.append(self.memory.close)
+            # pinned like the arena, so a GPU load from memory goes by DMA
+            self._memory_pin = pinning.default_pinner()(self.memory.region, self._pin_staging)
+            self._cleanups.append(self._memory_pin.close)
         self.transfers = Transfers(self.engine, self.arena, self._fds)
         self.syncs = GroupSync(self.engine)  # concurrent puts share fdatasyncs
         self._inflight: dict[bytes, anyio.Event] = {}
@@ -278,7 +298,8 @@ class Store:
                                           "dedup_bytes", "gets", "hits", "misses", "read_bytes",
                                           "corrupt_blocks", "read_errors", "deletes",
                                           "evicted_blocks", "evicted_bytes",
-                                          "put_payload_bytes", "put_retries")}
+                                          "put_payload_bytes", "put_retries",
+                                          "memory_hits", "memory_misses", "memory_read_bytes")}
         self._totals = Totals(self._counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
         # thread, before the writer stops (cleanups run last-registered first).
@@ -288,6 +309,7 @@ class Store:
             store_uuid=self.store_uuid, extents=extents, free_runs=self.index.free_runs(),
             capacity_bytes=self._capacity_option, file_mode=self.file_mode,
             counters=self._counters, on_new_extent=self._open_extent,
+            on_evicted=self._forget_in_memory,
             ride_along=self._flush_totals_in)
 
     def _flush_totals(self) -> None:
@@ -526,6 +548,10 @@ class Store:
                 lambda txn: self.index.commit_puts(txn, entries, touched, seq, relies_on)))
             committed = True
             self.allocator.committed(items)
+            if self.memory is not None:  # write-through: only what is durable
+                await self._fill_memory([
+                    (item.key, item.parent, item.data, CODE_DTYPES[item.dtype], item.shape,
+                     item.seq) for item in items if codecs.is_lossless(item.codec)])
         except StoreIOError as e:
             self._fail_closed(f"I/O error while writing: {e}")
             raise
@@ -561,17 +587,38 @@ class Store:
         self._counters["gets"] += 1
         results: list[torch.Tensor | None] = [None] * len(keys)
         corrupt: list[tuple[bytes, IndexEntry, str]] = []
+        from_disk = entries
+        in_memory: list[tuple[int, Cached]] = []
+        if self.memory is not None:
+            # Served from memory only if the index (read above, no await since) still
+            # names the same block: a deleted, evicted or re-put key is never answered.
+            from_disk = list(entries)
+            for i, (key, entry) in enumerate(zip(keys, entries)):
+                if entry is not None and (cached := self.memory.lookup(key, entry.seq)):
+                    in_memory.append((i, cached))
+                    from_disk[i] = None
+            self._counters["memory_misses"] += sum(e is not None for e in from_disk)
         # No await between the lookup above and this: a block deleted or evicted after it
         # keeps its space until this read's epoch ends.
         epoch = self.allocator.begin_read()
         try:
-            errors, nbytes = await self.transfers.read(keys, entries, outs, results, corrupt)
+            if in_memory:
+                await self._copy_from_memory(in_memory, outs, results)
+            errors, nbytes = await self.transfers.read(keys, from_disk, outs, results, corrupt)
             self._counters["read_errors"] += errors
             self._counters["read_bytes"] += nbytes
         finally:
             self.allocator.end_read(epoch)
         if corrupt:
             await self._quarantine(corrupt)
+        if self.memory is not None:
+            # Only blocks read into new tensors: they carry the stored shape (an ``out``
+            # tensor has the caller's) and live on the CPU.
+            await self._fill_memory([
+                (keys[i], e.parent, r.reshape(-1).view(torch.uint8), r.dtype,
+                 tuple(r.shape), e.seq)
+                for i, (e, r) in enumerate(zip(from_disk, results))
+                if e is not None and r is not None and outs[i] is None])
         self.allocator.touch((k for k, r in zip(keys, results) if r is not None),
                              time.time_ns() // 1000)
         hits = sum(r is not None for r in results)
@@ -582,11 +629,77 @@ class Store:
     async def _quarantine(self, bad: list[tuple[bytes, IndexEntry, str]]) -> None:
         """Move corrupt blocks out of the index (their space stays allocated for fsck)."""
         self._counters["corrupt_blocks"] += len(bad)
+        self._forget_in_memory([key for key, _, _ in bad])
         if self.read_only:
             return
         moved = [(key, entry) for key, entry, _ in bad]
         with suppress(KVStoreError):
             await self.writer.run(lambda txn: self.index.quarantine_blocks(txn, moved))
+
+    # ------------------------------------------------------------------ memory tier
+
+    def _forget_in_memory(self, keys: Sequence[bytes]) -> None:
+        if self.memory is not None:
+            self.memory.discard(keys)
+
+    async def _copy_from_memory(self, hits: list[tuple[int, Cached]],
+                                outs: list[torch.Tensor | None],
+                                results: list[torch.Tensor | None]) -> None:
+        """Copy memory hits out (into ``out`` tensors or new ones); a worker thread when
+        large.  The copies are marked as read, so they are not evicted meanwhile."""
+        memory = self.memory
+        assert memory is not None
+
+        def copy_all() -> None:
+            for i, cached in hits:
+                src, o = cached.view(), outs[i]
+                results[i] = src.clone() if o is None else o.copy_(src.reshape(o.shape))
+
+        for _, cached in hits:
+            memory.begin_read(cached)
+        try:
+            if sum(c.nbytes for _, c in hits) >= OFFLOAD_BYTES:
+                await anyio.to_thread.run_sync(copy_all)
+            else:
+                copy_all()
+        finally:
+            for _, cached in hits:
+                memory.end_read(cached)
+        self._counters["memory_hits"] += len(hits)
+        self._counters["memory_read_bytes"] += sum(c.nbytes for _, c in hits)
+
+    async def _fill_memory(self, blocks: list[tuple[bytes, bytes | None, torch.Tensor,
+                                                    torch.dtype, tuple[int, ...], int]],
+                           *, prefetched: bool = False, limit: int | None = None) -> int:
+        """Cache verified (or just durable) blocks: room is taken on the event loop, the
+        bytes copied on a worker thread when large, then published unless a delete or an
+        eviction discarded the key meanwhile.  Returns how many were cached."""
+        memory = self.memory
+        if memory is None or not blocks:
+            return 0
+        fills = []
+        for key, parent, data, dtype, shape, seq in blocks:
+            got = memory.reserve(key, data.numel(), () if parent is None else (parent,),
+                                 prefetch_limit=limit)
+            if got is not None:
+                fills.append((got, key, parent, data, dtype, shape, seq))
+
+        def copy_all() -> None:
+            for (_, run), _k, _p, data, *_ in fills:
+                run.tensor[:data.numel()].copy_(data)
+
+        try:
+            if sum(f[3].numel() for f in fills) >= OFFLOAD_BYTES:
+                await anyio.to_thread.run_sync(copy_all)
+            else:
+                copy_all()
+        except BaseException:
+            for (token, run), key, *_ in fills:
+                memory.abandon(token, run, key)
+            raise
+        return sum(memory.publish(token, run, key=key, parent=parent, nbytes=data.numel(),
+                                  dtype=dtype, shape=shape, seq=seq, prefetched=prefetched)
+                   for (token, run), key, parent, data, dtype, shape, seq in fills)
 
     # ------------------------------------------------------------------ queries, delete
 
@@ -606,6 +719,7 @@ class Store:
         with self._operation(write=True):
             keys = check_keys(keys)
             freed = await self.writer.run(lambda txn: self.index.delete_blocks(txn, keys))
+            self._forget_in_memory(keys)
             self.allocator.release(freed)
             self._counters["deletes"] += len(freed)
             return len(freed)
@@ -661,7 +775,14 @@ class Store:
                                if self._counters["put_payload_bytes"] else 1.0),
             commits=self.writer.commits, cuda=self._cuda.status,
             namespaces=list(self.index.namespaces().values()),
-            totals=self._totals.current(self.index), **self._counters)
+            totals=self._totals.current(self.index), **self._memory_stats(), **self._counters)
+
+    def _memory_stats(self) -> dict[str, int]:
+        m = self.memory
+        if m is None:
+            return {}
+        return {"memory_capacity_bytes": m.capacity_bytes, "memory_used_bytes": m.used_bytes,
+                "memory_blocks": len(m), "memory_evicted_blocks": m.evicted_blocks}
 
 
 @asynccontextmanager
@@ -682,6 +803,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     pin_staging: bool | None = None,
     file_mode: int | None = None,
     strict_permissions: bool = False,
+    memory_bytes: int = 0,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
@@ -727,13 +849,19 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
                    than ``file_mode`` allows, or owned by another user) logs a warning
                    naming them and the fixing ``chmod``; True refuses instead
                    (:class:`~kvstore.errors.InsecurePermissionsError`).
+    ``memory_bytes`` size of the host-memory tier (0, the default: off): verified blocks
+                   cached in one region of host RAM (pinned when CUDA is usable) in front
+                   of the extents, filled by durable puts (lossless codecs) and by gets of
+                   CPU tensors; a get served from it does no disk I/O.  Least-recently-used
+                   leaves are evicted first; pinned blocks stay.  See
+                   :mod:`kvstore.memory_tier`.
     """
     store = await anyio.to_thread.run_sync(lambda: Store(
         os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
         engine=engine, sync=sync, extent_bytes=extent_bytes, staging_bytes=staging_bytes,
         queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create,
         capacity_bytes=capacity_bytes, pin_staging=pin_staging, file_mode=file_mode,
-        strict_permissions=strict_permissions))
+        strict_permissions=strict_permissions, memory_bytes=memory_bytes))
     store.codec = codec
     try:
         await store._start()

@@ -72,14 +72,16 @@ class ConcurrentMachine(RuleBasedStateMachine):
     backend = "asyncio"
 
     @initialize(deletes=st.booleans(), seed=st.integers(0, 2**16),
-                slow=st.sampled_from([3, 100, 400]))
-    def setup(self, deletes: bool, seed: int, slow: int) -> None:
+                slow=st.sampled_from([3, 100, 400]),
+                memory=st.sampled_from([0, 12 << 10, 64 << 10]))  # tier off / evicting / roomy
+    def setup(self, deletes: bool, seed: int, slow: int, memory: int) -> None:
         self.dir = tempfile.TemporaryDirectory()
         self.path = Path(self.dir.name) / "store"
         # A slow device (many scheduling points per op) keeps reads in flight while
         # other tasks' index transactions (on the writer thread) come and go.
         self.disk = SimulatedDisk(seed=seed, max_yields=slow)
         self.deletes = deletes
+        self.memory = memory  # memory_bytes: gets must never see a stale cached block
         self.acked: set[bytes] = set()      # acknowledged, not deleted
         self.maybe: set[bytes] = set()      # an unacknowledged put or delete touched them
         self.evicted = 0                    # blocks evicted so far (all sessions)
@@ -97,7 +99,8 @@ class ConcurrentMachine(RuleBasedStateMachine):
             self.dir.cleanup()
 
     def open(self) -> Any:
-        return kvstore.open(self.path, engine=SimulatedEngine(self.disk), **OPTIONS)
+        return kvstore.open(self.path, engine=SimulatedEngine(self.disk),
+                            memory_bytes=self.memory, **OPTIONS)
 
     # ------------------------------------------------------------------ one round
 
@@ -110,6 +113,11 @@ class ConcurrentMachine(RuleBasedStateMachine):
             tasks = [t for t in tasks if t[0][0] != "delete"] or [(("match", 0), None)]
         outcomes: list[tuple[str, Any]] = [("unfinished", None)] * len(tasks)
         round_stats: dict[str, int] = {}
+        # Keys no put of this round touches: once a delete of one has returned, no later
+        # get may return it (the memory tier included).
+        self.unput = set(POOL) - {k for (op, _) in tasks if op[0] == "put"
+                                  for k in CHAINS[op[1]][:op[2]]}
+        self.deleted: set[bytes] = set()
         yields_before = self.disk.yields
 
         async def one(store: kvstore.Store, i: int, op: tuple[Any, ...]) -> None:
@@ -180,17 +188,22 @@ class ConcurrentMachine(RuleBasedStateMachine):
             keys = CHAINS[op[1]][:op[2]]
             return await store.put_many(keys, [VALUES[k] for k in keys],
                                         parents=[PARENTS[k] for k in keys])
-        if kind == "get":
-            got = await store.get_many(op[1])
-            for k, g in zip(op[1], got):  # never wrong bytes, even mid-round
-                assert g is None or same(g, VALUES[k]), "wrong bytes"
+        if kind == "get":  # twice: the second read starts after the round's first deletes
+            for _ in range(2):
+                gone_before = self.deleted & self.unput
+                got = await store.get_many(op[1])
+                for k, g in zip(op[1], got):  # never wrong bytes, even mid-round
+                    assert g is None or same(g, VALUES[k]), "wrong bytes"
+                    assert g is None or k not in gone_before, "served a deleted block"
             return got
         if kind == "match":
             n = await store.match_prefix(CHAINS[op[1]])
             assert 0 <= n <= len(CHAINS[op[1]])
             return n
         keys = CHAINS[op[1]][op[2]:]
-        return await store.delete_many(keys)
+        deleted = await store.delete_many(keys)
+        self.deleted |= set(keys)
+        return deleted
 
     def account(self, tasks: list[tuple[tuple[Any, ...], int | None]],
                 outcomes: list[tuple[str, Any]], round_stats: dict[str, int]) -> None:
