@@ -66,6 +66,7 @@ class MemoryTier:
         self._blocks: OrderedDict[bytes, Cached] = OrderedDict()  # least recently used first
         self._children: Counter[bytes] = Counter()  # cached children per cached parent key
         self._filling: dict[bytes, int] = {}  # key -> fill token (insert in progress)
+        self._filling_prefetch: dict[int, int] = {}  # token -> run bytes, prefetch fills
         self._tokens = 0
         self.used_bytes = 0  # run bytes of cached blocks (page-rounded)
         self.prefetched_bytes = 0  # of which brought by prefetch and not read since
@@ -112,7 +113,8 @@ class MemoryTier:
         the run (on any thread) and then calls :meth:`publish` or :meth:`abandon`."""
         if key in self._blocks or key in self._filling or nbytes > self.capacity_bytes:
             return None
-        if prefetch_limit is not None and self.prefetched_bytes + nbytes > prefetch_limit:
+        if prefetch_limit is not None and self.prefetched_bytes + \
+                sum(self._filling_prefetch.values()) + nbytes > prefetch_limit:
             return None
         run = self.region.try_acquire(nbytes)
         if run is None:
@@ -122,6 +124,8 @@ class MemoryTier:
                 return None
         self._tokens += 1
         self._filling[key] = self._tokens
+        if prefetch_limit is not None:
+            self._filling_prefetch[self._tokens] = run.length
         return self._tokens, run
 
     def publish(self, token: int, run: ArenaRun, *, key: bytes, parent: bytes | None,
@@ -129,6 +133,7 @@ class MemoryTier:
                 prefetched: bool = False) -> bool:
         """Make a filled run visible; False (and the run freed) if the key was discarded
         while it was being filled (a delete or eviction raced the fill)."""
+        self._filling_prefetch.pop(token, None)
         if self._filling.get(key) != token:
             self.region.release(run)
             return False
@@ -143,6 +148,7 @@ class MemoryTier:
         return True
 
     def abandon(self, token: int, run: ArenaRun, key: bytes) -> None:
+        self._filling_prefetch.pop(token, None)
         if self._filling.get(key) == token:
             del self._filling[key]
         self.region.release(run)
@@ -215,4 +221,5 @@ class MemoryTier:
     def close(self) -> None:
         self._blocks.clear()
         self._filling.clear()
+        self._filling_prefetch.clear()
         self.region.close()

@@ -81,6 +81,7 @@ from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.lock import LOCK_FILE, StoreLock
 from kvstore.memory_tier import Cached, MemoryTier
+from kvstore.prefetch import Prefetch
 from kvstore.slots import PutItem
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
 from kvstore.totals import Totals
@@ -137,6 +138,8 @@ class StoreStats:
     memory_used_bytes: int = 0
     memory_blocks: int = 0
     memory_evicted_blocks: int = 0
+    prefetch_blocks: int = 0  # blocks prefetches brought into memory
+    prefetch_read_bytes: int = 0  # bytes prefetches read from disk
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/totals.py); the counters above
@@ -192,12 +195,18 @@ class Store:
                  queue_depth: int, index_map_bytes: int, create: bool,
                  capacity_bytes: int | None = None, pin_staging: bool | None = None,
                  file_mode: int | None = None, strict_permissions: bool = False,
-                 memory_bytes: int = 0) -> None:
+                 memory_bytes: int = 0, prefetch_share: float = 0.5) -> None:
         self.path = os.path.abspath(path)
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0 (0 turns the memory tier off), "
                              f"got {memory_bytes}")
+        if not 0 < prefetch_share <= 1:
+            raise ValueError(f"prefetch_share must be in (0, 1], got {prefetch_share}")
         self._memory_bytes = memory_bytes
+        self._prefetch_share = prefetch_share
+        self._prefetching: dict[bytes, anyio.Event] = {}  # key -> set when its read landed
+        self._prefetches: set[Prefetch] = set()
+        self._background: anyio.abc.TaskGroup | None = None  # open() runs prefetches here
         if file_mode is not None:
             permissions.check_file_mode(file_mode)
         # what new paths get until the store's recorded mode is known (in the index)
@@ -299,7 +308,8 @@ class Store:
                                           "corrupt_blocks", "read_errors", "deletes",
                                           "evicted_blocks", "evicted_bytes",
                                           "put_payload_bytes", "put_retries",
-                                          "memory_hits", "memory_misses", "memory_read_bytes")}
+                                          "memory_hits", "memory_misses", "memory_read_bytes",
+                                          "prefetch_blocks", "prefetch_read_bytes")}
         self._totals = Totals(self._counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
         # thread, before the writer stops (cleanups run last-registered first).
@@ -370,6 +380,8 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        for handle in list(self._prefetches):  # background reads: stop, do not wait them out
+            handle.cancel()
         with anyio.CancelScope(shield=True):
             await self._ops.drain()
             touched = self.allocator.take_touched()
@@ -578,6 +590,11 @@ class Store:
         outs: list[torch.Tensor | None] = [None] * len(keys) if out is None else list(out)
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} out tensors")
+        if self._prefetching:  # only the reads of these keys, then they come from memory
+            for key in keys:
+                landed = self._prefetching.get(key)
+                if landed is not None:
+                    await landed.wait()
         entries = self.index.get_entries(keys)
         for entry, o in zip(entries, outs):  # validate before any I/O
             if entry is not None:
@@ -701,6 +718,65 @@ class Store:
                                   dtype=dtype, shape=shape, seq=seq, prefetched=prefetched)
                    for (token, run), key, parent, data, dtype, shape, seq in fills)
 
+    # ------------------------------------------------------------------ prefetch
+
+    def prefetch(self, keys: Sequence[bytes]) -> Prefetch:
+        """Start bringing blocks into the memory tier and return at once; see
+        :mod:`kvstore.prefetch`.  Bounded: prefetched blocks not yet read by a get never
+        take more than ``prefetch_share`` of ``memory_bytes``, and a prefetch never evicts
+        a pinned block or one being read.  Needs ``open(memory_bytes=...)``."""
+        self._check_open()
+        if self.memory is None or self._background is None:
+            raise ValueError("prefetch needs the memory tier: open the store with "
+                             "memory_bytes=N (bytes of host RAM for cached blocks)")
+        keys = list(dict.fromkeys(check_keys(keys)))
+        want = [k for k in keys if k not in self.memory and k not in self._prefetching]
+        handle = Prefetch(len(keys))
+        for key in want:
+            self._prefetching[key] = anyio.Event()
+        self._prefetches.add(handle)
+        self._background.start_soon(self._run_prefetch, handle, want)
+        return handle
+
+    async def _run_prefetch(self, handle: Prefetch, keys: list[bytes]) -> None:
+        memory = self.memory
+        assert memory is not None
+        try:
+            with anyio.CancelScope() as scope, self._ops.track():
+                handle._scope = scope
+                if handle.cancelled:
+                    scope.cancel()
+                await anyio.lowlevel.checkpoint()
+                entries = self.index.get_entries(keys)
+                handle.scheduled = sum(e is not None for e in entries)
+                results: list[torch.Tensor | None] = [None] * len(keys)
+                corrupt: list[tuple[bytes, IndexEntry, str]] = []
+                epoch = self.allocator.begin_read()
+                try:
+                    errors, nbytes = await self.transfers.read(
+                        keys, entries, [None] * len(keys), results, corrupt)
+                    self._counters["read_errors"] += errors
+                    self._counters["prefetch_read_bytes"] += nbytes
+                finally:
+                    self.allocator.end_read(epoch)
+                if corrupt:
+                    await self._quarantine(corrupt)
+                handle.arrived = await self._fill_memory(
+                    [(k, e.parent, r.reshape(-1).view(torch.uint8), r.dtype, tuple(r.shape),
+                      e.seq) for k, e, r in zip(keys, entries, results)
+                     if e is not None and r is not None],
+                    prefetched=True, limit=int(memory.capacity_bytes * self._prefetch_share))
+                self._counters["prefetch_blocks"] += handle.arrived
+        except Exception as e:  # noqa: BLE001 - handed to whoever awaits the handle
+            handle.error = e
+        finally:
+            for key in keys:
+                landed = self._prefetching.pop(key, None)
+                if landed is not None:
+                    landed.set()
+            self._prefetches.discard(handle)
+            handle._finish()
+
     # ------------------------------------------------------------------ queries, delete
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -804,6 +880,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     file_mode: int | None = None,
     strict_permissions: bool = False,
     memory_bytes: int = 0,
+    prefetch_share: float = 0.5,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
@@ -855,16 +932,31 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
                    CPU tensors; a get served from it does no disk I/O.  Least-recently-used
                    leaves are evicted first; pinned blocks stay.  See
                    :mod:`kvstore.memory_tier`.
+    ``prefetch_share`` the most of ``memory_bytes`` that prefetched blocks not yet read
+                   by a get may take (``Store.prefetch``).
     """
     store = await anyio.to_thread.run_sync(lambda: Store(
         os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
         engine=engine, sync=sync, extent_bytes=extent_bytes, staging_bytes=staging_bytes,
         queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create,
         capacity_bytes=capacity_bytes, pin_staging=pin_staging, file_mode=file_mode,
-        strict_permissions=strict_permissions, memory_bytes=memory_bytes))
+        strict_permissions=strict_permissions, memory_bytes=memory_bytes,
+        prefetch_share=prefetch_share))
     store.codec = codec
+    # Prefetches run in this task group.  Entered and left by hand, not with ``async
+    # with``: an exception from the caller's block then propagates as itself, not
+    # wrapped in an ExceptionGroup (prefetch tasks never raise: they hand errors to
+    # their handles).
+    background = anyio.create_task_group()
+    await background.__aenter__()
     try:
+        store._background = background
         await store._start()
         yield store
     finally:
-        await store.aclose()
+        try:
+            await store.aclose()  # cancels prefetches, waits for every other call
+        finally:
+            store._background = None
+            background.cancel_scope.cancel()
+            await background.__aexit__(None, None, None)

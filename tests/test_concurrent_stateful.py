@@ -64,6 +64,8 @@ ops = st.one_of(
     st.tuples(st.just("get"), st.lists(st.sampled_from(POOL), min_size=1, max_size=4)),
     st.tuples(st.just("match"), st.integers(0, 2)),
     st.tuples(st.just("delete"), st.integers(0, 2), st.integers(0, 5)),  # chain, suffix start
+    st.tuples(st.just("prefetch"), st.lists(st.sampled_from(POOL), min_size=1, max_size=4),
+              st.booleans()),                                            # keys, await it
 )
 cancel_points = st.one_of(st.none(), st.integers(0, 40))
 
@@ -196,6 +198,11 @@ class ConcurrentMachine(RuleBasedStateMachine):
                     assert g is None or same(g, VALUES[k]), "wrong bytes"
                     assert g is None or k not in gone_before, "served a deleted block"
             return got
+        if kind == "prefetch":  # into the memory tier; later gets are checked as any
+            if not self.memory:
+                return None
+            handle = store.prefetch(op[1])
+            return await handle if op[2] else None
         if kind == "match":
             n = await store.match_prefix(CHAINS[op[1]])
             assert 0 <= n <= len(CHAINS[op[1]])

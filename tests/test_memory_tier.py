@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -216,3 +217,101 @@ async def test_bad_memory_bytes_is_refused_with_a_clear_error(tmp_path: Path) ->
     with pytest.raises(ValueError, match="memory_bytes must be >= 0"):
         async with kvstore.open(tmp_path, namespace=NS, memory_bytes=-1):
             pass
+
+
+# ------------------------------------------------------------------ prefetch
+
+
+async def test_prefetched_blocks_are_then_served_without_disk_io(tmp_path: Path) -> None:
+    ks = keys(6, 900)
+    engine = CountingEngine(real_engine("threads", tmp_path / "probe"))
+    async with kvstore.open(tmp_path / "s", namespace=NS, engine=engine, extent_bytes=4 << 20,
+                            memory_bytes=2 << 20) as store:
+        await store.put_many(ks, [block(i) for i in range(6)])
+        store.memory.discard(ks)  # type: ignore[union-attr]  # as after a restart
+        handle = store.prefetch(ks[:4] + keys(1, 990))  # one key that is not stored
+        assert await handle == 4 and handle.scheduled == 4 and handle.requested == 5
+        reads = engine.reads
+        got = await store.get_many(ks[:4])
+        st = store.stats()
+    assert reads == 4 and engine.reads == 4  # the get read nothing
+    assert all(same(g, block(i)) for i, g in enumerate(got))
+    assert st.prefetch_blocks == 4 and st.memory_hits == 4 and st.hits == 4
+
+
+async def test_a_get_of_keys_being_prefetched_waits_for_those_reads_only(
+        tmp_path: Path) -> None:
+    ks = keys(4, 1000)
+    engine = CountingEngine(real_engine("threads", tmp_path / "probe"))
+    async with kvstore.open(tmp_path / "s", namespace=NS, engine=engine, extent_bytes=4 << 20,
+                            memory_bytes=2 << 20) as store:
+        await store.put_many(ks, [block(i) for i in range(4)])
+        store.memory.discard(ks)  # type: ignore[union-attr]
+        gate = engine.gate("read")
+        handle = store.prefetch(ks)
+        got: list[torch.Tensor | None] = []
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                await gate.entered.wait()  # the prefetch's read is on the device (held)
+
+                async def get() -> None:
+                    got.extend(await store.get_many(ks))
+
+                tg.start_soon(get)
+                await anyio.wait_all_tasks_blocked()  # the get waits for the prefetch
+                assert not got
+                gate.open()
+        assert await handle == 4
+        st = store.stats()
+    assert engine.reads == 4 and st.memory_hits == 4  # one read per block, by the prefetch
+    assert all(same(g, block(i)) for i, g in enumerate(got))
+
+
+async def test_a_cancelled_prefetch_ends_and_reads_fall_back_to_disk(tmp_path: Path) -> None:
+    ks = keys(3, 1100)
+    engine = CountingEngine(real_engine("threads", tmp_path / "probe"))
+    async with kvstore.open(tmp_path / "s", namespace=NS, engine=engine, extent_bytes=4 << 20,
+                            memory_bytes=2 << 20) as store:
+        await store.put_many(ks, [block(i) for i in range(3)])
+        store.memory.discard(ks)  # type: ignore[union-attr]
+        gate = engine.gate("read")
+        handle = store.prefetch(ks)
+        with anyio.fail_after(30):
+            await gate.entered.wait()
+            handle.cancel()
+            assert await handle == 0
+        assert handle.cancelled and handle.done and store.stats().memory_blocks == 0
+        got = await store.get_many(ks)  # nothing waits for the cancelled prefetch
+        assert all(same(g, block(i)) for i, g in enumerate(got))
+
+
+async def test_prefetch_takes_at_most_its_share_of_memory(tmp_path: Path) -> None:
+    ks = keys(16, 1200)
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=4 << 20,
+                            memory_bytes=16 * BLOCK, prefetch_share=0.5) as store:
+        await store.put_many(ks, [block(i) for i in range(16)])
+        store.memory.discard(ks)  # type: ignore[union-attr]
+        assert await store.prefetch(ks) == 8  # half of 16 blocks' worth
+        assert all(g is not None for g in await store.get_many(ks[:8]))  # now used ...
+        assert await store.prefetch(ks[8:]) == 8  # ... so they no longer count
+        assert store.stats().memory_blocks == 16
+
+
+async def test_closing_the_store_stops_a_prefetch_in_flight(tmp_path: Path) -> None:
+    ks = keys(2, 1300)
+    engine = CountingEngine(real_engine("threads", tmp_path / "probe"))
+    with anyio.fail_after(30):
+        async with kvstore.open(tmp_path / "s", namespace=NS, engine=engine,
+                                extent_bytes=4 << 20, memory_bytes=1 << 20) as store:
+            await store.put_many(ks, [block(0), block(1)])
+            store.memory.discard(ks)  # type: ignore[union-attr]
+            gate = engine.gate("read")
+            handle = store.prefetch(ks)
+            await gate.entered.wait()
+        assert handle.done and handle.cancelled and handle.arrived == 0
+
+
+async def test_prefetch_without_the_memory_tier_says_what_to_do(tmp_path: Path) -> None:
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=4 << 20) as store:
+        with pytest.raises(ValueError, match="memory_bytes"):
+            store.prefetch(keys(1))
