@@ -77,6 +77,7 @@ from kvstore.index import (
 from kvstore.io.arena import Arena
 from kvstore.io.probe import probe
 from kvstore.io.protocol import IOEngine
+from kvstore.io.scheduler import PREFETCH, IoScheduler, as_class
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.lock import LOCK_FILE, StoreLock
@@ -140,6 +141,10 @@ class StoreStats:
     memory_evicted_blocks: int = 0
     prefetch_blocks: int = 0  # blocks prefetches brought into memory
     prefetch_read_bytes: int = 0  # bytes prefetches read from disk
+    dropped_puts: int = 0  # background puts dropped whole under backpressure
+    dropped_blocks: int = 0
+    backlog_bytes: int = 0  # bytes of puts in flight now
+    io_deferred: dict[str, int] = field(default_factory=dict)  # transfers that waited, by class
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/totals.py); the counters above
@@ -153,11 +158,14 @@ class StoreStats:
 
 @dataclass(frozen=True)
 class PutResult:
-    """What ``put_many`` did: blocks newly written, and blocks skipped as already stored."""
+    """What ``put_many`` did: blocks newly written, blocks skipped as already stored, and
+    blocks of a ``background=True`` put dropped whole under backpressure (then nothing
+    was written)."""
 
     written: int
     deduplicated: int
     bytes_written: int
+    dropped: int = 0
 
 
 class _Operations:
@@ -195,15 +203,22 @@ class Store:
                  queue_depth: int, index_map_bytes: int, create: bool,
                  capacity_bytes: int | None = None, pin_staging: bool | None = None,
                  file_mode: int | None = None, strict_permissions: bool = False,
-                 memory_bytes: int = 0, prefetch_share: float = 0.5) -> None:
+                 memory_bytes: int = 0, prefetch_share: float = 0.5,
+                 io_scheduling: bool = True, backlog_bytes: int = 1 << 30) -> None:
         self.path = os.path.abspath(path)
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0 (0 turns the memory tier off), "
                              f"got {memory_bytes}")
         if not 0 < prefetch_share <= 1:
             raise ValueError(f"prefetch_share must be in (0, 1], got {prefetch_share}")
+        if backlog_bytes <= 0:
+            raise ValueError(f"backlog_bytes must be > 0, got {backlog_bytes}")
         self._memory_bytes = memory_bytes
         self._prefetch_share = prefetch_share
+        self._io_scheduling = io_scheduling
+        self.backlog_bytes = backlog_bytes  # puts in flight beyond this drop background puts
+        self._backlog = 0  # bytes of puts in flight (foreground and background)
+        self._backlog_drained: anyio.Event | None = None
         self._prefetching: dict[bytes, anyio.Event] = {}  # key -> set when its read landed
         self._prefetches: set[Prefetch] = set()
         self._background: anyio.abc.TaskGroup | None = None  # open() runs prefetches here
@@ -299,7 +314,9 @@ class Store:
             # pinned like the arena, so a GPU load from memory goes by DMA
             self._memory_pin = pinning.default_pinner()(self.memory.region, self._pin_staging)
             self._cleanups.append(self._memory_pin.close)
-        self.transfers = Transfers(self.engine, self.arena, self._fds)
+        # Reads a caller awaits go before background writes and prefetches.
+        self.scheduler = IoScheduler(self.engine) if self._io_scheduling else None
+        self.transfers = Transfers(self.scheduler or self.engine, self.arena, self._fds)
         self.syncs = GroupSync(self.engine)  # concurrent puts share fdatasyncs
         self._inflight: dict[bytes, anyio.Event] = {}
         self._read_only_reason: str | None = None
@@ -309,7 +326,8 @@ class Store:
                                           "evicted_blocks", "evicted_bytes",
                                           "put_payload_bytes", "put_retries",
                                           "memory_hits", "memory_misses", "memory_read_bytes",
-                                          "prefetch_blocks", "prefetch_read_bytes")}
+                                          "prefetch_blocks", "prefetch_read_bytes",
+                                          "dropped_puts", "dropped_blocks")}
         self._totals = Totals(self._counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
         # thread, before the writer stops (cleanups run last-registered first).
@@ -449,7 +467,7 @@ class Store:
 
     async def put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor], *,
                        parents: Sequence[bytes | None] | None = None,
-                       codec: CodecSpec | None = None) -> PutResult:
+                       codec: CodecSpec | None = None, background: bool = False) -> PutResult:
         """Store blocks durably; returns once they survive a crash (if ``sync=True``).
 
         ``parents[i]`` is the key of the block before ``keys[i]`` in its chain (or None):
@@ -457,13 +475,18 @@ class Store:
         that are already stored (or being stored by another task) are not written again.
         ``codec`` overrides the store's default codec (``open(codec=...)``) for this batch;
         each block records the codec it was written with, so reads need no option.
+
+        Backpressure: ``background=True`` says this save may be dropped.  When the puts
+        in flight already hold ``backlog_bytes`` (``open()``), such a put is dropped whole
+        at once (``PutResult.dropped``, ``stats().dropped_puts``), never partly applied;
+        a foreground put waits instead until the backlog is below the bound.
         """
         with self._operation(write=True):
-            return await self._put_many(keys, values, parents, codec)
+            return await self._put_many(keys, values, parents, codec, background)
 
     async def _put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor],
                         parents: Sequence[bytes | None] | None,
-                        codec: CodecSpec | None) -> PutResult:
+                        codec: CodecSpec | None, background: bool = False) -> PutResult:
         keys = check_keys(keys)
         values = list(values)
         if len(values) != len(keys):
@@ -477,17 +500,33 @@ class Store:
         staged = [host_bytes(v) for v in values]  # every value validated before any I/O
         for data, _ in staged:
             self._check_fits(round_up(SLOT_HEADER_BYTES + data.numel()))
+        nbytes = sum(data.numel() for data, _ in staged)
+        if background and self._backlog and self._backlog + nbytes > self.backlog_bytes:
+            self._counters["dropped_puts"] += 1
+            self._counters["dropped_blocks"] += len(keys)
+            return PutResult(0, 0, 0, dropped=len(keys))
+        while self._backlog and self._backlog + nbytes > self.backlog_bytes:
+            self._backlog_drained = self._backlog_drained or anyio.Event()
+            await self._backlog_drained.wait()
+            self._check_writable()
         self._counters["puts"] += 1
         spec = codec if codec is not None else self.codec
-        while True:
-            try:
-                return await self._put_once(keys, parent_list, staged, values, spec)
-            except ChainCut:
-                # An eviction chose blocks this put deduplicated against before the put
-                # protected them, and committed after the put's decision: decide again
-                # (now they are absent, so this put writes them).  Rare; bounded by the
-                # evictions that were in flight when the put decided.
-                self._counters["put_retries"] += 1
+        self._backlog += nbytes
+        try:
+            while True:
+                try:
+                    return await self._put_once(keys, parent_list, staged, values, spec)
+                except ChainCut:
+                    # An eviction chose blocks this put deduplicated against before the
+                    # put protected them, and committed after the put's decision: decide
+                    # again (now they are absent, so this put writes them).  Rare; bounded
+                    # by the evictions that were in flight when the put decided.
+                    self._counters["put_retries"] += 1
+        finally:
+            self._backlog -= nbytes
+            if self._backlog_drained is not None:
+                self._backlog_drained.set()
+                self._backlog_drained = None
 
     async def _put_once(self, keys: Sequence[bytes], parent_list: Sequence[bytes | None],
                         staged: Sequence[tuple[torch.Tensor, int]],
@@ -753,8 +792,9 @@ class Store:
                 corrupt: list[tuple[bytes, IndexEntry, str]] = []
                 epoch = self.allocator.begin_read()
                 try:
-                    errors, nbytes = await self.transfers.read(
-                        keys, entries, [None] * len(keys), results, corrupt)
+                    with as_class(PREFETCH):  # behind gets and (mostly) behind puts
+                        errors, nbytes = await self.transfers.read(
+                            keys, entries, [None] * len(keys), results, corrupt)
                     self._counters["read_errors"] += errors
                     self._counters["prefetch_read_bytes"] += nbytes
                 finally:
@@ -851,7 +891,9 @@ class Store:
                                if self._counters["put_payload_bytes"] else 1.0),
             commits=self.writer.commits, cuda=self._cuda.status,
             namespaces=list(self.index.namespaces().values()),
-            totals=self._totals.current(self.index), **self._memory_stats(), **self._counters)
+            totals=self._totals.current(self.index), **self._memory_stats(), **self._counters,
+            backlog_bytes=self._backlog,
+            io_deferred=dict(self.scheduler.deferred) if self.scheduler else {})
 
     def _memory_stats(self) -> dict[str, int]:
         m = self.memory
@@ -881,6 +923,8 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     strict_permissions: bool = False,
     memory_bytes: int = 0,
     prefetch_share: float = 0.5,
+    io_scheduling: bool = True,
+    backlog_bytes: int = 1 << 30,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
@@ -934,6 +978,12 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
                    :mod:`kvstore.memory_tier`.
     ``prefetch_share`` the most of ``memory_bytes`` that prefetched blocks not yet read
                    by a get may take (``Store.prefetch``).
+    ``io_scheduling`` True (default): reads a caller awaits go before background writes
+                   and prefetches, with bounded bytes in flight per class
+                   (:mod:`kvstore.io.scheduler`); False hands every transfer to the engine
+                   as it comes.
+    ``backlog_bytes`` bytes of puts in flight beyond which ``put_many(background=True)``
+                   drops its batch whole and foreground puts wait (default 1 GiB).
     """
     store = await anyio.to_thread.run_sync(lambda: Store(
         os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
@@ -941,7 +991,8 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
         queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create,
         capacity_bytes=capacity_bytes, pin_staging=pin_staging, file_mode=file_mode,
         strict_permissions=strict_permissions, memory_bytes=memory_bytes,
-        prefetch_share=prefetch_share))
+        prefetch_share=prefetch_share, io_scheduling=io_scheduling,
+        backlog_bytes=backlog_bytes))
     store.codec = codec
     # Prefetches run in this task group.  Entered and left by hand, not with ``async
     # with``: an exception from the caller's block then propagates as itself, not

@@ -132,3 +132,19 @@ def run_within(scenario: Callable[[], Awaitable[Any]], backend: str,
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")
+
+
+def resident_bytes(address: int, length: int) -> int:
+    """Bytes of [address, address+length) resident in RAM, by mincore(2): exact for the
+    range, whatever VMA the kernel merged it into (smaps reports whole VMAs)."""
+    import ctypes
+    import ctypes.util
+    import mmap as _mmap
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    page = _mmap.PAGESIZE
+    pages = (length + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vec) * page

@@ -17,7 +17,7 @@ from kvstore.extents import extent_path
 from kvstore.format import SLOT_HEADER_BYTES
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.memory_tier import MemoryTier
-from tests.concurrency import GatedEngine, real_engine
+from tests.concurrency import GatedEngine, real_engine, resident_bytes
 from tests.conformance import NS, keys, make_tensor, same
 
 pytestmark = pytest.mark.anyio
@@ -195,22 +195,10 @@ async def test_the_region_bounds_memory_whatever_is_put(tmp_path: Path) -> None:
             await store.put_many(ks[i:i + 8], [block(j) for j in range(i, i + 8)])
         st = store.stats()
         region = store.memory.region  # type: ignore[union-attr]
-        resident = _resident_bytes(region.address)
+        resident = resident_bytes(region.address, region.size)
     assert st.memory_used_bytes <= st.memory_capacity_bytes == 1 << 20
     assert st.memory_blocks == 16 and st.memory_evicted_blocks == 32
     assert resident <= 1 << 20
-
-
-def _resident_bytes(address: int) -> int:
-    start = f"{address:x}-"
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            if "-" in line.split()[0] and not line.startswith(("Rss", "Size")):
-                inside = line.startswith(start)
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("region not found in /proc/self/smaps")
 
 
 async def test_bad_memory_bytes_is_refused_with_a_clear_error(tmp_path: Path) -> None:

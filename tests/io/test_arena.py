@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.errors import BlockTooLargeError
 from kvstore.io.arena import Arena
+from tests.concurrency import resident_bytes
 
 pytestmark = pytest.mark.anyio
 
@@ -54,16 +55,7 @@ async def test_a_transfer_larger_than_the_arena_is_refused() -> None:
 
 
 def _resident_kib(arena: Arena) -> int:
-    """Rss of the arena's mapping, from /proc/self/smaps."""
-    start = f"{arena.address:x}-"
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            if "-" in line.split()[0] and not line.startswith(("Rss", "Size")):
-                inside = line.startswith(start)
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
-    raise AssertionError("arena mapping not found in /proc/self/smaps")
+    return resident_bytes(arena.address, arena.size) // 1024
 
 
 def _until_prefaulted(arena: Arena, nbytes: int) -> None:
