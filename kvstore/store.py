@@ -79,6 +79,7 @@ from kvstore.io.probe import probe
 from kvstore.io.protocol import IOEngine
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
+from kvstore.latency import Latency
 from kvstore.lock import LOCK_FILE, StoreLock
 from kvstore.slots import PutItem
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
@@ -203,6 +204,7 @@ class Store:
         self._lock = StoreLock(self.path)
         self._closed = False
         self._ops = _Operations()
+        self.latency = Latency(("get", "put"))  # call durations (kvstore.metrics exports them)
         self._cleanups: list[Any] = [self._lock.release]
         try:
             self._open(namespace, allow_new_namespace, engine, sync, extent_bytes,
@@ -424,7 +426,7 @@ class Store:
         ``codec`` overrides the store's default codec (``open(codec=...)``) for this batch;
         each block records the codec it was written with, so reads need no option.
         """
-        with self._operation(write=True):
+        with self._operation(write=True), self.latency.time("put"):
             return await self._put_many(keys, values, parents, codec)
 
     async def _put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor],
@@ -543,7 +545,7 @@ class Store:
         elements; any shape, contiguous or not, on any device) and that tensor is
         returned; ``out[i] = None`` allocates as usual.
         """
-        with self._operation():
+        with self._operation(), self.latency.time("get"):
             return await self._get_many(keys, out)
 
     async def _get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None
