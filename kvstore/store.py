@@ -80,6 +80,7 @@ from kvstore.io.protocol import IOEngine
 from kvstore.io.scheduler import PREFETCH, IoScheduler, as_class
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
+from kvstore.latency import Latency
 from kvstore.lock import LOCK_FILE, StoreLock
 from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.prefetch import Prefetch
@@ -145,6 +146,8 @@ class StoreStats:
     dropped_blocks: int = 0
     backlog_bytes: int = 0  # bytes of puts in flight now
     io_deferred: dict[str, int] = field(default_factory=dict)  # transfers that waited, by class
+    io_queue_depth: dict[str, int] = field(default_factory=dict)  # transfers waiting now
+    io_backlog_bytes: dict[str, int] = field(default_factory=dict)  # bytes on the device now
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/totals.py); the counters above
@@ -240,6 +243,7 @@ class Store:
         self._lock = StoreLock(self.path)
         self._closed = False
         self._ops = _Operations()
+        self.latency = Latency(("get", "put", "prefetch"))  # call durations (kvstore.metrics exports them)
         self._cleanups: list[Any] = [self._lock.release]
         try:
             self._open(namespace, allow_new_namespace, engine, sync, extent_bytes,
@@ -481,7 +485,7 @@ class Store:
         at once (``PutResult.dropped``, ``stats().dropped_puts``), never partly applied;
         a foreground put waits instead until the backlog is below the bound.
         """
-        with self._operation(write=True):
+        with self._operation(write=True), self.latency.time("put"):
             return await self._put_many(keys, values, parents, codec, background)
 
     async def _put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor],
@@ -620,7 +624,7 @@ class Store:
         elements; any shape, contiguous or not, on any device) and that tensor is
         returned; ``out[i] = None`` allocates as usual.
         """
-        with self._operation():
+        with self._operation(), self.latency.time("get"):
             return await self._get_many(keys, out)
 
     async def _get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None
@@ -781,7 +785,8 @@ class Store:
         memory = self.memory
         assert memory is not None
         try:
-            with anyio.CancelScope() as scope, self._ops.track():
+            with anyio.CancelScope() as scope, self._ops.track(), \
+                    self.latency.time("prefetch"):
                 handle._scope = scope
                 if handle.cancelled:
                     scope.cancel()
@@ -891,9 +896,19 @@ class Store:
                                if self._counters["put_payload_bytes"] else 1.0),
             commits=self.writer.commits, cuda=self._cuda.status,
             namespaces=list(self.index.namespaces().values()),
-            totals=self._totals.current(self.index), **self._memory_stats(), **self._counters,
-            backlog_bytes=self._backlog,
-            io_deferred=dict(self.scheduler.deferred) if self.scheduler else {})
+            totals=self._totals.current(self.index), backlog_bytes=self._backlog,
+            **self._extra_stats())
+
+    def _extra_stats(self) -> dict[str, Any]:
+        """The per-open counters and the optional layers' numbers, as StoreStats fields."""
+        return {**self._counters, **self._memory_stats(), **self._io_stats()}
+
+    def _io_stats(self) -> dict[str, dict[str, int]]:
+        sched = self.scheduler
+        if sched is None:
+            return {}
+        return {"io_deferred": dict(sched.deferred), "io_queue_depth": dict(sched.waiting),
+                "io_backlog_bytes": dict(sched.inflight)}
 
     def _memory_stats(self) -> dict[str, int]:
         m = self.memory

@@ -49,6 +49,16 @@ def same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
+def flip_payload_bit(store_path: Path, entry: Any, at: int = 100, mask: int = 0x10) -> None:
+    """Corrupt a stored block on disk: flip bits of its payload byte ``at`` (the store
+    must be closed: it reads with O_DIRECT, past the page cache this writes to)."""
+    with open(extent_path(str(store_path), entry.extent), "r+b") as f:
+        f.seek(entry.offset + SLOT_HEADER_BYTES + at)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 @pytest.mark.anyio
 class StoreConformance:
     engine: ClassVar[str]
@@ -230,11 +240,7 @@ class StoreConformance:
             await store.put_many(ks, values)
             entry = store.index.get_entries([ks[1]])[0]
         assert entry is not None
-        with open(extent_path(str(tmp_path), entry.extent), "r+b") as f:
-            f.seek(entry.offset + SLOT_HEADER_BYTES + 100)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x10]))
+        flip_payload_bit(tmp_path, entry)
         async with self.open(tmp_path) as store:
             got = await store.get_many(ks)
             stats = store.stats()
