@@ -17,7 +17,9 @@ found by timing the store's own calls, so a tree lacking one (older layout) show
 under ``other``.
 
 With ``--py-spy`` the same workload runs under ``py-spy record --format raw`` (every
-thread, on-CPU samples only) and the samples are grouped by the innermost frame that
+thread, on-CPU samples only; Python frames only: ``--native`` unwinding slowed the run
+several-fold and inflated torch-heavy frames; time in a GIL-free native call shows
+under the Python frame that made it) and the samples are grouped by the innermost frame that
 names a known activity: staging/CRC (native or Python), device I/O submission, LMDB,
 the put path's Python, the event loop, other.
 """
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         out = tempfile.mktemp(suffix=".txt")
         cmd = [spy, "record", "--format", "raw", "--rate", str(args.rate), "--threads",
-               "--native", "-o", out, "--", sys.executable, os.path.abspath(__file__), tree,
+               "-o", out, "--", sys.executable, os.path.abspath(__file__), tree,
                "--block", args.block, "--mib", str(args.mib), "--batch", str(args.batch)]
         subprocess.run(cmd, check=True, env={**os.environ, "PROFILE_PUT_CHILD": "1"},
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
