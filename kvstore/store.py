@@ -315,6 +315,9 @@ class Store:
         if self._memory_bytes:
             self.memory = MemoryTier(self._memory_bytes, self.index.pinned)
             self._cleanups.append(self.memory.close)
+            # Zero its pages now, off the get path (the first fill of a fresh region ran
+            # at page-zeroing speed): it is a cache, it fills anyway.
+            self.memory.region.prefault_all()
             # pinned like the arena, so a GPU load from memory goes by DMA
             self._memory_pin = pinning.default_pinner()(self.memory.region, self._pin_staging)
             self._cleanups.append(self._memory_pin.close)

@@ -71,6 +71,13 @@ class Arena:
         self._wake = threading.Condition()
         self._prefault: threading.Thread | None = None
 
+    def prefault_all(self) -> None:
+        """Fault the whole region in on the background thread now (a cache that will
+        fill anyway: the memory tier), not only ahead of use."""
+        self._note_high(self.size)
+        with self._wake:
+            self._high = max(self._high, self.size)
+
     def _note_high(self, end: int) -> None:
         """A run up to ``end`` was handed out: fault in ahead of it (background thread)."""
         if end <= self._high or _madvise is None:

@@ -12,6 +12,11 @@ transfers per *class* with a bound on the bytes each class may have in flight:
 ``prefetch``  background reads: up to ``prefetch_bytes``, and none while a foreground
               read is in flight or waiting.
 
+Not scheduled: fdatasync and the index's fsync.  A device cache flush makes every later
+request wait behind it, reads included, and cannot be reordered from up here; letting a
+flush wait for the reads already on the device was tried and cost the put stream a third
+of its throughput for no gain in get p99 (benchmarks/results/tiers.md).
+
 Waiting transfers are admitted read-first, in arrival order within a class.  One call
 is always admitted when its class has nothing in flight, so a transfer larger than its
 bound still goes (alone).  Which class a call belongs to is a context variable
@@ -48,8 +53,8 @@ class IoScheduler:
     """An :class:`~kvstore.io.protocol.IOEngine` that schedules another one's reads and
     writes by class; see the module docstring."""
 
-    def __init__(self, inner: IOEngine, *, write_bytes: int = 64 << 20,
-                 write_bytes_busy: int = 8 << 20, prefetch_bytes: int = 16 << 20) -> None:
+    def __init__(self, inner: IOEngine, *, write_bytes: int = 16 << 20,
+                 write_bytes_busy: int = 4 << 20, prefetch_bytes: int = 16 << 20) -> None:
         self.inner = inner
         self.name, self.direct = inner.name, inner.direct
         self._limits = {WRITE: write_bytes, PREFETCH: prefetch_bytes}
