@@ -70,7 +70,7 @@ async def memory_vs_memcpy(root: str, reps: int, cold: Cold) -> dict[str, Any]:
     outs = [torch.zeros(size, dtype=torch.uint8) for _ in range(batch)]
     rows: dict[str, list[float]] = {"memory tier get": [], "memcpy (torch copy_)": [],
                                     "disk get, tier off": [], "disk get, tier on (fills)": []}
-    for rep in range(reps):
+    for _ in range(reps):
         path = tempfile.mkdtemp(dir=root)
         async with kvstore.open(path, namespace=NS, create=True, memory_bytes=320 * MIB) as s:
             for i in range(0, n, batch):

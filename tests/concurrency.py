@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from kvstore.io.probe import probe
-from kvstore.io.protocol import IOEngine, IoOp
+from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 from kvstore.io.threads import ThreadPoolEngine
 
 DEADLINE = 60.0
@@ -60,14 +60,12 @@ class Gate:
             await self._release.wait()
 
 
-class GatedEngine:
+class GatedEngine(EngineWrapper):
     """A real engine whose next read / write / datasync call can be held at a gate (each
     gate catches one call, then is spent)."""
 
     def __init__(self, inner: IOEngine) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.direct = inner.direct
+        super().__init__(inner)
         self.gates: dict[str, Gate] = {}
 
     def gate(self, kind: str, *, hold: bool = True) -> Gate:
@@ -78,15 +76,6 @@ class GatedEngine:
         gate = self.gates.pop(kind, None)
         if gate is not None:
             await gate.pass_through()
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    def open_file(self, path: str, *, create: bool) -> int:
-        return self.inner.open_file(path, create=create)
-
-    def close_file(self, fd: int) -> None:
-        self.inner.close_file(fd)
 
     async def write(self, ops: Sequence[IoOp]) -> None:
         await self._arrive("write")
@@ -99,9 +88,6 @@ class GatedEngine:
     async def datasync(self, fds: Sequence[int]) -> None:
         await self._arrive("datasync")
         await self.inner.datasync(fds)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def until(condition: Callable[[], bool]) -> None:

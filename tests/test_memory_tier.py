@@ -5,7 +5,8 @@ raced by a discard are dropped; the region bounds RSS."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -210,13 +211,23 @@ async def test_bad_memory_bytes_is_refused_with_a_clear_error(tmp_path: Path) ->
 # ------------------------------------------------------------------ prefetch
 
 
-async def test_prefetched_blocks_are_then_served_without_disk_io(tmp_path: Path) -> None:
-    ks = keys(6, 900)
+@asynccontextmanager
+async def cold_store(tmp_path: Path, ks: list[bytes], memory_bytes: int = 2 << 20
+                     ) -> AsyncIterator[tuple[kvstore.Store, CountingEngine]]:
+    """A store holding ``block(i)`` under ``ks[i]``, with nothing of it in memory (as
+    after a restart), on a real engine that counts reads."""
     engine = CountingEngine(real_engine("threads", tmp_path / "probe"))
     async with kvstore.open(tmp_path / "s", namespace=NS, engine=engine, extent_bytes=4 << 20,
-                            memory_bytes=2 << 20) as store:
-        await store.put_many(ks, [block(i) for i in range(6)])
-        store.memory.discard(ks)  # type: ignore[union-attr]  # as after a restart
+                            memory_bytes=memory_bytes) as store:
+        await store.put_many(ks, [block(i) for i in range(len(ks))])
+        assert store.memory is not None
+        store.memory.discard(ks)
+        yield store, engine
+
+
+async def test_prefetched_blocks_are_then_served_without_disk_io(tmp_path: Path) -> None:
+    ks = keys(6, 900)
+    async with cold_store(tmp_path, ks) as (store, engine):
         handle = store.prefetch(ks[:4] + keys(1, 990))  # one key that is not stored
         assert await handle == 4 and handle.scheduled == 4 and handle.requested == 5
         reads = engine.reads
@@ -230,11 +241,7 @@ async def test_prefetched_blocks_are_then_served_without_disk_io(tmp_path: Path)
 async def test_a_get_of_keys_being_prefetched_waits_for_those_reads_only(
         tmp_path: Path) -> None:
     ks = keys(4, 1000)
-    engine = CountingEngine(real_engine("threads", tmp_path / "probe"))
-    async with kvstore.open(tmp_path / "s", namespace=NS, engine=engine, extent_bytes=4 << 20,
-                            memory_bytes=2 << 20) as store:
-        await store.put_many(ks, [block(i) for i in range(4)])
-        store.memory.discard(ks)  # type: ignore[union-attr]
+    async with cold_store(tmp_path, ks) as (store, engine):
         gate = engine.gate("read")
         handle = store.prefetch(ks)
         got: list[torch.Tensor | None] = []
@@ -257,11 +264,7 @@ async def test_a_get_of_keys_being_prefetched_waits_for_those_reads_only(
 
 async def test_a_cancelled_prefetch_ends_and_reads_fall_back_to_disk(tmp_path: Path) -> None:
     ks = keys(3, 1100)
-    engine = CountingEngine(real_engine("threads", tmp_path / "probe"))
-    async with kvstore.open(tmp_path / "s", namespace=NS, engine=engine, extent_bytes=4 << 20,
-                            memory_bytes=2 << 20) as store:
-        await store.put_many(ks, [block(i) for i in range(3)])
-        store.memory.discard(ks)  # type: ignore[union-attr]
+    async with cold_store(tmp_path, ks) as (store, engine):
         gate = engine.gate("read")
         handle = store.prefetch(ks)
         with anyio.fail_after(30):
@@ -287,12 +290,8 @@ async def test_prefetch_takes_at_most_its_share_of_memory(tmp_path: Path) -> Non
 
 async def test_closing_the_store_stops_a_prefetch_in_flight(tmp_path: Path) -> None:
     ks = keys(2, 1300)
-    engine = CountingEngine(real_engine("threads", tmp_path / "probe"))
     with anyio.fail_after(30):
-        async with kvstore.open(tmp_path / "s", namespace=NS, engine=engine,
-                                extent_bytes=4 << 20, memory_bytes=1 << 20) as store:
-            await store.put_many(ks, [block(0), block(1)])
-            store.memory.discard(ks)  # type: ignore[union-attr]
+        async with cold_store(tmp_path, ks) as (store, engine):
             gate = engine.gate("read")
             handle = store.prefetch(ks)
             await gate.entered.wait()

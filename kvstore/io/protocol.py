@@ -59,3 +59,33 @@ class IOEngine(Protocol):
     async def datasync(self, fds: Sequence[int]) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+class EngineWrapper:
+    """An engine that forwards every call to ``inner``: subclass it to change some calls
+    (the I/O scheduler; the tests' gated engine) and keep the rest."""
+
+    def __init__(self, inner: IOEngine) -> None:
+        self.inner = inner
+        self.name, self.direct = inner.name, inner.direct
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    def open_file(self, path: str, *, create: bool) -> int:
+        return self.inner.open_file(path, create=create)
+
+    def close_file(self, fd: int) -> None:
+        self.inner.close_file(fd)
+
+    async def write(self, ops: Sequence[IoOp]) -> None:
+        await self.inner.write(ops)
+
+    async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
+        return await self.inner.read(ops)
+
+    async def datasync(self, fds: Sequence[int]) -> None:
+        await self.inner.datasync(fds)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

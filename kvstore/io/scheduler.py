@@ -33,7 +33,7 @@ from contextvars import ContextVar
 
 import anyio
 
-from kvstore.io.protocol import IOEngine, IoOp
+from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 
 READ, WRITE, PREFETCH = "read", "write", "prefetch"
 io_class: ContextVar[str | None] = ContextVar("kvstore_io_class", default=None)
@@ -49,14 +49,13 @@ def as_class(name: str) -> Iterator[None]:
         io_class.reset(token)
 
 
-class IoScheduler:
+class IoScheduler(EngineWrapper):
     """An :class:`~kvstore.io.protocol.IOEngine` that schedules another one's reads and
     writes by class; see the module docstring."""
 
     def __init__(self, inner: IOEngine, *, write_bytes: int = 16 << 20,
                  write_bytes_busy: int = 4 << 20, prefetch_bytes: int = 16 << 20) -> None:
-        self.inner = inner
-        self.name, self.direct = inner.name, inner.direct
+        super().__init__(inner)
         self._limits = {WRITE: write_bytes, PREFETCH: prefetch_bytes}
         self._write_busy = write_bytes_busy
         self.inflight = {READ: 0, WRITE: 0, PREFETCH: 0}  # bytes
@@ -147,20 +146,6 @@ class IoScheduler:
         finally:
             self._done(WRITE, nbytes)
 
-    async def datasync(self, fds: Sequence[int]) -> None:
-        await self.inner.datasync(fds)
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    def open_file(self, path: str, *, create: bool) -> int:
-        return self.inner.open_file(path, create=create)
-
-    def close_file(self, fd: int) -> None:
-        self.inner.close_file(fd)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 __all__ = ["IoScheduler", "PREFETCH", "READ", "WRITE", "as_class", "io_class"]
