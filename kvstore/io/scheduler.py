@@ -53,8 +53,8 @@ class IoScheduler(EngineWrapper):
     """An :class:`~kvstore.io.protocol.IOEngine` that schedules another one's reads and
     writes by class; see the module docstring."""
 
-    def __init__(self, inner: IOEngine, *, write_bytes: int = 16 << 20,
-                 write_bytes_busy: int = 4 << 20, prefetch_bytes: int = 16 << 20) -> None:
+    def __init__(self, inner: IOEngine, *, write_bytes: int = 64 << 20,
+                 write_bytes_busy: int = 8 << 20, prefetch_bytes: int = 16 << 20) -> None:
         super().__init__(inner)
         self._limits = {WRITE: write_bytes, PREFETCH: prefetch_bytes}
         self._write_busy = write_bytes_busy
