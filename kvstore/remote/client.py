@@ -35,6 +35,10 @@ from kvstore.errors import RemoteAuthError, RemoteError
 from kvstore.remote.config import RemoteConfig
 
 
+_REFUSALS = ("403 Forbidden", "401 Unauthorized", "SignatureDoesNotMatch",
+             "InvalidAccessKeyId", "AccessDenied")
+
+
 class Unavailable(Exception):
     """A request got no answer (connection refused or reset, timeout, server error)."""
 
@@ -92,7 +96,9 @@ class ObjectClient:
         self.endpoint = endpoint or "AWS"
 
     def _fail(self, e: Exception, name: str) -> Exception:
-        if isinstance(e, (PermissionDeniedError, UnauthenticatedError)):
+        # listing errors arrive as generic ones: recognise the refusal in the message
+        if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or any(
+                m in str(e) for m in _REFUSALS):
             return RemoteAuthError(
                 f"the S3 cluster at {self.endpoint} refused the credentials for bucket "
                 f"{self.bucket!r} ({_first_line(e)}); set AWS_ACCESS_KEY_ID / "
