@@ -34,7 +34,6 @@ from obstore.store import S3Store
 from kvstore.errors import RemoteAuthError, RemoteError
 from kvstore.remote.config import RemoteConfig
 
-
 _REFUSALS = ("403 Forbidden", "401 Unauthorized", "SignatureDoesNotMatch",
              "InvalidAccessKeyId", "AccessDenied")
 
