@@ -90,7 +90,7 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
         base_names = [objects.object_name(base_prefix, NS.digest, k) for k in ks]
         with ThreadPoolExecutor(conc) as pool:
             t = time.perf_counter()
-            list(pool.map(lambda i: client.put(base_names[i], bytes(bodies[i])), range(n)))  # type: ignore[arg-type]
+            list(pool.map(client.put, base_names, [bytes(x or b"") for x in bodies]))
             ob_put = time.perf_counter() - t
             t = time.perf_counter()
             got = list(pool.map(client.get, base_names))
