@@ -28,6 +28,8 @@ __all__ = [
     "CorruptionError",
     "IndexCorruptionError",
     "InsecurePermissionsError",
+    "RemoteError",
+    "RemoteAuthError",
 ]
 
 
