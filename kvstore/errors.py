@@ -28,6 +28,8 @@ __all__ = [
     "CorruptionError",
     "IndexCorruptionError",
     "InsecurePermissionsError",
+    "RemoteError",
+    "RemoteAuthError",
 ]
 
 
@@ -125,3 +127,17 @@ class InsecurePermissionsError(KVStoreError, PermissionError):
     written by other users, or belong to another user.  The message names them and the
     ``chmod`` that fixes them (``python -m kvstore fsck PATH --repair`` does the same);
     nothing was changed."""
+
+
+class RemoteError(KVStoreError, OSError):
+    """Raised by ``open(remote=...)`` when the remote tier's configuration cannot work
+    (no such bucket, an invalid endpoint) and by ``python -m kvstore remote check``.
+    A remote that is merely unreachable is not an error: the store opens, its remote
+    calls are fast misses until the cluster answers again (the circuit breaker)."""
+
+
+class RemoteAuthError(RemoteError, PermissionError):
+    """Raised by ``open(remote=RemoteConfig(...))`` when the S3 cluster refuses the
+    credentials (wrong key, no permission on the bucket).  Fix the AWS environment or
+    config, or pass ``on_auth_error="disable"`` to open with the remote tier disabled
+    (``store.remote.stats().state == "disabled"``, with the reason)."""

@@ -36,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -84,10 +84,14 @@ from kvstore.latency import Latency
 from kvstore.lock import LOCK_FILE, StoreLock
 from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.prefetch import Prefetch
+from kvstore.remote.config import RemoteConfig
 from kvstore.slots import PutItem
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
 from kvstore.totals import Totals
 from kvstore.transfers import OFFLOAD_BYTES, Transfers
+
+if TYPE_CHECKING:
+    from kvstore.remote.tier import RemoteTier
 
 __all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
 
@@ -207,8 +211,12 @@ class Store:
                  capacity_bytes: int | None = None, pin_staging: bool | None = None,
                  file_mode: int | None = None, strict_permissions: bool = False,
                  memory_bytes: int = 0, prefetch_share: float = 0.5,
-                 io_scheduling: bool = True, backlog_bytes: int = 1 << 30) -> None:
+                 io_scheduling: bool = True, backlog_bytes: int = 1 << 30,
+                 remote: RemoteConfig | None = None) -> None:
         self.path = os.path.abspath(path)
+        # remote tier (kvstore/remote/): made at the end of _open, started by open()
+        self._remote_config = remote
+        self.remote: RemoteTier | None = None
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0 (0 turns the memory tier off), "
                              f"got {memory_bytes}")
@@ -346,6 +354,21 @@ class Store:
             counters=self._counters, on_new_extent=self._open_extent,
             on_evicted=self._forget_in_memory,
             ride_along=self._flush_totals_in)
+        if self._remote_config is not None:
+            self._open_remote(self._remote_config, namespace)
+
+    def _open_remote(self, config: RemoteConfig, namespace: Namespace | None) -> None:
+        """Remote tier: objects are named by namespace, so one is needed.  Checks the
+        credentials now (kvstore/remote/tier.py ``check_access``)."""
+        from kvstore.remote import local
+        from kvstore.remote.tier import RemoteTier
+
+        if namespace is None:
+            raise ValueError("open(remote=...) needs namespace=...: remote objects are "
+                             "stored per namespace (<prefix>/v1/<namespace digest>/<key>)")
+        self.remote = RemoteTier(config, namespace.digest,
+                                 lambda key: local.read_slot(self, key))
+        self.remote.check_access()
 
     def _flush_totals(self) -> None:
         if self._totals.pending() and not self.read_only:
@@ -409,6 +432,8 @@ class Store:
             handle.cancel()
         with anyio.CancelScope(shield=True):
             await self._ops.drain()
+            if self.remote is not None:  # remote tier: queued uploads, then its workers
+                await self.remote.aclose()
             touched = self.allocator.take_touched()
             if touched and not self.read_only:
                 with suppress(KVStoreError):
@@ -606,6 +631,8 @@ class Store:
                 lambda txn: self.index.commit_puts(txn, entries, touched, seq, relies_on)))
             committed = True
             self.allocator.committed(items)
+            if self.remote is not None:  # remote tier: uploaded in the background
+                self.remote.enqueue([item.key for item in items])
             if self.memory is not None:  # write-through: only what is durable
                 await self._fill_memory([
                     (item.key, item.parent, item.data, CODE_DTYPES[item.dtype], item.shape,
@@ -674,6 +701,9 @@ class Store:
             self.allocator.end_read(epoch)
         if corrupt:
             await self._quarantine(corrupt)
+        if self.remote is not None:  # remote tier: local misses, fetched and promoted
+            from kvstore.remote.local import fill_misses
+            await fill_misses(self, keys, outs, results)
         if self.memory is not None:
             # Only blocks read into new tensors: they carry the stored shape (an ``out``
             # tensor has the caller's) and live on the CPU.
@@ -794,6 +824,9 @@ class Store:
                 if handle.cancelled:
                     scope.cancel()
                 await anyio.lowlevel.checkpoint()
+                if self.remote is not None:  # remote tier: absent blocks promoted first
+                    from kvstore.remote.local import fetch_missing
+                    await fetch_missing(self, keys)
                 entries = self.index.get_entries(keys)
                 handle.scheduled = sum(e is not None for e in entries)
                 results: list[torch.Tensor | None] = [None] * len(keys)
@@ -836,7 +869,12 @@ class Store:
     async def match_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are all stored (the usable cached prefix)."""
         with self._operation():
-            return self.index.prefix_length(check_keys(keys))
+            keys = check_keys(keys)
+            n = self.index.prefix_length(keys)
+            if self.remote is not None and n < len(keys):  # remote tier: the rest
+                from kvstore.remote.local import extend_prefix
+                n += await extend_prefix(self, keys[n:])
+            return n
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete blocks (durably); returns how many were stored."""
@@ -943,6 +981,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     prefetch_share: float = 0.5,
     io_scheduling: bool = True,
     backlog_bytes: int = 1 << 30,
+    remote: RemoteConfig | None = None,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
@@ -1002,6 +1041,13 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
                    as it comes.
     ``backlog_bytes`` bytes of puts in flight beyond which ``put_many(background=True)``
                    drops its batch whole and foreground puts wait (default 1 GiB).
+    ``remote``     a :class:`~kvstore.remote.RemoteConfig`: the shared S3 tier behind
+                   this one (needs ``namespace``; ``pip install kvstore[remote]``).
+                   Durable puts are uploaded in the background; local misses of
+                   get_many / match_prefix / prefetch are fetched (verified, under a
+                   deadline) and promoted here.  Refused credentials raise
+                   ``RemoteAuthError`` here; an unreachable cluster does not (fast
+                   misses until it answers).  See :mod:`kvstore.remote.tier`.
     """
     store = await anyio.to_thread.run_sync(lambda: Store(
         os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
@@ -1010,7 +1056,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
         capacity_bytes=capacity_bytes, pin_staging=pin_staging, file_mode=file_mode,
         strict_permissions=strict_permissions, memory_bytes=memory_bytes,
         prefetch_share=prefetch_share, io_scheduling=io_scheduling,
-        backlog_bytes=backlog_bytes))
+        backlog_bytes=backlog_bytes, remote=remote))
     store.codec = codec
     # Prefetches run in this task group.  Entered and left by hand, not with ``async
     # with``: an exception from the caller's block then propagates as itself, not
@@ -1021,6 +1067,8 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     try:
         store._background = background
         await store._start()
+        if store.remote is not None:  # remote tier: its upload workers
+            await background.start(store.remote.run)
         yield store
     finally:
         try:

