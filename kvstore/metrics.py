@@ -124,6 +124,14 @@ def _per_class(name: str) -> Callable[[StoreStats], Samples]:
     return read
 
 
+def _remote(value: Callable[[dict[str, Any]], float]) -> Callable[[StoreStats], Samples]:
+    """A number of the remote tier's stats; nothing when the store has no remote tier."""
+    def read(stats: StoreStats) -> Samples:
+        remote = getattr(stats, "remote", None)
+        return {(): float(value(remote))} if remote else {}
+    return read
+
+
 def _memory(stats: StoreStats, name: str) -> float:
     return float(getattr(stats, name, 0))
 
@@ -208,6 +216,24 @@ METRICS: tuple[MetricSpec, ...] = (
              "scheduling), per scheduling class", _per_class("io_deferred"), CLASS),
     _gauge("put_backlog_bytes", "Bytes of puts in flight (past open(backlog_bytes=...) "
            "background puts are dropped, foreground puts wait)", _field("backlog_bytes")),
+    _gauge("remote_up", "1 while the remote tier answers (0: breaker open or disabled)",
+           _remote(lambda r: float(r["state"] in ("ok", "probing")))),
+    _counter("remote_hits", "Blocks fetched from the remote tier and verified",
+             _remote(lambda r: r["hits"])),
+    _counter("remote_misses", "Blocks looked up in the remote tier and not found (or not "
+             "fetched by the deadline)", _remote(lambda r: r["misses"])),
+    _counter("remote_bad_objects", "Remote objects that failed verification (CRC, key, "
+             "HMAC): answered as misses", _remote(lambda r: r["bad_objects"])),
+    _counter("remote_fast_misses", "Blocks answered as misses without a request while the "
+             "breaker was open", _remote(lambda r: r["fast_misses"])),
+    _counter("remote_breaker_trips", "Times the remote tier's circuit breaker opened",
+             _remote(lambda r: r["breaker_trips"])),
+    _counter("remote_uploaded_blocks", "Blocks uploaded to the remote tier",
+             _remote(lambda r: r["uploaded_blocks"])),
+    _counter("remote_upload_dropped", "Blocks not uploaded (queue full, or queued at close)",
+             _remote(lambda r: r["upload_dropped"])),
+    _gauge("remote_upload_queue_blocks", "Blocks waiting for upload",
+           _remote(lambda r: r["upload_queue_blocks"])),
     LATENCY,
 )
 """Every metric the collector can export, in exposition order."""

@@ -152,6 +152,7 @@ class StoreStats:
     io_deferred: dict[str, int] = field(default_factory=dict)  # transfers that waited, by class
     io_queue_depth: dict[str, int] = field(default_factory=dict)  # transfers waiting now
     io_backlog_bytes: dict[str, int] = field(default_factory=dict)  # bytes on the device now
+    remote: dict[str, Any] = field(default_factory=dict)  # RemoteStats.as_dict(); {}: no remote
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/totals.py); the counters above
@@ -942,7 +943,8 @@ class Store:
 
     def _extra_stats(self) -> dict[str, Any]:
         """The per-open counters and the optional layers' numbers, as StoreStats fields."""
-        return {**self._counters, **self._memory_stats(), **self._io_stats()}
+        remote = {"remote": self.remote.stats().as_dict()} if self.remote is not None else {}
+        return {**self._counters, **self._memory_stats(), **self._io_stats(), **remote}
 
     def _io_stats(self) -> dict[str, dict[str, int]]:
         sched = self.scheduler

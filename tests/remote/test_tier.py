@@ -107,6 +107,14 @@ async def test_two_processes_share_a_bucket_and_b_loads_what_a_wrote_bit_exact(
         assert st.uploaded_blocks == 0  # promoted blocks are not uploaded again
         again = await b.get_many(ks)
         assert b.remote.stats().gets == st.gets  # local hits: no remote lookups
+        assert b.stats().remote["hits"] == n  # StoreStats and the metrics carry it
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from kvstore import metrics
+        registry = CollectorRegistry()
+        metrics.register(b, registry)
+        text = generate_latest(registry).decode()
+        assert f'kvstore_remote_hits_total{{store="{b.path}"}} {float(n)}' in text
         assert all(same(g, e) for g, e in zip(again, expected))  # type: ignore[arg-type]
     # both stores keep their local guarantees
     for path in ("a", "b"):
