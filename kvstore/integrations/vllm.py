@@ -38,8 +38,15 @@ when the worker is in the same process (vLLM's default for one GPU worker, or
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) it shares the worker's handle; otherwise (the
 multiprocess executor, vLLM's default on CPU) it asks the worker over a local socket
 (:mod:`kvstore.integrations.vllm_lookup`), which answers only the scheduler of its own
-engine and key scope.  Engines with more than one worker (tensor/pipeline parallel) are
-refused at start: each rank would need its own store.
+engine and key scope.
+
+*Tensor/pipeline parallel.*  Each rank (worker process) keeps its own shard of every
+block in a store of its own, ``path/rank-R-of-W`` (:mod:`kvstore.integrations.vllm_ranks`
+says why directories, not namespaces in one store).  The scheduler asks every rank's
+lookup server and takes the minimum: a block is a hit only when every rank has it.  Each
+rank loads its shard and reports its own failed blocks; vLLM unions them and finishes a
+request's load only when every rank reported it, then recomputes from the first block
+any rank failed.
 
 *Saves* never wait for the disk: the scheduler keeps, per request, how far its blocks
 were planned for saving, and lists every full block after that mark whose KV is
@@ -67,8 +74,17 @@ before recomputing it (with synchronous loads vLLM caches the blocks when it all
 them).  No forward ever reads a block that failed to load, so nothing computed from one
 is saved.  Wrong KV therefore never reaches a served token or the store.
 
-Hits are reported with the ``disk`` cache-hit source, so vLLM's
-``prompt_tokens_by_source`` and connector prefix-cache metrics show them.
+With the memory tier (``memory_bytes``) and ``prefetch`` on, a lookup that finds stored
+blocks starts bringing them into memory at once (``Store.prefetch``), so the load that
+vLLM schedules later is served from RAM.  Saves are droppable by default
+(``background_saves``): under write backpressure (``backlog_bytes``) a save is dropped
+whole and counted, never waited for.
+
+*Metrics.*  Hits are reported with the ``disk`` cache-hit source, so vLLM's
+``prompt_tokens_by_source`` and connector prefix-cache metrics show them; the connector's
+own numbers (lookups, loaded/failed blocks, load time, save outcomes, bytes, store use,
+corruption) reach vLLM's ``/metrics`` and its "KV Transfer metrics" log line through
+vLLM's connector stats hooks (:mod:`kvstore.integrations.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -96,7 +112,19 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm_config import ConnectorConfig
-from kvstore.integrations.vllm_lookup import LookupClient, LookupServer, socket_name
+from kvstore.integrations.vllm_lookup import (
+    LookupClient,
+    LookupServer,
+    RankLookups,
+    socket_name,
+)
+from kvstore.integrations.vllm_metrics import (
+    STORE_COUNTERS,
+    STORE_GAUGES,
+    KVStoreConnectorStats,
+    KVStorePromMetrics,
+)
+from kvstore.integrations.vllm_ranks import rank_config, rank_dirs
 from kvstore.integrations.vllm_saves import SaveMark, plan_saves
 from kvstore.integrations.vllm_scope import LoraScopes, model_scope, scope_digest, scoped_hash
 from kvstore.keys import Namespace
@@ -105,6 +133,11 @@ from kvstore.store import open as open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -112,17 +145,22 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata", "connector_stats"]
+__all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata",
+           "all_connector_stats", "connector_stats"]
 
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------- shared store
 
-_COUNTERS = ("lookups", "lookup_hit_blocks", "load_blocks", "loaded_blocks",
+# The scheduler's (lookups) and the worker's; both reach vLLM's metrics
+# (kvstore.integrations.vllm_metrics).
+SCHEDULER_COUNTERS = ("lookups", "lookup_hit_blocks")
+_COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes",
              "load_failed_blocks", "save_blocks", "saved_blocks", "save_dedup_blocks",
              "save_failed_blocks", "save_dropped_blocks", "saved_bytes",
              # nanoseconds: the forward waiting on save copies / on loads; background puts
              "save_stall_ns", "load_ns", "save_io_ns")
+_MAX_LOAD_SAMPLES = 4096  # load durations kept for vLLM's histogram between two steps
 
 
 class _SharedStore:
@@ -151,6 +189,7 @@ class _SharedStore:
         self._pending: list[tuple[Future[PutResult], int]] = []
         self._pending_bytes = 0
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.load_seconds: list[float] = []  # drained into vLLM's stats each step
         self.server: LookupServer | None = None
 
     def count(self, **deltas: int) -> None:
@@ -158,13 +197,32 @@ class _SharedStore:
             for name, n in deltas.items():
                 self.counters[name] += n
 
+    def record_load(self, seconds: float) -> None:
+        with self._lock:
+            if len(self.load_seconds) < _MAX_LOAD_SAMPLES:
+                self.load_seconds.append(seconds)
+
     def match_hashes(self, hashes: list[bytes]) -> int:
         """How many leading vLLM block hashes name stored blocks (0 before the worker
-        registered its KV tensors: without a namespace there are no keys)."""
+        registered its KV tensors: without a namespace there are no keys).
+
+        With the memory tier and ``prefetch`` on, the hit blocks start coming into
+        memory at once: vLLM schedules their load a step or more later (after
+        allocating blocks for the request, possibly after other requests), and the
+        load's ``get_many`` then waits only for reads still in flight."""
         ns = self.namespace
         if ns is None or not hashes:
             return 0
-        return self.portal.call(self.store.match_prefix, ns.engine_keys(hashes))
+        keys = ns.engine_keys(hashes)
+        if self.store.memory is None or not self.config.prefetch:
+            return self.portal.call(self.store.match_prefix, keys)
+        return self.portal.call(self._match_and_prefetch, keys)
+
+    async def _match_and_prefetch(self, keys: list[bytes]) -> int:
+        hit = await self.store.match_prefix(keys)
+        if hit:
+            self.store.prefetch(keys[:hit])  # runs on; bounded by prefetch_share
+        return hit
 
     def serve_lookups(self, scope: bytes) -> None:
         """Answer this engine's scheduler in another process (see :mod:`.vllm_lookup`).
@@ -202,10 +260,13 @@ class _SharedStore:
         """Start a put in the background; wait only if too much is already pending."""
         self._reap(block_until=self.config.max_pending_save_bytes - nbytes)
 
+        background = self.config.background_saves
+
         async def put() -> PutResult:
             start = time.perf_counter_ns()
             try:
-                return await self.store.put_many(keys, values, parents=parents)
+                return await self.store.put_many(keys, values, parents=parents,
+                                                 background=background)
             finally:
                 self.count(save_io_ns=time.perf_counter_ns() - start)
 
@@ -222,8 +283,9 @@ class _SharedStore:
         error = future.exception()
         if error is None:
             result = future.result()
+            # A droppable save the store refused under backpressure: a later miss.
             self.count(saved_blocks=result.written, save_dedup_blocks=result.deduplicated,
-                       saved_bytes=result.bytes_written)
+                       saved_bytes=result.bytes_written, save_dropped_blocks=result.dropped)
         else:
             # A full or read-only store loses a cache fill, never correctness.
             self.count(save_failed_blocks=n)
@@ -357,6 +419,15 @@ def connector_stats(path: str | os.PathLike[str]) -> dict[str, Any]:
     return counters
 
 
+def all_connector_stats() -> list[dict[str, Any]]:
+    """:func:`connector_stats` of every store a connector has open in this process (a
+    worker's: one; for ``LLM.collective_rpc`` when the workers are processes of their
+    own)."""
+    with _STORES_LOCK:
+        paths = [shared.config.path for shared in _STORES.values()]
+    return [connector_stats(p) for p in paths]
+
+
 async def _stats(store: Store) -> dict[str, Any]:
     return store.stats().as_dict()
 
@@ -435,11 +506,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 "'recompute'. A block that fails its checksum is answered as a miss; vLLM "
                 "must recompute it rather than fail the request.")
         parallel = vllm_config.parallel_config
-        if parallel.world_size > 1:
-            raise ValueError(
-                "kvstore connector: one worker per engine only (tensor/pipeline parallel "
-                f"size 1, got world size {parallel.world_size}); a store directory is "
-                "served by one process")
+        world = parallel.world_size
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(
                 "kvstore connector: models with several KV cache groups (hybrid "
@@ -452,25 +519,36 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scope_digest = scope_digest(self._scope)
         self._lora = LoraScopes(self._config.weights_fingerprint)
         self._shared: _SharedStore | None = None
-        self._client: LookupClient | None = None
+        self._client: LookupClient | RankLookups | None = None
         self._released = False
-        self._counts = dict.fromkeys(("lookups", "lookup_hit_blocks"), 0)
+        # Scheduler counters, reported to vLLM by this connector (the worker's come from
+        # the shared store); also added to the shared store's for connector_stats().
+        self._counts = dict.fromkeys(SCHEDULER_COUNTERS, 0)
+        self._reported: dict[str, int] = {}  # counters as last reported to vLLM
+        self._reported_store: dict[str, int] = {}
+        self._rank = str(parallel.rank)
         if role == KVConnectorRole.WORKER:
-            self._shared = _acquire(self._config, self._engine_id)
+            # Every rank its own store (kvstore.integrations.vllm_ranks).
+            self._shared = _acquire(rank_config(self._config, parallel.rank, world),
+                                    self._engine_id)
         else:
-            # vLLM builds the worker (which opens the store) before the scheduler: find
-            # it in this process, or ask it over its lookup socket.
-            self._shared = _find(self._config, self._engine_id)
+            # vLLM builds the workers (which open the stores) before the scheduler: find
+            # a single worker in this process, or ask every rank over its lookup socket.
+            if world == 1:
+                self._shared = _find(self._config, self._engine_id)
             if self._shared is None:
-                name = socket_name(self._config.path, self._engine_id)
+                names = [socket_name(d, self._engine_id)
+                         for d in rank_dirs(self._config.path, world)]
                 try:
-                    self._client = LookupClient(name, self._engine_id, self._scope_digest)
+                    self._client = LookupClient(names[0], self._engine_id,
+                                                self._scope_digest) if world == 1 else \
+                        RankLookups(names, self._engine_id, self._scope_digest)
                 except OSError as e:
                     raise RuntimeError(
                         f"kvstore connector: no worker of engine {self._engine_id!r} serves "
-                        f"the store at {self._config.path!r}, neither in this process nor "
-                        f"over its lookup socket ({e}); the worker opens the store and must "
-                        "start first") from e
+                        f"the store at {self._config.path!r} (world size {world}), neither "
+                        f"in this process nor over its lookup socket ({e}); the workers "
+                        "open the stores and must start first, on this host") from e
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[_Load] = []
@@ -490,12 +568,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ helpers
 
     def _count(self, **deltas: int) -> None:
-        """Scheduler-side counters: into the shared store's when it is in this process."""
+        """Scheduler-side counters (and into the shared store's when it is in this
+        process, for connector_stats)."""
         if self._shared is not None:
             self._store.count(**deltas)
-        else:
-            for name, n in deltas.items():
-                self._counts[name] += n
+        for name, n in deltas.items():
+            self._counts[name] += n
 
     @property
     def _store(self) -> _SharedStore:
@@ -690,8 +768,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._scatter(inflight.buffer[:ok], load.block_ids[:ok])
         failed = load.block_ids[ok:]
         self._load_errors.update(failed)
-        self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed),
-                          load_ns=time.perf_counter_ns() - inflight.started_ns)
+        elapsed = time.perf_counter_ns() - inflight.started_ns
+        self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed), load_ns=elapsed,
+                          loaded_bytes=ok * inflight.buffer[0].nbytes if ok else 0)
+        self._store.record_load(elapsed / 1e9)
 
     def _scatter(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
         axis = self._block_axis
@@ -798,6 +878,52 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # ------------------------------------------------------------------ vLLM metrics
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        """What changed since the last call (vLLM asks every step, on the scheduler and
+        on every worker, and sums them: see :mod:`.vllm_metrics`).  None when nothing
+        did, so idle steps cost nothing."""
+        if self._shared is None or self.role == KVConnectorRole.SCHEDULER:
+            counts, rank = dict(self._counts), "scheduler"
+            samples: list[float] = []
+        else:
+            shared = self._shared
+            with shared._lock:
+                counts = {k: v for k, v in shared.counters.items()
+                          if k not in SCHEDULER_COUNTERS}
+                samples, shared.load_seconds = shared.load_seconds, []
+            rank = self._rank
+        delta = {k: v - self._reported.get(k, 0) for k, v in counts.items()
+                 if v != self._reported.get(k, 0)}
+        if not delta and not samples:
+            return None
+        self._reported = counts
+        stats = KVStoreConnectorStats()
+        stats.add(rank, delta, load_seconds=samples)
+        if rank != "scheduler":  # the store's own numbers, sampled when something changed
+            store = self._store.portal.call(_stats, self._store.store)
+            stats.set_gauges(rank, {g: store[g] for g in STORE_GAUGES})
+            totals = {c: int(store[c]) for c in STORE_COUNTERS}
+            stats.add(rank, {f"store_{c}": n - self._reported_store.get(c, 0)
+                             for c, n in totals.items() if n != self._reported_store.get(c, 0)})
+            self._reported_store = totals
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVStoreConnectorStats | None:
+        return KVStoreConnectorStats(data=data) if data is not None else KVStoreConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues)
 
     # ------------------------------------------------------------------ both
 

@@ -51,6 +51,21 @@ class ConnectorConfig:
                         (owner-only 0600 for a new store).  See ``kvstore.open``.
     ``strict_permissions``  refuse to start on a store other users can reach (default:
                         log a warning naming the files and the fixing chmod).
+    ``memory_bytes``    host-memory tier in front of the disk (default 0: off); loads of
+                        blocks in it do no disk I/O.
+    ``prefetch``        with the memory tier on: a lookup that finds stored blocks starts
+                        bringing them into memory at once, before vLLM schedules the
+                        load (default True).
+    ``backlog_bytes``   bytes of saves in flight in the store beyond which a background
+                        save is dropped whole (default 1 GiB).
+    ``background_saves``  True (default): saves are droppable (``put_many(background=
+                        True)``): under backpressure a save is dropped whole and counted,
+                        the step never waits for the disk.  False: every save is written;
+                        past ``max_pending_save_bytes`` a step waits for the oldest.
+
+    With tensor/pipeline parallel (world size W > 1) every rank has a store of its own
+    in ``path/rank-R-of-W`` (:mod:`kvstore.integrations.vllm_ranks`), and
+    ``capacity_bytes`` and ``memory_bytes`` are totals, split evenly between the ranks.
     """
 
     path: str
@@ -65,6 +80,10 @@ class ConnectorConfig:
     model_id: str | None = None
     file_mode: int | None = None
     strict_permissions: bool = False
+    memory_bytes: int = 0
+    prefetch: bool = True
+    backlog_bytes: int = 1 << 30
+    background_saves: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -78,13 +97,18 @@ class ConnectorConfig:
             raise ValueError('kvstore connector: kv_connector_extra_config needs "path", the '
                              'store directory (e.g. {"path": "/nvme/kvstore"})')
         extra["path"] = os.fspath(extra["path"])
-        for name in ("capacity_bytes", "extent_bytes", "staging_bytes", "max_pending_save_bytes"):
+        for name in ("capacity_bytes", "extent_bytes", "staging_bytes", "max_pending_save_bytes",
+                     "backlog_bytes"):
             value = extra.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value <= 0):
                 raise ValueError(f"kvstore connector: {name} must be a positive int, "
                                  f"got {value!r}")
-        for name in ("sync", "strict_permissions"):
+        memory = extra.get("memory_bytes", 0)
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
+            raise ValueError("kvstore connector: memory_bytes must be an int >= 0 (0: no "
+                             f"memory tier), got {memory!r}")
+        for name in ("sync", "strict_permissions", "prefetch", "background_saves"):
             if name in extra and not isinstance(extra[name], bool):
                 raise ValueError(f"kvstore connector: {name} must be true or false, "
                                  f"got {extra[name]!r}")
@@ -110,6 +134,7 @@ class ConnectorConfig:
                 "sync": self.sync, "extent_bytes": self.extent_bytes,
                 "staging_bytes": self.staging_bytes, "engine": self.io_engine,
                 "file_mode": self.file_mode, "strict_permissions": self.strict_permissions,
+                "memory_bytes": self.memory_bytes, "backlog_bytes": self.backlog_bytes,
                 "allow_new_namespace": True}
 
 

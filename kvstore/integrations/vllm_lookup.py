@@ -24,7 +24,9 @@ The scope is a digest of everything the connector puts in the store's key scope 
 the scheduler knows too (model weights fingerprint, model config, KV cache dtype, ...):
 a scheduler is only ever answered by a worker of its own engine and model, so a hit it
 reports is a block its worker can load.  The worker turns the hashes into keys with its
-own namespace, so the scheduler never needs to know the KV layout.  Both ends check the
+own namespace, so the scheduler never needs to know the KV layout.  With tensor/pipeline parallel every rank serves its own store
+(:mod:`kvstore.integrations.vllm_ranks`) on its own socket, and the scheduler asks them
+all (:class:`RankLookups`): a block is a hit only when every rank has it.  Both ends check the
 other's user (``SO_PEERCRED``): the worker answers only processes of its own user, and
 the scheduler talks only to a worker of its own user (an abstract name is first come,
 first served: another user could bind it before the worker starts, and would otherwise
@@ -42,7 +44,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 __all__ = ["MAX_HASHES", "SCOPE_BYTES", "LookupClient", "LookupMismatchError", "LookupServer",
-           "socket_name"]
+           "RankLookups", "socket_name"]
 
 MatchFn = Callable[[list[bytes]], int]
 MAX_HASHES = 1 << 20  # a request of more blocks than any context holds is refused
@@ -276,3 +278,32 @@ class LookupClient:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+class RankLookups:
+    """The scheduler's end for a multi-rank engine: one :class:`LookupClient` per rank;
+    ``match`` is the minimum of the ranks' answers (a block counts only when every
+    rank holds its shard).  Connects to every rank at start, failing loudly."""
+
+    def __init__(self, names: Sequence[str], engine_id: str, scope: bytes,
+                 timeout: float = 10.0) -> None:
+        self._clients: list[LookupClient] = []
+        try:
+            for name in names:
+                self._clients.append(LookupClient(name, engine_id, scope, timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        hit = len(hashes)
+        for client in self._clients:
+            if hit == 0:
+                break
+            # Later ranks are asked only about what every earlier rank has.
+            hit = min(hit, client.match(hashes[:hit]))
+        return hit
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()

@@ -8,7 +8,9 @@ SPEC: ``{"model": DIR, "prompts": [str, ...], "max_tokens": int, "store": PATH |
 "extra": {...}}``, optionally ``"llm": {...}`` (more ``LLM`` arguments: ``hf_overrides``,
 ``kv_cache_dtype``), ``"engine_id": str`` (the kv_transfer_config's), ``"abort_first":
 {"I": STEPS}`` (prompt I is first submitted through the engine, stepped STEPS times and
-aborted, then served as usual, without a prefix-cache reset in between) and ``"hold":
+aborted, then served as usual, without a prefix-cache reset in between),
+``"abort_in_flight": [I, J]`` (prompt I's kvstore load is held in flight by a gate while
+the request is aborted and prompt J is served; see ``abort_in_flight``) and ``"hold":
 true`` (after writing RESULT, print KVSTORE-ENGINE-LIFE-READY and keep the engine alive until stdin closes).
 ``store: null`` runs without the connector (the reference outputs).  Prompts are served
 one ``generate`` call each, in order, with vLLM's own (device) prefix cache reset before
@@ -17,8 +19,9 @@ an aborted attempt, through what that attempt left in vLLM's prefix cache).  RES
 store keys of its full blocks (vLLM's block hashes, computed here with vLLM's hash
 function, scoped by the connector's namespace: an independent check of the key
 derivation); vLLM's metrics; the connector's counters
-(``kvstore.integrations.vllm.connector_stats``); or ``error`` if the engine failed to
-start.
+(``kvstore.integrations.vllm.connector_stats``); with tensor parallel, ``ranks``: each
+worker's counters (``LLM.collective_rpc``) and per output ``rank_keys``; or ``error`` if
+the engine failed to start.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -33,14 +37,21 @@ BLOCK_SIZE = 32  # the smallest block vLLM's CPU attention supports
 
 
 def metrics(llm: Any) -> dict[str, Any]:
-    """Counters by name (and by their ``source`` label where they have one)."""
+    """Counters and gauges by name: ``name[source]`` where they have a ``source`` label,
+    ``name{label=value,...}`` where they have others (the connector's ``rank`` and
+    ``outcome``); vLLM's ``model_name`` and ``engine`` labels are left out."""
     out: dict[str, Any] = {}
     for m in llm.get_metrics():
         value = getattr(m, "value", None)
         if not isinstance(value, (int, float)):
             continue
-        source = m.labels.get("source")
-        name = m.name if source is None else f"{m.name}[{source}]"
+        labels = {k: v for k, v in m.labels.items() if k not in ("model_name", "engine")}
+        if set(labels) == {"source"}:
+            name = f"{m.name}[{labels['source']}]"
+        elif labels:
+            name = m.name + "{" + ",".join(f"{k}={labels[k]}" for k in sorted(labels)) + "}"
+        else:
+            name = m.name
         out[name] = out.get(name, 0) + value
     return out
 
@@ -52,6 +63,8 @@ def block_keys(token_ids: list[int], block_size: int, namespace_json: str) -> li
     from kvstore import Namespace
 
     fn = get_hash_fn_by_name("sha256")
+    if getattr(kv_cache_utils, "NONE_HASH", None) is None:  # the engine core is a child
+        kv_cache_utils.init_none_hash(fn)
     parent = None
     hashes = []
     for i in range(len(token_ids) // block_size):
@@ -59,6 +72,73 @@ def block_keys(token_ids: list[int], block_size: int, namespace_json: str) -> li
             fn, parent, token_ids[i * block_size:(i + 1) * block_size], None)
         hashes.append(bytes(parent))
     return [k.hex() for k in Namespace.from_json(namespace_json).engine_keys(hashes)]
+
+
+def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str, Any]:
+    """Submit ``prompt`` and hold its kvstore load in flight (its read finishes only
+    when a gate opens); abort it while held; serve ``other`` meanwhile; open the gate.
+    Returns what a leak or a wrong copy would show: free KV blocks before, while the
+    aborted request's load was held, and after; the connector's loads still tracked;
+    ``other``'s output (the test compares it with the reference)."""
+    from concurrent.futures import Future
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvstore.integrations import vllm as connector
+
+    gate, started = threading.Event(), threading.Event()
+    original = connector.KVStoreConnector._start_load
+
+    def gated_start_load(self: Any, load: Any) -> None:
+        original(self, load)
+        if "inflight-" not in load.req_id:
+            return
+        inflight = self._loading[load.req_id]
+        inner, outer = inflight.future, Future()
+
+        def finish() -> None:
+            gate.wait()
+            try:
+                outer.set_result(inner.result())
+            except BaseException as e:
+                outer.set_exception(e)
+
+        threading.Thread(target=finish, daemon=True).start()
+        inflight.future = outer
+        started.set()
+
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    engine, worker = llm.llm_engine, get_kv_transfer_group()
+    free_before = pool.get_num_free_blocks()
+    connector.KVStoreConnector._start_load = gated_start_load
+    try:
+        engine.add_request("inflight-0", prompt, params)
+        for _ in range(100):
+            if started.is_set():
+                break
+            engine.step()
+        assert started.is_set(), "the load never started"
+        engine.abort_request(["inflight-0"])
+        while engine.has_unfinished_requests():
+            engine.step()
+        held = pool.get_num_free_blocks()
+        (out,) = llm.generate([other], params, use_tqdm=False)  # the load is still held
+        loading_while_held = len(worker._loading)
+    finally:
+        connector.KVStoreConnector._start_load = original
+        gate.set()
+    # vLLM frees the aborted request's blocks once the worker reports its load done:
+    # at the next steps that run (here: the next prompt's).
+    return {"free_before": free_before, "free_while_held": held,
+            "loading_while_held": loading_while_held, "other_tokens": list(out.outputs[0].token_ids),
+            "worker": worker}
+
+
+def _rank_stats(worker: Any) -> list[dict[str, Any]]:
+    """Run in each worker process by ``LLM.collective_rpc``."""
+    from kvstore.integrations.vllm import all_connector_stats
+
+    return all_connector_stats()
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -95,8 +175,14 @@ def main(spec_path: str, result_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     outputs = []
     aborts = {int(i): steps for i, steps in spec.get("abort_first", {}).items()}
+    in_flight = spec.get("abort_in_flight")
     for i, prompt in enumerate(spec["prompts"]):
         assert llm.reset_prefix_cache()
+        if in_flight is not None and i == in_flight[0]:
+            # No prefix-cache reset after it: vLLM refuses one while the aborted
+            # request's blocks are held, until a step processes its finished load.
+            result["abort_in_flight"] = abort_in_flight(
+                llm, prompt, spec["prompts"][in_flight[1]], params)
         if i in aborts:
             engine = llm.llm_engine
             engine.add_request(f"aborted-{i}", prompt, params)
@@ -111,6 +197,11 @@ def main(spec_path: str, result_path: str) -> None:
                         "num_cached_tokens": out.num_cached_tokens})
     result["outputs"] = outputs
     result["metrics"] = metrics(llm)
+    if "abort_in_flight" in result:  # after the prompts that followed
+        held = result["abort_in_flight"]
+        held["free_after"] = llm.llm_engine.engine_core.engine_core.scheduler \
+            .kv_cache_manager.block_pool.get_num_free_blocks()
+        held["loading_after"] = len(held.pop("worker")._loading)
     if spec.get("store") is not None:
         from kvstore.integrations.vllm import connector_stats
 
@@ -122,6 +213,13 @@ def main(spec_path: str, result_path: str) -> None:
         for out in outputs if stats is not None else []:
             out["keys"] = block_keys(out["prompt_token_ids"] + out["tokens"], BLOCK_SIZE,
                                      stats["namespace"])
+        if spec.get("llm", {}).get("tensor_parallel_size", 1) > 1:
+            # Every rank's counters, from its worker process; keys per rank.
+            ranks = [s for per_worker in llm.collective_rpc(_rank_stats) for s in per_worker]
+            result["ranks"] = ranks
+            for out in outputs:
+                out["rank_keys"] = [block_keys(out["prompt_token_ids"] + out["tokens"],
+                                               BLOCK_SIZE, r["namespace"]) for r in ranks]
     with open(result_path, "w") as f:
         json.dump(result, f)
     if spec.get("hold"):

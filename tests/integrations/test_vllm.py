@@ -26,6 +26,9 @@ sharing one store:
             load fails) and aborted before it recomputes, then sent again without a
             prefix-cache reset: a block that failed to load must not be a local cache hit.
 * ``G``     restart: the outputs still equal the reference (nothing wrong was saved).
+            First ``LONG`` is submitted and its load held in flight (its read completes
+            only when the test opens a gate); it is aborted while held and ``SP_B`` is
+            served meanwhile; then the gate opens and the prompts are served.
 * ``X``     the store served by a multiprocess engine that stays up while ``Y1`` and
             ``Y2`` run, each in a mount namespace of its own where the same store path is
             another (empty) directory, as containers sharing the host's network namespace
@@ -80,26 +83,26 @@ pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=_MISSING)
 
 
 def _life_command(tmp: Path, name: str, model: Path, store: Path | None,
-                  multiprocessing: bool, prefix: list[str], **spec_extra: Any
-                  ) -> tuple[list[str], dict[str, str], Path]:
+                  multiprocessing: bool, prefix: list[str], env_extra: dict[str, str] | None = None,
+                  **spec_extra: Any) -> tuple[list[str], dict[str, str], Path]:
     spec = {"model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "store": None if store is None else str(store),
             "extra": {"extent_bytes": SMALL_EXTENT}, **spec_extra}
     spec_path, result_path = tmp / f"{name}.spec.json", tmp / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
-               PYTHONPATH=str(REPO))
+               PYTHONPATH=str(REPO), **(env_extra or {}))
     return ([*prefix, str(VLLM_PYTHON), str(HERE / "engine_life.py"), str(spec_path),
              str(result_path)], env, result_path)
 
 
 def life(tmp: Path, name: str, model: Path, store: Path | None,
          multiprocessing: bool = False, prefix: Sequence[str] = (),
-         **spec_extra: Any) -> dict[str, Any]:
+         env_extra: dict[str, str] | None = None, **spec_extra: Any) -> dict[str, Any]:
     """Run one engine life in a new process (after ``prefix``, e.g. ``unshare``) and
     return its JSON result, with the tail of its stderr as ``stderr``."""
     cmd, env, result_path = _life_command(tmp, name, model, store, multiprocessing,
-                                          list(prefix), **spec_extra)
+                                          list(prefix), env_extra, **spec_extra)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and result_path.exists(), \
         f"engine life {name} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
@@ -164,12 +167,18 @@ async def _present(store_path: Path, keys: list[bytes]) -> list[bool]:
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("vllm")
-    model = tmp / "tiny-llama"
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tmp_path_factory.mktemp("model") / "tiny-llama"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     subprocess.run([str(VLLM_PYTHON), str(HERE / "tiny_llama.py"), str(model)], env=env,
                    check=True, capture_output=True, timeout=300)
+    return model
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = tiny_model
     store = tmp / "store"
     lives: dict[str, Any] = {"store": store}
     lives["ref"] = life(tmp, "ref", model, None)
@@ -188,7 +197,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # A failed load, then an abort before the recompute, then the same prompt again.
     anyio.run(_tamper, store, keys[0][1], [])
     lives["F"] = life(tmp, "F", model, store, abort_first={"0": 1})
-    lives["G"] = life(tmp, "G", model, store)
+    # LONG's load held in flight and the request aborted meanwhile; SP_B served while
+    # it is held; then LONG again.
+    lives["G"] = life(tmp, "G", model, store, abort_in_flight=[0, 2])
     # Another engine whose store path is another directory (its own mount namespace).
     with held_life(tmp, "X", model, store, engine_id="kvstore-test-engine-x") as x:
         lives["X"] = x
@@ -326,6 +337,23 @@ def test_a_failed_load_is_never_a_prefix_cache_hit(scenario: dict[str, Any]) -> 
     assert f["connector"]["store"]["corrupt_blocks"] == 1
 
 
+def test_an_abort_while_the_load_is_in_flight_leaks_nothing_and_copies_nothing_wrong(
+        scenario: dict[str, Any]) -> None:
+    """vLLM keeps an aborted request's blocks until the worker reports its load done:
+    the held load lands in them, not in blocks given to ``SP_B`` meanwhile, and they are
+    freed once it is reported (the block pool is whole again; the connector tracks no
+    load)."""
+    g, ref = scenario["G"], scenario["ref"]
+    held = g["abort_in_flight"]
+    assert held["loading_while_held"] == 1
+    assert held["free_while_held"] < held["free_before"]  # the aborted request's blocks
+    assert held["other_tokens"] == tokens(ref)[2]  # SP_B, served while the load was held
+    assert held["free_after"] == held["free_before"]
+    assert held["loading_after"] == 0
+    assert tokens(g) == tokens(ref)
+    assert g["connector"]["load_failed_blocks"] == 0
+
+
 def test_a_second_engine_on_the_same_path_never_sees_the_first_ones_blocks(
         scenario: dict[str, Any]) -> None:
     """Y1's store starts empty, as A's did: it must see exactly A's hits (SP_B's
@@ -345,3 +373,105 @@ def test_an_engine_that_cannot_serve_its_lookups_refuses_to_start(
     y2 = scenario["Y2"]
     assert "outputs" not in y2, "the engine started although its lookups go elsewhere"
     assert "kvstore connector: cannot serve lookups" in y2.get("error", "") + y2["stderr"]
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+
+TP = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+# One core per rank (vLLM's CPU workers); pickle for the test's own collective_rpc of a
+# function (engine_life._rank_stats), which vLLM's msgpack encoder refuses otherwise.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+@pytest.fixture(scope="module")
+def tp_scenario(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
+    """Tensor parallel 2 (vLLM's multiprocess executor, one worker process per rank):
+
+    * ``TA``  fresh store: every rank saves its shard into ``store/rank-R-of-2``.
+    * ``TB``  restart: full hits, loaded on both ranks.
+    * tamper  rank 1 only: delete ``LONG``'s block 3, corrupt ``SP_A``'s block 1.
+    * ``TC``  restart: ``LONG``'s hit stops at 3 blocks (rank 0 still has all 5: the
+              scheduler takes the minimum over the ranks); ``SP_A`` is a hit of 3
+              blocks on both ranks, but rank 1's load fails at block 1: it reports
+              blocks 1 and 2, vLLM recomputes them on both ranks.
+    Outputs always equal ``TA``'s (computed, no hits but SP_B's system prompt).
+    """
+    tmp = tmp_path_factory.mktemp("vllm-tp")
+    store = tmp / "store"
+    lives: dict[str, Any] = {"store": store}
+    for name in ("TA", "TB"):
+        lives[name] = life(tmp, name, tiny_model, store, multiprocessing=True,
+                           env_extra=TP_ENV, llm=TP)
+    # per rank, per prompt, the store keys of its blocks
+    keys = [[[bytes.fromhex(k) for k in out["rank_keys"][rank]]
+             for out in lives["TB"]["outputs"]] for rank in range(2)]
+    lives["keys"] = keys
+    anyio.run(_tamper, store / "rank-1-of-2", keys[1][1][1], [keys[1][0][3]])
+    lives["TC"] = life(tmp, "TC", tiny_model, store, multiprocessing=True, env_extra=TP_ENV,
+                       llm=TP)
+    return lives
+
+
+def kv_metric(result: dict[str, Any], name: str, **labels: str) -> float:
+    """A connector metric of an engine life (``engine_life.metrics`` naming)."""
+    key = f"vllm:kvstore_{name}"
+    if labels:
+        key += "{" + ",".join(f"{k}={labels[k]}" for k in sorted(labels)) + "}"
+    return float(result["metrics"].get(key, 0))
+
+
+def test_tp_each_rank_saves_its_own_shard(tp_scenario: dict[str, Any]) -> None:
+    ta, store = tp_scenario["TA"], tp_scenario["store"]
+    assert sorted(p.name for p in store.iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
+    k0, k1 = tp_scenario["keys"]
+    assert k0[0] != k1[0]  # each rank's namespace (TP rank) seeds its keys
+    ranks = ta["ranks"]  # connector_stats() of each worker process, in rank order
+    assert [r["store"]["path"] for r in ranks] == [str(store / f"rank-{i}-of-2") for i in
+                                                   range(2)]
+    assert [r["saved_blocks"] for r in ranks] == [9, 9]
+    for rank in range(2):
+        # LONG 5 + SP_A 3 + SP_B's third block, on every rank, under its own keys.  (The
+        # outcome of the last saves reaches vLLM's metrics only with a later step's stats:
+        # connector_stats, which waits for them, counts what was written.)
+        assert kv_metric(ta, "save_requested_blocks", rank=str(rank)) == 9
+        assert ranks[rank]["store"]["blocks"] == 9
+        assert kv_metric(ta, "load_blocks", outcome="loaded", rank=str(rank)) == 2
+    assert [o["num_cached_tokens"] for o in ta["outputs"]] == [0, 0, 2 * BLOCK]
+
+
+def test_tp_restart_loads_every_rank(tp_scenario: dict[str, Any]) -> None:
+    ta, tb = tp_scenario["TA"], tp_scenario["TB"]
+    assert tokens(tb) == tokens(ta)
+    want = [prompt_blocks(o) * BLOCK for o in tb["outputs"]]
+    assert [o["num_cached_tokens"] for o in tb["outputs"]] == want == [5 * BLOCK, 3 * BLOCK,
+                                                                        3 * BLOCK]
+    assert kv_metric(tb, "lookup_hit_blocks") == 11
+    for rank in "01":
+        assert kv_metric(tb, "load_blocks", outcome="loaded", rank=rank) == 11
+        assert kv_metric(tb, "load_blocks", outcome="failed", rank=rank) == 0
+        assert kv_metric(tb, "save_requested_blocks", rank=rank) == 0
+
+
+def test_tp_a_block_is_a_hit_only_when_every_rank_has_it(tp_scenario: dict[str, Any]) -> None:
+    ta, tc = tp_scenario["TA"], tp_scenario["TC"]
+    assert tokens(tc) == tokens(ta)
+    long, sp_a, sp_b = tc["outputs"]
+    assert long["num_cached_tokens"] == 3 * BLOCK  # rank 1 lacks block 3, rank 0 has 5
+    # LONG 3 + SP_A 3 (its load fails on rank 1 later) + SP_B 3
+    assert kv_metric(tc, "lookup_hit_blocks") == 9
+    assert kv_metric(tc, "load_blocks", outcome="loaded", rank="0") == 9
+
+
+def test_tp_a_rank_whose_load_fails_reports_it_and_vllm_recomputes(
+        tp_scenario: dict[str, Any]) -> None:
+    ta, tc = tp_scenario["TA"], tp_scenario["TC"]
+    assert tokens(tc) == tokens(ta)
+    # Rank 1 loaded LONG 3, SP_A's block 0 and SP_B 3; SP_A's blocks 1 and 2 failed.
+    assert kv_metric(tc, "load_blocks", outcome="loaded", rank="1") == 7
+    assert kv_metric(tc, "load_blocks", outcome="failed", rank="1") == 2
+    assert kv_metric(tc, "load_blocks", outcome="failed", rank="0") == 0
+    assert kv_metric(tc, "corrupt_blocks", rank="1") == 1
+    assert kv_metric(tc, "corrupt_blocks", rank="0") == 0
+    # Recomputed blocks are saved where a rank lacks them: on rank 1 LONG's block 3
+    # (deleted) and SP_A's block 1 (quarantined); rank 0 had them all.
+    assert [r["saved_blocks"] for r in tc["ranks"]] == [0, 2]

@@ -28,6 +28,17 @@ def test_options_reach_the_store(tmp_path: Path) -> None:
             options["engine"]) == (1 << 30, False, 4 << 20, "threads")
 
 
+def test_tier_and_backpressure_options_reach_the_store(tmp_path: Path) -> None:
+    config = ConnectorConfig.from_extra({
+        "path": str(tmp_path), "memory_bytes": 64 << 20, "backlog_bytes": 8 << 20,
+        "prefetch": False, "background_saves": False})
+    options = config.open_options()
+    assert (options["memory_bytes"], options["backlog_bytes"]) == (64 << 20, 8 << 20)
+    assert config.prefetch is False and config.background_saves is False
+    default = ConnectorConfig.from_extra({"path": str(tmp_path)})
+    assert (default.memory_bytes, default.prefetch, default.background_saves) == (0, True, True)
+
+
 @pytest.mark.parametrize("extra, message", [
     (None, 'needs "path"'),
     ({}, 'needs "path"'),
@@ -43,6 +54,11 @@ def test_options_reach_the_store(tmp_path: Path) -> None:
     ({"path": "/x", "weights_fingerprint": "fast"}, "weights_fingerprint must be"),
     ({"path": "/x", "model_id": ""}, "model_id must be a non-empty string"),
     ({"path": "/x", "model_id": 7}, "model_id must be a non-empty string"),
+    ({"path": "/x", "memory_bytes": -1}, "memory_bytes must be an int >= 0"),
+    ({"path": "/x", "memory_bytes": 1.5}, "memory_bytes must be an int >= 0"),
+    ({"path": "/x", "prefetch": 1}, "prefetch must be true or false"),
+    ({"path": "/x", "background_saves": "no"}, "background_saves must be true or false"),
+    ({"path": "/x", "backlog_bytes": 0}, "backlog_bytes must be a positive int"),
 ])
 def test_bad_options_say_what_is_wrong(extra: dict[str, object] | None, message: str) -> None:
     with pytest.raises(ValueError, match="kvstore connector: ") as info:

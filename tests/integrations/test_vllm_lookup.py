@@ -20,6 +20,7 @@ from kvstore.integrations.vllm_lookup import (
     LookupClient,
     LookupMismatchError,
     LookupServer,
+    RankLookups,
     encode_request,
     socket_name,
 )
@@ -171,3 +172,58 @@ def test_a_stuck_worker_times_out_and_the_next_lookup_reconnects(tmp_path: Path)
         release.set()
         client.close()
         srv.close()
+
+
+def _rank_server(store: Path, name: str, stored: int) -> subprocess.Popen[str]:
+    """A worker process of its own serving ``store`` (holding the first ``stored`` blocks
+    of HASHES) on ``name``, as each rank of a tensor-parallel engine does."""
+    code = (
+        "import sys, torch, kvstore\n"
+        "from kvstore.integrations.vllm_lookup import LookupServer\n"
+        f"ns = kvstore.Namespace(model='m', dtype='float32', block_size=16)\n"
+        f"hashes = [bytes([i]) * 32 for i in range({stored})]\n"
+        f"with kvstore.open_blocking({str(store)!r}, namespace=ns, extent_bytes=4 << 20) as s:\n"
+        "    keys = ns.engine_keys(hashes)\n"
+        "    s.put_many(keys, [torch.zeros(64) for _ in keys], parents=kvstore.chain_parents(keys))\n"
+        f"    srv = LookupServer({name!r}, lambda h: s.match_prefix(ns.engine_keys(h)), "
+        f"{ENGINE!r}, {SCOPE!r})\n"
+        "    print('ready', flush=True)\n"
+        "    sys.stdin.read()\n"
+        "    srv.close()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_rank_lookups_count_a_block_only_when_every_rank_has_it(tmp_path: Path) -> None:
+    """Two worker processes, as two TP ranks: rank 1 lost blocks 3 and 4 (its own
+    eviction), so the engine's hit is 3 blocks although rank 0 has 5; a rank that
+    stops answering fails the lookup (the scheduler then counts no hit)."""
+    names = [socket_name(tmp_path / f"rank-{r}-of-2", ENGINE) for r in range(2)]
+    workers = [_rank_server(tmp_path / "rank-0-of-2", names[0], 5),
+               _rank_server(tmp_path / "rank-1-of-2", names[1], 3)]
+    try:
+        lookups = RankLookups(names, ENGINE, SCOPE, timeout=10)
+        try:
+            assert lookups.match(HASHES) == 3
+            assert lookups.match(HASHES[:2]) == 2
+            assert lookups.match(HASHES[3:]) == 0
+            workers[1].stdin.close()  # type: ignore[union-attr]
+            workers[1].wait(timeout=60)
+            with pytest.raises(OSError):
+                lookups.match(HASHES)
+        finally:
+            lookups.close()
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.stdin.close()  # type: ignore[union-attr]
+                w.wait(timeout=60)
+
+
+def test_rank_lookups_fail_at_start_when_a_rank_is_not_serving(server: LookupServer,
+                                                                tmp_path: Path) -> None:
+    with pytest.raises(OSError):
+        RankLookups([server.name, socket_name(tmp_path / "nobody", ENGINE)], ENGINE, SCOPE)
