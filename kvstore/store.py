@@ -88,7 +88,7 @@ from kvstore.remote.config import RemoteConfig
 from kvstore.slots import PutItem
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
 from kvstore.totals import Totals
-from kvstore.transfers import OFFLOAD_BYTES, Transfers
+from kvstore.transfers import Transfers, offloaded
 
 if TYPE_CHECKING:
     from kvstore.remote.tier import RemoteTier
@@ -752,10 +752,7 @@ class Store:
         for _, cached in hits:
             memory.begin_read(cached)
         try:
-            if sum(c.nbytes for _, c in hits) >= OFFLOAD_BYTES:
-                await anyio.to_thread.run_sync(copy_all)
-            else:
-                copy_all()
+            await offloaded(sum(c.nbytes for _, c in hits), copy_all)
         finally:
             for _, cached in hits:
                 memory.end_read(cached)
@@ -783,10 +780,7 @@ class Store:
                 run.tensor[:data.numel()].copy_(data)
 
         try:
-            if sum(f[3].numel() for f in fills) >= OFFLOAD_BYTES:
-                await anyio.to_thread.run_sync(copy_all)
-            else:
-                copy_all()
+            await offloaded(sum(f[3].numel() for f in fills), copy_all)
         except BaseException:
             for (token, run), key, *_ in fills:
                 memory.abandon(token, run, key)

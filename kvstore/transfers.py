@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -30,6 +30,14 @@ T = TypeVar("T")
 # Staging and verification of chunks at least this large run on a worker thread, so the
 # event loop keeps serving other tasks while megabytes are copied and checksummed.
 OFFLOAD_BYTES = 1 << 20
+
+
+async def offloaded(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread when it touches ``nbytes`` >= OFFLOAD_BYTES, else
+    right here (a thread hop costs more than copying a small chunk)."""
+    if nbytes >= OFFLOAD_BYTES:
+        return await anyio.to_thread.run_sync(fn, *args)
+    return fn(*args)
 
 
 class Transfers:
@@ -94,10 +102,7 @@ class Transfers:
 
         async def write_chunk(whole: ArenaRun, chunk: list[tuple[PutItem, ArenaRun]]) -> None:
             try:
-                if whole.length >= OFFLOAD_BYTES:
-                    await anyio.to_thread.run_sync(stage_all, chunk)
-                else:
-                    stage_all(chunk)
+                await offloaded(whole.length, stage_all, chunk)
                 await self.engine.write([IoOp(self._fds[item.extent], item.offset, run)
                                          for item, run in chunk])
             except Exception as e:  # re-raised below, unwrapped from the task group
@@ -161,10 +166,7 @@ class Transfers:
             try:
                 res = await self.engine.read([IoOp(self._fds[e.extent], e.offset, run)
                                               for _, e, run in batch])
-                if whole.length >= OFFLOAD_BYTES:
-                    errors, nbytes = await anyio.to_thread.run_sync(finish, batch, res)
-                else:
-                    errors, nbytes = finish(batch, res)
+                errors, nbytes = await offloaded(whole.length, finish, batch, res)
                 counts[0] += errors
                 counts[1] += nbytes
             finally:
