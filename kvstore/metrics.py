@@ -232,6 +232,11 @@ METRICS: tuple[MetricSpec, ...] = (
              _remote(lambda r: r["uploaded_blocks"])),
     _counter("remote_upload_dropped", "Blocks not uploaded (queue full, or queued at close)",
              _remote(lambda r: r["upload_dropped"])),
+    _counter("remote_promoted_blocks", "Blocks fetched from the remote tier and stored "
+             "locally", _remote(lambda r: r["promoted_blocks"])),
+    _counter("remote_promotion_dropped", "Blocks fetched from the remote tier and not "
+             "stored locally (backpressure, full or read-only store)",
+             _remote(lambda r: r["promotion_dropped"])),
     _gauge("remote_upload_queue_blocks", "Blocks waiting for upload",
            _remote(lambda r: r["upload_queue_blocks"])),
     LATENCY,

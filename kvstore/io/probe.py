@@ -18,6 +18,8 @@ import mmap
 import os
 from dataclasses import dataclass
 
+from kvstore.io.liburing_import import import_liburing
+
 ENGINES = ("auto", "io_uring", "threads")
 
 
@@ -53,7 +55,7 @@ def probe_direct(directory: str) -> tuple[bool, str]:
 
 def probe_uring(directory: str, direct: bool) -> tuple[bool, str]:
     try:
-        import liburing as lu
+        lu = import_liburing()
     except ImportError as e:
         return False, f"liburing not importable ({e})"
     if not hasattr(lu, "io_uring"):

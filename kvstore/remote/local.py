@@ -7,7 +7,10 @@ makes (its hooks are marked "remote tier") and what they need from the store.
 * ``fill_misses`` (get_many), ``extend_prefix`` (match_prefix), ``fetch_missing``
   (prefetch): fetch what the local store lacks, decode it like a local slot, and
   promote it: a local durable put (which also fills the memory tier), so the next get
-  is local.  Lossless blocks keep their codec; lossy (FP8) blocks are stored as the
+  is local.  A get or match_prefix does not wait for that put: it runs in the store's
+  background task group (bounded by ``backlog_bytes``, dropped and counted beyond it),
+  and a get meanwhile is served from the fetched copy (``remote.promoting``).  A
+  prefetch waits for it (it is in the background already).  Lossless blocks keep their codec; lossy (FP8) blocks are stored as the
   tensor the get returned, so a local hit reads back exactly what the remote one did.
   Promotion is best effort (a read-only or full store still answers from the remote).
 """
@@ -73,10 +76,16 @@ def _spec_for(codec: int) -> CodecSpec:
     return _ZSTD if codec == codecs.CODEC_RAW | codecs.ZSTD else _RAW
 
 
-async def _promote(store: Store, blocks: Sequence[tuple[RemoteBlock, torch.Tensor]]) -> None:
-    """Store fetched blocks locally (grouped by codec).  Best effort."""
+async def _promote(store: Store, blocks: Sequence[tuple[RemoteBlock, torch.Tensor]], *,
+                   background: bool) -> None:
+    """Store fetched blocks locally (grouped by codec).  Best effort: a block that is
+    not stored (backpressure for a ``background`` put, a full or read-only store) is
+    fetched again next time."""
     remote = store.remote
-    if not blocks or remote is None or store.read_only or store._closed:
+    if not blocks or remote is None:
+        return
+    if store.read_only or store._closed:
+        remote._stats.promotion_dropped += len(blocks)
         return
     groups: dict[int, list[tuple[RemoteBlock, torch.Tensor]]] = {}
     for block, value in blocks:
@@ -86,10 +95,35 @@ async def _promote(store: Store, blocks: Sequence[tuple[RemoteBlock, torch.Tenso
         try:
             result = await store._put_many([b.key for b, _ in group], [v for _, v in group],
                                            [b.header.parent for b, _ in group],
-                                           _spec_for(codec))
+                                           _spec_for(codec), background=background)
         except KVStoreError:
+            remote._stats.promotion_dropped += len(group)
             continue
         remote._stats.promoted_blocks += result.written
+        remote._stats.promotion_dropped += result.dropped
+
+
+def _promote_soon(store: Store, blocks: list[tuple[RemoteBlock, torch.Tensor]]) -> None:
+    """Promote in the store's background task group: the caller has its blocks now,
+    the local durable put (staging, fdatasync, index commit) runs behind it.  Until it
+    lands the blocks are served from ``remote.promoting``; under backpressure the put
+    is dropped (counted), never queued without bound.  ``aclose`` waits for it."""
+    remote, group = store.remote, store._background
+    if not blocks or remote is None:
+        return
+    if group is None:  # not opened through kvstore.open(): no background task group
+        remote._stats.promotion_dropped += len(blocks)
+        return
+    remote.promotion_started(blocks)
+
+    async def promote() -> None:
+        try:
+            with store._ops.track():
+                await _promote(store, blocks, background=True)
+        finally:
+            remote.promotion_done(blocks)
+
+    group.start_soon(promote)
 
 
 def _decode(block: RemoteBlock, out: torch.Tensor | None) -> torch.Tensor:
@@ -99,8 +133,22 @@ def _decode(block: RemoteBlock, out: torch.Tensor | None) -> torch.Tensor:
     return objects.decode(block.data, block.key, block.header, out)
 
 
+def _from_promoting(store: Store, key: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
+    """A fetched block whose promotion is still in flight, as a tensor of the caller's
+    (a copy: the held one is the promotion's)."""
+    assert store.remote is not None
+    held = store.remote.promoting.get(key)
+    if held is None:
+        return None
+    block, value = held
+    if out is None:
+        return value.clone()
+    check_out(out, block.header.dtype, (value.numel(),))
+    return out.copy_(value.reshape(out.shape))
+
+
 async def _fetch_decode(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
-                        *, chain: bool) -> list[torch.Tensor | None]:
+                        *, chain: bool, promote_now: bool = False) -> list[torch.Tensor | None]:
     remote = store.remote
     assert remote is not None
     blocks = await remote.fetch(keys, chain=chain)
@@ -108,25 +156,30 @@ async def _fetch_decode(store: Store, keys: Sequence[bytes], outs: Sequence[torc
     fetched = [(i, b) for i, b in enumerate(blocks) if b is not None]
     if not fetched:
         return values
+    promote: list[tuple[RemoteBlock, torch.Tensor]] = []
 
     def decode_all() -> None:
         for i, block in fetched:
-            values[i] = _decode(block, outs[i])
+            values[i] = value = _decode(block, outs[i])
+            # The promotion keeps a tensor of its own: the caller may change theirs
+            # before the background put stages it.
+            promote.append((block, value.clone()))
 
     await anyio.to_thread.run_sync(decode_all)
-    promote = []
-    for i, block in fetched:
-        value = values[i]
-        assert value is not None
-        # promote from tensors of our own (an ``out`` tensor is the caller's)
-        promote.append((block, value if outs[i] is None else value.clone()))
-    await _promote(store, promote)
+    if promote_now:
+        await _promote(store, promote, background=False)
+    else:
+        _promote_soon(store, promote)
     return values
 
 
 async def fill_misses(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
                       results: list[torch.Tensor | None]) -> None:
-    """get_many: blocks the local store did not answer, from the remote."""
+    """get_many: blocks the local store did not answer, from blocks being promoted,
+    then from the remote."""
+    for i, r in enumerate(results):
+        if r is None:
+            results[i] = _from_promoting(store, keys[i], outs[i])
     miss = [i for i, r in enumerate(results) if r is None]
     if not miss:
         return
@@ -138,15 +191,23 @@ async def fill_misses(store: Store, keys: Sequence[bytes], outs: Sequence[torch.
 
 async def extend_prefix(store: Store, keys: Sequence[bytes]) -> int:
     """match_prefix: how many of ``keys`` (the chain after the local prefix) the remote
-    has, in order; they are fetched and promoted."""
-    got = await _fetch_decode(store, keys, [None] * len(keys), chain=True)
-    return next((i for i, v in enumerate(got) if v is None), len(got))
+    has, in order (blocks being promoted count); they are fetched and promoted."""
+    assert store.remote is not None
+    held = store.remote.promoting
+    n = next((i for i, k in enumerate(keys) if k not in held), len(keys))
+    if n == len(keys):
+        return n
+    got = await _fetch_decode(store, keys[n:], [None] * (len(keys) - n), chain=True)
+    return n + next((i for i, v in enumerate(got) if v is None), len(got))
 
 
 async def fetch_missing(store: Store, keys: Sequence[bytes]) -> None:
-    """prefetch: blocks absent locally are fetched and promoted first (the prefetch then
-    brings them into memory like any stored block)."""
+    """prefetch: blocks absent locally are fetched and promoted first, and the prefetch
+    waits for that (it then brings them into memory like any stored block)."""
+    assert store.remote is not None
     entries = store.index.get_entries(keys)
-    missing = [k for k, e in zip(keys, entries) if e is None]
+    held = store.remote.promoting
+    missing = [k for k, e in zip(keys, entries) if e is None and k not in held]
     if missing:
-        await _fetch_decode(store, missing, [None] * len(missing), chain=False)
+        await _fetch_decode(store, missing, [None] * len(missing), chain=False,
+                            promote_now=True)

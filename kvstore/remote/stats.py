@@ -26,7 +26,9 @@ class RemoteStats:
     deadline_misses: int = 0  # blocks given up on at the read deadline
     bad_objects: int = 0  # objects that failed verification (CRC, key, HMAC): misses
     read_bytes: int = 0  # object bytes fetched
-    promoted_blocks: int = 0  # fetched blocks stored locally
+    promoted_blocks: int = 0  # fetched blocks stored locally (in the background)
+    promotion_dropped: int = 0  # fetched blocks not stored locally: backpressure, full disk
+    promoting_blocks: int = 0  # fetched blocks whose local put is in flight now
     uploads_queued: int = 0
     uploaded_blocks: int = 0
     uploaded_bytes: int = 0

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import anyio
 import anyio.abc
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvstore.errors import CorruptionError, FormatVersionError, RemoteAuthError, RemoteError
@@ -70,6 +71,11 @@ class RemoteTier:
         self._send: MemoryObjectSendStream[tuple[bytes, int]] | None = None
         self._receive: MemoryObjectReceiveStream[tuple[bytes, int]] | None = None
         self._pending = 0  # queued + being uploaded
+        # Fetched blocks whose local put (promotion) runs in the background: served from
+        # here meanwhile (kvstore/remote/local.py), so a get right after a match_prefix
+        # does not fetch them again.
+        self.promoting: dict[bytes, tuple[RemoteBlock, torch.Tensor]] = {}
+        self._promotions = 0  # background promotions running
         self._idle: anyio.Event | None = None
         self._scope: anyio.CancelScope | None = None
         self._stopped: anyio.Event | None = None
@@ -130,10 +136,28 @@ class RemoteTier:
         self._pending = 0
 
     async def flush(self) -> None:
-        """Wait until every queued upload is done (uploaded, found, or given up)."""
-        while self._pending:
+        """Wait until every queued upload is done (uploaded, found, or given up) and
+        every fetched block's promotion has landed (stored locally, or dropped)."""
+        while self._pending or self._promotions:
             self._idle = anyio.Event()
             await self._idle.wait()
+
+    def promotion_started(self, blocks: Sequence[tuple[RemoteBlock, torch.Tensor]]) -> None:
+        self._promotions += 1
+        for block, value in blocks:
+            self.promoting[block.key] = (block, value)
+
+    def promotion_done(self, blocks: Sequence[tuple[RemoteBlock, torch.Tensor]]) -> None:
+        for block, value in blocks:
+            held = self.promoting.get(block.key)
+            if held is not None and held[1] is value:  # not a later fetch's
+                del self.promoting[block.key]
+        self._promotions -= 1
+        self._wake_if_idle()
+
+    def _wake_if_idle(self) -> None:
+        if not self._pending and not self._promotions and self._idle is not None:
+            self._idle.set()
 
     # ------------------------------------------------------------------ stats
 
@@ -147,6 +171,7 @@ class RemoteTier:
             s.state, s.reason, s.retry_in_s = "unreachable", b.last_error, b.retry_in()
         elif b.state == HALF_OPEN:
             s.state, s.reason = "probing", b.last_error
+        s.promoting_blocks = len(self.promoting)
         s.upload_queue_blocks = (self._receive.statistics().current_buffer_used
                                  if self._receive is not None else 0)
         return s
@@ -280,8 +305,7 @@ class RemoteTier:
 
     def _done_one(self) -> None:
         self._pending -= 1
-        if not self._pending and self._idle is not None:
-            self._idle.set()
+        self._wake_if_idle()
 
     async def _upload_worker(self, receive: MemoryObjectReceiveStream[tuple[bytes, int]]
                              ) -> None:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from kvstore.codecs import CodecSpec
 from kvstore.errors import RemoteAuthError
 from kvstore.remote import RemoteConfig, objects
 from kvstore.remote.client import ObjectClient
+from tests.concurrency import until
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 from tests.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster
 
@@ -101,6 +103,10 @@ async def test_two_processes_share_a_bucket_and_b_loads_what_a_wrote_bit_exact(
         assert await b.match_prefix(ks[:4]) == 4  # fetched in chain order, promoted
         got = await b.get_many(ks)
         assert all(same(g, e) for g, e in zip(got, expected))  # type: ignore[arg-type]
+        # the 4 blocks match_prefix fetched are not fetched again (stored locally by
+        # now, or served from their promotion still in flight)
+        assert b.remote.stats().gets == n
+        await b.remote.flush()  # promotions run behind the gets
         assert await b.contains_many(ks) == [True] * n  # promoted into B's local store
         st = b.remote.stats()
         assert (st.hits, st.bad_objects, st.promoted_blocks) == (n, 0, n)
@@ -122,6 +128,52 @@ async def test_two_processes_share_a_bucket_and_b_loads_what_a_wrote_bit_exact(
         assert report.exit_code == 0, report.as_dict()
 
 
+async def test_a_get_does_not_wait_for_its_promotion_which_is_dropped_under_backpressure(
+        seaweed: SeaweedCluster, tmp_path: Path) -> None:
+    """Fetched blocks are returned before their local put; until it lands they are
+    served from the fetched copy; a promotion beyond ``backlog_bytes`` is dropped
+    (counted) and the block is simply fetched again next time."""
+    prefix = fresh_prefix()
+    ks = keys(6)
+    async with open_store(tmp_path / "a", config(seaweed, prefix)) as a:
+        await a.put_many(ks, [value(i) for i in range(6)], parents=parents(ks))
+        await a.remote.flush()
+    holding, released = threading.Event(), threading.Event()
+
+    def hold_the_writer(txn: Any) -> bool:
+        holding.set()
+        return released.wait(60)
+
+    async with open_store(tmp_path / "b", config(seaweed, prefix), backlog_bytes=1) as b:
+        holder = b.writer.submit(hold_the_writer)
+        try:
+            await until(holding.is_set)  # no local put can commit now
+            first = await b.get_many(ks[:3])  # returns while its promotion cannot land
+            assert all(same(g, value(i)) for i, g in enumerate(first))  # type: ignore[arg-type]
+            await until(lambda: b.stats().backlog_bytes > 0)  # the promotion's put started
+            assert b.remote.stats().promoting_blocks == 3
+            again = await b.get_many(ks[:3])  # served from the promotion's copy
+            assert all(same(g, value(i)) for i, g in enumerate(again))  # type: ignore[arg-type]
+            assert b.remote.stats().gets == 3
+            second = await b.get_many(ks[3:])  # its promotion: over backlog_bytes, dropped
+            assert all(same(g, value(3 + i)) for i, g in enumerate(second))  # type: ignore[arg-type]
+            await until(lambda: b.remote.stats().promotion_dropped == 3)
+            assert await b.contains_many(ks) == [False] * 6
+        finally:
+            released.set()
+        assert holder.result() is True
+        await b.remote.flush()
+        assert await b.contains_many(ks) == [True] * 3 + [False] * 3
+        st = b.remote.stats()
+        assert (st.promoted_blocks, st.promotion_dropped, st.promoting_blocks) == (3, 3, 0)
+        assert b.stats().dropped_blocks == 3
+        third = await b.get_many(ks[3:])  # fetched again, and promoted this time
+        assert all(same(g, value(3 + i)) for i, g in enumerate(third))  # type: ignore[arg-type]
+        await b.remote.flush()
+        assert b.remote.stats().gets == 9 and await b.contains_many(ks) == [True] * 6
+    assert fsck.check(str(tmp_path / "b"), deep=True).exit_code == 0
+
+
 async def test_a_chain_walk_stops_at_the_first_remote_miss(seaweed: SeaweedCluster,
                                                            tmp_path: Path) -> None:
     prefix = fresh_prefix()
@@ -132,6 +184,7 @@ async def test_a_chain_walk_stops_at_the_first_remote_miss(seaweed: SeaweedClust
         await a.remote.flush()
     async with open_store(tmp_path / "b", config(seaweed, prefix)) as b:
         assert await b.match_prefix(ks) == 3
+        await b.remote.flush()  # its promotion
         assert await b.contains_many(ks) == [True] * 3 + [False] * 3  # nothing past the hole
 
 
@@ -236,6 +289,7 @@ async def test_corrupt_and_foreign_objects_are_counted_misses(seaweed: SeaweedCl
         assert same(got[1], value(1))
         st = b.remote.stats()
         assert st.bad_objects == 3 and st.hits == 1
+        await b.remote.flush()
         assert await b.contains_many(ks) == [False, True, False, False]  # never promoted
     # an unsigned object is refused by a store that requires tags
     other = fresh_prefix()
