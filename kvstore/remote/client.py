@@ -116,15 +116,6 @@ class ObjectClient:
         except Exception as e:  # noqa: BLE001 - sorted by _fail
             raise self._fail(e, name) from None
 
-    def exists(self, name: str) -> bool:
-        try:
-            obstore.head(self._store, name)
-            return True
-        except (FileNotFoundError, NotFoundError):
-            return False
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(e, name) from None
-
     def put_if_absent(self, name: str, data: bytes) -> bool:
         """Write unless the object exists (``If-None-Match: *``); True if written."""
         try:

@@ -28,7 +28,7 @@ from kvstore import codecs
 from kvstore.codecs import CodecSpec
 from kvstore.errors import CorruptionError, KVStoreError
 from kvstore.extents import extent_path
-from kvstore.format import SLOT_HEADER_BYTES, SlotHeader
+from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
 from kvstore.remote import objects
 from kvstore.remote.tier import RemoteBlock
 from kvstore.slots import check_payload, check_slot
@@ -41,12 +41,21 @@ _RAW = CodecSpec()
 _ZSTD = CodecSpec(zstd=True)
 
 
-def _pread(path: str, offset: int, length: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def _read_verified(path: str, offset: int, length: int, key: bytes, entry: IndexEntry
+                   ) -> tuple[bytes, SlotHeader] | None:
+    """On a worker thread: the slot's bytes, checked against its index entry (the
+    CRC32C of MBs runs off the event loop)."""
     try:
-        return os.pread(fd, length, offset)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        header = check_slot(raw, key, entry)
+        check_payload(raw, header)
+    except (OSError, CorruptionError):
+        return None
+    return raw, header
 
 
 async def read_slot(store: Store, key: bytes) -> tuple[bytes, SlotHeader] | None:
@@ -57,19 +66,11 @@ async def read_slot(store: Store, key: bytes) -> tuple[bytes, SlotHeader] | None
         return None
     epoch = store.allocator.begin_read()
     try:
-        raw = await anyio.to_thread.run_sync(
-            _pread, extent_path(store.path, entry.extent), entry.offset,
-            SLOT_HEADER_BYTES + entry.payload_len)
-    except OSError:
-        return None
+        return await anyio.to_thread.run_sync(
+            _read_verified, extent_path(store.path, entry.extent), entry.offset,
+            SLOT_HEADER_BYTES + entry.payload_len, key, entry)
     finally:
         store.allocator.end_read(epoch)
-    try:
-        header = check_slot(raw, key, entry)
-        check_payload(raw, header)
-    except CorruptionError:
-        return None
-    return raw, header
 
 
 def _spec_for(codec: int) -> CodecSpec:

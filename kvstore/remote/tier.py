@@ -4,9 +4,9 @@ local misses under a deadline, and a circuit breaker in front of both.
 * Writes: ``enqueue(keys)`` after a put committed locally.  The queue holds keys, not
   bytes (at most ``upload_queue_blocks``; beyond it keys are dropped and counted).  A
   worker reads the block back from the local store (verified, under a read epoch so the
-  slot cannot be reused meanwhile), skips it if the object exists (HEAD) and writes it
-  with a conditional PUT (``If-None-Match: *``), so concurrent stores never overwrite
-  each other.  Keys known to be in the bucket (uploaded, found, or fetched) are not
+  slot cannot be reused meanwhile) and writes it with a conditional PUT
+  (``If-None-Match: *``): an object already there is left alone, so concurrent stores
+  never overwrite each other.  Keys known to be in the bucket (uploaded, found, or fetched) are not
   queued again.  Local eviction and delete never touch the bucket.
 * Reads: ``fetch(keys, chain=...)`` GETs objects in parallel (at most ``concurrency``),
   verifies each (``kvstore.remote.objects.verify``) on the worker thread and gives up
@@ -336,16 +336,23 @@ class RemoteTier:
             return False
         raw, header = slot
         name = objects.object_name(self.config.prefix, self.namespace_digest, key)
-        if await self._call(lambda: self.client.exists(name)):
-            self._stats.upload_existing += 1
-        else:
+
+        def upload() -> int:
+            """On a worker thread: the object's bytes (HMAC over MBs off the event loop)
+            and a conditional PUT.  No HEAD first: ``If-None-Match: *`` already leaves
+            an existing object alone, and a HEAD per block cost a round trip on every
+            upload to save bandwidth only on the rare block another node uploaded
+            first.  The object's length if written, 0 if it existed."""
             body = objects.encode(raw, header, namespace_digest=self.namespace_digest,
                                   hmac_key=self.config.hmac_key)
-            if await self._call(lambda: self.client.put_if_absent(name, body)):
-                self._stats.uploaded_blocks += 1
-                self._stats.uploaded_bytes += len(body)
-            else:
-                self._stats.upload_existing += 1
+            return len(body) if self.client.put_if_absent(name, body) else 0
+
+        written = await self._call(upload)
+        if written:
+            self._stats.uploaded_blocks += 1
+            self._stats.uploaded_bytes += written
+        else:
+            self._stats.upload_existing += 1
         self._remember([key])
         return False
 

@@ -176,7 +176,13 @@ def main(spec_path: str, result_path: str) -> None:
     outputs = []
     aborts = {int(i): steps for i, steps in spec.get("abort_first", {}).items()}
     in_flight = spec.get("abort_in_flight")
+    tensor_parallel = spec.get("llm", {}).get("tensor_parallel_size", 1) > 1
     for i, prompt in enumerate(spec["prompts"]):
+        if tensor_parallel and spec.get("store") is not None and i:
+            # The previous prompt's saves are background puts in the worker processes:
+            # wait for them (connector_stats does), so a later prompt's hit on them does
+            # not depend on timing.
+            llm.collective_rpc(_rank_stats)
         assert llm.reset_prefix_cache()
         if in_flight is not None and i == in_flight[0]:
             # No prefix-cache reset after it: vLLM refuses one while the aborted
@@ -213,7 +219,7 @@ def main(spec_path: str, result_path: str) -> None:
         for out in outputs if stats is not None else []:
             out["keys"] = block_keys(out["prompt_token_ids"] + out["tokens"], BLOCK_SIZE,
                                      stats["namespace"])
-        if spec.get("llm", {}).get("tensor_parallel_size", 1) > 1:
+        if tensor_parallel:
             # Every rank's counters, from its worker process; keys per rank.
             ranks = [s for per_worker in llm.collective_rpc(_rank_stats) for s in per_worker]
             result["ranks"] = ranks
