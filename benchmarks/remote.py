@@ -8,7 +8,7 @@ kvstore uses), on the same loopback SeaweedFS cluster and the same objects, in o
   into the local store runs in the background, timed separately) vs obstore GETs of the same objects from ``concurrency`` threads.
 
 Usage: python -m benchmarks.remote [--blocks 48] [--block-mib 2] [--concurrency 8]
-       [--batch 4] [--out benchmarks/results/remote.md].  Needs ``pip install -e '.[test]'``.
+       [--batch 4] [--reps 3] [--out benchmarks/results/remote.md].  Needs ``pip install -e '.[test]'``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--block-mib", type=float, default=2.0)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4, help="blocks per put_many, batched run")
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     weed = weed_binary()
@@ -75,7 +76,7 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
                             staging_bytes=64 << 20, remote=cfg(prefix))
 
     rows = []
-    for rep in range(2):
+    for rep in range(args.reps):
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
         base_prefix = f"base-{uuid.uuid4().hex[:8]}"
         # kvstore put: durable locally, then every upload done; once as one put_many of
@@ -133,6 +134,17 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
         lines.append(f"| {i} | {mbs(kp)} | {mbs(kpb)} | {mbs(op)} | {op / kp:.2f} / "
                      f"{op / kpb:.2f} | {mbs(kg)} | {mbs(kgp)} | {mbs(og)} | "
                      f"{og / kg:.2f} / {og / kgp:.2f} |")
+    def spread(ratios: list[float]) -> str:
+        ordered = sorted(ratios)
+        return (f"{ordered[0]:.2f} / {ordered[len(ordered) // 2]:.2f} / "
+                f"{ordered[-1]:.2f}")
+
+    lines.append("")
+    lines.append(f"Ratios min / median / max over {len(rows)} runs: put one batch "
+                 f"{spread([r[2] / r[0] for r in rows])}, put batches "
+                 f"{spread([r[2] / r[1] for r in rows])}, get "
+                 f"{spread([r[5] / r[3] for r in rows])}, get + promoted "
+                 f"{spread([r[5] / r[4] for r in rows])}.")
     lines.append("\nkvstore put = put_many (durable locally: staging, fdatasync, index "
                  "commit) until every upload is done (read back and verified, conditional "
                  "PUT); kvstore get = get_many on an empty store until it returns (GET, "

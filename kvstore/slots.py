@@ -109,7 +109,7 @@ def verify_copy_all(batch: list[tuple[ArenaRun, bytes, IndexEntry, torch.Tensor 
             except (CorruptionError, FormatVersionError) as e:
                 results.append(e)
                 continue
-            results.append(_deliver(run, header.codec, header.dtype, header.shape,
+            results.append(deliver(run, header.codec, header.dtype, header.shape,
                                     header.payload_len, out))
         return results
     requests, fresh = [], []
@@ -127,7 +127,7 @@ def verify_copy_all(batch: list[tuple[ArenaRun, bytes, IndexEntry, torch.Tensor 
         elif checked.copied and out is not None and dst is None:
             results.append(out)
         else:
-            results.append(_deliver(run, checked.codec, checked.dtype, checked.shape,
+            results.append(deliver(run, checked.codec, checked.dtype, checked.shape,
                                     checked.payload_len, out))
     return results
 
@@ -135,7 +135,7 @@ def verify_copy_all(batch: list[tuple[ArenaRun, bytes, IndexEntry, torch.Tensor 
 def _destination(entry: IndexEntry, out: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, int, bool]:
     """Where the kernel may copy a raw payload: (tensor, its bytes, freshly allocated).
-    Encoded payloads, GPU and non-contiguous outputs go through ``_deliver`` instead."""
+    Encoded payloads, GPU and non-contiguous outputs go through ``deliver`` instead."""
     if entry.codec != CODEC_RAW:
         return None, 0, False
     if out is None:
@@ -177,7 +177,7 @@ def check_payload(raw: bytes | memoryview, header: SlotHeader) -> None:
         raise CorruptionError("payload checksum mismatch")
 
 
-def _deliver(run: ArenaRun, codec: int, dtype_code: int, shape: tuple[int, ...], n: int,
+def deliver(run: ArenaRun, codec: int, dtype_code: int, shape: tuple[int, ...], n: int,
              out: torch.Tensor | None) -> torch.Tensor:
     """Decode or copy a verified payload out of the arena run."""
     dtype = CODE_DTYPES[dtype_code]

@@ -18,6 +18,7 @@ makes (its hooks are marked "remote tier") and what they need from the store.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -131,7 +132,7 @@ def _decode(block: RemoteBlock, out: torch.Tensor | None) -> torch.Tensor:
     if out is not None:
         dtype = CODE_DTYPES[block.header.dtype]
         check_out(out, block.header.dtype, (block.header.raw_len // dtype.itemsize,))
-    return objects.decode(block.data, block.key, block.header, out)
+    return objects.decode(block.data, block.header, out)
 
 
 def _from_promoting(store: Store, key: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
@@ -152,21 +153,56 @@ async def _fetch_decode(store: Store, keys: Sequence[bytes], outs: Sequence[torc
                         *, chain: bool, promote_now: bool = False) -> list[torch.Tensor | None]:
     remote = store.remote
     assert remote is not None
-    blocks = await remote.fetch(keys, chain=chain)
     values: list[torch.Tensor | None] = [None] * len(keys)
-    fetched = [(i, b) for i, b in enumerate(blocks) if b is not None]
-    if not fetched:
-        return values
-    promote: list[tuple[RemoteBlock, torch.Tensor]] = []
+    own: list[torch.Tensor | None] = [None] * len(keys)
+    errors: list[Exception] = []
+    # A GET abandoned at the read deadline finishes on its thread after fetch returned:
+    # it must not decode into the caller's ``out`` then (the caller reuses it).  Decodes
+    # run in parallel; the end waits for those already started.
+    cond, state = threading.Condition(), {"over": False, "decoding": 0}
 
-    def decode_all() -> None:
-        for i, block in fetched:
+    def decode(i: int, block: RemoteBlock) -> None:
+        """On the GET's worker thread, as soon as the block is verified."""
+        with cond:
+            if state["over"]:
+                return
+            state["decoding"] += 1
+        try:
             values[i] = value = _decode(block, outs[i])
-            # The promotion keeps a tensor of its own: the caller may change theirs
-            # before the background put stages it.
-            promote.append((block, value.clone()))
+            # The promotion keeps a tensor of its own (the caller may change theirs
+            # before the background put stages it): a raw payload is a view of the
+            # object's bytes, which nothing else holds; a decoded one a copy.
+            payload = objects.raw_payload(block.data, block.header)
+            own[i] = value.clone() if payload is None else payload.view(block.header.shape)
+        except Exception as e:  # noqa: BLE001 - a bad ``out``: raised to the caller
+            errors.append(e)
+        finally:
+            with cond:
+                state["decoding"] -= 1
+                cond.notify_all()
 
-    await anyio.to_thread.run_sync(decode_all)
+    def decodes_done() -> None:
+        with cond:
+            cond.wait_for(lambda: not state["decoding"])
+
+    try:
+        blocks = await remote.fetch(keys, chain=chain, then=decode)
+    finally:
+        with cond:
+            state["over"] = True
+            busy = state["decoding"] > 0
+        if busy:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(decodes_done)
+    if errors:
+        raise errors[0]
+    promote: list[tuple[RemoteBlock, torch.Tensor]] = []
+    for i, block in enumerate(blocks):
+        value = own[i]
+        if block is None:  # a miss, or past the first miss of a chain
+            values[i] = None
+        elif value is not None:
+            promote.append((block, value))
     if promote_now:
         await _promote(store, promote, background=False)
     else:

@@ -21,10 +21,12 @@ from typing import cast
 import numpy as np
 import torch
 
+from kvstore.codecs import CODEC_RAW
 from kvstore.errors import CorruptionError
-from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
+from kvstore.format import SLOT_HEADER_BYTES, SlotHeader
 from kvstore.io.arena import Arena, ArenaRun
-from kvstore.slots import check_payload, check_slot, verify_copy_all
+from kvstore.slots import check_payload, check_slot, deliver
+from kvstore.tensors import CODE_DTYPES
 
 LAYOUT_VERSION = "v1"
 AUTH_MAGIC = b"KVSA"
@@ -88,8 +90,8 @@ def verify(data: bytes | bytearray | memoryview, key: bytes, *, namespace_digest
 
 
 class _Buffer:
-    """Object bytes shaped like the staging arena, so that the slot verifier-decoder
-    (``kvstore.slots.verify_copy_all``) decodes remote blocks exactly like local ones."""
+    """Object bytes shaped like the staging arena, so that the slot decoder
+    (``kvstore.slots.deliver``) decodes remote blocks exactly like local ones."""
 
     def __init__(self, data: bytearray) -> None:
         self.view = memoryview(data)
@@ -100,15 +102,18 @@ class _Buffer:
         self.address = self.array.ctypes.data if data else 0
 
 
-def decode(data: bytearray, key: bytes, header: SlotHeader,
-           out: torch.Tensor | None) -> torch.Tensor:
-    """The block's tensor (into ``out`` when given) from a verified object."""
+def decode(data: bytearray, header: SlotHeader, out: torch.Tensor | None) -> torch.Tensor:
+    """The block's tensor (into ``out`` when given) from an object ``verify`` accepted
+    (``header`` is what it returned): the payload's CRC32C is not computed again."""
     run = ArenaRun(cast(Arena, _Buffer(data)), 0, len(data))
-    entry = IndexEntry(extent=0, offset=0, slot_len=0, payload_len=header.payload_len,
-                       raw_len=header.raw_len, codec=header.codec, dtype=header.dtype,
-                       payload_crc=header.payload_crc, seq=header.seq, last_use=0,
-                       parent=header.parent)
-    result = verify_copy_all([(run, key, entry, out)])[0]
-    if isinstance(result, Exception):
-        raise result
-    return result
+    return deliver(run, header.codec, header.dtype, header.shape, header.payload_len, out)
+
+
+def raw_payload(data: bytearray, header: SlotHeader) -> torch.Tensor | None:
+    """A raw (uncompressed) payload as a flat tensor viewing ``data`` (no copy); None for
+    an encoded one."""
+    if header.codec != CODEC_RAW:
+        return None
+    dtype = CODE_DTYPES[header.dtype]
+    return torch.frombuffer(data, dtype=dtype, offset=SLOT_HEADER_BYTES,
+                            count=header.raw_len // dtype.itemsize)

@@ -41,6 +41,7 @@ _KNOWN_KEYS = 1 << 16  # keys remembered as present in the bucket
 _UPLOAD_ATTEMPTS = 3
 
 SlotReader = Callable[[bytes], Awaitable[tuple[bytes, SlotHeader] | None]]
+Finish = Callable[[int, "RemoteBlock"], None]
 
 
 @dataclass
@@ -223,8 +224,10 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ reads
 
-    def _get_verified(self, key: bytes) -> RemoteBlock | None | CorruptionError:
-        """On a worker thread: GET and verify (CRC32C of MBs runs off the event loop)."""
+    def _get_verified(self, key: bytes, i: int, then: Finish | None
+                      ) -> RemoteBlock | None | CorruptionError:
+        """On a worker thread: GET and verify (CRC32C of MBs runs off the event loop),
+        then ``then(i, block)`` (the caller's decode, in parallel with other GETs)."""
         name = objects.object_name(self.config.prefix, self.namespace_digest, key)
         data = self.client.get(name)
         if data is None:
@@ -234,12 +237,17 @@ class RemoteTier:
                                     hmac_key=self.config.hmac_key)
         except (CorruptionError, FormatVersionError) as e:
             return CorruptionError(f"{name}: {e}")
-        return RemoteBlock(key, header, data)
+        block = RemoteBlock(key, header, data)
+        if then is not None:
+            then(i, block)
+        return block
 
-    async def fetch(self, keys: Sequence[bytes], *, chain: bool) -> list[RemoteBlock | None]:
+    async def fetch(self, keys: Sequence[bytes], *, chain: bool, then: Finish | None = None
+                    ) -> list[RemoteBlock | None]:
         """Fetch and verify ``keys`` (parallel, under the read deadline); None for a
         miss.  ``chain``: keys are one chain in order; stop at the first miss (the
-        result is then a prefix)."""
+        result is then a prefix).  ``then(index, block)`` runs on the worker thread of
+        each verified block (it must not raise: keep errors for later)."""
         results: list[RemoteBlock | None] = [None] * len(keys)
         if not keys or not self.usable:
             return results
@@ -255,7 +263,7 @@ class RemoteTier:
                 part = range(start, min(start + window, len(keys)))
                 async with anyio.create_task_group() as tg:
                     for i in part:
-                        tg.start_soon(self._fetch_one, keys[i], i, results, done)
+                        tg.start_soon(self._fetch_one, keys[i], i, results, done, then)
                 if chain and not all(results[i] is not None for i in part):
                     break
         got = sum(r is not None for r in results)
@@ -270,9 +278,9 @@ class RemoteTier:
         return results
 
     async def _fetch_one(self, key: bytes, i: int, results: list[RemoteBlock | None],
-                         done: list[bool]) -> None:
+                         done: list[bool], then: Finish | None) -> None:
         try:
-            got = await self._call(lambda: self._get_verified(key))
+            got = await self._call(lambda: self._get_verified(key, i, then))
         except BreakerOpen:
             self._stats.fast_misses += 1
             done[i] = True

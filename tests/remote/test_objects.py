@@ -36,8 +36,10 @@ def test_an_object_round_trips_bit_exact(hmac_key: bytes | None) -> None:
     assert len(data) == SLOT_HEADER_BYTES + header.payload_len + (
         objects.AUTH_TRAILER_BYTES if hmac_key else 0)
     assert objects.verify(data, key, namespace_digest=DIGEST, hmac_key=hmac_key) == header
-    got = objects.decode(bytearray(data), key, header, None)
+    got = objects.decode(bytearray(data), header, None)
     assert same(got, value)
+    view = objects.raw_payload(bytearray(data), header)  # the raw payload, no copy
+    assert view is not None and same(view.reshape(value.shape), value)
 
 
 def _bad(data: bytes, key: bytes, hmac_key: bytes | None, why: str) -> None:
