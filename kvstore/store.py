@@ -367,9 +367,24 @@ class Store:
         if namespace is None:
             raise ValueError("open(remote=...) needs namespace=...: remote objects are "
                              "stored per namespace (<prefix>/v1/<namespace digest>/<key>)")
-        self.remote = RemoteTier(config, namespace.digest,
-                                 lambda key: local.read_slot(self, key))
-        self.remote.check_access()
+        tier = RemoteTier(config, namespace.digest, lambda key: local.read_slot(self, key))
+        tier.check_access()
+        self.remote = tier
+
+    async def attach_remote(self, config: RemoteConfig, namespace: Namespace) -> None:
+        """Put the shared remote tier behind this open store, for a caller that learns
+        its namespace only after opening (the vLLM connector: from the KV tensors vLLM
+        registers).  Same checks as ``open(remote=...)``; needs a store from
+        :func:`open` (its background task group runs the uploads)."""
+        self._check_open()
+        if self.remote is not None:
+            raise ValueError(f"store {self.path} already has a remote tier")
+        if self._background is None:
+            raise ValueError("attach_remote needs a store opened with kvstore.open()")
+        # check_access sends a request (blocking): off the event loop
+        await anyio.to_thread.run_sync(self._open_remote, config, namespace)
+        assert self.remote is not None
+        await self._background.start(self.remote.run)
 
     def _flush_totals(self) -> None:
         if self._totals.pending() and not self.read_only:

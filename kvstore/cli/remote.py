@@ -40,13 +40,15 @@ async def _namespaces(path: str) -> list[bytes]:
 
 def cmd_remote(args: argparse.Namespace) -> int:
     from kvstore.remote.check import check
-    from kvstore.remote.config import RemoteConfig
+    from kvstore.remote.config import RemoteConfig, read_hmac_key_file
 
     require_store(args.path)
     hmac_key = None
     if args.hmac_key_file:
-        with open(args.hmac_key_file, "rb") as f:
-            hmac_key = f.read().strip()
+        try:
+            hmac_key = read_hmac_key_file(args.hmac_key_file)
+        except ValueError as e:
+            raise CliError(str(e)) from None
     if args.sample < 1:
         raise CliError("--sample must be >= 1")
     config = RemoteConfig(bucket=args.bucket, endpoint=args.endpoint, prefix=args.prefix,

@@ -224,6 +224,20 @@ class _SharedStore:
             self.store.prefetch(keys[:hit])  # runs on; bounded by prefetch_share
         return hit
 
+    def attach_remote(self, namespace: Namespace) -> None:
+        """With the ``remote`` option: the shared S3 tier behind this rank's store, under
+        the namespace just learnt (remote objects are named by it).  Refused
+        credentials stop the engine at start, saying why (or, with
+        ``on_auth_error="disable"``, leave the tier disabled)."""
+        remote = self.config.remote
+        if remote is None or self.store.remote is not None:
+            return
+        try:
+            self.portal.call(self.store.attach_remote, remote, namespace)
+        except ImportError as e:
+            raise RuntimeError("kvstore connector: the remote option needs obstore: "
+                               "pip install 'kvstore[remote]'") from e
+
     def serve_lookups(self, scope: bytes) -> None:
         """Answer this engine's scheduler in another process (see :mod:`.vllm_lookup`).
 
@@ -711,6 +725,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._block_shape = tuple(s for i, s in enumerate(first.shape) if i != axis)
         self._dtype = first.dtype
         self._store.namespace = self._namespace(first, axis, names)
+        self._store.attach_remote(self._store.namespace)
         self._store.serve_lookups(self._scope_digest)
 
     def _namespace(self, t: torch.Tensor, axis: int, names: list[str]) -> Namespace:

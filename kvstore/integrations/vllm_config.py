@@ -13,6 +13,7 @@ from typing import Any
 
 from kvstore import permissions
 from kvstore.codecs import CodecSpec
+from kvstore.remote.config import RemoteConfig, read_hmac_key_file
 
 __all__ = ["CODECS", "ConnectorConfig"]
 
@@ -62,6 +63,14 @@ class ConnectorConfig:
                         True)``): under backpressure a save is dropped whole and counted,
                         the step never waits for the disk.  False: every save is written;
                         past ``max_pending_save_bytes`` a step waits for the oldest.
+    ``remote``          the shared S3 tier behind the store (README, "Remote tier"): an
+                        object of :class:`~kvstore.remote.RemoteConfig` options, e.g.
+                        ``{"bucket": "kv", "endpoint": "http://10.0.0.5:8333",
+                        "prefix": "fleet"}``; ``hmac_key_file`` names a file holding
+                        the HMAC key.  Credentials come from the AWS environment
+                        (``AWS_ACCESS_KEY_ID`` ...), never from this config (vLLM logs
+                        it).  Needs ``pip install kvstore[remote]``.  Each rank's store
+                        shares its own namespace's objects.
 
     With tensor/pipeline parallel (world size W > 1) every rank has a store of its own
     in ``path/rank-R-of-W`` (:mod:`kvstore.integrations.vllm_ranks`), and
@@ -84,6 +93,7 @@ class ConnectorConfig:
     prefetch: bool = True
     backlog_bytes: int = 1 << 30
     background_saves: bool = True
+    remote: RemoteConfig | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -112,6 +122,8 @@ class ConnectorConfig:
             if name in extra and not isinstance(extra[name], bool):
                 raise ValueError(f"kvstore connector: {name} must be true or false, "
                                  f"got {extra[name]!r}")
+        if extra.get("remote") is not None:
+            extra["remote"] = _remote_config(extra["remote"])
         if extra.get("file_mode") is not None:
             extra["file_mode"] = _file_mode(extra["file_mode"])
         if extra.get("codec", "raw") not in CODECS:
@@ -136,6 +148,35 @@ class ConnectorConfig:
                 "file_mode": self.file_mode, "strict_permissions": self.strict_permissions,
                 "memory_bytes": self.memory_bytes, "backlog_bytes": self.backlog_bytes,
                 "allow_new_namespace": True}
+
+
+_SECRETS = ("access_key_id", "secret_access_key", "session_token", "hmac_key")
+
+
+def _remote_config(value: object) -> RemoteConfig:
+    if not isinstance(value, Mapping):
+        raise ValueError('kvstore connector: remote must be an object of remote-tier '
+                         'options, e.g. {"bucket": "kv", "endpoint": "http://host:8333"}, '
+                         f"got {value!r}")
+    options = dict(value)
+    secret = [k for k in _SECRETS if k in options]
+    if secret:
+        raise ValueError(f"kvstore connector: remote.{secret[0]} does not belong in "
+                         "kv_connector_extra_config (vLLM logs it): credentials come from "
+                         "the AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                         "AWS_PROFILE), the HMAC key from remote.hmac_key_file")
+    known = {f.name for f in fields(RemoteConfig)} - set(_SECRETS) | {"hmac_key_file"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"kvstore connector: unknown remote options {unknown}; known "
+                         f"options are {sorted(known)}")
+    try:
+        key_file = options.pop("hmac_key_file", None)
+        if key_file is not None:
+            options["hmac_key"] = read_hmac_key_file(os.fspath(key_file))
+        return RemoteConfig(**options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"kvstore connector: remote: {e}") from None
 
 
 def _file_mode(value: object) -> int:

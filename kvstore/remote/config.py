@@ -98,3 +98,14 @@ class RemoteConfig:
     def __repr__(self) -> str:  # never print secrets
         return (f"RemoteConfig(bucket={self.bucket!r}, endpoint={self.endpoint!r}, "
                 f"prefix={self.prefix!r}, signed={self.hmac_key is not None})")
+
+
+def read_hmac_key_file(path: str) -> bytes:
+    """The HMAC key in a file (surrounding whitespace removed): how the CLI and the vLLM
+    connector take it, so that it is never written into a command line or a config
+    that gets logged."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the HMAC key file {path!r}: {e.strerror}") from None

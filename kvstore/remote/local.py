@@ -135,20 +135,6 @@ def _decode(block: RemoteBlock, out: torch.Tensor | None) -> torch.Tensor:
     return objects.decode(block.data, block.header, out)
 
 
-def _from_promoting(store: Store, key: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
-    """A fetched block whose promotion is still in flight, as a tensor of the caller's
-    (a copy: the held one is the promotion's)."""
-    assert store.remote is not None
-    held = store.remote.promoting.get(key)
-    if held is None:
-        return None
-    block, value = held
-    if out is None:
-        return value.clone()
-    check_out(out, block.header.dtype, (value.numel(),))
-    return out.copy_(value.reshape(out.shape))
-
-
 async def _fetch_decode(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
                         *, chain: bool, promote_now: bool = False) -> list[torch.Tensor | None]:
     remote = store.remote
@@ -214,9 +200,18 @@ async def fill_misses(store: Store, keys: Sequence[bytes], outs: Sequence[torch.
                       results: list[torch.Tensor | None]) -> None:
     """get_many: blocks the local store did not answer, from blocks being promoted,
     then from the remote."""
-    for i, r in enumerate(results):
-        if r is None:
-            results[i] = _from_promoting(store, keys[i], outs[i])
+    assert store.remote is not None
+    promoting = store.remote.promoting
+    held = [(i, promoting[keys[i]][0]) for i, r in enumerate(results)
+            if r is None and keys[i] in promoting]
+    if held:
+        # Decoded again from the verified object, as a fetch delivers it (a raw block is
+        # a copy; the promotion keeps its own tensor); off the event loop.
+        def decode_held() -> None:
+            for i, block in held:
+                results[i] = _decode(block, outs[i])
+
+        await anyio.to_thread.run_sync(decode_held)
     miss = [i for i, r in enumerate(results) if r is None]
     if not miss:
         return

