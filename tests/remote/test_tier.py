@@ -333,6 +333,31 @@ async def test_remote_needs_a_namespace(seaweed: SeaweedCluster, tmp_path: Path)
             pass
 
 
+async def test_a_remote_attached_after_open_shares_the_bucket(seaweed: SeaweedCluster,
+                                                               tmp_path: Path) -> None:
+    """``attach_remote``: for a caller that learns its namespace after opening (the vLLM
+    connector); the same tier as ``open(remote=...)``, once."""
+    prefix, ks = fresh_prefix(), keys(2)
+    async with open_store(tmp_path / "a", config(seaweed, prefix)) as a:
+        await a.put_many(ks, [value(0), value(1)], parents=parents(ks))
+        await a.remote.flush()
+    async with kvstore.open(tmp_path / "b", extent_bytes=SMALL_EXTENT,
+                            allow_new_namespace=True) as b:
+        assert b.remote is None
+        await b.attach_remote(config(seaweed, prefix), NS)
+        got = await b.get_many(ks)
+        assert same(got[0], value(0)) and same(got[1], value(1))
+        with pytest.raises(ValueError, match="already has a remote tier"):
+            await b.attach_remote(config(seaweed, prefix), NS)
+    with pytest.raises(kvstore.StoreClosedError):
+        await b.attach_remote(config(seaweed, prefix), NS)
+    bad = config(seaweed, prefix, secret_access_key="wrong")
+    async with kvstore.open(tmp_path / "c", allow_new_namespace=True) as c:
+        with pytest.raises(RemoteAuthError):
+            await c.attach_remote(bad, NS)
+        assert c.remote is None  # nothing half-attached
+
+
 async def test_an_unreachable_cluster_at_open_is_not_an_error(tmp_path: Path) -> None:
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
