@@ -62,6 +62,12 @@ class ConnectorConfig:
                         True)``): under backpressure a save is dropped whole and counted,
                         the step never waits for the disk.  False: every save is written;
                         past ``max_pending_save_bytes`` a step waits for the oldest.
+    ``async_loads``     True (default): a request with a hit waits in vLLM's
+                        ``WAITING_FOR_REMOTE_KVS`` while its blocks are read in the
+                        background and other requests keep running.  False: the lookup
+                        reads and verifies the hit blocks at once (the scheduler waits)
+                        and they are copied into the paged KV before the step's forward;
+                        the request runs in the step that found the hit.
 
     With tensor/pipeline parallel (world size W > 1) every rank has a store of its own
     in ``path/rank-R-of-W`` (:mod:`kvstore.integrations.vllm_ranks`), and
@@ -84,6 +90,7 @@ class ConnectorConfig:
     prefetch: bool = True
     backlog_bytes: int = 1 << 30
     background_saves: bool = True
+    async_loads: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -108,7 +115,8 @@ class ConnectorConfig:
         if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
             raise ValueError("kvstore connector: memory_bytes must be an int >= 0 (0: no "
                              f"memory tier), got {memory!r}")
-        for name in ("sync", "strict_permissions", "prefetch", "background_saves"):
+        for name in ("sync", "strict_permissions", "prefetch", "background_saves",
+                     "async_loads"):
             if name in extra and not isinstance(extra[name], bool):
                 raise ValueError(f"kvstore connector: {name} must be true or false, "
                                  f"got {extra[name]!r}")
