@@ -170,6 +170,7 @@ _COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes"
              # nanoseconds: the forward waiting on save copies / on loads; background puts
              "save_stall_ns", "load_ns", "save_io_ns")
 _MAX_LOAD_SAMPLES = 4096  # load durations kept for vLLM's histogram between two steps
+_MAX_FAILED_KEYS = 1 << 16  # keys whose load raised, answered as misses
 
 
 class _SharedStore:
@@ -196,6 +197,7 @@ class _SharedStore:
         # lookup of a synchronous load reads into a buffer of that shape.
         self.layout: tuple[int, tuple[int, ...], torch.dtype] | None = None
         self._prepared: dict[bytes, _Prepared] = {}  # sync loads, by first key
+        self.failed_keys: set[bytes] = set()  # loads that raised: misses from now on
         self._generation = 0  # worker steps (start_load_kv) seen, to age them out
         self.users = 0
         self.closed = False
@@ -228,6 +230,13 @@ class _SharedStore:
         if ns is None or not hashes:
             return 0
         keys = ns.engine_keys(hashes)
+        with self._lock:
+            # A load that raised (not a checksum miss: that block is quarantined) would
+            # be retried by vLLM forever if the same keys stayed hits.
+            cut = next((i for i, k in enumerate(keys) if k in self.failed_keys), len(keys))
+        keys = keys[:cut]
+        if not keys:
+            return 0
         if not self.config.async_loads:
             return self._read_ahead(keys)
         if self.store.memory is None or not self.config.prefetch:
@@ -258,11 +267,11 @@ class _SharedStore:
         if not hit:
             return 0
         layers, shape, dtype = layout
-        buffer = torch.empty((hit, layers, *shape), dtype=dtype)
+        buffer = _load_buffer((hit, layers, *shape), dtype)
         try:
             got = self.portal.call(self.store.get_many, keys[:hit], list(buffer.unbind(0)))
-        except KVStoreError as e:  # a failed read is a miss: vLLM computes
-            _warn_once("load", "kvstore connector: load failed: %s: %s", type(e).__name__, e)
+        except Exception as e:  # a failed read is a miss: vLLM computes
+            self.load_raised(keys[:hit], e)
             return 0
         ok = next((i for i, g in enumerate(got) if g is None), hit)
         elapsed = time.perf_counter_ns() - start
@@ -272,6 +281,17 @@ class _SharedStore:
             with self._lock:
                 self._prepared[keys[0]] = _Prepared(keys[:ok], buffer[:ok], self._generation)
         return ok
+
+    def load_raised(self, keys: Sequence[bytes], error: Exception) -> None:
+        """A read of ``keys`` raised: answer them as misses in this engine life (bounded:
+        forgotten after ``_MAX_FAILED_KEYS``), so that vLLM computes instead of loading
+        them again and again."""
+        _warn_once("load", "kvstore connector: load failed: %s: %s", type(error).__name__,
+                   error)
+        with self._lock:
+            if len(self.failed_keys) + len(keys) > _MAX_FAILED_KEYS:
+                self.failed_keys.clear()
+            self.failed_keys.update(keys)
 
     def take_prepared(self, keys: list[bytes]) -> torch.Tensor | None:
         """The blocks :meth:`_read_ahead` read for a load of ``keys`` (None if it
@@ -552,6 +572,14 @@ class _Prepared:
     keys: list[bytes]  # the verified leading keys of a lookup
     buffer: torch.Tensor  # their blocks, [len(keys), layers, *block shape]
     generation: int
+
+
+def _load_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer ``get_many`` fills on the store's thread.  vLLM runs the worker's hooks
+    under ``torch.inference_mode``; a tensor made there is an inference tensor, which
+    the memory tier's in-place copy (outside inference mode) may not write."""
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=dtype)
 
 
 # Worker steps a synchronous load's read-ahead is kept for its load (see next_step).
@@ -852,13 +880,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         blocks = None if keys is None else self._store.take_prepared(keys)
         ok = n
         if blocks is None:
-            blocks = torch.empty((n, len(self._layers), *self._block_shape), dtype=self._dtype)
+            blocks = _load_buffer((n, len(self._layers), *self._block_shape), self._dtype)
             try:
                 got: list[torch.Tensor | None] = [None] * n if keys is None or not n else \
                     self._store.get_many(keys, list(blocks.unbind(0)))
-            except KVStoreError as e:
-                _warn_once("load", "kvstore connector: load failed: %s: %s",
-                           type(e).__name__, e)
+            except Exception as e:
+                self._store.load_raised(keys or [], e)
                 got = [None] * n
             ok = next((i for i, g in enumerate(got) if g is None), n)
         if ok:
@@ -875,7 +902,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         n = len(load.block_ids)
         self._store.count(load_blocks=n)
         keys = self._keys(load.hashes)
-        buffer = torch.empty((n, len(self._layers), *self._block_shape), dtype=self._dtype)
+        buffer = _load_buffer((n, len(self._layers), *self._block_shape), self._dtype)
         future: Future[list[torch.Tensor | None]]
         if keys is None or n == 0:  # no KV registered: nothing can be loaded
             future = Future()
@@ -892,7 +919,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         try:
             got = inflight.future.result()
         except Exception as e:  # a failed read is a miss: vLLM recomputes
-            _warn_once("load", "kvstore connector: load failed: %s: %s", type(e).__name__, e)
+            keys = self._keys(load.hashes)
+            self._store.load_raised(keys or [], e)
             got = [None] * len(load.block_ids)
         ok = next((i for i, g in enumerate(got) if g is None), len(load.block_ids))
         if ok:
