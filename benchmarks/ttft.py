@@ -15,8 +15,8 @@ load takes).  Every life is a new process: a restart in the real sense.
   kvstore hit possible (a new prompt).  The connector is on: the time includes copying
   the blocks out for saving (the put itself runs in the background; the benchmark waits
   for it between repeats, outside the timing).
-* **(b) vLLM prefix cache**: same life, each prompt of (a) again, without a reset: vLLM's
-  own in-memory prefix cache serves every full block.
+* **(b) vLLM prefix cache**: same life, each prompt of (a) again right after it, without
+  a reset: vLLM's own in-memory prefix cache serves every full block.
 * **(c) restart, disk**: life ``disk``, a new process on the same store, no memory tier;
   each prompt after a prefix-cache reset: every full block is read from the store
   (io_uring, O_DIRECT: not the page cache), verified and copied into the paged KV.
@@ -170,20 +170,20 @@ def life(spec_path: str, out_path: str) -> None:
     settle(store)
     for case in spec["cases"]:
         times: list[float] = []
+        again: list[float] = []
         for r in range(repeats):
             ids = prompt(r, n)
-            if case in ("cold", "warm_disk"):
-                assert llm.reset_prefix_cache()
-                times.append(ttft(llm, ids))
-            elif case == "vllm_cache":  # right after (a): the blocks are in vLLM's cache
-                times.append(ttft(llm, ids))
-            elif case == "warm_memory":  # the first request fills the memory tier
-                assert llm.reset_prefix_cache()
+            assert llm.reset_prefix_cache()
+            if case == "warm_memory":  # the first request fills the memory tier
                 ttft(llm, ids)
                 assert llm.reset_prefix_cache()
-                times.append(ttft(llm, ids))
+            times.append(ttft(llm, ids))
             settle(store)
+            if case == "cold":  # (b): at once, the blocks still in vLLM's prefix cache
+                again.append(ttft(llm, ids))
         result[case] = times
+        if again:
+            result["vllm_cache"] = again
     if spec.get("itl"):
         result["itl"] = [decode_under_load(llm, spec, prompt(r, n)) for r in range(repeats)]
     if store is not None:
@@ -198,7 +198,7 @@ def life(spec_path: str, out_path: str) -> None:
 
 LIVES: list[tuple[str, dict[str, Any], list[str], bool]] = [
     # name, extra config, cases in order, ITL test
-    ("fill", {}, ["cold", "vllm_cache"], False),
+    ("fill", {}, ["cold"], False),
     ("disk", {}, ["warm_disk"], True),
     ("disk-sync", {"async_loads": False}, ["warm_disk"], True),
     ("memory", {"memory_bytes": 1 << 30}, ["warm_memory"], False),
@@ -210,6 +210,9 @@ def run_life(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    from benchmarks.common import CpuMeter
+
+    meter = CpuMeter()
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--life", str(spec_path), str(out_path)],
                           env=env, capture_output=True, text=True, timeout=1800)
@@ -217,7 +220,9 @@ def run_life(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         sys.exit(f"life {name} failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     result["life_seconds"] = time.perf_counter() - start
-    print(f"life {name}: {result['life_seconds']:.0f} s", flush=True)
+    result["other_cpu_pct"] = meter.lap()["other_cpu_pct"]
+    print(f"life {name}: {result['life_seconds']:.0f} s, other processes "
+          f"{result['other_cpu_pct']:.0f}% of a core", flush=True)
     return result
 
 
@@ -260,7 +265,8 @@ def report(args: argparse.Namespace, lives: dict[str, dict[str, Any]],
                          "vs_vllm_cache": med[k] / vcache} for k, v in rows.items()},
             "itl": itl, "goals": goals,
             "connector": {k: v.get("connector") for k, v in lives.items()},
-            "life_seconds": {k: v["life_seconds"] for k, v in lives.items()}}
+            "life_seconds": {k: v["life_seconds"] for k, v in lives.items()},
+            "other_cpu_pct": {k: v["other_cpu_pct"] for k, v in lives.items()}}
     return data
 
 
@@ -281,13 +287,19 @@ def markdown(data: dict[str, Any]) -> str:
         f"prompts of {a['tokens']} random token ids (one new prompt per repeat); vLLM block "
         f"size {data['block_size']}; KV per prompt "
         f"{data['kv_bytes_per_prompt'] / (1 << 20):.0f} MiB.  {a['repeats']} repeats per row; "
-        "each row's TTFT is the wall time of `generate(max_tokens=1)`.", "",
+        "each row's TTFT is the wall time of `generate(max_tokens=1)`.  Rows (b)-(d) still "
+        f"compute the prompt's last block ({data['block_size']} tokens attending to the "
+        "whole prompt): vLLM computes at least one prompt token and caches whole blocks.",
+        "", "CPU time of other processes during each life (the machine is shared), % of "
+        "one core: " + ", ".join(f"{k} {v:.0f}%" for k, v in data["other_cpu_pct"].items())
+        + ".", "",
         "| row | what it measures | TTFT min / median / max (ms) | cold / row | row / (b) |",
         "|---|---|---|---|---|"]
     what = {
         "(a) cold": "fresh store, new prompt, prefix cache reset: full prefill (+ copying "
                     "the blocks out for saving)",
-        "(b) vLLM prefix cache": "same life, same prompt again: vLLM's in-memory prefix cache",
+        "(b) vLLM prefix cache": "same life, the same prompt again right after (a): "
+                                 "vLLM's in-memory prefix cache",
         "(c) restart, kvstore disk": "new process, prefix cache reset: every full block "
                                      "read from disk (O_DIRECT), verified, copied in",
         "(d) restart, kvstore memory tier": "new process with `memory_bytes`: the prompt's "
