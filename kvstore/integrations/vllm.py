@@ -74,6 +74,15 @@ before recomputing it (with synchronous loads vLLM caches the blocks when it all
 them).  No forward ever reads a block that failed to load, so nothing computed from one
 is saved.  Wrong KV therefore never reaches a served token or the store.
 
+With ``async_loads`` off, loads are synchronous: the lookup itself reads and verifies
+the hit blocks (the scheduler waits; with the multiprocess engine the worker's lookup
+server reads them) and claims only the verified prefix, since vLLM adds a synchronously
+loaded request's blocks to its own prefix cache when it allocates them, before the load.
+The worker copies those blocks into the paged KV in ``start_load_kv``, before the
+forward of the step that scheduled the request.  Should a read-ahead be gone by then
+(not in vLLM's order of calls), the blocks are read there, and a failed one is reported
+through ``get_block_ids_with_load_errors`` as above; nothing that step computed is saved.
+
 With the memory tier (``memory_bytes``) and ``prefetch`` on, a lookup that finds stored
 blocks starts bringing them into memory at once (``Store.prefetch``), so the load that
 vLLM schedules later is served from RAM.  Saves are droppable by default
@@ -161,6 +170,7 @@ _COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes"
              # nanoseconds: the forward waiting on save copies / on loads; background puts
              "save_stall_ns", "load_ns", "save_io_ns")
 _MAX_LOAD_SAMPLES = 4096  # load durations kept for vLLM's histogram between two steps
+_MAX_FAILED_KEYS = 1 << 16  # keys whose load raised, answered as misses
 
 
 class _SharedStore:
@@ -183,6 +193,12 @@ class _SharedStore:
             self._portal_cm.__exit__(None, None, None)
             raise
         self.namespace: Namespace | None = None
+        # (layers, block shape, dtype) of a stored block, set with the namespace: the
+        # lookup of a synchronous load reads into a buffer of that shape.
+        self.layout: tuple[int, tuple[int, ...], torch.dtype] | None = None
+        self._prepared: dict[bytes, _Prepared] = {}  # sync loads, by first key
+        self.failed_keys: set[bytes] = set()  # loads that raised: misses from now on
+        self._generation = 0  # worker steps (start_load_kv) seen, to age them out
         self.users = 0
         self.closed = False
         self._lock = threading.Lock()
@@ -214,9 +230,91 @@ class _SharedStore:
         if ns is None or not hashes:
             return 0
         keys = ns.engine_keys(hashes)
+        with self._lock:
+            # A load that raised (not a checksum miss: that block is quarantined) would
+            # be retried by vLLM forever if the same keys stayed hits.
+            cut = next((i for i, k in enumerate(keys) if k in self.failed_keys), len(keys))
+        keys = keys[:cut]
+        if not keys:
+            return 0
+        if not self.config.async_loads:
+            return self._read_ahead(keys)
         if self.store.memory is None or not self.config.prefetch:
             return self.portal.call(self.store.match_prefix, keys)
         return self.portal.call(self._match_and_prefetch, keys)
+
+    def _read_ahead(self, keys: list[bytes]) -> int:
+        """Synchronous loads: read and verify the stored leading blocks now and keep
+        them for the worker's ``start_load_kv``; the hit is the verified prefix only.
+
+        vLLM adds a synchronously loaded request's blocks to its own prefix cache when
+        it allocates them, before the load: a block claimed as a hit that then failed
+        to load would be a local cache hit for a later request if this one were aborted
+        or preempted before recomputing it.  Claiming only blocks already read and
+        verified closes that: a corrupt block is a plain miss here."""
+        layout = self.layout
+        if layout is None:
+            return 0
+        with self._lock:
+            held = self._prepared.get(keys[0])
+            if held is not None and held.keys == keys[:len(held.keys)]:
+                # The same request asking again (it waited for free blocks): what was
+                # read is still right, whatever happened in the store since.
+                held.generation = self._generation
+                return len(held.keys)
+        start = time.perf_counter_ns()
+        hit = self.portal.call(self.store.match_prefix, keys)
+        if not hit:
+            return 0
+        layers, shape, dtype = layout
+        buffer = _load_buffer((hit, layers, *shape), dtype)
+        try:
+            got = self.portal.call(self.store.get_many, keys[:hit], list(buffer.unbind(0)))
+        except Exception as e:  # a failed read is a miss: vLLM computes
+            self.load_raised(keys[:hit], e)
+            return 0
+        ok = next((i for i, g in enumerate(got) if g is None), hit)
+        elapsed = time.perf_counter_ns() - start
+        self.count(load_ns=elapsed)
+        self.record_load(elapsed / 1e9)
+        if ok:
+            with self._lock:
+                self._prepared[keys[0]] = _Prepared(keys[:ok], buffer[:ok], self._generation)
+        return ok
+
+    def load_raised(self, keys: Sequence[bytes], error: Exception) -> None:
+        """A read of ``keys`` raised: answer them as misses in this engine life (bounded:
+        forgotten after ``_MAX_FAILED_KEYS``), so that vLLM computes instead of loading
+        them again and again."""
+        _warn_once("load", "kvstore connector: load failed: %s: %s", type(error).__name__,
+                   error)
+        with self._lock:
+            if len(self.failed_keys) + len(keys) > _MAX_FAILED_KEYS:
+                self.failed_keys.clear()
+            self.failed_keys.update(keys)
+
+    def take_prepared(self, keys: list[bytes]) -> torch.Tensor | None:
+        """The blocks :meth:`_read_ahead` read for a load of ``keys`` (None if it
+        holds fewer), forgotten once taken."""
+        if not keys:
+            return None
+        with self._lock:
+            held = self._prepared.pop(keys[0], None)
+        if held is None or held.keys[:len(keys)] != keys:
+            return None
+        return held.buffer[:len(keys)]
+
+    def next_step(self) -> None:
+        """A worker step began: forget reads no load took for a few steps (their
+        request was not scheduled, or aborted; vLLM looks it up again if it comes
+        back).  A lookup's load comes in the step the scheduler built with it, or with
+        async scheduling the one after."""
+        with self._lock:
+            self._generation += 1
+            stale = [k for k, p in self._prepared.items()
+                     if p.generation < self._generation - _PREPARED_STEPS]
+            for k in stale:
+                del self._prepared[k]
 
     async def _match_and_prefetch(self, keys: list[bytes]) -> int:
         hit = await self.store.match_prefix(keys)
@@ -330,6 +428,7 @@ class _SharedStore:
         self.closed = True
         if self.server is not None:
             self.server.close()
+        self._prepared.clear()
         try:
             self.flush()
             self._store_cm.__exit__(None, None, None)
@@ -483,6 +582,25 @@ class _RequestState:
 
 
 @dataclass
+class _Prepared:
+    keys: list[bytes]  # the verified leading keys of a lookup
+    buffer: torch.Tensor  # their blocks, [len(keys), layers, *block shape]
+    generation: int
+
+
+def _load_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer ``get_many`` fills on the store's thread.  vLLM runs the worker's hooks
+    under ``torch.inference_mode``; a tensor made there is an inference tensor, which
+    the memory tier's in-place copy (outside inference mode) may not write."""
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=dtype)
+
+
+# Worker steps a synchronous load's read-ahead is kept for its load (see next_step).
+_PREPARED_STEPS = 3
+
+
+@dataclass
 class _InFlightLoad:
     load: _Load
     buffer: torch.Tensor
@@ -578,6 +696,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._staged_layers: set[int] = set()
         self._loading: dict[str, _InFlightLoad] = {}
         self._load_errors: set[int] = set()
+        # A synchronous load failed in this step: its forward read unloaded blocks.
+        self._step_load_failed = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -643,9 +763,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             return 0, False
         self._count(lookups=1)
         tokens = min(hit, last - first) * self._block_size
-        # Loaded in the background: vLLM caches the blocks only once they arrived, and
-        # only the verified ones (see the module docstring).
-        return tokens, tokens > 0
+        # Asynchronous: vLLM caches the blocks only once they arrived, and only the
+        # verified ones.  Synchronous: the hit was read and verified by the lookup.
+        return tokens, tokens > 0 and self._config.async_loads
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -724,6 +844,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._block_axis = axis
         self._block_shape = tuple(s for i, s in enumerate(first.shape) if i != axis)
         self._dtype = first.dtype
+        self._store.layout = (len(names), self._block_shape, self._dtype)
         self._store.namespace = self._namespace(first, axis, names)
         self._store.attach_remote(self._store.namespace)
         self._store.serve_lookups(self._scope_digest)
@@ -749,17 +870,54 @@ class KVStoreConnector(KVConnectorBase_V1):
         return torch.tensor(list(block_ids), dtype=torch.long, device=device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Start this step's loads in the background (each into a buffer of its own)."""
+        """Start this step's loads in the background (each into a buffer of its own),
+        or with ``async_loads`` off copy them into the KV cache before the forward."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
+        if self._config.async_loads:
+            for load in meta.loads:
+                self._start_load(load)
+            return
+        self._step_load_failed = False
+        self._store.next_step()
         for load in meta.loads:
-            self._start_load(load)
+            self._load_now(load)
+
+    def _load_now(self, load: _Load) -> None:
+        """A synchronous load: the blocks its lookup read and verified, copied into
+        the KV cache.  Should they be gone (never, in vLLM's order of calls), they are
+        read now, and blocks that fail are reported as load errors: vLLM recomputes
+        them and drops this step's output of the request; this step saves nothing."""
+        n = len(load.block_ids)
+        start = time.perf_counter_ns()
+        self._store.count(load_blocks=n)
+        keys = self._keys(load.hashes)
+        blocks = None if keys is None else self._store.take_prepared(keys)
+        ok = n
+        if blocks is None:
+            blocks = _load_buffer((n, len(self._layers), *self._block_shape), self._dtype)
+            try:
+                got: list[torch.Tensor | None] = [None] * n if keys is None or not n else \
+                    self._store.get_many(keys, list(blocks.unbind(0)))
+            except Exception as e:
+                self._store.load_raised(keys or [], e)
+                got = [None] * n
+            ok = next((i for i, g in enumerate(got) if g is None), n)
+        if ok:
+            self._scatter(blocks[:ok], load.block_ids[:ok])
+        failed = load.block_ids[ok:]
+        if failed:
+            self._step_load_failed = True
+            self._load_errors.update(failed)
+        self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed),
+                          loaded_bytes=ok * blocks[0].nbytes if ok else 0,
+                          load_ns=time.perf_counter_ns() - start)
 
     def _start_load(self, load: _Load) -> None:
         n = len(load.block_ids)
         self._store.count(load_blocks=n)
         keys = self._keys(load.hashes)
-        buffer = torch.empty((n, len(self._layers), *self._block_shape), dtype=self._dtype)
+        buffer = _load_buffer((n, len(self._layers), *self._block_shape), self._dtype)
         future: Future[list[torch.Tensor | None]]
         if keys is None or n == 0:  # no KV registered: nothing can be loaded
             future = Future()
@@ -776,7 +934,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         try:
             got = inflight.future.result()
         except Exception as e:  # a failed read is a miss: vLLM recomputes
-            _warn_once("load", "kvstore connector: load failed: %s: %s", type(e).__name__, e)
+            keys = self._keys(load.hashes)
+            self._store.load_raised(keys or [], e)
             got = [None] * len(load.block_ids)
         ok = next((i for i, g in enumerate(got) if g is None), len(load.block_ids))
         if ok:
@@ -795,7 +954,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             layer.index_copy_(axis, index, blocks[:, li].to(layer.device).movedim(0, axis))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads finish before their request is scheduled: a stored block holds all layers.
+        # Async loads finish before their request is scheduled, sync loads in
+        # start_load_kv: a stored block holds all layers.
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -852,7 +1012,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        if meta.saves and layer_name in self._layer_index:
+        if meta.saves and layer_name in self._layer_index and not self._step_load_failed:
             start = time.perf_counter_ns()
             self._stage(meta, self._layer_index[layer_name])
             self._store.count(save_stall_ns=time.perf_counter_ns() - start)
@@ -867,7 +1027,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         # vLLM calls this from a `finally`, so also when the forward raised: layers not
         # reached this step still hold another request's (or no) KV.  Saving them would
         # persist wrong bytes under the blocks' real hashes.
-        if sys.exc_info()[1] is not None:
+        # (Or) a synchronous load of this step failed: its forward read unloaded
+        # blocks, so blocks computed in it may hold KV derived from garbage; vLLM
+        # discards the step's output, and the recompute plans them again.
+        if sys.exc_info()[1] is not None or self._step_load_failed:
             self._store.count(save_dropped_blocks=len(meta.saves))
             self._staging_meta = self._staging = None
             return

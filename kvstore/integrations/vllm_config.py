@@ -71,6 +71,12 @@ class ConnectorConfig:
                         (``AWS_ACCESS_KEY_ID`` ...), never from this config (vLLM logs
                         it).  Needs ``pip install kvstore[remote]``.  Each rank's store
                         shares its own namespace's objects.
+    ``async_loads``     True (default): a request with a hit waits in vLLM's
+                        ``WAITING_FOR_REMOTE_KVS`` while its blocks are read in the
+                        background and other requests keep running.  False: the lookup
+                        reads and verifies the hit blocks at once (the scheduler waits)
+                        and they are copied into the paged KV before the step's forward;
+                        the request runs in the step that found the hit.
 
     With tensor/pipeline parallel (world size W > 1) every rank has a store of its own
     in ``path/rank-R-of-W`` (:mod:`kvstore.integrations.vllm_ranks`), and
@@ -94,6 +100,7 @@ class ConnectorConfig:
     backlog_bytes: int = 1 << 30
     background_saves: bool = True
     remote: RemoteConfig | None = None
+    async_loads: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -118,7 +125,8 @@ class ConnectorConfig:
         if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
             raise ValueError("kvstore connector: memory_bytes must be an int >= 0 (0: no "
                              f"memory tier), got {memory!r}")
-        for name in ("sync", "strict_permissions", "prefetch", "background_saves"):
+        for name in ("sync", "strict_permissions", "prefetch", "background_saves",
+                     "async_loads"):
             if name in extra and not isinstance(extra[name], bool):
                 raise ValueError(f"kvstore connector: {name} must be true or false, "
                                  f"got {extra[name]!r}")

@@ -29,13 +29,16 @@ sharing one store:
             First ``LONG`` is submitted and its load held in flight (its read completes
             only when the test opens a gate); it is aborted while held and ``SP_B`` is
             served meanwhile; then the gate opens and the prompts are served.
+* ``S``     (``sync_scenario``) restart with ``async_loads`` off, ``LONG``'s block 1
+            corrupted again: the lookup reads and verifies, the hit stops before it.
 * ``X``     the store served by a multiprocess engine that stays up while ``Y1`` and
             ``Y2`` run, each in a mount namespace of its own where the same store path is
             another (empty) directory, as containers sharing the host's network namespace
             see it: ``Y1`` must find no hits (its lookups must not reach ``X``'s worker);
             ``Y2``, configured with ``X``'s engine id, must refuse to start.
 
-Twelve engine lives of ~30-50 s each on two cores (about 8-10 minutes in all).  The vLLM venv comes from
+Thirteen engine lives of ~30-50 s each on two cores (about 8-10 minutes in all).  The
+vLLM venv comes from
 ``tests/integrations/install_vllm_env.sh``; its python is ``$KVSTORE_VLLM_PYTHON``
 (default ``.venv-vllm/bin/python`` in the repository).
 """
@@ -389,6 +392,48 @@ def test_an_engine_that_cannot_serve_its_lookups_refuses_to_start(
     y2 = scenario["Y2"]
     assert "outputs" not in y2, "the engine started although its lookups go elsewhere"
     assert "kvstore connector: cannot serve lookups" in y2.get("error", "") + y2["stderr"]
+
+
+# ---------------------------------------------------------------------------- sync loads
+
+@pytest.fixture(scope="module")
+def sync_scenario(scenario: dict[str, Any], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> dict[str, Any]:
+    """``S``: a restart with ``async_loads`` off, on the store the scenario left (every
+    prompt block stored), ``LONG``'s block 1 corrupted once more.  One engine life."""
+    store, keys = scenario["store"], scenario["keys"]
+    anyio.run(_tamper, store, keys[0][1], [])
+    tmp = tmp_path_factory.mktemp("vllm-sync")
+    return life(tmp, "S", tiny_model, store,
+                extra={"extent_bytes": SMALL_EXTENT, "async_loads": False})
+
+
+def test_sync_loads_serve_a_restart_from_kvstore(sync_scenario: dict[str, Any],
+                                                 scenario: dict[str, Any]) -> None:
+    s = sync_scenario
+    assert tokens(s) == tokens(scenario["ref"])
+    long, sp_a, sp_b = s["outputs"]
+    # SP_A and SP_B: every prompt block from kvstore, loaded in the step that runs them.
+    assert sp_a["num_cached_tokens"] == prompt_blocks(sp_a) * BLOCK == 3 * BLOCK
+    assert sp_b["num_cached_tokens"] == prompt_blocks(sp_b) * BLOCK == 3 * BLOCK
+    assert s["metrics"]["vllm:prompt_tokens_cached_by_source[disk]"] == 7 * BLOCK
+
+
+def test_sync_loads_recompute_a_corrupt_block_mid_chain(sync_scenario: dict[str, Any],
+                                                        scenario: dict[str, Any]) -> None:
+    """The lookup reads and verifies the hit before claiming it: LONG's block 1 fails
+    its checksum there, so the hit is block 0 only and vLLM computes blocks 1..4 (no
+    block is reported failed after vLLM cached it).  The outputs equal the reference,
+    and the recomputed block 1 is stored again."""
+    s = sync_scenario
+    assert tokens(s) == tokens(scenario["ref"])
+    long = s["outputs"][0]
+    assert long["num_cached_tokens"] == 1 * BLOCK
+    conn = s["connector"]
+    assert conn["store"]["corrupt_blocks"] == 1
+    assert conn["loaded_blocks"] == conn["lookup_hit_blocks"] == 1 + 3 + 3
+    assert conn["load_failed_blocks"] == 0 and conn["save_dropped_blocks"] == 0
+    assert conn["saved_blocks"] == 1  # LONG's blocks 2..4 are still stored
 
 
 # ---------------------------------------------------------------------------- tensor parallel

@@ -31,12 +31,14 @@ def test_options_reach_the_store(tmp_path: Path) -> None:
 def test_tier_and_backpressure_options_reach_the_store(tmp_path: Path) -> None:
     config = ConnectorConfig.from_extra({
         "path": str(tmp_path), "memory_bytes": 64 << 20, "backlog_bytes": 8 << 20,
-        "prefetch": False, "background_saves": False})
+        "prefetch": False, "background_saves": False, "async_loads": False})
     options = config.open_options()
     assert (options["memory_bytes"], options["backlog_bytes"]) == (64 << 20, 8 << 20)
     assert config.prefetch is False and config.background_saves is False
+    assert config.async_loads is False
     default = ConnectorConfig.from_extra({"path": str(tmp_path)})
-    assert (default.memory_bytes, default.prefetch, default.background_saves) == (0, True, True)
+    assert (default.memory_bytes, default.prefetch, default.background_saves,
+            default.async_loads) == (0, True, True, True)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -58,6 +60,7 @@ def test_tier_and_backpressure_options_reach_the_store(tmp_path: Path) -> None:
     ({"path": "/x", "memory_bytes": 1.5}, "memory_bytes must be an int >= 0"),
     ({"path": "/x", "prefetch": 1}, "prefetch must be true or false"),
     ({"path": "/x", "background_saves": "no"}, "background_saves must be true or false"),
+    ({"path": "/x", "async_loads": "false"}, "async_loads must be true or false"),
     ({"path": "/x", "backlog_bytes": 0}, "backlog_bytes must be a positive int"),
     ({"path": "/x", "remote": "s3://kv"}, "remote must be an object of remote-tier options"),
     ({"path": "/x", "remote": {"bucket": "kv", "secret_access_key": "s"}},
