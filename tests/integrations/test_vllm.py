@@ -93,8 +93,11 @@ def _life_command(tmp: Path, name: str, model: Path, store: Path | None,
             "extra": {"extent_bytes": SMALL_EXTENT}, **spec_extra}
     spec_path, result_path = tmp / f"{name}.spec.json", tmp / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
+    # pickle for engine_life's collective_rpc of its own functions (settle_saves, the
+    # per-rank stats), which vLLM's msgpack encoder refuses otherwise
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
-               PYTHONPATH=str(REPO), **(env_extra or {}))
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=str(REPO),
+               **(env_extra or {}))
     return ([*prefix, str(VLLM_PYTHON), str(HERE / "engine_life.py"), str(spec_path),
              str(result_path)], env, result_path)
 
@@ -440,11 +443,9 @@ def test_sync_loads_recompute_a_corrupt_block_mid_chain(sync_scenario: dict[str,
 
 TP = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 # One core per rank (vLLM's CPU workers), from the CPUs this process may run on (a
-# container's may not be 0 and 1); pickle for the test's own collective_rpc of a
-# function (engine_life._rank_stats), which vLLM's msgpack encoder refuses otherwise.
+# container's may not be 0 and 1).
 _CPUS = sorted(os.sched_getaffinity(0))
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in _CPUS[:2]),
-          "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in _CPUS[:2])}
 
 
 @pytest.fixture(scope="module")
