@@ -116,17 +116,24 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the foreground process group) while the reload process starts:
     one line, exit 130, and the store checks clean."""
     path = tmp_path / "store"
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "demo", "--path", str(path),
-                             "--tiny"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stderr is not None
-    seen = []
-    for line in proc.stderr:  # wait until the offload is done and the restart begins
-        seen.append(line)
-        if line.startswith("engine restart"):
+    # The signal is sent when the restart line is read; on a loaded machine the tiny
+    # reload (a second or two, importing torch) can finish before this process runs
+    # again, and the demo then ends normally (exit 0, "OK:").  That run proves nothing
+    # about Ctrl-C: run the demo again, a bounded number of times.
+    for _attempt in range(5):
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore", "demo", "--path", str(path),
+                                 "--tiny"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # wait until the offload is done and the restart begins
+            seen.append(line)
+            if line.startswith("engine restart"):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        if not (proc.returncode == 0 and "OK:" in out):
             break
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, "".join(seen) + err
     assert "Traceback" not in err
     assert err.strip().splitlines() == [
