@@ -10,8 +10,9 @@ makes (its hooks are marked "remote tier") and what they need from the store.
   is local.  A get or match_prefix does not wait for that put: it runs in the store's
   background task group (bounded by ``backlog_bytes``, dropped and counted beyond it),
   and a get meanwhile is served from the fetched copy (``remote.promoting``).  A
-  prefetch waits for it (it is in the background already).  Lossless blocks keep their codec; lossy (FP8) blocks are stored as the
-  tensor the get returned, so a local hit reads back exactly what the remote one did.
+  prefetch waits for it (it is in the background already).  Lossless blocks keep their
+  codec; lossy (FP8) blocks are stored as the tensor the get returned, so a local hit
+  reads back exactly what the remote one did.
   Promotion is best effort (a read-only or full store still answers from the remote).
 """
 
@@ -116,14 +117,15 @@ def _promote_soon(store: Store, blocks: list[tuple[RemoteBlock, torch.Tensor]]) 
     if group is None:  # not opened through kvstore.open(): no background task group
         remote._stats.promotion_dropped += len(blocks)
         return
-    remote.promotion_started(blocks)
+    fetched = [block for block, _ in blocks]
+    remote.promotion_started(fetched)
 
     async def promote() -> None:
         try:
             with store._ops.track():
                 await _promote(store, blocks, background=True)
         finally:
-            remote.promotion_done(blocks)
+            remote.promotion_done(fetched)
 
     group.start_soon(promote)
 
@@ -202,7 +204,7 @@ async def fill_misses(store: Store, keys: Sequence[bytes], outs: Sequence[torch.
     then from the remote."""
     assert store.remote is not None
     promoting = store.remote.promoting
-    held = [(i, promoting[keys[i]][0]) for i, r in enumerate(results)
+    held = [(i, promoting[keys[i]]) for i, r in enumerate(results)
             if r is None and keys[i] in promoting]
     if held:
         # Decoded again from the verified object, as a fetch delivers it (a raw block is

@@ -98,8 +98,6 @@ class _Buffer:
         self.tensor = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(
             0, dtype=torch.uint8)
         self.array = np.frombuffer(data, dtype=np.uint8)
-        # the compiled verifier reads through the arena's address (kvstore.native_slots)
-        self.address = self.array.ctypes.data if data else 0
 
 
 def decode(data: bytearray, header: SlotHeader, out: torch.Tensor | None) -> torch.Tensor:

@@ -6,8 +6,8 @@ local misses under a deadline, and a circuit breaker in front of both.
   worker reads the block back from the local store (verified, under a read epoch so the
   slot cannot be reused meanwhile) and writes it with a conditional PUT
   (``If-None-Match: *``): an object already there is left alone, so concurrent stores
-  never overwrite each other.  Keys known to be in the bucket (uploaded, found, or fetched) are not
-  queued again.  Local eviction and delete never touch the bucket.
+  never overwrite each other.  Keys known to be in the bucket (uploaded, found, or
+  fetched) are not queued again.  Local eviction and delete never touch the bucket.
 * Reads: ``fetch(keys, chain=...)`` GETs objects in parallel (at most ``concurrency``),
   verifies each (``kvstore.remote.objects.verify``) on the worker thread and gives up
   at ``read_deadline_s``; with ``chain=True`` it walks the keys in windows and stops at
@@ -25,7 +25,6 @@ from typing import TypeVar
 
 import anyio
 import anyio.abc
-import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvstore.errors import CorruptionError, FormatVersionError, RemoteAuthError, RemoteError
@@ -75,7 +74,7 @@ class RemoteTier:
         # Fetched blocks whose local put (promotion) runs in the background: served from
         # here meanwhile (kvstore/remote/local.py), so a get right after a match_prefix
         # does not fetch them again.
-        self.promoting: dict[bytes, tuple[RemoteBlock, torch.Tensor]] = {}
+        self.promoting: dict[bytes, RemoteBlock] = {}
         self._promotions = 0  # background promotions running
         self._idle: anyio.Event | None = None
         self._scope: anyio.CancelScope | None = None
@@ -143,15 +142,14 @@ class RemoteTier:
             self._idle = anyio.Event()
             await self._idle.wait()
 
-    def promotion_started(self, blocks: Sequence[tuple[RemoteBlock, torch.Tensor]]) -> None:
+    def promotion_started(self, blocks: Sequence[RemoteBlock]) -> None:
         self._promotions += 1
-        for block, value in blocks:
-            self.promoting[block.key] = (block, value)
+        for block in blocks:
+            self.promoting[block.key] = block
 
-    def promotion_done(self, blocks: Sequence[tuple[RemoteBlock, torch.Tensor]]) -> None:
-        for block, value in blocks:
-            held = self.promoting.get(block.key)
-            if held is not None and held[1] is value:  # not a later fetch's
+    def promotion_done(self, blocks: Sequence[RemoteBlock]) -> None:
+        for block in blocks:
+            if self.promoting.get(block.key) is block:  # not a later fetch's
                 del self.promoting[block.key]
         self._promotions -= 1
         self._wake_if_idle()
