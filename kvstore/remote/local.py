@@ -130,11 +130,12 @@ def _promote_soon(store: Store, blocks: list[tuple[RemoteBlock, torch.Tensor]]) 
     group.start_soon(promote)
 
 
-def _decode(block: RemoteBlock, out: torch.Tensor | None) -> torch.Tensor:
+def _decode(block: RemoteBlock, out: torch.Tensor | None, *, check: bool = False
+            ) -> torch.Tensor:
     if out is not None:
         dtype = CODE_DTYPES[block.header.dtype]
         check_out(out, block.header.dtype, (block.header.raw_len // dtype.itemsize,))
-    return objects.decode(block.data, block.header, out)
+    return objects.decode(block.data, block.header, out, check=check)
 
 
 async def _fetch_decode(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
@@ -156,12 +157,16 @@ async def _fetch_decode(store: Store, keys: Sequence[bytes], outs: Sequence[torc
                 return
             state["decoding"] += 1
         try:
-            values[i] = value = _decode(block, outs[i])
+            # the fetch left the payload CRC32C to this decode: a CorruptionError goes
+            # back to it (a bad object, a miss)
+            values[i] = value = _decode(block, outs[i], check=True)
             # The promotion keeps a tensor of its own (the caller may change theirs
             # before the background put stages it): a raw payload is a view of the
             # object's bytes, which nothing else holds; a decoded one a copy.
             payload = objects.raw_payload(block.data, block.header)
             own[i] = value.clone() if payload is None else payload.view(block.header.shape)
+        except CorruptionError:
+            raise
         except Exception as e:  # noqa: BLE001 - a bad ``out``: raised to the caller
             errors.append(e)
         finally:

@@ -13,6 +13,7 @@ the trailer is new.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import struct
@@ -21,9 +22,10 @@ from typing import cast
 import numpy as np
 import torch
 
+from kvstore import native_slots
 from kvstore.codecs import CODEC_RAW
 from kvstore.errors import CorruptionError
-from kvstore.format import SLOT_HEADER_BYTES, SlotHeader
+from kvstore.format import SLOT_HEADER_BYTES, SlotHeader, crc32c
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.slots import check_payload, check_slot, deliver
 from kvstore.tensors import CODE_DTYPES
@@ -35,6 +37,9 @@ AUTH_HMAC_SHA256 = 1
 _AUTH = struct.Struct("<4sBBxx32s")
 AUTH_TRAILER_BYTES = _AUTH.size  # 40
 _AUTH_CONTEXT = b"kvstore-remote-v1\0"
+
+ObjectBytes = bytes | bytearray | memoryview
+"""An object's bytes as read (the S3 client's read-only response body) or written."""
 
 
 def namespace_prefix(prefix: str, namespace_digest: bytes) -> str:
@@ -64,10 +69,12 @@ def encode(slot: bytes | memoryview, header: SlotHeader, *, namespace_digest: by
                              _tag(hmac_key, namespace_digest, body))
 
 
-def verify(data: bytes | bytearray | memoryview, key: bytes, *, namespace_digest: bytes,
-           hmac_key: bytes | None) -> SlotHeader:
+def verify(data: ObjectBytes, key: bytes, *, namespace_digest: bytes,
+           hmac_key: bytes | None, payload: bool = True) -> SlotHeader:
     """Check an object read from the remote; its header, or ``CorruptionError`` saying
-    what was wrong (a ``FormatVersionError`` for a newer format)."""
+    what was wrong (a ``FormatVersionError`` for a newer format).  ``payload=False``
+    leaves the payload's CRC32C to ``decode(..., check=True)``, which takes it in the
+    same pass as the copy out."""
     view = memoryview(data)
     header = check_slot(view, key, None)
     body_len = SLOT_HEADER_BYTES + header.payload_len
@@ -75,7 +82,8 @@ def verify(data: bytes | bytearray | memoryview, key: bytes, *, namespace_digest
     if extra not in (0, AUTH_TRAILER_BYTES):
         raise CorruptionError(f"object is {len(view)} bytes; its header says "
                               f"{body_len} (+{AUTH_TRAILER_BYTES} if signed)")
-    check_payload(view, header)
+    if payload:
+        check_payload(view, header)
     if extra:
         magic, version, alg, tag = _AUTH.unpack(view[body_len:])
         if magic != AUTH_MAGIC or version != AUTH_VERSION or alg != AUTH_HMAC_SHA256:
@@ -89,29 +97,56 @@ def verify(data: bytes | bytearray | memoryview, key: bytes, *, namespace_digest
     return header
 
 
+def read_only_tensor(data: ObjectBytes) -> torch.Tensor:
+    """A flat uint8 tensor over ``data`` without a copy, also when ``data`` is read-only
+    (the S3 client's response body).  torch has no read-only tensors and warns on
+    ``frombuffer`` of one; kvstore only ever reads these (a decode copies out of them,
+    a promotion's staging copies them into the arena), so the tensor is built on a
+    ctypes alias of the buffer's memory, which holds ``data`` alive."""
+    array = np.frombuffer(data, dtype=np.uint8)
+    if array.size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    alias = (ctypes.c_uint8 * array.size).from_address(array.ctypes.data)
+    alias._kvstore_holds = array  # type: ignore[attr-defined]
+    return torch.frombuffer(alias, dtype=torch.uint8)
+
+
 class _Buffer:
     """Object bytes shaped like the staging arena, so that the slot decoder
     (``kvstore.slots.deliver``) decodes remote blocks exactly like local ones."""
 
-    def __init__(self, data: bytearray) -> None:
+    def __init__(self, data: ObjectBytes) -> None:
         self.view = memoryview(data)
-        self.tensor = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(
-            0, dtype=torch.uint8)
+        self.tensor = read_only_tensor(data)
         self.array = np.frombuffer(data, dtype=np.uint8)
 
 
-def decode(data: bytearray, header: SlotHeader, out: torch.Tensor | None) -> torch.Tensor:
+def decode(data: ObjectBytes, header: SlotHeader, out: torch.Tensor | None, *,
+           check: bool = False) -> torch.Tensor:
     """The block's tensor (into ``out`` when given) from an object ``verify`` accepted
-    (``header`` is what it returned): the payload's CRC32C is not computed again."""
+    (``header`` is what it returned).  ``check``: ``verify`` left the payload's CRC32C
+    out (``payload=False``): it is taken here, raising ``CorruptionError`` before
+    ``out`` is written; a raw payload into new memory is checked while it is copied (one
+    pass over bytes that just came off the network, not two)."""
+    payload = memoryview(data)[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + header.payload_len]
+    if check and out is None and header.codec == CODEC_RAW and native_slots.available():
+        result = torch.empty(header.shape, dtype=CODE_DTYPES[header.dtype])
+        copy = result.reshape(-1).view(torch.uint8).numpy()
+        if native_slots.crc32c(payload, copy_to=copy) != header.payload_crc:
+            raise CorruptionError("payload checksum mismatch")
+        return result
+    if check and crc32c(payload) != header.payload_crc:
+        raise CorruptionError("payload checksum mismatch")
     run = ArenaRun(cast(Arena, _Buffer(data)), 0, len(data))
     return deliver(run, header.codec, header.dtype, header.shape, header.payload_len, out)
 
 
-def raw_payload(data: bytearray, header: SlotHeader) -> torch.Tensor | None:
-    """A raw (uncompressed) payload as a flat tensor viewing ``data`` (no copy); None for
-    an encoded one."""
+def raw_payload(data: ObjectBytes, header: SlotHeader) -> torch.Tensor | None:
+    """A raw (uncompressed) payload as a flat tensor viewing ``data`` (no copy; read it
+    only); None for an encoded one."""
     if header.codec != CODEC_RAW:
         return None
-    dtype = CODE_DTYPES[header.dtype]
-    return torch.frombuffer(data, dtype=dtype, offset=SLOT_HEADER_BYTES,
-                            count=header.raw_len // dtype.itemsize)
+    payload = read_only_tensor(data)[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + header.raw_len]
+    return payload.view(CODE_DTYPES[header.dtype])

@@ -45,11 +45,12 @@ Finish = Callable[[int, "RemoteBlock"], None]
 
 @dataclass
 class RemoteBlock:
-    """A verified object: its bytes and header (decode with ``objects.decode``)."""
+    """A verified object: its bytes (read-only) and header (decode with
+    ``objects.decode``)."""
 
     key: bytes
     header: SlotHeader
-    data: bytearray
+    data: objects.ObjectBytes
 
 
 class BreakerOpen(Unavailable):
@@ -222,30 +223,30 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ reads
 
-    def _get_verified(self, key: bytes, i: int, then: Finish | None
-                      ) -> RemoteBlock | None | CorruptionError:
-        """On a worker thread: GET and verify (CRC32C of MBs runs off the event loop),
-        then ``then(i, block)`` (the caller's decode, in parallel with other GETs)."""
-        name = objects.object_name(self.config.prefix, self.namespace_digest, key)
-        data = self.client.get(name)
-        if data is None:
-            return None
+    def _verified(self, key: bytes, data: objects.ObjectBytes, i: int, then: Finish | None
+                  ) -> RemoteBlock | CorruptionError:
+        """On a worker thread, after the GET gave its slot back: verify (the CRC32C of
+        MBs), then ``then(i, block)`` (the caller's decode, in parallel with the other
+        GETs and decodes)."""
         try:
             header = objects.verify(data, key, namespace_digest=self.namespace_digest,
-                                    hmac_key=self.config.hmac_key)
+                                    hmac_key=self.config.hmac_key, payload=then is None)
+            block = RemoteBlock(key, header, data)
+            if then is not None:
+                then(i, block)  # checks the payload CRC32C while it decodes
         except (CorruptionError, FormatVersionError) as e:
+            name = objects.object_name(self.config.prefix, self.namespace_digest, key)
             return CorruptionError(f"{name}: {e}")
-        block = RemoteBlock(key, header, data)
-        if then is not None:
-            then(i, block)
         return block
 
     async def fetch(self, keys: Sequence[bytes], *, chain: bool, then: Finish | None = None
                     ) -> list[RemoteBlock | None]:
         """Fetch and verify ``keys`` (parallel, under the read deadline); None for a
         miss.  ``chain``: keys are one chain in order; stop at the first miss (the
-        result is then a prefix).  ``then(index, block)`` runs on the worker thread of
-        each verified block (it must not raise: keep errors for later)."""
+        result is then a prefix).  ``then(index, block)`` runs on a worker thread for
+        each object whose header verified; it must check the payload CRC32C
+        (``objects.decode(..., check=True)``) and may raise only ``CorruptionError``
+        (the object is then a bad one, a miss); keep other errors for later."""
         results: list[RemoteBlock | None] = [None] * len(keys)
         if not keys or not self.usable:
             return results
@@ -277,8 +278,9 @@ class RemoteTier:
 
     async def _fetch_one(self, key: bytes, i: int, results: list[RemoteBlock | None],
                          done: list[bool], then: Finish | None) -> None:
+        name = objects.object_name(self.config.prefix, self.namespace_digest, key)
         try:
-            got = await self._call(lambda: self._get_verified(key, i, then))
+            data = await self._call(lambda: self.client.get(name))
         except BreakerOpen:
             self._stats.fast_misses += 1
             done[i] = True
@@ -286,6 +288,12 @@ class RemoteTier:
         except Unavailable:
             done[i] = True
             return
+        if data is None:
+            done[i] = True
+            return
+        # The request slot (``concurrency``) is free again: checking and decoding run
+        # beside the next GETs, not in their place.
+        got = await anyio.to_thread.run_sync(self._verified, key, data, i, then)
         done[i] = True
         if isinstance(got, CorruptionError):
             self._stats.bad_objects += 1

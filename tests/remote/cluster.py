@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 ACCESS_KEY = "kvstore-test"
 SECRET_KEY = "kvstore-test-secret"
 BUCKET = "kvstore"
+MIN_FREE_GIB = 1  # a volume server registers only with this much disk free
 
 
 def weed_binary() -> str | None:
@@ -140,7 +141,7 @@ class SeaweedCluster:
             self.volumes.append(self._proc(
                 f"volume{i}", p, "volume", "-ip=127.0.0.1", f"-port={p}",
                 f"-dir={vdir}", f"-master={peers}", "-max=30", "-dataCenter=dc1",
-                "-rack=r1", "-minFreeSpace=1GiB", "-preStopSeconds=0"))
+                "-rack=r1", f"-minFreeSpace={MIN_FREE_GIB}GiB", "-preStopSeconds=0"))
         fp, sp = ports
         fdir = os.path.join(self.root, "filer")
         os.makedirs(fdir)
@@ -166,7 +167,11 @@ class SeaweedCluster:
         assert self.filer is not None and self.s3 is not None
         self.filer.start()
         self.s3.start()
-        self.wait_ready(timeout - (time.monotonic() - t0))
+        try:
+            self.wait_ready(timeout - (time.monotonic() - t0))
+        except BaseException:
+            self.stop()  # a cluster that did not come up leaves no process behind
+            raise
         self.started_s = time.monotonic() - t0
 
     def client(self):  # type: ignore[no-untyped-def]
@@ -200,8 +205,12 @@ class SeaweedCluster:
                 except Exception as e:  # noqa: BLE001 - not up yet: try again
                     last = e
             time.sleep(0.2)
+        free = shutil.disk_usage(self.root).free
+        hint = (f"; only {free / 2**20:.0f} MiB free in {self.root}, and each volume "
+                f"server wants {MIN_FREE_GIB} GiB (-minFreeSpace) before it registers"
+                if free < MIN_FREE_GIB << 30 else "")
         raise TimeoutError(f"SeaweedFS cluster not ready after {timeout:.0f}s "
-                           f"(last error: {last}); logs in {self.root}")
+                           f"(last error: {last}){hint}; logs in {self.root}")
 
     def wait_s3(self, timeout: float = 30.0) -> None:
         self.wait_ready(timeout)

@@ -42,8 +42,9 @@ async def test_remote_check_finds_a_corrupt_object_and_fsck_ignores_the_remote(
 
     client = ObjectClient(config(seaweed, prefix))
     name = objects.object_name(prefix, NS.digest, ks[2])
-    data = client.get(name)
-    assert data is not None
+    got = client.get(name)
+    assert got is not None
+    data = bytearray(got)
     data[-1] ^= 1  # the HMAC tag
     client.put(name, bytes(data))
     assert await cli([*argv, "--all"]) == 1

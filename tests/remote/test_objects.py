@@ -3,6 +3,8 @@ slot's bytes, verified on read; anything else is refused with the reason."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -40,6 +42,40 @@ def test_an_object_round_trips_bit_exact(hmac_key: bytes | None) -> None:
     assert same(got, value)
     view = objects.raw_payload(bytearray(data), header)  # the raw payload, no copy
     assert view is not None and same(view.reshape(value.shape), value)
+
+
+def test_a_read_only_body_decodes_and_promotes_without_a_copy_or_a_warning() -> None:
+    """The S3 client's response body is read-only; decode and the promotion's view read
+    it in place (torch would warn on a tensor over read-only memory), and the view keeps
+    the body alive after every other reference is gone."""
+    key, value = keys(1)[0], make_tensor(torch.bfloat16, (4, 8), 3)
+    raw, header = slot(key, value)
+    body = memoryview(objects.encode(raw, header, namespace_digest=DIGEST, hmac_key=None))
+    assert body.readonly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert same(objects.decode(body, header, None, check=True), value)
+        view = objects.raw_payload(body, header)
+    assert view is not None
+    del body
+    assert same(view.reshape(value.shape), value)
+    assert objects.read_only_tensor(b"").numel() == 0
+
+
+@pytest.mark.parametrize("out", [False, True])
+def test_decode_with_check_refuses_a_bad_payload_and_leaves_out_alone(out: bool) -> None:
+    """``verify(payload=False)`` + ``decode(check=True)``: the CRC32C is taken while
+    decoding; a flipped payload bit raises before the caller's ``out`` is written."""
+    key, value = keys(1)[0], make_tensor(torch.bfloat16, (4, 8), 4)
+    raw, header = slot(key, value)
+    data = bytearray(objects.encode(raw, header, namespace_digest=DIGEST, hmac_key=None))
+    data[SLOT_HEADER_BYTES + 5] ^= 0x10
+    assert objects.verify(data, key, namespace_digest=DIGEST, hmac_key=None,
+                          payload=False) == header
+    target = torch.zeros(4, 8, dtype=torch.bfloat16) if out else None
+    with pytest.raises(CorruptionError, match="checksum"):
+        objects.decode(data, header, target, check=True)
+    assert target is None or not target.any()
 
 
 def _bad(data: bytes, key: bytes, hmac_key: bytes | None, why: str) -> None:

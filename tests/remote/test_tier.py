@@ -22,6 +22,7 @@ import kvstore
 from kvstore import fsck
 from kvstore.codecs import CodecSpec
 from kvstore.errors import RemoteAuthError
+from kvstore.format import SLOT_HEADER_BYTES
 from kvstore.remote import RemoteConfig, objects
 from kvstore.remote.client import ObjectClient
 from tests.concurrency import until
@@ -308,6 +309,34 @@ async def test_corrupt_and_foreign_objects_are_counted_misses(seaweed: SeaweedCl
     async with open_store(tmp_path / "v", config(seaweed, other, hmac_key=hmac_key)) as v:
         assert await v.get(ks[0]) is None
         assert v.remote.stats().bad_objects == 1
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+async def test_a_flipped_payload_bit_in_an_unsigned_object_is_a_counted_miss(
+        seaweed: SeaweedCluster, tmp_path: Path, with_out: bool) -> None:
+    """Without an HMAC tag only the payload CRC32C catches a flipped bit; a get checks it
+    while it decodes (one pass): a miss, counted, the caller's ``out`` left alone, and
+    the block never promoted."""
+    prefix = fresh_prefix()
+    ks = keys(2)
+    async with open_store(tmp_path / "a", config(seaweed, prefix)) as a:
+        await a.put_many(ks, [value(0), value(1)], parents=parents(ks))
+        await a.remote.flush()
+    client = ObjectClient(config(seaweed, prefix))
+    name = objects.object_name(prefix, NS.digest, ks[0])
+    body = client.get(name)
+    assert body is not None
+    flipped = bytearray(body)
+    flipped[SLOT_HEADER_BYTES + 1000] ^= 0x04
+    client.put(name, bytes(flipped))
+    async with open_store(tmp_path / "b", config(seaweed, prefix)) as b:
+        outs = [torch.zeros_like(value(0)), torch.zeros_like(value(1))] if with_out else None
+        got = await b.get_many(ks, out=outs)
+        assert got[0] is None and same(got[1], value(1))
+        assert outs is None or not outs[0].any()
+        assert b.remote.stats().bad_objects == 1
+        await b.remote.flush()
+        assert await b.contains_many(ks) == [False, True]
 
 
 async def test_wrong_credentials_are_a_clear_error_at_open_or_a_disabled_tier(
