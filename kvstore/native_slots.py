@@ -196,7 +196,7 @@ def crc32c(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0, *,
 def time_crc32c(data: np.ndarray, calls: int, *, path: str | None = None,
                 copy_to: np.ndarray | None = None) -> float:
     """Seconds ``calls`` back-to-back ``crc32c(data, path=path, copy_to=copy_to)`` take,
-    timed in C (no Python call overhead; for benchmarks/crc32c.py)."""
+    timed in C (no Python call overhead; for benchmarks/crc_speed.py)."""
     assert _lib is not None
     addr, n, keep = _address(data)
     seconds = float(_lib.kvs_crc32c_time(_path_arg(path), addr, _copy_address(copy_to, n),

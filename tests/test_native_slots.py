@@ -141,11 +141,14 @@ def test_every_path_continues_a_crc(path: str) -> None:
                                3 * 24_576 + 5, 1 << 20, (2 << 20) + 13])
 @pytest.mark.parametrize("path", PATHS)
 def test_crc32c_copy_is_a_copy_and_the_same_crc(n: int, path: str) -> None:
+    # Source and destination at different alignments; guard bytes either side of the copy.
     data = _random(n + 3, n)[3:]
-    dst = np.zeros(n, dtype=np.uint8)
+    guarded = np.zeros(n + 5 + 16, dtype=np.uint8)
+    dst = guarded[5:5 + n]
     got = native_slots.crc32c(data, 99, path=path, copy_to=dst)
     assert got == crc32c_pkg.crc32c(data.tobytes(), 99)
     assert dst.tobytes() == data.tobytes()
+    assert not guarded[:5].any() and not guarded[5 + n:].any()
 
 
 def test_reason_names_the_crc_path() -> None:

@@ -238,40 +238,66 @@ static inline __m128i fold(__m128i x, __m128i k, __m128i y) {
                                        _mm_clmulepi64_si128(x, k, 0x11)), y);
 }
 
+/* The 16 bytes at src, also stored at dst unless it is NULL (the copying variant). */
 __attribute__((target("pclmul,sse4.2")))
-static uint32_t crc_pclmul(uint32_t crc, const uint8_t *src, size_t len) {
-    if (len < PCLMUL_MIN) return crc_hw(crc, src, len);
+static inline __m128i take(const uint8_t *src, uint8_t *dst, size_t at) {
+    const __m128i v = _mm_load_si128((const __m128i *)(src + at));
+    if (dst != NULL) _mm_storeu_si128((__m128i *)(dst + at), v);
+    return v;
+}
+
+/* crc over src[0, len), copying it to dst unless that is NULL.  The copy is made from
+ * the very registers that are folded (so the CRC is of the bytes written, as in
+ * crc32c() below) in the same pass: no second trip through the cache. */
+__attribute__((target("pclmul,sse4.2"), always_inline))
+static inline uint32_t pclmul_body(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t len) {
+    if (len < PCLMUL_MIN) {
+        if (dst == NULL) return crc_hw(crc, src, len);
+        memcpy(dst, src, len);
+        return crc_hw(crc, dst, len);
+    }
     const size_t lead = (size_t)(-(uintptr_t)src & 15);
-    crc = crc_hw(crc, src, lead);
+    if (dst != NULL) {
+        memcpy(dst, src, lead);
+        crc = crc_hw(crc, dst, lead);
+        dst += lead;
+    } else {
+        crc = crc_hw(crc, src, lead);
+    }
     src += lead;
     len -= lead;
     /* The register enters the division as the message's first 32 bits do. */
-    __m128i x0 = _mm_xor_si128(_mm_load_si128((const __m128i *)src), _mm_cvtsi32_si128((int)crc));
-    __m128i x1 = _mm_load_si128((const __m128i *)(src + 16));
-    __m128i x2 = _mm_load_si128((const __m128i *)(src + 32));
-    __m128i x3 = _mm_load_si128((const __m128i *)(src + 48));
-    src += 64;
-    len -= 64;
+    __m128i x0 = _mm_xor_si128(take(src, dst, 0), _mm_cvtsi32_si128((int)crc));
+    __m128i x1 = take(src, dst, 16);
+    __m128i x2 = take(src, dst, 32);
+    __m128i x3 = take(src, dst, 48);
+    size_t i = 64;
     const __m128i k512 = _mm_set_epi64x(FOLD_512_L, FOLD_512_H);
-    while (len >= 64) {
-        x0 = fold(x0, k512, _mm_load_si128((const __m128i *)src));
-        x1 = fold(x1, k512, _mm_load_si128((const __m128i *)(src + 16)));
-        x2 = fold(x2, k512, _mm_load_si128((const __m128i *)(src + 32)));
-        x3 = fold(x3, k512, _mm_load_si128((const __m128i *)(src + 48)));
-        src += 64;
-        len -= 64;
+    for (; i + 64 <= len; i += 64) {
+        x0 = fold(x0, k512, take(src, dst, i));
+        x1 = fold(x1, k512, take(src, dst, i + 16));
+        x2 = fold(x2, k512, take(src, dst, i + 32));
+        x3 = fold(x3, k512, take(src, dst, i + 48));
     }
     const __m128i k128 = _mm_set_epi64x(FOLD_128_L, FOLD_128_H);
     __m128i x = fold(fold(fold(x0, k128, x1), k128, x2), k128, x3);
-    while (len >= 16) {
-        x = fold(x, k128, _mm_load_si128((const __m128i *)src));
-        src += 16;
-        len -= 16;
-    }
+    for (; i + 16 <= len; i += 16) x = fold(x, k128, take(src, dst, i));
     /* x == the message so far (mod P): its raw CRC from a zero register is theirs. */
     uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
     c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(x, 1));
-    return crc_hw((uint32_t)c, src, len);
+    if (dst == NULL) return crc_hw((uint32_t)c, src + i, len - i);
+    memcpy(dst + i, src + i, len - i);
+    return crc_hw((uint32_t)c, dst + i, len - i);
+}
+
+__attribute__((target("pclmul,sse4.2")))
+static uint32_t crc_pclmul(uint32_t crc, const uint8_t *src, size_t len) {
+    return pclmul_body(crc, src, NULL, len);
+}
+
+__attribute__((target("pclmul,sse4.2")))
+static uint32_t crc_pclmul_copy(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t len) {
+    return pclmul_body(crc, src, dst, len);
 }
 #endif
 
@@ -308,6 +334,10 @@ static inline uint32_t crc_raw(uint32_t crc, const uint8_t *src, size_t len, int
 static uint32_t crc32c(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t len, int path) {
     crc = ~crc;
     if (dst == NULL) return ~crc_raw(crc, src, len, path);
+#if KVS_X86
+    if ((path == CRC_SELECTED ? crc_path : path) == CRC_PCLMUL)
+        return ~crc_pclmul_copy(crc, src, dst, len);
+#endif
     for (size_t off = 0; off < len; off += COPY_BLOCK) {
         const size_t m = len - off < COPY_BLOCK ? len - off : COPY_BLOCK;
         memcpy(dst + off, src + off, m);
@@ -333,7 +363,7 @@ int kvs_crc32c_path(void) { return crc_path; }
 int kvs_crc32c_supported(int path) { return path_supported(path); }
 
 /* Seconds `calls` back-to-back CRCs (with copies to dst, unless NULL) of len bytes take
- * by `path`: the calibration's clock, and the benchmark's (benchmarks/crc32c.py), free
+ * by `path`: the calibration's clock, and the benchmark's (benchmarks/crc_speed.py), free
  * of the Python call's overhead.  -1 when this CPU does not run `path`. */
 double kvs_crc32c_time(int path, const void *buf, void *dst, size_t len, int64_t calls) {
     if (!path_supported(path)) return -1.0;
