@@ -12,14 +12,12 @@ bytes on disk, same verification results and errors) when they are missing.
 ``KVSTORE_NATIVE_SLOTS=0`` in the environment turns them off, e.g. to rule them out
 while debugging.
 
-Their CRC32C has four paths (``crc_path()``): ``"pclmul"`` (carry-less multiply
-folding), ``"hybrid"`` (folding and the crc32 instruction on two parts of each 26 KiB
-chunk at once), ``"crc32"`` (the SSE4.2 instruction on three streams) and ``"table"``
-(slicing-by-8, any CPU).  Which hardware path is fastest depends on the CPU model (on
-Zen 1, whose crc32 instruction does not pipeline, folding is; on Intel and newer AMD the
-crc32 instruction can be), so they are timed on 64 KiB when the library loads (well
-under a millisecond) and the fastest is used; ``KVSTORE_CRC32C=pclmul|hybrid|crc32|table``
-forces one (``auto``, the default, times them).
+Their CRC32C has three paths (``crc_path()``): ``"pclmul"`` (carry-less multiply
+folding), ``"crc32"`` (the SSE4.2 instruction on three streams) and ``"table"``
+(slicing-by-8, any CPU).  Which hardware path is faster depends on the CPU model (on
+Zen 1 folding is, on Intel and newer AMD the crc32 instruction can be), so the faster is
+timed on 64 KiB when the library loads (well under a millisecond);
+``KVSTORE_CRC32C=pclmul|crc32|table`` forces one (``auto``, the default, times them).
 """
 
 from __future__ import annotations
@@ -48,10 +46,10 @@ __all__ = ["available", "reason", "hardware_crc", "crc_path", "crc_paths", "crc3
 _ABI_VERSION = 3
 _CRC_ENV = "KVSTORE_CRC32C"
 # The `path` argument of the C functions (enum in slots.c; 0 = the selected path).
-_CRC_PATHS = {"table": 1, "crc32": 2, "pclmul": 3, "hybrid": 4}
+_CRC_PATHS = {"table": 1, "crc32": 2, "pclmul": 3}
 _CRC_NAMES = {v: k for k, v in _CRC_PATHS.items()}
-_CRC_WORDS = {"table": "slicing-by-8 tables", "crc32": "SSE4.2 crc32",
-              "pclmul": "PCLMULQDQ folding", "hybrid": "PCLMULQDQ folding + crc32 (hybrid)"}
+_CRC_WORDS = {"table": "table CRC32C", "crc32": "SSE4.2 crc32",
+              "pclmul": "PCLMULQDQ folding"}
 # slot, data, slot_len, payload_len, raw_len, seq, shape[8], key, parent, flags, codec,
 # dtype, ndim, crc, status, options -- the C struct kvs_slot, field for field.
 _DESC = struct.Struct("<6Q8Q16s16sBBBBIiI")
@@ -113,12 +111,12 @@ def _select_crc(lib: ctypes.CDLL) -> str:
                          f"auto or one of {', '.join(crc_paths(lib))}")
     path = _CRC_NAMES[lib.kvs_crc32c_select(_CRC_PATHS.get(want, 0))]
     if want != "auto":
-        return f"CRC32C by {_CRC_WORDS[path]}, forced by {_CRC_ENV}"
+        return f"{_CRC_WORDS[path]} CRC32C, forced by {_CRC_ENV}"
     timed = [f"{name} {lib.kvs_crc32c_calibrated(n):.1f}" for name, n in _CRC_PATHS.items()
              if lib.kvs_crc32c_calibrated(n) > 0]
     if not timed:
-        return f"CRC32C by {_CRC_WORDS[path]}"
-    return f"CRC32C by {_CRC_WORDS[path]}, timed fastest at load ({', '.join(timed)} GB/s)"
+        return f"{_CRC_WORDS[path]} CRC32C"
+    return f"{_CRC_WORDS[path]} CRC32C, timed faster at load ({', '.join(timed)} GB/s)"
 
 
 _load()
@@ -141,7 +139,7 @@ def hardware_crc() -> bool:
 
 
 def crc_path() -> str:
-    """The kernels' CRC32C path: ``"pclmul"``, ``"hybrid"``, ``"crc32"`` or ``"table"``."""
+    """The kernels' CRC32C path: ``"pclmul"``, ``"crc32"`` or ``"table"``."""
     assert _lib is not None
     return _CRC_NAMES[_lib.kvs_crc32c_path()]
 

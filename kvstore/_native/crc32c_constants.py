@@ -26,12 +26,6 @@ Using PCLMULQDQ Instruction", in its bit-reflected form:
   crc32 instruction over V's 16 bytes (no Barrett reduction needed).  A starting
   register c is XORed into the message's first four bytes beforehand (a reflected CRC's
   register and the message's first 32 bits enter the division the same way).
-
-The "hybrid" path folds the first part A of each chunk while the crc32 instruction,
-which runs on other execution units, takes the rest B from a zero register: the raw
-CRC of A + B is crc(A) x^(8|B|) + crc(B) mod P.  The shift is one PCLMULQDQ of crc(A)
-(reflected in the low 32 bits) by k = x^(8|B| - 33) mod P, which gives crc(A) k x
-reflected in 64 bits, then the crc32 instruction over those 8 bytes (times x^32 mod P).
 """
 
 from __future__ import annotations
@@ -43,9 +37,6 @@ POLY_REFLECTED = 0x82F63B78
 
 # Fold distances in bits: 4 lanes x 128 bits per 64-byte stride, then lane into lane.
 FOLDS = {"fold_512": 512, "fold_128": 128}
-# Hybrid chunks (slots.c HYBRID_ITERS, HYBRID_WORDS): A = 64 x ITERS bytes folded while
-# the crc32 instruction takes B = 8 x WORDS x ITERS bytes.
-HYBRID_ITERS, HYBRID_WORDS = 256, 5
 
 
 def xpow_mod(n: int) -> int:
@@ -76,11 +67,6 @@ def clmul(a: int, b: int) -> int:
         a <<= 1
         b >>= 1
     return r
-
-
-def shift_constant(nbytes: int) -> int:
-    """k for the hybrid path's "crc(A) times x^(8 nbytes) mod P", reflected."""
-    return reflect(xpow_mod(8 * nbytes - 33), 32)
 
 
 def crc_bitwise(crc: int, data: bytes) -> int:
@@ -115,27 +101,16 @@ def crc_folded(crc: int, data: bytes) -> int:
     return crc_bitwise(0, x.to_bytes(16, "little"))
 
 
-def crc_hybrid(crc: int, data: bytes, b_bytes: int) -> int:
-    """Model of slots.c's hybrid combination: A = data[:-b_bytes] folded, B the rest."""
-    a, b = data[:-b_bytes], data[-b_bytes:]
-    shifted = clmul(crc_folded(crc, a), shift_constant(b_bytes))
-    return crc_bitwise(0, shifted.to_bytes(8, "little")) ^ crc_bitwise(0, b)
-
-
 def main() -> None:
     rng = random.Random(1)
     for n in (64, 80, 128, 144, 256, 272, 1024 + 48):
         data = rng.randbytes(n)
         crc = rng.getrandbits(32)
         assert crc_folded(crc, data) == crc_bitwise(crc, data), n
-        assert crc_hybrid(crc, data + data[:40], 40) == crc_bitwise(crc, data + data[:40]), n
     for name, distance in FOLDS.items():
         k_h, k_l = constants(distance)
         print(f"/* {name}: x^{distance + 31} mod P, x^{distance - 33} mod P */ "
               f"0x{k_h:08x}, 0x{k_l:08x}")
-    b_bytes = 8 * HYBRID_WORDS * HYBRID_ITERS
-    print(f"/* hybrid_shift: x^{8 * b_bytes - 33} mod P ({b_bytes} bytes) */ "
-          f"0x{shift_constant(b_bytes):08x}")
 
 
 if __name__ == "__main__":

@@ -78,8 +78,7 @@ static int have_hw;                    /* SSE4.2: the crc32 instruction */
 static int have_pclmul;                /* PCLMULQDQ as well */
 
 /* The CRC paths; the numbers are the `path` argument of the exported functions. */
-enum { CRC_SELECTED = 0, CRC_TABLE = 1, CRC_CRC32 = 2, CRC_PCLMUL = 3, CRC_HYBRID = 4,
-       CRC_PATHS = 5 };
+enum { CRC_SELECTED = 0, CRC_TABLE = 1, CRC_CRC32 = 2, CRC_PCLMUL = 3, CRC_PATHS = 4 };
 static int crc_path = CRC_TABLE;       /* the path CRC_SELECTED means */
 static double calibrated[CRC_PATHS];   /* GB/s each path measured at selection, 0 = not */
 
@@ -296,54 +295,6 @@ static uint32_t crc_pclmul(uint32_t crc, const uint8_t *src, size_t len) {
     return pclmul_body(crc, src, NULL, len);
 }
 
-/* Hybrid chunks: HYBRID_ITERS strides of 64 bytes folded (A) while the crc32 instruction
- * takes HYBRID_WORDS words per stride from the bytes after them (B), from a zero
- * register; then crc(A + B) = crc(A) x^(8|B|) + crc(B) mod P, the shift by one
- * multiplication (HYBRID_SHIFT = x^(8|B| - 33) mod P, crc32c_constants.py).  5 words
- * to 64 bytes: Zen 1 folds ~4.5 bytes a cycle, its crc32 takes 8 bytes per 3 cycles. */
-#define HYBRID_ITERS 256
-#define HYBRID_WORDS 5
-#define HYBRID_A (64 * HYBRID_ITERS)
-#define HYBRID_B (8 * HYBRID_WORDS * HYBRID_ITERS)
-#define HYBRID_SHIFT 0xe2f1a204u
-
-__attribute__((target("pclmul,sse4.2")))
-static uint32_t crc_hybrid(uint32_t crc, const uint8_t *src, size_t len) {
-    const size_t lead = (size_t)(-(uintptr_t)src & 15);
-    if (len < HYBRID_A + HYBRID_B + lead) return crc_pclmul(crc, src, len);
-    crc = crc_hw(crc, src, lead);
-    src += lead;
-    len -= lead;
-    const __m128i k512 = _mm_set_epi64x(FOLD_512_L, FOLD_512_H);
-    const __m128i k128 = _mm_set_epi64x(FOLD_128_L, FOLD_128_H);
-    const __m128i shift = _mm_cvtsi32_si128((int)HYBRID_SHIFT);
-    for (; len >= HYBRID_A + HYBRID_B; len -= HYBRID_A + HYBRID_B) {
-        const uint8_t *b = src + HYBRID_A;
-        uint64_t cb = 0;
-        __m128i x0 = _mm_xor_si128(take(src, NULL, 0), _mm_cvtsi32_si128((int)crc));
-        __m128i x1 = take(src, NULL, 16);
-        __m128i x2 = take(src, NULL, 32);
-        __m128i x3 = take(src, NULL, 48);
-        for (int w = 0; w < HYBRID_WORDS; w++) cb = _mm_crc32_u64(cb, load64(b + 8 * w));
-        b += 8 * HYBRID_WORDS;
-        for (size_t i = 64; i < HYBRID_A; i += 64) {
-            x0 = fold(x0, k512, take(src, NULL, i));
-            x1 = fold(x1, k512, take(src, NULL, i + 16));
-            x2 = fold(x2, k512, take(src, NULL, i + 32));
-            x3 = fold(x3, k512, take(src, NULL, i + 48));
-            for (int w = 0; w < HYBRID_WORDS; w++) cb = _mm_crc32_u64(cb, load64(b + 8 * w));
-            b += 8 * HYBRID_WORDS;
-        }
-        const __m128i x = fold(fold(fold(x0, k128, x1), k128, x2), k128, x3);
-        uint64_t ca = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
-        ca = _mm_crc32_u64(ca, (uint64_t)_mm_extract_epi64(x, 1));
-        const __m128i moved = _mm_clmulepi64_si128(_mm_cvtsi32_si128((int)(uint32_t)ca), shift, 0x00);
-        crc = (uint32_t)_mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(moved)) ^ (uint32_t)cb;
-        src = b;
-    }
-    return crc_pclmul(crc, src, len);
-}
-
 __attribute__((target("pclmul,sse4.2")))
 static uint32_t crc_pclmul_copy(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t len) {
     return pclmul_body(crc, src, dst, len);
@@ -355,7 +306,7 @@ static int path_supported(int path) {
     switch (path) {
     case CRC_SELECTED: case CRC_TABLE: return 1;
     case CRC_CRC32: return have_hw;
-    case CRC_PCLMUL: case CRC_HYBRID: return have_pclmul;
+    case CRC_PCLMUL: return have_pclmul;
     default: return 0;
     }
 }
@@ -366,7 +317,6 @@ static inline uint32_t crc_raw(uint32_t crc, const uint8_t *src, size_t len, int
     if (path == CRC_SELECTED) path = crc_path;
 #if KVS_X86
     if (path == CRC_PCLMUL) return crc_pclmul(crc, src, len);
-    if (path == CRC_HYBRID) return crc_hybrid(crc, src, len);
     if (path == CRC_CRC32) return crc_hw(crc, src, len);
 #endif
     return crc_sw(crc, src, len);
@@ -385,9 +335,8 @@ static uint32_t crc32c(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t le
     crc = ~crc;
     if (dst == NULL) return ~crc_raw(crc, src, len, path);
 #if KVS_X86
-    /* Copying, the hybrid path folds only: the copy bounds it, not the CRC. */
-    const int actual = path == CRC_SELECTED ? crc_path : path;
-    if (actual == CRC_PCLMUL || actual == CRC_HYBRID) return ~crc_pclmul_copy(crc, src, dst, len);
+    if ((path == CRC_SELECTED ? crc_path : path) == CRC_PCLMUL)
+        return ~crc_pclmul_copy(crc, src, dst, len);
 #endif
     for (size_t off = 0; off < len; off += COPY_BLOCK) {
         const size_t m = len - off < COPY_BLOCK ? len - off : COPY_BLOCK;
@@ -407,7 +356,7 @@ static double now(void) {
 
 int kvs_slots_abi_version(void) { return KVS_SLOTS_ABI_VERSION; }
 
-/* The path CRC_SELECTED means: CRC_TABLE, CRC_CRC32, CRC_PCLMUL or CRC_HYBRID. */
+/* The path CRC_SELECTED means: CRC_TABLE, CRC_CRC32 or CRC_PCLMUL. */
 int kvs_crc32c_path(void) { return crc_path; }
 
 /* Whether this CPU runs `path`. */
@@ -442,18 +391,15 @@ int kvs_crc32c_select(int path) {
     for (size_t i = 0; i < CALIBRATE_BYTES; i++) buf[i] = (uint8_t)(i * 2654435761u >> 13);
     double best[CRC_PATHS] = {0};
     for (int round = 0; round < CALIBRATE_ROUNDS; round++) {
-        for (int p = CRC_CRC32; p <= CRC_HYBRID; p++) {
+        for (int p = CRC_CRC32; p <= CRC_PCLMUL; p++) {
             const double t = kvs_crc32c_time(p, buf, NULL, CALIBRATE_BYTES, 1);
             if (round == 0 || t < best[p]) best[p] = t;
         }
     }
     free(buf);
-    crc_path = CRC_CRC32;
-    for (int p = CRC_CRC32; p <= CRC_HYBRID; p++) {
+    for (int p = CRC_CRC32; p <= CRC_PCLMUL; p++)
         calibrated[p] = best[p] > 0 ? CALIBRATE_BYTES / best[p] / 1e9 : 0;
-        if (best[p] < best[crc_path]) crc_path = p;
-    }
-    return crc_path;
+    return crc_path = best[CRC_PCLMUL] < best[CRC_CRC32] ? CRC_PCLMUL : CRC_CRC32;
 }
 
 /* GB/s `path` measured when kvs_crc32c_select last calibrated (0: not measured). */
