@@ -48,7 +48,7 @@ _CRC_ENV = "KVSTORE_CRC32C"
 # The `path` argument of the C functions (enum in slots.c; 0 = the selected path).
 _CRC_PATHS = {"table": 1, "crc32": 2, "pclmul": 3}
 _CRC_NAMES = {v: k for k, v in _CRC_PATHS.items()}
-_CRC_WORDS = {"table": "table CRC32C", "crc32": "SSE4.2 crc32",
+_CRC_WORDS = {"table": "slicing-by-8 tables", "crc32": "SSE4.2 crc32",
               "pclmul": "PCLMULQDQ folding"}
 # slot, data, slot_len, payload_len, raw_len, seq, shape[8], key, parent, flags, codec,
 # dtype, ndim, crc, status, options -- the C struct kvs_slot, field for field.
@@ -111,12 +111,12 @@ def _select_crc(lib: ctypes.CDLL) -> str:
                          f"auto or one of {', '.join(crc_paths(lib))}")
     path = _CRC_NAMES[lib.kvs_crc32c_select(_CRC_PATHS.get(want, 0))]
     if want != "auto":
-        return f"{_CRC_WORDS[path]} CRC32C, forced by {_CRC_ENV}"
+        return f"CRC32C by {_CRC_WORDS[path]}, forced by {_CRC_ENV}"
     timed = [f"{name} {lib.kvs_crc32c_calibrated(n):.1f}" for name, n in _CRC_PATHS.items()
              if lib.kvs_crc32c_calibrated(n) > 0]
     if not timed:
-        return f"{_CRC_WORDS[path]} CRC32C"
-    return f"{_CRC_WORDS[path]} CRC32C, timed faster at load ({', '.join(timed)} GB/s)"
+        return f"CRC32C by {_CRC_WORDS[path]}"
+    return f"CRC32C by {_CRC_WORDS[path]}, timed faster at load ({', '.join(timed)} GB/s)"
 
 
 _load()

@@ -106,7 +106,7 @@ def test_crc32c_equals_the_crc32c_package(data: bytes, skip: int, value: int) ->
 
 @pytest.mark.parametrize("path", PATHS)
 def test_every_path_agrees_at_every_short_length_and_offset(path: str) -> None:
-    # 0..1100 bytes: below, at and above the folding path's 256-byte minimum, its 16- and
+    # 0..1100 bytes: below, at and above the folding path's 128-byte minimum, its 16- and
     # 64-byte strides and the crc32 path's 768-byte streams; a random start in 0..63.
     buf = _random(1100 + 64, 1)
     offsets = np.random.default_rng(2).integers(0, 64, 1101)
@@ -152,7 +152,8 @@ def test_crc32c_copy_is_a_copy_and_the_same_crc(n: int, path: str) -> None:
 
 
 def test_reason_names_the_crc_path() -> None:
-    words = {"pclmul": "PCLMULQDQ", "crc32": "SSE4.2 crc32", "table": "table CRC32C"}
+    words = {"pclmul": "CRC32C by PCLMULQDQ", "crc32": "CRC32C by SSE4.2 crc32",
+             "table": "CRC32C by slicing-by-8"}
     assert words[native_slots.crc_path()] in native_slots.reason()
     assert native_slots.hardware_crc() == (native_slots.crc_path() != "table")
     # Unless forced, the choice among hardware paths was timed; the table path is the
