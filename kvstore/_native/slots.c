@@ -23,7 +23,7 @@
  * (kvs_crc32c_select: the faster of the two hardware paths on 64 KiB, timed there and
  * then, or the one KVSTORE_CRC32C names):
  *   - "crc32" (x86-64 with SSE4.2): the crc32 instruction on three independent streams
- *     (latency 3, throughput 1 per cycle on Intel and Zen 2+), combined with precomputed
+ *     (latency 3, throughput 1 per cycle on Intel), combined with precomputed
  *     "append N zero bytes" tables (Mark Adler's method);
  *   - "pclmul" (x86-64 with PCLMULQDQ and SSE4.2): carry-less multiplication folds four
  *     128-bit lanes over 64-byte strides, then into one 128-bit value, which the crc32
