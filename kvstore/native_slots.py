@@ -11,11 +11,19 @@ when a C compiler is present, and ``kvstore.slots`` falls back to its Python pat
 bytes on disk, same verification results and errors) when they are missing.
 ``KVSTORE_NATIVE_SLOTS=0`` in the environment turns them off, e.g. to rule them out
 while debugging.
+
+Their CRC32C has three paths (``crc_path()``): ``"pclmul"`` (carry-less multiply
+folding), ``"crc32"`` (the SSE4.2 instruction on three streams) and ``"table"``
+(slicing-by-8, any CPU).  Which hardware path is faster depends on the CPU model (on
+Zen 1 folding is, on Intel and newer AMD the crc32 instruction can be), so the faster is
+timed on 64 KiB when the library loads (well under a millisecond);
+``KVSTORE_CRC32C=pclmul|crc32|table`` forces one (``auto``, the default, times them).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -32,9 +40,16 @@ if TYPE_CHECKING:
     from kvstore.io.arena import ArenaRun
     from kvstore.slots import PutItem
 
-__all__ = ["available", "reason", "hardware_crc", "crc32c", "stage", "verify", "Verified"]
+__all__ = ["available", "reason", "hardware_crc", "crc_path", "crc_paths", "crc32c",
+           "time_crc32c", "stage", "verify", "Verified"]
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
+_CRC_ENV = "KVSTORE_CRC32C"
+# The `path` argument of the C functions (enum in slots.c; 0 = the selected path).
+_CRC_PATHS = {"table": 1, "crc32": 2, "pclmul": 3}
+_CRC_NAMES = {v: k for k, v in _CRC_PATHS.items()}
+_CRC_WORDS = {"table": "slicing-by-8 tables", "crc32": "SSE4.2 crc32",
+              "pclmul": "PCLMULQDQ folding"}
 # slot, data, slot_len, payload_len, raw_len, seq, shape[8], key, parent, flags, codec,
 # dtype, ndim, crc, status, options -- the C struct kvs_slot, field for field.
 _DESC = struct.Struct("<6Q8Q16s16sBBBBIiI")
@@ -63,7 +78,15 @@ def _load() -> None:
     if lib is None:
         return
     vp, i64, u32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int
-    lib.kvs_crc32c_hardware.restype = c_int
+    lib.kvs_crc32c_path.restype = c_int
+    lib.kvs_crc32c_supported.argtypes = [c_int]
+    lib.kvs_crc32c_supported.restype = c_int
+    lib.kvs_crc32c_select.argtypes = [c_int]
+    lib.kvs_crc32c_select.restype = c_int
+    lib.kvs_crc32c_calibrated.argtypes = [c_int]
+    lib.kvs_crc32c_calibrated.restype = ctypes.c_double
+    lib.kvs_crc32c_time.argtypes = [c_int, vp, vp, ctypes.c_size_t, i64]
+    lib.kvs_crc32c_time.restype = ctypes.c_double
     lib.kvs_crc32c.argtypes = [u32, vp, ctypes.c_size_t, c_int]
     lib.kvs_crc32c.restype = u32
     lib.kvs_crc32c_copy.argtypes = [u32, vp, vp, ctypes.c_size_t, c_int]
@@ -73,8 +96,27 @@ def _load() -> None:
     lib.kvs_verify.argtypes = [vp, i64, vp, vp]
     lib.kvs_verify.restype = i64
     _lib = lib
-    crc = "SSE4.2 crc32" if lib.kvs_crc32c_hardware() else "table CRC32C"
-    _reason = f"compiled slot kernels ({_reason}, {crc})"
+    _reason = f"compiled slot kernels ({_reason}, {_select_crc(lib)})"
+
+
+def _select_crc(lib: ctypes.CDLL) -> str:
+    """Select the CRC32C path (``KVSTORE_CRC32C``, else the faster one timed now) and
+    say which, and why, for ``reason()``."""
+    want = os.environ.get(_CRC_ENV, "auto")
+    if want not in ("auto", *_CRC_PATHS):
+        raise ValueError(f"{_CRC_ENV}={want!r} is not a CRC32C path: use auto, "
+                         f"{', '.join(_CRC_PATHS)} (or unset it)")
+    if want != "auto" and not lib.kvs_crc32c_supported(_CRC_PATHS[want]):
+        raise ValueError(f"{_CRC_ENV}={want}: this CPU cannot run that CRC32C path; use "
+                         f"auto or one of {', '.join(crc_paths(lib))}")
+    path = _CRC_NAMES[lib.kvs_crc32c_select(_CRC_PATHS.get(want, 0))]
+    if want != "auto":
+        return f"CRC32C by {_CRC_WORDS[path]}, forced by {_CRC_ENV}"
+    timed = [f"{name} {lib.kvs_crc32c_calibrated(n):.1f}" for name, n in _CRC_PATHS.items()
+             if lib.kvs_crc32c_calibrated(n) > 0]
+    if not timed:
+        return f"CRC32C by {_CRC_WORDS[path]}"
+    return f"CRC32C by {_CRC_WORDS[path]}, timed faster at load ({', '.join(timed)} GB/s)"
 
 
 _load()
@@ -91,8 +133,31 @@ def reason() -> str:
 
 
 def hardware_crc() -> bool:
-    """Whether the kernels' CRC32C uses the CPU's crc32 instruction."""
-    return _lib is not None and bool(_lib.kvs_crc32c_hardware())
+    """Whether the kernels' CRC32C uses the CPU's crc32 or carry-less multiply
+    instructions (else it is the table path)."""
+    return _lib is not None and crc_path() != "table"
+
+
+def crc_path() -> str:
+    """The kernels' CRC32C path: ``"pclmul"``, ``"crc32"`` or ``"table"``."""
+    assert _lib is not None
+    return _CRC_NAMES[_lib.kvs_crc32c_path()]
+
+
+def crc_paths(lib: ctypes.CDLL | None = None) -> list[str]:
+    """The CRC32C paths this CPU runs (``crc32c(path=...)`` takes each)."""
+    lib = lib or _lib
+    assert lib is not None
+    return [name for name, n in _CRC_PATHS.items() if lib.kvs_crc32c_supported(n)]
+
+
+def _path_arg(path: str | None) -> int:
+    if path is None:
+        return 0
+    assert _lib is not None
+    if path not in _CRC_PATHS or not _lib.kvs_crc32c_supported(_CRC_PATHS[path]):
+        raise ValueError(f"CRC32C path {path!r} is not one this CPU runs: {crc_paths()}")
+    return _CRC_PATHS[path]
 
 
 def _address(buf: bytes | bytearray | memoryview | np.ndarray) -> tuple[int, int, object]:
@@ -102,22 +167,42 @@ def _address(buf: bytes | bytearray | memoryview | np.ndarray) -> tuple[int, int
     return int(arr.ctypes.data), arr.size, arr
 
 
+def _copy_address(copy_to: np.ndarray | None, n: int) -> int | None:
+    if copy_to is None:
+        return None
+    if copy_to.dtype != np.uint8 or copy_to.size != n or not copy_to.flags.c_contiguous \
+            or not copy_to.flags.writeable:
+        raise ValueError(f"copy_to must be {n} writable contiguous uint8")
+    return int(copy_to.ctypes.data)
+
+
 def crc32c(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0, *,
-           software: bool = False, copy_to: np.ndarray | None = None) -> int:
+           path: str | None = None, copy_to: np.ndarray | None = None) -> int:
     """CRC32C of ``data`` continuing ``value``, as ``crc32c.crc32c(data, value)``;
-    ``software=True`` takes the table path even where the CPU has crc32 and ``copy_to``
-    (a writable uint8 array of the same length) receives a copy made in the same pass."""
+    ``path`` (one of ``crc_paths()``) takes that path instead of the selected one and
+    ``copy_to`` (a writable uint8 array of the same length) receives a copy made in the
+    same pass."""
     assert _lib is not None
     addr, n, keep = _address(data)
-    if copy_to is None:
-        result = int(_lib.kvs_crc32c(value, addr, n, int(software)))
+    dst = _copy_address(copy_to, n)
+    if dst is None:
+        result = int(_lib.kvs_crc32c(value, addr, n, _path_arg(path)))
     else:
-        if copy_to.dtype != np.uint8 or copy_to.size != n or not copy_to.flags.c_contiguous \
-                or not copy_to.flags.writeable:
-            raise ValueError(f"copy_to must be {n} writable contiguous uint8")
-        result = int(_lib.kvs_crc32c_copy(value, addr, copy_to.ctypes.data, n, int(software)))
+        result = int(_lib.kvs_crc32c_copy(value, addr, dst, n, _path_arg(path)))
     del keep
     return result
+
+
+def time_crc32c(data: np.ndarray, calls: int, *, path: str | None = None,
+                copy_to: np.ndarray | None = None) -> float:
+    """Seconds ``calls`` back-to-back ``crc32c(data, path=path, copy_to=copy_to)`` take,
+    timed in C (no Python call overhead; for benchmarks/crc_speed.py)."""
+    assert _lib is not None
+    addr, n, keep = _address(data)
+    seconds = float(_lib.kvs_crc32c_time(_path_arg(path), addr, _copy_address(copy_to, n),
+                                         n, calls))
+    del keep
+    return seconds
 
 
 def _run_address(run: ArenaRun) -> int:

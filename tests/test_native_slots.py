@@ -15,8 +15,10 @@ import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import crc32c as crc32c_pkg
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -83,30 +85,140 @@ def _entry(item: PutItem, offset: int = 4096) -> IndexEntry:
 # ------------------------------------------------------------------ CRC32C
 
 
+PATHS = native_slots.crc_paths() if native_slots.available() else []
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _random(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
 @given(data=st.binary(max_size=70_000), skip=st.integers(0, 15), value=st.integers(0, 2**32 - 1))
 def test_crc32c_equals_the_crc32c_package(data: bytes, skip: int, value: int) -> None:
     # Every length around the three-stream blocks (3 x 8 KiB, 3 x 256 B) and every
-    # start alignment (the kernel aligns to 8 bytes before its word loop).
+    # start alignment (the kernels align to 8 or 16 bytes before their main loops).
     view = memoryview(data)[min(skip, len(data)):]
     want = crc32c_pkg.crc32c(bytes(view), value)
     assert native_slots.crc32c(view, value) == want
-    assert native_slots.crc32c(view, value, software=True) == want
+    for path in PATHS:
+        assert native_slots.crc32c(view, value, path=path) == want, path
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_agrees_at_every_short_length_and_offset(path: str) -> None:
+    # 0..1100 bytes: below, at and above the folding path's 128-byte minimum, its 16- and
+    # 64-byte strides and the crc32 path's 768-byte streams; a random start in 0..63.
+    buf = _random(1100 + 64, 1)
+    offsets = np.random.default_rng(2).integers(0, 64, 1101)
+    for n in range(1101):
+        data = buf[offsets[n]:offsets[n] + n]
+        value = (n * 2654435761) & 0xFFFFFFFF
+        assert native_slots.crc32c(data, value, path=path) == \
+            crc32c_pkg.crc32c(data.tobytes(), value), (n, offsets[n])
+
+
+@pytest.mark.parametrize("n", [64 << 10, (1 << 20) + 13, 2 << 20])
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_agrees_on_large_buffers(path: str, n: int) -> None:
+    buf = _random(n + 64, n)
+    for offset in (0, 13, 63):
+        data = buf[offset:offset + n]
+        assert native_slots.crc32c(data, 7, path=path) == crc32c_pkg.crc32c(data.tobytes(), 7)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_continues_a_crc(path: str) -> None:
+    # crc(b, crc(a)) == crc(a + b), and so across paths: a started by another path.
+    data = _random(300_000, 3)
+    want = crc32c_pkg.crc32c(data.tobytes())
+    for cut in (0, 1, 255, 256, 1000, 65_536 + 5, 299_999, 300_000):
+        for first in PATHS:
+            head = native_slots.crc32c(data[:cut], path=first)
+            assert native_slots.crc32c(data[cut:], head, path=path) == want, (cut, first)
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 255, 256, 767, 768, 24_575, 24_576, 24_577,
-                               3 * 24_576 + 5, 1 << 20])
-@pytest.mark.parametrize("software", [False, True])
-def test_crc32c_copy_is_a_copy_and_the_same_crc(n: int, software: bool) -> None:
-    src = torch.randint(0, 256, (n + 3,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-    data = src.numpy()[3:]
-    dst = torch.zeros(n, dtype=torch.uint8).numpy()
-    got = native_slots.crc32c(data, 99, software=software, copy_to=dst)
+                               3 * 24_576 + 5, 1 << 20, (2 << 20) + 13])
+@pytest.mark.parametrize("path", PATHS)
+def test_crc32c_copy_is_a_copy_and_the_same_crc(n: int, path: str) -> None:
+    # Source and destination at different alignments; guard bytes either side of the copy.
+    data = _random(n + 3, n)[3:]
+    guarded = np.zeros(n + 5 + 16, dtype=np.uint8)
+    dst = guarded[5:5 + n]
+    got = native_slots.crc32c(data, 99, path=path, copy_to=dst)
     assert got == crc32c_pkg.crc32c(data.tobytes(), 99)
     assert dst.tobytes() == data.tobytes()
+    assert not guarded[:5].any() and not guarded[5 + n:].any()
 
 
 def test_reason_names_the_crc_path() -> None:
-    assert ("SSE4.2" in native_slots.reason()) == native_slots.hardware_crc()
+    words = {"pclmul": "CRC32C by PCLMULQDQ", "crc32": "CRC32C by SSE4.2 crc32",
+             "table": "CRC32C by slicing-by-8"}
+    assert words[native_slots.crc_path()] in native_slots.reason()
+    assert native_slots.hardware_crc() == (native_slots.crc_path() != "table")
+    # Unless forced, the choice among hardware paths was timed; the table path is the
+    # choice only where the CPU has no other.
+    if "KVSTORE_CRC32C" not in os.environ:
+        assert native_slots.crc_path() == PATHS[-1] or "timed faster" in native_slots.reason()
+
+
+def _forced(value: str, code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KVSTORE_CRC32C": value}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("path", ["pclmul", "crc32", "table"])
+def test_kvstore_crc32c_forces_the_path(path: str) -> None:
+    if path not in PATHS:
+        pytest.skip(f"this CPU cannot run the {path} CRC32C path (it runs {PATHS})")
+    # A fresh process: the path is chosen when the library loads.  The kernels' own
+    # staging uses it: a slot staged there carries the package's CRC.
+    done = _forced(path, (
+        "import crc32c, torch\n"
+        "from kvstore import native_slots, slots\n"
+        "from kvstore.io.arena import Arena\n"
+        "from kvstore.tensors import DTYPE_CODES\n"
+        "print(native_slots.crc_path(), '|', native_slots.reason())\n"
+        "data = torch.randint(0, 256, (100_000,), dtype=torch.uint8)\n"
+        "item = slots.PutItem(bytes(16), None, data, DTYPE_CODES[torch.uint8], (100_000,))\n"
+        "item.seq = 1\n"
+        "arena = Arena(1 << 20)\n"
+        "run = arena.try_acquire(item.slot_len)\n"
+        "slots.stage_all([(item, run)], native=True)\n"
+        "assert item.crc == crc32c.crc32c(data.numpy().tobytes()), item.crc\n"))
+    assert done.returncode == 0, done.stderr
+    got, reason = done.stdout.strip().split(" | ")
+    assert got == path
+    assert "forced by KVSTORE_CRC32C" in reason
+
+
+def test_kvstore_crc32c_refuses_an_unknown_path() -> None:
+    done = _forced("fast", "import kvstore.native_slots")
+    assert done.returncode != 0
+    assert "KVSTORE_CRC32C='fast' is not a CRC32C path: use auto, table, crc32, pclmul" \
+        in done.stderr
+
+
+def test_crc_path_refuses_a_path_the_cpu_lacks() -> None:
+    with pytest.raises(ValueError, match="not one this CPU runs"):
+        native_slots.crc32c(b"abc", path="sse9")
+
+
+def test_folding_constants_are_the_derived_ones() -> None:
+    # kvstore/_native/crc32c_constants.py derives them (and checks the folding method on
+    # random messages); slots.c must hold what it prints.
+    script = ROOT / "kvstore" / "_native" / "crc32c_constants.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, check=True)
+    source = (ROOT / "kvstore" / "_native" / "slots.c").read_text()
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        name = line.split(":")[0].removeprefix("/* ").upper()     # FOLD_512
+        high, low = (w.strip() for w in line.split("*/")[1].split(","))
+        assert f"#define {name}_H {high}u" in source
+        assert f"#define {name}_L {low}u" in source
 
 
 # ------------------------------------------------------------------ staging

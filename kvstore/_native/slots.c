@@ -18,19 +18,34 @@
  * kvstore supports; checked at compile time).
  *
  * CRC32C (Castagnoli, reflected polynomial 0x82f63b78, initial and final XOR 0xffffffff,
- * the `crc32c` package's convention, continuable: crc(b, crc(a)) == crc(a + b)):
- *   - x86-64 with SSE4.2 (checked at run time with __builtin_cpu_supports): the crc32
- *     instruction on three independent streams (latency 3, throughput 1 per cycle),
- *     combined with precomputed "append N zero bytes" tables (Mark Adler's method);
- *   - anywhere else: slicing-by-8 tables.
- * Both can copy while they checksum: a cache-sized block is copied, then checksummed
- * from cache (one trip through memory, see crc32c() below).  A word-by-word fused loop
- * (load, crc, store) measured 6x slower than this here: the stores of three streams
+ * the `crc32c` package's convention, continuable: crc(b, crc(a)) == crc(a + b)), by one
+ * of three paths, chosen once when kvstore/native_slots.py loads the library
+ * (kvs_crc32c_select: the faster of the two hardware paths on 64 KiB, timed there and
+ * then, or the one KVSTORE_CRC32C names):
+ *   - "crc32" (x86-64 with SSE4.2): the crc32 instruction on three independent streams
+ *     (latency 3, throughput 1 per cycle on Intel), combined with precomputed
+ *     "append N zero bytes" tables (Mark Adler's method);
+ *   - "pclmul" (x86-64 with PCLMULQDQ and SSE4.2): carry-less multiplication folds four
+ *     128-bit lanes over 64-byte strides, then into one 128-bit value, which the crc32
+ *     instruction reduces (Intel's "Fast CRC Computation for Generic Polynomials Using
+ *     PCLMULQDQ Instruction", reflected form; kvstore/_native/crc32c_constants.py
+ *     derives the constants and checks the method).  Faster where crc32 does not
+ *     pipeline: Zen 1's takes 3 cycles per 8 bytes whatever the interleaving;
+ *   - "table" (anywhere): slicing-by-8 tables.
+ * Buffers under PCLMUL_MIN bytes, the bytes before the first 16-byte boundary and the
+ * last < 16 go through the crc32 path.  Every path can copy while it checksums (one
+ * trip through memory, see crc32c() below): "pclmul" stores each 16 bytes it folds
+ * (a single stream: 2.3x faster than copy-then-checksum here); the others copy a
+ * cache-sized block, then checksum it from cache.  A word-by-word fused loop (load,
+ * crc, store) measured 6x slower than that for "crc32": the stores of three streams
  * 8 KiB apart stall the loads.
  */
+#define _POSIX_C_SOURCE 199309L      /* clock_gettime, for the calibration */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "kvstore's slot code assumes a little-endian host"
@@ -39,11 +54,12 @@
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define KVS_X86 1
 #include <nmmintrin.h>
+#include <wmmintrin.h>
 #else
 #define KVS_X86 0
 #endif
 
-#define KVS_SLOTS_ABI_VERSION 2
+#define KVS_SLOTS_ABI_VERSION 3
 
 #define POLY 0x82f63b78u
 #define HEADER_BYTES 256
@@ -60,7 +76,13 @@ static uint32_t slice8[8][256];        /* software CRC, slicing-by-8 */
 #define SHORT_BLOCK 256                 /* ... and of this many for the tail */
 static uint32_t zeros_long[4][256];    /* crc -> crc after LONG_BLOCK zero bytes */
 static uint32_t zeros_short[4][256];
-static int have_hw;
+static int have_hw;                    /* SSE4.2: the crc32 instruction */
+static int have_pclmul;                /* PCLMULQDQ as well */
+
+/* The CRC paths; the numbers are the `path` argument of the exported functions. */
+enum { CRC_SELECTED = 0, CRC_TABLE = 1, CRC_CRC32 = 2, CRC_PCLMUL = 3, CRC_PATHS = 4 };
+static int crc_path = CRC_TABLE;       /* the path CRC_SELECTED means */
+static double calibrated[CRC_PATHS];   /* GB/s each path measured at selection, 0 = not */
 
 static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
     uint32_t sum = 0;
@@ -128,7 +150,9 @@ static void init_tables(void) {
 #if KVS_X86
     __builtin_cpu_init();
     have_hw = !!__builtin_cpu_supports("sse4.2");
+    have_pclmul = have_hw && __builtin_cpu_supports("pclmul");
 #endif
+    crc_path = have_hw ? CRC_CRC32 : CRC_TABLE;   /* until kvs_crc32c_select chooses */
 }
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -197,13 +221,108 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uin
     while (len--) c0 = _mm_crc32_u8((uint32_t)c0, *src++);
     return (uint32_t)c0;
 }
+
+/* Folding constants, reflected: {x^(D+31) mod P, x^(D-33) mod P} for a fold over D bits
+ * (kvstore/_native/crc32c_constants.py prints them; a test checks they agree). */
+#define FOLD_512_H 0x740eef02u
+#define FOLD_512_L 0x9e4addf8u
+#define FOLD_128_H 0xf20c0dfeu
+#define FOLD_128_L 0x493c7d27u
+/* Shortest buffer the folding path takes: below it the crc32 path's fixed costs are
+ * lower (folding loads constants, aligns, folds four lanes into one, reduces).  On Zen 1
+ * folding is ahead from ~96 bytes (128: 6.0 vs 4.1 GB/s aligned, equal 5 bytes off). */
+#define PCLMUL_MIN 128
+_Static_assert(PCLMUL_MIN - 15 >= 64, "the folding path needs 64 bytes after aligning");
+
+/* x moved forward past the bits of the block the constants k are for, XORed into y:
+ * low quadword (top 64 coefficients) times k's low, high quadword times k's high. */
+__attribute__((target("pclmul,sse4.2")))
+static inline __m128i fold(__m128i x, __m128i k, __m128i y) {
+    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00),
+                                       _mm_clmulepi64_si128(x, k, 0x11)), y);
+}
+
+/* The 16 bytes at src, also stored at dst unless it is NULL (the copying variant). */
+__attribute__((target("pclmul,sse4.2")))
+static inline __m128i take(const uint8_t *src, uint8_t *dst, size_t at) {
+    const __m128i v = _mm_load_si128((const __m128i *)(src + at));
+    if (dst != NULL) _mm_storeu_si128((__m128i *)(dst + at), v);
+    return v;
+}
+
+/* crc over src[0, len), copying it to dst unless that is NULL.  The copy is made from
+ * the very registers that are folded (so the CRC is of the bytes written, as in
+ * crc32c() below) in the same pass: no second trip through the cache. */
+__attribute__((target("pclmul,sse4.2"), always_inline))
+static inline uint32_t pclmul_body(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t len) {
+    if (len < PCLMUL_MIN) {
+        if (dst == NULL) return crc_hw(crc, src, len);
+        memcpy(dst, src, len);
+        return crc_hw(crc, dst, len);
+    }
+    const size_t lead = (size_t)(-(uintptr_t)src & 15);
+    if (dst != NULL) {
+        memcpy(dst, src, lead);
+        crc = crc_hw(crc, dst, lead);
+        dst += lead;
+    } else {
+        crc = crc_hw(crc, src, lead);
+    }
+    src += lead;
+    len -= lead;
+    /* The register enters the division as the message's first 32 bits do. */
+    __m128i x0 = _mm_xor_si128(take(src, dst, 0), _mm_cvtsi32_si128((int)crc));
+    __m128i x1 = take(src, dst, 16);
+    __m128i x2 = take(src, dst, 32);
+    __m128i x3 = take(src, dst, 48);
+    size_t i = 64;
+    const __m128i k512 = _mm_set_epi64x(FOLD_512_L, FOLD_512_H);
+    for (; i + 64 <= len; i += 64) {
+        x0 = fold(x0, k512, take(src, dst, i));
+        x1 = fold(x1, k512, take(src, dst, i + 16));
+        x2 = fold(x2, k512, take(src, dst, i + 32));
+        x3 = fold(x3, k512, take(src, dst, i + 48));
+    }
+    const __m128i k128 = _mm_set_epi64x(FOLD_128_L, FOLD_128_H);
+    __m128i x = fold(fold(fold(x0, k128, x1), k128, x2), k128, x3);
+    for (; i + 16 <= len; i += 16) x = fold(x, k128, take(src, dst, i));
+    /* x == the message so far (mod P): its raw CRC from a zero register is theirs. */
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(x, 1));
+    if (dst == NULL) return crc_hw((uint32_t)c, src + i, len - i);
+    memcpy(dst + i, src + i, len - i);
+    return crc_hw((uint32_t)c, dst + i, len - i);
+}
+
+__attribute__((target("pclmul,sse4.2")))
+static uint32_t crc_pclmul(uint32_t crc, const uint8_t *src, size_t len) {
+    return pclmul_body(crc, src, NULL, len);
+}
+
+__attribute__((target("pclmul,sse4.2")))
+static uint32_t crc_pclmul_copy(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t len) {
+    return pclmul_body(crc, src, dst, len);
+}
 #endif
 
-static inline uint32_t crc_raw(uint32_t crc, const uint8_t *src, size_t len, int force_sw) {
+/* Whether this CPU runs `path` (CRC_SELECTED: always). */
+static int path_supported(int path) {
+    switch (path) {
+    case CRC_SELECTED: case CRC_TABLE: return 1;
+    case CRC_CRC32: return have_hw;
+    case CRC_PCLMUL: return have_pclmul;
+    default: return 0;
+    }
+}
+
+/* crc over src[0, len) on the raw (pre-inverted) register, by `path` (one this CPU
+ * supports: the exported functions check). */
+static inline uint32_t crc_raw(uint32_t crc, const uint8_t *src, size_t len, int path) {
+    if (path == CRC_SELECTED) path = crc_path;
 #if KVS_X86
-    if (have_hw && !force_sw) return crc_hw(crc, src, len);
+    if (path == CRC_PCLMUL) return crc_pclmul(crc, src, len);
+    if (path == CRC_CRC32) return crc_hw(crc, src, len);
 #endif
-    (void)force_sw;
     return crc_sw(crc, src, len);
 }
 
@@ -212,37 +331,98 @@ static inline uint32_t crc_raw(uint32_t crc, const uint8_t *src, size_t len, int
 #define COPY_BLOCK (3 * LONG_BLOCK)
 
 /* Finished CRC32C of src (continuing `crc`, a finished value as the crc32c package takes
- * it).  With dst, the bytes are also copied there, a cache-sized block at a time, and
- * the CRC is taken over the copy while it is still in cache: one trip through memory,
- * and the checksum is of exactly the bytes written, so a caller changing its tensor
- * meanwhile cannot make the header and the staged payload disagree. */
-static uint32_t crc32c(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t len, int force_sw) {
+ * it).  With dst, the bytes are also copied there, in the folding loop itself or a
+ * cache-sized block at a time, and the CRC is taken over the copy (the registers
+ * stored, or the block while it is still in cache): one trip through memory, and the
+ * checksum is of exactly the bytes written, so a caller changing its tensor meanwhile
+ * cannot make the header and the staged payload disagree. */
+static uint32_t crc32c(uint32_t crc, const uint8_t *src, uint8_t *dst, size_t len, int path) {
     crc = ~crc;
-    if (dst == NULL) return ~crc_raw(crc, src, len, force_sw);
+    if (dst == NULL) return ~crc_raw(crc, src, len, path);
+#if KVS_X86
+    if ((path == CRC_SELECTED ? crc_path : path) == CRC_PCLMUL)
+        return ~crc_pclmul_copy(crc, src, dst, len);
+#endif
     for (size_t off = 0; off < len; off += COPY_BLOCK) {
         const size_t m = len - off < COPY_BLOCK ? len - off : COPY_BLOCK;
         memcpy(dst + off, src + off, m);
-        crc = crc_raw(crc, dst + off, m, force_sw);
+        crc = crc_raw(crc, dst + off, m, path);
     }
     return ~crc;
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 /* ------------------------------------------------------------------ exported API */
 
 int kvs_slots_abi_version(void) { return KVS_SLOTS_ABI_VERSION; }
 
-/* 1 when the SSE4.2 crc32 instruction is used, 0 for the table fallback. */
-int kvs_crc32c_hardware(void) { return have_hw; }
+/* The path CRC_SELECTED means: CRC_TABLE, CRC_CRC32 or CRC_PCLMUL. */
+int kvs_crc32c_path(void) { return crc_path; }
 
-/* CRC32C of buf continuing `crc` (0 to start), like crc32c.crc32c(buf, crc);
- * force_sw = 1 takes the table path even where the CPU has crc32 (for tests). */
-uint32_t kvs_crc32c(uint32_t crc, const void *buf, size_t len, int force_sw) {
-    return crc32c(crc, (const uint8_t *)buf, NULL, len, force_sw);
+/* Whether this CPU runs `path`. */
+int kvs_crc32c_supported(int path) { return path_supported(path); }
+
+/* Seconds `calls` back-to-back CRCs (with copies to dst, unless NULL) of len bytes take
+ * by `path`: the calibration's clock, and the benchmark's (benchmarks/crc_speed.py), free
+ * of the Python call's overhead.  -1 when this CPU does not run `path`. */
+double kvs_crc32c_time(int path, const void *buf, void *dst, size_t len, int64_t calls) {
+    if (!path_supported(path)) return -1.0;
+    volatile uint32_t sink = 0;
+    const double t0 = now();
+    for (int64_t i = 0; i < calls; i++)
+        sink = crc32c(sink, (const uint8_t *)buf, (uint8_t *)dst, len, path);
+    return now() - t0;
+}
+
+#define CALIBRATE_BYTES 65536
+#define CALIBRATE_ROUNDS 5
+
+/* Make `path` the one the kernels use (CRC_SELECTED: calibrate, i.e. the faster of the
+ * two hardware paths on CALIBRATE_BYTES, best of CALIBRATE_ROUNDS alternating runs
+ * each: ~0.2 ms on Zen 1, since the crc32 path depends on the CPU model more than its
+ * flags).  Returns the path now in use, or -1 (nothing changed) if the CPU lacks it. */
+int kvs_crc32c_select(int path) {
+    if (!path_supported(path)) return -1;
+    memset(calibrated, 0, sizeof calibrated);
+    if (path != CRC_SELECTED) return crc_path = path;
+    crc_path = have_hw ? CRC_CRC32 : CRC_TABLE;
+    uint8_t *buf = have_pclmul ? malloc(CALIBRATE_BYTES) : NULL;
+    if (buf == NULL) return crc_path;
+    for (size_t i = 0; i < CALIBRATE_BYTES; i++) buf[i] = (uint8_t)(i * 2654435761u >> 13);
+    double best[CRC_PATHS] = {0};
+    for (int round = 0; round < CALIBRATE_ROUNDS; round++) {
+        for (int p = CRC_CRC32; p <= CRC_PCLMUL; p++) {
+            const double t = kvs_crc32c_time(p, buf, NULL, CALIBRATE_BYTES, 1);
+            if (round == 0 || t < best[p]) best[p] = t;
+        }
+    }
+    free(buf);
+    for (int p = CRC_CRC32; p <= CRC_PCLMUL; p++)
+        calibrated[p] = best[p] > 0 ? CALIBRATE_BYTES / best[p] / 1e9 : 0;
+    return crc_path = best[CRC_PCLMUL] < best[CRC_CRC32] ? CRC_PCLMUL : CRC_CRC32;
+}
+
+/* GB/s `path` measured when kvs_crc32c_select last calibrated (0: not measured). */
+double kvs_crc32c_calibrated(int path) {
+    return path >= 0 && path < CRC_PATHS ? calibrated[path] : 0.0;
+}
+
+/* CRC32C of buf continuing `crc` (0 to start), like crc32c.crc32c(buf, crc), by `path`
+ * (CRC_SELECTED: the selected one; others for tests and benchmarks; one the CPU lacks
+ * falls back to the table path). */
+uint32_t kvs_crc32c(uint32_t crc, const void *buf, size_t len, int path) {
+    return crc32c(crc, (const uint8_t *)buf, NULL, len, path_supported(path) ? path : CRC_TABLE);
 }
 
 /* Same as kvs_crc32c, copying buf to dst (not overlapping) in the same pass. */
-uint32_t kvs_crc32c_copy(uint32_t crc, const void *buf, void *dst, size_t len, int force_sw) {
-    return crc32c(crc, (const uint8_t *)buf, (uint8_t *)dst, len, force_sw);
+uint32_t kvs_crc32c_copy(uint32_t crc, const void *buf, void *dst, size_t len, int path) {
+    return crc32c(crc, (const uint8_t *)buf, (uint8_t *)dst, len,
+                  path_supported(path) ? path : CRC_TABLE);
 }
 
 /* One slot of a batch, filled by kvstore/native_slots.py (_DESC there mirrors it:
@@ -312,8 +492,8 @@ int64_t kvs_stage(kvs_slot *slots, int64_t n) {
         uint8_t *body = slot + HEADER_BYTES;
         const size_t n_payload = (size_t)s->payload_len;
         s->crc = s->data
-            ? crc32c(0, (const uint8_t *)(uintptr_t)s->data, body, n_payload, 0)
-            : crc32c(0, body, NULL, n_payload, 0);
+            ? crc32c(0, (const uint8_t *)(uintptr_t)s->data, body, n_payload, CRC_SELECTED)
+            : crc32c(0, body, NULL, n_payload, CRC_SELECTED);
         memset(body + n_payload, 0, (size_t)(s->slot_len - HEADER_BYTES) - n_payload);
 
         uint8_t h[HEADER_BYTES];
@@ -332,7 +512,7 @@ int64_t kvs_stage(kvs_slot *slots, int64_t n) {
         put64(h + 0x38, s->raw_len);
         put64(h + 0x40, s->seq);
         for (int d = 0; d < s->ndim; d++) put64(h + 0x48 + 8 * d, s->shape[d]);
-        put32(h + HEADER_CRC_AT, crc32c(0, h, NULL, HEADER_CRC_AT, 0));
+        put32(h + HEADER_CRC_AT, crc32c(0, h, NULL, HEADER_CRC_AT, CRC_SELECTED));
         memcpy(slot, h, sizeof h);
         s->status = KVS_OK;
     }
@@ -345,7 +525,7 @@ static int32_t verify_one(kvs_slot *s, const uint8_t known_codec[256],
     const uint8_t *slot = (const uint8_t *)(uintptr_t)s->slot;
     if (s->slot_len < HEADER_BYTES) return KVS_EHDR_TRUNCATED;
     if (memcmp(slot, "KVSB", 4) != 0) return KVS_EMAGIC;
-    if (crc32c(0, slot, NULL, HEADER_CRC_AT, 0) != get32(slot + HEADER_CRC_AT))
+    if (crc32c(0, slot, NULL, HEADER_CRC_AT, CRC_SELECTED) != get32(slot + HEADER_CRC_AT))
         return KVS_EHDR_CRC;
     if (get16(slot + 0x04) != FORMAT_VERSION) return KVS_EVERSION;
     const uint8_t ndim = slot[0x2b];
@@ -381,15 +561,15 @@ static int32_t verify_one(kvs_slot *s, const uint8_t known_codec[256],
     uint8_t *dst = (uint8_t *)(uintptr_t)s->data;
     if (dst == NULL || s->codec != CODEC_RAW || capacity != n) {
         /* Encoded payloads are decoded by the caller, straight from the arena. */
-        return crc32c(0, payload, NULL, n, 0) == s->crc ? KVS_OK : KVS_EPAYLOAD_CRC;
+        return crc32c(0, payload, NULL, n, CRC_SELECTED) == s->crc ? KVS_OK : KVS_EPAYLOAD_CRC;
     }
     if (s->options & KVS_FRESH_DST) {
         /* Nobody sees dst unless this succeeds: copy and checksum in one pass. */
         s->options |= KVS_COPIED;
-        return crc32c(0, payload, dst, n, 0) == s->crc ? KVS_OK : KVS_EPAYLOAD_CRC;
+        return crc32c(0, payload, dst, n, CRC_SELECTED) == s->crc ? KVS_OK : KVS_EPAYLOAD_CRC;
     }
     /* The caller's own buffer: never write unverified bytes into it. */
-    if (crc32c(0, payload, NULL, n, 0) != s->crc) return KVS_EPAYLOAD_CRC;
+    if (crc32c(0, payload, NULL, n, CRC_SELECTED) != s->crc) return KVS_EPAYLOAD_CRC;
     memcpy(dst, payload, n);
     s->options |= KVS_COPIED;
     return KVS_OK;
