@@ -25,7 +25,7 @@ import torch
 from kvstore import native_slots
 from kvstore.codecs import CODEC_RAW
 from kvstore.errors import CorruptionError
-from kvstore.format import SLOT_HEADER_BYTES, SlotHeader, crc32c
+from kvstore.format import SLOT_HEADER_BYTES, SlotHeader
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.slots import check_payload, check_slot, deliver
 from kvstore.tensors import CODE_DTYPES
@@ -137,8 +137,8 @@ def decode(data: ObjectBytes, header: SlotHeader, out: torch.Tensor | None, *,
         if native_slots.crc32c(payload, copy_to=copy) != header.payload_crc:
             raise CorruptionError("payload checksum mismatch")
         return result
-    if check and crc32c(payload) != header.payload_crc:
-        raise CorruptionError("payload checksum mismatch")
+    if check:
+        check_payload(data, header)
     run = ArenaRun(cast(Arena, _Buffer(data)), 0, len(data))
     return deliver(run, header.codec, header.dtype, header.shape, header.payload_len, out)
 
