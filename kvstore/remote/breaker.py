@@ -5,11 +5,12 @@ States: *closed* (requests go out; ``failures`` consecutive failures open it), *
 (no request; every call is a fast miss for ``reset_s``), *half-open* (one probe request
 is let through; success closes the breaker, failure opens it for another ``reset_s``).
 Only transport failures count (refused connections, timeouts, 5xx): a 404 is an answer.
-Runs on the event loop only (no locks needed).
+Thread-safe: reads ask it from their worker threads, uploads from the event loop.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,18 +30,20 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._probing = False
         self.last_error = ""
+        self._lock = threading.Lock()
 
     def allow(self) -> bool:
         """Whether a request may go out now (counted as a fast fail if not)."""
         if self.state == CLOSED:
             return True
-        if self.state == OPEN and self._clock() - self._opened_at >= self.reset_s:
-            self.state = HALF_OPEN
-        if self.state == HALF_OPEN and not self._probing:
-            self._probing = True
-            return True
-        self.fast_fails += 1
-        return False
+        with self._lock:
+            if self.state == OPEN and self._clock() - self._opened_at >= self.reset_s:
+                self.state = HALF_OPEN
+            if self.state == HALF_OPEN and not self._probing:
+                self._probing = True
+                return True
+            self.fast_fails += 1
+            return False
 
     def retry_in(self) -> float:
         """Seconds until a probe may go out (0 when closed)."""
@@ -49,13 +52,23 @@ class CircuitBreaker:
         return max(0.0, self.reset_s - (self._clock() - self._opened_at))
 
     def success(self) -> None:
-        self.state, self.consecutive, self._probing = CLOSED, 0, False
+        if self.state == CLOSED and not self.consecutive:
+            return  # the common case, without the lock
+        with self._lock:
+            self.state, self.consecutive, self._probing = CLOSED, 0, False
 
     def failure(self, why: str) -> None:
-        self.last_error = why
-        self.consecutive += 1
-        if self.state == HALF_OPEN or (self.state == CLOSED
-                                       and self.consecutive >= self.threshold):
-            if self.state == CLOSED:
-                self.trips += 1
-            self.state, self._opened_at, self._probing = OPEN, self._clock(), False
+        with self._lock:
+            self.last_error = why
+            self.consecutive += 1
+            if self.state == HALF_OPEN or (self.state == CLOSED
+                                           and self.consecutive >= self.threshold):
+                if self.state == CLOSED:
+                    self.trips += 1
+                self.state, self._opened_at, self._probing = OPEN, self._clock(), False
+
+    def release_probe(self) -> None:
+        """A request ended without an answer either way (cancelled, or an unexpected
+        error): a half-open probe it was counts as failed, so the next one can go."""
+        if self.state == HALF_OPEN:
+            self.failure("request abandoned")

@@ -8,10 +8,11 @@ local misses under a deadline, and a circuit breaker in front of both.
   (``If-None-Match: *``): an object already there is left alone, so concurrent stores
   never overwrite each other.  Keys known to be in the bucket (uploaded, found, or
   fetched) are not queued again.  Local eviction and delete never touch the bucket.
-* Reads: ``fetch(keys, chain=...)`` GETs objects in parallel (at most ``concurrency``),
-  verifies each (``kvstore.remote.objects.verify``) on the worker thread and gives up
-  at ``read_deadline_s``; with ``chain=True`` it walks the keys in windows and stops at
-  the first miss.  A bad object is a miss, counted, never returned.
+* Reads: ``fetch(keys, chain=...)`` GETs objects on ``concurrency`` worker threads that
+  each take the next key (``kvstore.remote.fetch``), verify it
+  (``kvstore.remote.objects.verify``) and decode it there, and gives up at
+  ``read_deadline_s``; with ``chain=True`` nothing after the first miss is taken.  A
+  bad object is a miss, counted, never returned.
 * The breaker (``kvstore.remote.breaker``): while it is open, every call is a fast miss
   and uploads wait; the local store is never slowed down by an unreachable cluster.
 """
@@ -21,18 +22,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from kvstore.errors import CorruptionError, FormatVersionError, RemoteAuthError, RemoteError
+from kvstore.errors import RemoteAuthError, RemoteError
 from kvstore.format import SlotHeader
 from kvstore.remote import objects
 from kvstore.remote.breaker import HALF_OPEN, OPEN, CircuitBreaker
 from kvstore.remote.client import ObjectClient, Unavailable
 from kvstore.remote.config import RemoteConfig
+from kvstore.remote.fetch import FetchRun
 from kvstore.remote.stats import RemoteStats
 
 T = TypeVar("T")
@@ -204,8 +207,7 @@ class RemoteTier:
         except BaseException:
             # cancelled (deadline) or another error: a half-open probe must not stay
             # claimed forever
-            if self.breaker.state == HALF_OPEN:
-                self.breaker.failure("request abandoned")
+            self.breaker.release_probe()
             raise
         self.breaker.success()
         return result
@@ -223,82 +225,59 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ reads
 
-    def _verified(self, key: bytes, data: objects.ObjectBytes, i: int, then: Finish | None
-                  ) -> RemoteBlock | CorruptionError:
-        """On a worker thread, after the GET gave its slot back: verify (the CRC32C of
-        MBs), then ``then(i, block)`` (the caller's decode, in parallel with the other
-        GETs and decodes)."""
-        try:
-            header = objects.verify(data, key, namespace_digest=self.namespace_digest,
-                                    hmac_key=self.config.hmac_key, payload=then is None)
-            block = RemoteBlock(key, header, data)
-            if then is not None:
-                then(i, block)  # checks the payload CRC32C while it decodes
-        except (CorruptionError, FormatVersionError) as e:
-            name = objects.object_name(self.config.prefix, self.namespace_digest, key)
-            return CorruptionError(f"{name}: {e}")
-        return block
-
     async def fetch(self, keys: Sequence[bytes], *, chain: bool, then: Finish | None = None
                     ) -> list[RemoteBlock | None]:
-        """Fetch and verify ``keys`` (parallel, under the read deadline); None for a
-        miss.  ``chain``: keys are one chain in order; stop at the first miss (the
-        result is then a prefix).  ``then(index, block)`` runs on a worker thread for
-        each object whose header verified; it must check the payload CRC32C
-        (``objects.decode(..., check=True)``) and may raise only ``CorruptionError``
-        (the object is then a bad one, a miss); keep other errors for later."""
-        results: list[RemoteBlock | None] = [None] * len(keys)
+        """Fetch and verify ``keys`` (``concurrency`` requests at a time, under the read
+        deadline; ``kvstore.remote.fetch``); None for a miss.  ``chain``: keys are one
+        chain in order; stop at the first miss (the result is then a prefix).
+        ``then(index, block)`` runs on a worker thread for each object whose header
+        verified; it must check the payload CRC32C (``objects.decode(...,
+        check=True)``) and may raise only ``CorruptionError`` (the object is then a bad
+        one, a miss); keep other errors for later."""
         if not keys or not self.usable:
-            return results
+            return [None] * len(keys)
         self._stats.gets += len(keys)
         if self._breaker_open():
             self._stats.fast_misses += len(keys)
             self._stats.misses += len(keys)
-            return results
-        done = [False] * len(keys)
-        window = self.config.concurrency if chain else len(keys)
-        with anyio.move_on_after(self.config.read_deadline_s):
-            for start in range(0, len(keys), window):
-                part = range(start, min(start + window, len(keys)))
+            return [None] * len(keys)
+        assert self._limiter is not None, "RemoteTier.run() was not started"
+        digest, hmac_key = self.namespace_digest, self.config.hmac_key
+
+        def verify(key: bytes, data: objects.ObjectBytes) -> RemoteBlock:
+            header = objects.verify(data, key, namespace_digest=digest, hmac_key=hmac_key,
+                                    payload=then is None)
+            return RemoteBlock(key, header, data)
+
+        run = FetchRun(keys, [objects.object_name(self.config.prefix, digest, k)
+                              for k in keys], chain=chain, client=self.client,
+                       breaker=self.breaker, verify=verify, then=then)
+        try:
+            with anyio.move_on_after(self.config.read_deadline_s):
                 async with anyio.create_task_group() as tg:
-                    for i in part:
-                        tg.start_soon(self._fetch_one, keys[i], i, results, done, then)
-                if chain and not all(results[i] is not None for i in part):
-                    break
+                    for _ in range(min(self.config.concurrency, len(keys))):
+                        # abandon_on_cancel: a deadline returns at once; a thread in a
+                        # request finishes it alone and takes nothing more
+                        tg.start_soon(partial(anyio.to_thread.run_sync, run.work,
+                                              limiter=self._limiter, abandon_on_cancel=True))
+        finally:
+            run.close()
+        results = run.results
+        st = self._stats
+        st.requests += run.requests
+        st.request_errors += run.request_errors
+        st.fast_misses += run.fast_misses
+        st.bad_objects += run.bad_objects
+        st.deadline_misses += sum(not d for d in run.done)
         got = sum(r is not None for r in results)
-        self._stats.deadline_misses += sum(not d for d in done)
         if chain:  # only the prefix counts
             got = next((i for i, r in enumerate(results) if r is None), len(results))
             results[got:] = [None] * (len(results) - got)
-        self._stats.hits += got
-        self._stats.misses += len(keys) - got
-        self._stats.read_bytes += sum(len(r.data) for r in results if r is not None)
+        st.hits += got
+        st.misses += len(keys) - got
+        st.read_bytes += sum(len(r.data) for r in results if r is not None)
         self._remember([r.key for r in results if r is not None])
         return results
-
-    async def _fetch_one(self, key: bytes, i: int, results: list[RemoteBlock | None],
-                         done: list[bool], then: Finish | None) -> None:
-        name = objects.object_name(self.config.prefix, self.namespace_digest, key)
-        try:
-            data = await self._call(lambda: self.client.get(name))
-        except BreakerOpen:
-            self._stats.fast_misses += 1
-            done[i] = True
-            return
-        except Unavailable:
-            done[i] = True
-            return
-        if data is None:
-            done[i] = True
-            return
-        # The request slot (``concurrency``) is free again: checking and decoding run
-        # beside the next GETs, not in their place.
-        got = await anyio.to_thread.run_sync(self._verified, key, data, i, then)
-        done[i] = True
-        if isinstance(got, CorruptionError):
-            self._stats.bad_objects += 1
-            return
-        results[i] = got
 
     # ------------------------------------------------------------------ writes
 

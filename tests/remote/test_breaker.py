@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from kvstore.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
@@ -33,3 +35,33 @@ def test_opens_after_consecutive_failures_probes_once_and_closes_on_success() ->
     assert b.allow()
     b.success()
     assert b.state == CLOSED and b.allow() and b.retry_in() == 0.0
+
+
+def test_threads_asking_a_half_open_breaker_let_exactly_one_probe_out() -> None:
+    """Reads ask the breaker from their worker threads: however many ask at once, one
+    probe goes out; an abandoned probe (``release_probe``) lets the next one go."""
+    clock = Clock()
+    b = CircuitBreaker(failures=1, reset_s=5.0, clock=clock)
+    for round_ in range(20):
+        b.failure("refused")
+        clock.now += 5.0
+        start = threading.Barrier(8)
+        allowed: list[bool] = []
+        threads = [threading.Thread(target=_ask, args=(b, start, allowed)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert allowed.count(True) == 1, (round_, allowed)
+        assert b.state == HALF_OPEN
+        b.release_probe()  # abandoned: the breaker opens again, the probe is free
+        assert b.state == OPEN
+    clock.now += 5.0
+    assert b.allow()
+    b.success()
+    assert b.state == CLOSED and b.allow()
+
+
+def _ask(b: CircuitBreaker, start: threading.Barrier, allowed: list[bool]) -> None:
+    start.wait()
+    allowed.append(b.allow())
