@@ -67,7 +67,7 @@ class FetchRun:
 
     def _take(self) -> int | None:
         with self._lock:
-            if self._closed or self._next >= min(self._stop_at, len(self.keys)):
+            if self._closed or self._next >= self._stop_at:
                 return None
             self._next += 1
             return self._next - 1

@@ -130,8 +130,8 @@ def decode(data: ObjectBytes, header: SlotHeader, out: torch.Tensor | None, *,
     out (``payload=False``): it is taken here, raising ``CorruptionError`` before
     ``out`` is written; a raw payload into new memory is checked while it is copied (one
     pass over bytes that just came off the network, not two)."""
-    payload = memoryview(data)[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + header.payload_len]
     if check and out is None and header.codec == CODEC_RAW and native_slots.available():
+        payload = memoryview(data)[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + header.payload_len]
         result = torch.empty(header.shape, dtype=CODE_DTYPES[header.dtype])
         copy = result.reshape(-1).view(torch.uint8).numpy()
         if native_slots.crc32c(payload, copy_to=copy) != header.payload_crc:
