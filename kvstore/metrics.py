@@ -214,6 +214,9 @@ METRICS: tuple[MetricSpec, ...] = (
            _per_class("io_backlog_bytes"), CLASS),
     _counter("io_deferred", "Transfers that waited for their class's turn (read-first "
              "scheduling), per scheduling class", _per_class("io_deferred"), CLASS),
+    _counter("io_busy_flushes", "Flushes the I/O scheduler issued itself while reads were "
+             "served, so that each flush (which reads wait behind) stays small",
+             _field("io_busy_flushes")),
     _gauge("put_backlog_bytes", "Bytes of puts in flight (past open(backlog_bytes=...) "
            "background puts are dropped, foreground puts wait)", _field("backlog_bytes")),
     _gauge("remote_up", "1 while the remote tier answers (0: breaker open or disabled)",

@@ -34,7 +34,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager, suppress
+from contextlib import (
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+    nullcontext,
+    suppress,
+)
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -152,6 +158,7 @@ class StoreStats:
     io_deferred: dict[str, int] = field(default_factory=dict)  # transfers that waited, by class
     io_queue_depth: dict[str, int] = field(default_factory=dict)  # transfers waiting now
     io_backlog_bytes: dict[str, int] = field(default_factory=dict)  # bytes on the device now
+    io_busy_flushes: int = 0  # flushes the scheduler issued to keep writes small under reads
     remote: dict[str, Any] = field(default_factory=dict)  # RemoteStats.as_dict(); {}: no remote
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
@@ -333,7 +340,7 @@ class Store:
         # Reads a caller awaits go before background writes and prefetches.
         self.scheduler = IoScheduler(self.engine) if self._io_scheduling else None
         self.transfers = Transfers(self.scheduler or self.engine, self.arena, self._fds)
-        self.syncs = GroupSync(self.engine)  # concurrent puts share fdatasyncs
+        self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self._inflight: dict[bytes, anyio.Event] = {}
         self._read_only_reason: str | None = None
         self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
@@ -480,6 +487,10 @@ class Store:
             self._check_open()
         with self._ops.track():
             yield
+
+    def _foreground(self) -> AbstractContextManager[None]:
+        """A get: the I/O scheduler holds background writes back for all of it."""
+        return self.scheduler.foreground() if self.scheduler is not None else nullcontext()
 
     def _fail_closed(self, why: str) -> None:
         if self._read_only_reason is None:
@@ -670,7 +681,7 @@ class Store:
         elements; any shape, contiguous or not, on any device) and that tensor is
         returned; ``out[i] = None`` allocates as usual.
         """
-        with self._operation(), self.latency.time("get"):
+        with self._operation(), self.latency.time("get"), self._foreground():
             return await self._get_many(keys, out)
 
     async def _get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None
@@ -955,12 +966,12 @@ class Store:
         remote = {"remote": self.remote.stats().as_dict()} if self.remote is not None else {}
         return {**self._counters, **self._memory_stats(), **self._io_stats(), **remote}
 
-    def _io_stats(self) -> dict[str, dict[str, int]]:
+    def _io_stats(self) -> dict[str, Any]:
         sched = self.scheduler
         if sched is None:
             return {}
         return {"io_deferred": dict(sched.deferred), "io_queue_depth": dict(sched.waiting),
-                "io_backlog_bytes": dict(sched.inflight)}
+                "io_backlog_bytes": dict(sched.inflight), "io_busy_flushes": sched.flushes}
 
     def _memory_stats(self) -> dict[str, int]:
         m = self.memory

@@ -1,31 +1,49 @@
 """Read-first I/O scheduling in front of an engine: the reads a caller is waiting for go
-before background writes and prefetches.
+before background writes, flushes and prefetches.
 
 An io_uring (or thread pool) hands the device whatever it is given, in order: a put
-stream that keeps 64 MiB of writes queued makes every get wait behind them (the mixed
-benchmark measured a foreground get's p99 at 2.2x its idle value).  This layer admits
-transfers per *class* with a bound on the bytes each class may have in flight:
+stream that keeps 64 MiB of writes queued makes every get wait behind them.  This layer
+admits transfers per *class* with a bound on the bytes each class may have in flight:
 
 ``read``      gets (someone awaits them): always admitted at once;
-``write``     puts: up to ``write_bytes`` in flight, only ``write_bytes_busy`` while a
-              read is in flight or waiting (a read then queues behind at most that much);
-``prefetch``  background reads: up to ``prefetch_bytes``, and none while a foreground
-              read is in flight or waiting.
+``write``     puts: up to ``write_bytes`` in flight, only ``write_bytes_busy`` while
+              reads are being served; a write call is cut into pieces of that size, so
+              the bound holds for a call of any size (the pieces of a call that fit
+              together still go to the engine as one call);
+``prefetch``  background reads: up to ``prefetch_bytes``, and none while reads are
+              being served.
 
-Not scheduled: fdatasync and the index's fsync.  A device cache flush makes every later
-request wait behind it, reads included, and cannot be reordered from up here; letting a
-flush wait for the reads already on the device was tried and cost the put stream a third
-of its throughput for no gain in get p99 (benchmarks/results/tiers.md).
+"Reads are being served" means: a read on the device or waiting, a get in progress
+(:meth:`IoScheduler.foreground`, from its start to its end, so the CPU phases of a get
+count too), or less than ``read_grace_s`` since either ended.  The grace is for the
+next get of an engine's load, a few hundred microseconds later: without it the writes
+waiting meanwhile filled the device first (measured: a 16 MiB get under a put stream
+then found 8-16 MiB of writes ahead of it).
+
+Flushes.  A device cache flush (fdatasync) makes later reads wait while it writes back
+what is dirty, about a millisecond per MiB on the disks measured here, so a put's flush
+of a whole 16 MiB batch stalled a get by tens of ms.  Delaying flushes until the reads
+stop only moved the stall (and starved puts under a long run of gets).  Instead, while
+reads are served, the scheduler flushes itself whenever ``dirty_bytes_busy`` have been
+written since the last flush, before it admits the next write: each flush is then small
+(a few ms), and the put's own flush later finds little to do.  A failed flush is kept
+and raised by every later flush: Linux reports a lost writeback once per file, and a put
+must never be acknowledged after its bytes were lost.
 
 Waiting transfers are admitted read-first, in arrival order within a class.  One call
 is always admitted when its class has nothing in flight, so a transfer larger than its
 bound still goes (alone).  Which class a call belongs to is a context variable
 (:data:`io_class`) that the store sets around a prefetch; reads default to ``read`` and
-writes to ``write``.  fdatasync is not scheduled (it orders after writes by contract).
+writes to ``write``.
+
+Measured (``benchmarks/tiers.py``, benchmarks/results/tiers.md): a foreground get's p99
+under two durable put streams went from 2.9x its idle p99 (bounds only) to about 1.5x.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +51,8 @@ from contextvars import ContextVar
 
 import anyio
 
+from kvstore.format import PAGE
+from kvstore.io.arena import ArenaRun
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 
 READ, WRITE, PREFETCH = "read", "write", "prefetch"
@@ -54,10 +74,21 @@ class IoScheduler(EngineWrapper):
     writes by class; see the module docstring."""
 
     def __init__(self, inner: IOEngine, *, write_bytes: int = 64 << 20,
-                 write_bytes_busy: int = 8 << 20, prefetch_bytes: int = 16 << 20) -> None:
+                 write_bytes_busy: int = 1 << 20, prefetch_bytes: int = 16 << 20,
+                 read_grace_s: float = 0.005, dirty_bytes_busy: int = 2 << 20) -> None:
         super().__init__(inner)
         self._limits = {WRITE: write_bytes, PREFETCH: prefetch_bytes}
         self._write_busy = write_bytes_busy
+        self._piece = max(PAGE, write_bytes_busy // PAGE * PAGE)
+        self._grace = read_grace_s
+        self._read_until = 0.0  # monotonic time until which the last read still counts
+        self._foreground = 0  # callers inside foreground(): a get from start to finish
+        self._dirty_busy = dirty_bytes_busy
+        self._dirty = 0  # bytes written since the last flush
+        self._dirty_fds: set[int] = set()
+        self._flushing: anyio.Event | None = None
+        self._flush_error: BaseException | None = None
+        self.flushes = 0  # flushes the scheduler issued itself, for stats
         self.inflight = {READ: 0, WRITE: 0, PREFETCH: 0}  # bytes
         self.waiting = {READ: 0, WRITE: 0, PREFETCH: 0}  # calls
         self._queues: dict[str, deque[anyio.Event]] = {WRITE: deque(), PREFETCH: deque()}
@@ -67,7 +98,12 @@ class IoScheduler(EngineWrapper):
     # ------------------------------------------------------------------ admission
 
     def _reading(self) -> bool:
-        return bool(self.inflight[READ] or self.waiting[READ])
+        return bool(self._foreground or self.inflight[READ] or self.waiting[READ]) or (
+            self._read_until > 0 and time.monotonic() < self._read_until)
+
+    def _grace_left(self) -> float | None:
+        left = self._read_until - time.monotonic()
+        return left if left > 0 else None
 
     def _fits(self, cls: str, nbytes: int) -> bool:
         if cls == READ:
@@ -97,8 +133,12 @@ class IoScheduler(EngineWrapper):
             while True:
                 if queue[0] is turn and self._fits(cls, nbytes):
                     break
-                await turn.wait()
-                turn = self._rearm(queue, turn)
+                # A write held back only by the grace after a read must look again when
+                # the grace ends, whether or not anything else wakes it.
+                with anyio.move_on_after(self._grace_left() or math.inf):
+                    await turn.wait()
+                if turn.is_set():
+                    turn = self._rearm(queue, turn)
         except BaseException:
             queue.remove(turn)
             self._wake()
@@ -119,6 +159,8 @@ class IoScheduler(EngineWrapper):
 
     def _done(self, cls: str, nbytes: int) -> None:
         self.inflight[cls] -= nbytes
+        if cls == READ and self._grace > 0:
+            self._read_until = time.monotonic() + self._grace
         self._wake()
 
     def _wake(self) -> None:
@@ -126,6 +168,20 @@ class IoScheduler(EngineWrapper):
         for queue in self._queues.values():
             if queue:
                 queue[0].set()
+
+    @contextmanager
+    def foreground(self) -> Iterator[None]:
+        """A caller awaits what happens inside (a get, start to finish): writes stay at
+        their busy bound throughout, not only while its reads are on the device, and for
+        the grace after, so that the next get of an engine's load finds the device free."""
+        self._foreground += 1
+        try:
+            yield
+        finally:
+            self._foreground -= 1
+            if self._grace > 0:
+                self._read_until = time.monotonic() + self._grace
+            self._wake()
 
     # ------------------------------------------------------------------ the engine API
 
@@ -138,13 +194,73 @@ class IoScheduler(EngineWrapper):
         finally:
             self._done(cls, nbytes)
 
+    async def datasync(self, fds: Sequence[int]) -> None:
+        if self._flush_error is not None:
+            raise self._flush_error
+        self._dirty = 0  # near enough: a device flush writes back every file
+        await self.inner.datasync(fds)
+        if self._flush_error is not None:  # one of ours failed meanwhile
+            raise self._flush_error
+
+    async def _flush_if_dirty(self) -> None:
+        """While reads are served, flush once ``dirty_bytes_busy`` were written since the
+        last flush, before the next write goes (see the module docstring)."""
+        while self._dirty_busy and self._dirty >= self._dirty_busy and self._reading():
+            if self._flushing is not None:  # another writer is flushing: ride on it
+                await self._flushing.wait()
+                continue
+            self._flushing, fds = anyio.Event(), sorted(self._dirty_fds)
+            self._dirty, self._dirty_fds = 0, set()
+            try:
+                with anyio.CancelScope(shield=True):  # others ride on it
+                    self.flushes += 1
+                    await self.inner.datasync(fds)
+            except BaseException as e:
+                self._flush_error = e
+                raise
+            finally:
+                self._flushing.set()
+                self._flushing = None
+            await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled writer stops here
+        if self._flush_error is not None:
+            raise self._flush_error
+
     async def write(self, ops: Sequence[IoOp]) -> None:
-        nbytes = sum(op.run.length for op in ops)
-        await self._admit(WRITE, nbytes)
-        try:
-            await self.inner.write(ops)
-        finally:
-            self._done(WRITE, nbytes)
+        pieces = deque(self._pieces(ops))
+        while pieces:
+            await self._flush_if_dirty()
+            first = pieces.popleft()
+            await self._admit(WRITE, first.run.length)
+            batch, nbytes = [first], first.run.length
+            while pieces and self._take_more(WRITE, pieces[0].run.length):
+                nbytes += pieces[0].run.length
+                batch.append(pieces.popleft())
+            try:
+                await self.inner.write(batch)
+                self._dirty += nbytes
+                self._dirty_fds.update(op.fd for op in batch)
+            finally:
+                self._done(WRITE, nbytes)
+
+    def close_file(self, fd: int) -> None:
+        self._dirty_fds.discard(fd)  # its number may be reused; nothing to flush there
+        super().close_file(fd)
+
+    def _take_more(self, cls: str, nbytes: int) -> bool:
+        if self._queues[cls] or not self._fits(cls, nbytes):
+            return False
+        self.inflight[cls] += nbytes
+        return True
+
+    def _pieces(self, ops: Sequence[IoOp]) -> Iterator[IoOp]:
+        for op in ops:
+            run = op.run
+            if run.length <= self._piece:
+                yield op
+                continue
+            for lo in range(0, run.length, self._piece):
+                n = min(self._piece, run.length - lo)
+                yield IoOp(op.fd, op.offset + lo, ArenaRun(run.arena, run.offset + lo, n))
 
 
 

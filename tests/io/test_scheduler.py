@@ -1,7 +1,9 @@
 """Read-first I/O scheduling (kvstore/io/scheduler.py) over a real engine whose calls are
 held at gates: reads go before queued writes and prefetches, writes shrink to their busy
-bound while a read is in flight, prefetches wait for reads, a cancelled waiter leaves the
-queue, one oversized call still goes alone."""
+bound while a read is in flight, a get in progress or the grace after one (a write call
+then goes in pieces of that bound), prefetches wait for reads, a cancelled waiter leaves
+the queue, one oversized call still goes alone.  The flushes the scheduler issues while
+reads are served are tested on the simulated disk (test_scheduler_flushes.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 from kvstore.io.arena import Arena
@@ -23,9 +26,11 @@ MIB = 1 << 20
 
 
 class Bench:
-    """A scheduler over a gated real engine, one file, and an arena for buffers."""
+    """A scheduler over a gated real engine, one file, and an arena for buffers.  No grace
+    after reads unless a test asks for one: the tests do not wait on clocks."""
 
-    def __init__(self, kind: str, path: Path, **limits: int) -> None:
+    def __init__(self, kind: str, path: Path, **limits: Any) -> None:
+        limits.setdefault("read_grace_s", 0.0)
         self.gated = GatedEngine(real_engine(kind, path))
         self.sched = IoScheduler(self.gated, **limits)
         self.arena = Arena(64 * MIB)
@@ -155,14 +160,65 @@ def test_a_cancelled_waiter_leaves_the_queue_and_the_next_one_goes(
     run_within(scenario, backend)
 
 
-def test_a_call_larger_than_its_bound_still_goes_alone(tmp_path: Path, kind: str,
-                                                       backend: str) -> None:
+def test_a_call_larger_than_its_bound_still_goes(tmp_path: Path, kind: str,
+                                                 backend: str) -> None:
+    """A prefetch larger than its bound goes alone; a write larger than its bound goes
+    in pieces of the busy bound, one after another, and lands whole."""
     async def scenario() -> None:
-        async with Bench(kind, tmp_path, write_bytes=MIB, prefetch_bytes=MIB) as b:
-            await b.sched.write(b.ops(8 * MIB))
+        async with Bench(kind, tmp_path, write_bytes=MIB, write_bytes_busy=MIB,
+                         prefetch_bytes=MIB) as b:
+            written = b.ops(8 * MIB)
+            written[0].run.array[:] = (np.arange(8 * MIB) % 251).astype(np.uint8)
+            await b.sched.write(written)
             with as_class(PREFETCH):
-                res = await b.sched.read(b.ops(8 * MIB))
+                read = b.ops(8 * MIB)
+                res = await b.sched.read(read)
             assert res == [8 * MIB]
-            assert b.sched.admitted == {READ: 0, WRITE: 1, PREFETCH: 1}
+            assert np.array_equal(read[0].run.array, written[0].run.array)
+            assert b.sched.admitted == {READ: 0, WRITE: 8, PREFETCH: 1}
+
+    run_within(scenario, backend)
+
+
+async def _write_calls(b: Bench, nbytes: int, offset: int = 0) -> int:
+    """Write ``nbytes`` in one scheduler call; how many engine calls it took."""
+    before = b.sched.admitted[WRITE]
+    await b.sched.write(b.ops(nbytes, offset))
+    return b.sched.admitted[WRITE] - before
+
+
+def test_a_write_goes_in_busy_bound_pieces_while_a_get_is_in_progress(
+        tmp_path: Path, kind: str, backend: str) -> None:
+    """foreground() covers a whole get, not only its reads on the device: a write started
+    meanwhile has one piece (the busy bound) in flight at a time; the same write with no
+    get in progress goes as one call."""
+    async def scenario() -> None:
+        async with Bench(kind, tmp_path, write_bytes=32 * MIB, write_bytes_busy=MIB,
+                         dirty_bytes_busy=0) as b:
+            with b.sched.foreground():
+                gate = b.gated.gate("write")
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_write_calls, b, 4 * MIB)
+                    await gate.entered.wait()  # the first piece is on the device (held)
+                    assert b.sched.inflight[WRITE] == MIB
+                    gate.open()
+                assert b.sched.admitted[WRITE] == 4
+            assert await _write_calls(b, 4 * MIB, 4 * MIB) == 1
+
+    run_within(scenario, backend)
+
+
+@pytest.mark.parametrize("grace", [0.0, 3600.0])
+def test_the_grace_after_a_get_keeps_writes_at_the_busy_bound(
+        tmp_path: Path, kind: str, backend: str, grace: float) -> None:
+    """The next get of an engine's load comes a moment after the last one ended: for
+    ``read_grace_s`` after a get, writes still go in pieces (an hour here, so that no
+    clock decides the outcome; with no grace, at once as one call)."""
+    async def scenario() -> None:
+        async with Bench(kind, tmp_path, write_bytes=32 * MIB, write_bytes_busy=MIB,
+                         dirty_bytes_busy=0, read_grace_s=grace) as b:
+            with b.sched.foreground():
+                pass
+            assert await _write_calls(b, 4 * MIB) == (4 if grace else 1)
 
     run_within(scenario, backend)
