@@ -681,20 +681,21 @@ class Store:
         elements; any shape, contiguous or not, on any device) and that tensor is
         returned; ``out[i] = None`` allocates as usual.
         """
-        with self._operation(), self.latency.time("get"), self._foreground():
-            return await self._get_many(keys, out)
+        with self._operation(), self.latency.time("get"):
+            keys = check_keys(keys)
+            if self._prefetching:  # only the reads of these keys, then they come from memory
+                for key in keys:  # (before foreground(): prefetch reads wait while it lasts)
+                    landed = self._prefetching.get(key)
+                    if landed is not None:
+                        await landed.wait()
+            with self._foreground():
+                return await self._get_many(keys, out)
 
-    async def _get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None
+    async def _get_many(self, keys: list[bytes], out: Sequence[torch.Tensor | None] | None
                         ) -> list[torch.Tensor | None]:
-        keys = check_keys(keys)
         outs: list[torch.Tensor | None] = [None] * len(keys) if out is None else list(out)
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} out tensors")
-        if self._prefetching:  # only the reads of these keys, then they come from memory
-            for key in keys:
-                landed = self._prefetching.get(key)
-                if landed is not None:
-                    await landed.wait()
         entries = self.index.get_entries(keys)
         for entry, o in zip(entries, outs):  # validate before any I/O
             if entry is not None:

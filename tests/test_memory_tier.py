@@ -262,6 +262,22 @@ async def test_a_get_of_keys_being_prefetched_waits_for_those_reads_only(
     assert all(same(g, block(i)) for i, g in enumerate(got))
 
 
+async def test_a_get_right_after_a_prefetch_of_its_keys_does_not_wait_on_itself(
+        tmp_path: Path) -> None:
+    """The get comes before the prefetch's reads were admitted: prefetch reads wait while
+    a get is being served, so the get must not count as served while it waits for them
+    (it did, and both waited for each other)."""
+    ks = keys(4, 1100)
+    async with cold_store(tmp_path, ks) as (store, engine):
+        handle = store.prefetch(ks)
+        with anyio.fail_after(30):
+            got = await store.get_many(ks)
+            assert await handle == 4
+        st = store.stats()
+    assert engine.reads == 4 and st.memory_hits == 4
+    assert all(same(g, block(i)) for i, g in enumerate(got))
+
+
 async def test_a_cancelled_prefetch_ends_and_reads_fall_back_to_disk(tmp_path: Path) -> None:
     ks = keys(3, 1100)
     async with cold_store(tmp_path, ks) as (store, engine):
