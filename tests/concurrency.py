@@ -90,6 +90,34 @@ class GatedEngine(EngineWrapper):
         await self.inner.datasync(fds)
 
 
+class SchedulerBench:
+    """An I/O scheduler over ``engine``, one file in ``path`` and an arena for buffers.  No
+    grace after reads unless a test asks for one: the tests do not wait on clocks."""
+
+    def __init__(self, engine: IOEngine, path: Path, **limits: Any) -> None:
+        from kvstore.io.arena import Arena
+        from kvstore.io.scheduler import IoScheduler
+
+        self.sched = IoScheduler(engine, **{"read_grace_s": 0.0, **limits})
+        self.arena = Arena(64 << 20)
+        self.path = path
+
+    async def __aenter__(self) -> Any:
+        await self.sched.start()
+        self.fd = self.sched.open_file(str(self.path / "data"), create=True)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.sched.close_file(self.fd)
+        await self.sched.aclose()
+        self.arena.close()
+
+    def ops(self, nbytes: int, offset: int = 0) -> list[IoOp]:
+        run = self.arena.try_acquire(nbytes)
+        assert run is not None
+        return [IoOp(self.fd, offset, run)]
+
+
 async def until(condition: Callable[[], bool]) -> None:
     """Let other tasks (and the writer thread) run until ``condition`` holds.  Bounded by the
     scenario's deadline, not by a timer."""

@@ -14,10 +14,16 @@ import anyio
 import numpy as np
 import pytest
 
-from kvstore.io.arena import Arena
-from kvstore.io.protocol import IoOp
-from kvstore.io.scheduler import PREFETCH, READ, WRITE, IoScheduler, as_class
-from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within, until
+from kvstore.io.scheduler import PREFETCH, READ, WRITE, as_class
+from tests.concurrency import (
+    BACKENDS,
+    ENGINES,
+    GatedEngine,
+    SchedulerBench,
+    real_engine,
+    run_within,
+    until,
+)
 
 pytestmark = [pytest.mark.parametrize("backend", BACKENDS),
               pytest.mark.parametrize("kind", ENGINES)]
@@ -25,31 +31,12 @@ pytestmark = [pytest.mark.parametrize("backend", BACKENDS),
 MIB = 1 << 20
 
 
-class Bench:
-    """A scheduler over a gated real engine, one file, and an arena for buffers.  No grace
-    after reads unless a test asks for one: the tests do not wait on clocks."""
+class Bench(SchedulerBench):
+    """A scheduler over a gated real engine."""
 
     def __init__(self, kind: str, path: Path, **limits: Any) -> None:
-        limits.setdefault("read_grace_s", 0.0)
         self.gated = GatedEngine(real_engine(kind, path))
-        self.sched = IoScheduler(self.gated, **limits)
-        self.arena = Arena(64 * MIB)
-        self.path = path
-
-    async def __aenter__(self) -> Bench:
-        await self.sched.start()
-        self.fd = self.sched.open_file(str(self.path / "data"), create=True)
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self.sched.close_file(self.fd)
-        await self.sched.aclose()
-        self.arena.close()
-
-    def ops(self, nbytes: int, offset: int = 0) -> list[IoOp]:
-        run = self.arena.try_acquire(nbytes)
-        assert run is not None
-        return [IoOp(self.fd, offset, run)]
+        super().__init__(self.gated, path, **limits)
 
 
 def test_a_read_goes_before_queued_writes(tmp_path: Path, kind: str, backend: str) -> None:

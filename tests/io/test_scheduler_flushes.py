@@ -19,11 +19,9 @@ import anyio
 import pytest
 
 from kvstore.errors import StoreIOError
-from kvstore.io.arena import Arena
 from kvstore.io.protocol import IoOp
-from kvstore.io.scheduler import IoScheduler
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
-from tests.concurrency import BACKENDS, GatedEngine, run_within
+from tests.concurrency import BACKENDS, GatedEngine, SchedulerBench, run_within
 
 pytestmark = pytest.mark.parametrize("backend", BACKENDS)
 
@@ -43,32 +41,21 @@ class UnflushedPeak(GatedEngine):
         self.peak = max(self.peak, self.disk.unsynced_writes())
 
 
-class Bench:
+class Bench(SchedulerBench):
+    """A scheduler over the simulated disk: 1 MiB write pieces, a flush every 2 MiB."""
+
     def __init__(self, path: Path, disk: SimulatedDisk | None = None, **limits: Any) -> None:
         self.disk = disk or SimulatedDisk(seed=1)
         self.engine = UnflushedPeak(self.disk)
-        self.sched = IoScheduler(self.engine, **{"read_grace_s": 0.0, "write_bytes_busy": MIB,
-                                                 "dirty_bytes_busy": 2 * MIB, **limits})
-        self.arena = Arena(64 * MIB)
-        self.path = path
-
-    async def __aenter__(self) -> Bench:
-        await self.sched.start()
-        self.fd = self.sched.open_file(str(self.path / "data"), create=True)
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self.sched.close_file(self.fd)
-        await self.sched.aclose()
-        self.arena.close()
+        super().__init__(self.engine, path, **{"write_bytes_busy": MIB,
+                                               "dirty_bytes_busy": 2 * MIB, **limits})
 
     async def write(self, nbytes: int, offset: int = 0) -> None:
-        run = self.arena.try_acquire(nbytes)
-        assert run is not None
+        ops = self.ops(nbytes, offset)
         try:
-            await self.sched.write([IoOp(self.fd, offset, run)])
+            await self.sched.write(ops)
         finally:
-            self.arena.release(run)
+            self.arena.release(ops[0].run)
 
 
 def test_while_a_get_is_in_progress_no_flush_carries_more_than_the_dirty_bound(
