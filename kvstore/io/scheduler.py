@@ -37,11 +37,12 @@ bound still goes (alone).  Which class a call belongs to is a context variable
 writes to ``write``.
 
 Measured (``benchmarks/tiers.py``, benchmarks/results/tiers.md): a foreground get's p99
-under two durable put streams went from 2.9x its idle p99 (bounds only) to about 1.5x.
+under two durable put streams went from 2.6-2.7x its idle p99 (scheduling off) to 1.25-1.34x.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import time
 from collections import deque
@@ -51,6 +52,7 @@ from contextvars import ContextVar
 
 import anyio
 
+from kvstore.errors import StoreIOError
 from kvstore.format import PAGE
 from kvstore.io.arena import ArenaRun
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
@@ -195,12 +197,17 @@ class IoScheduler(EngineWrapper):
             self._done(cls, nbytes)
 
     async def datasync(self, fds: Sequence[int]) -> None:
-        if self._flush_error is not None:
-            raise self._flush_error
+        self._check_flushes()
         self._dirty = 0  # near enough: a device flush writes back every file
         await self.inner.datasync(fds)
-        if self._flush_error is not None:  # one of ours failed meanwhile
-            raise self._flush_error
+        self._check_flushes()  # one of ours may have failed meanwhile
+
+    def _check_flushes(self) -> None:
+        """Raise (a fresh error each time, naming the first) if one of our flushes failed."""
+        if self._flush_error is not None:
+            raise StoreIOError(getattr(self._flush_error, "errno", None) or errno.EIO,
+                               f"an earlier fdatasync failed ({self._flush_error}): what "
+                               "was written before it may be lost") from self._flush_error
 
     async def _flush_if_dirty(self) -> None:
         """While reads are served, flush once ``dirty_bytes_busy`` were written since the
@@ -222,8 +229,7 @@ class IoScheduler(EngineWrapper):
                 self._flushing.set()
                 self._flushing = None
             await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled writer stops here
-        if self._flush_error is not None:
-            raise self._flush_error
+        self._check_flushes()
 
     async def write(self, ops: Sequence[IoOp]) -> None:
         pieces = deque(self._pieces(ops))
