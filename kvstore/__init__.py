@@ -33,6 +33,7 @@ from kvstore.errors import (
     UnsupportedTensorError,
 )
 from kvstore.format import FORMAT_VERSION
+from kvstore.io.scheduler import IoSchedule
 from kvstore.keys import Namespace, chain_parents
 from kvstore.store import PutResult, Store, StoreStats, open
 
@@ -52,6 +53,7 @@ __all__ = [
     "IndexCorruptionError",
     "InsecurePermissionsError",
     "InvalidKeyError",
+    "IoSchedule",
     "KVStoreError",
     "Namespace",
     "NamespaceMismatchError",

@@ -83,7 +83,7 @@ from kvstore.index import (
 from kvstore.io.arena import Arena
 from kvstore.io.probe import probe
 from kvstore.io.protocol import IOEngine
-from kvstore.io.scheduler import PREFETCH, IoScheduler, as_class
+from kvstore.io.scheduler import PREFETCH, IoSchedule, IoScheduler, as_class
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.latency import Latency
@@ -219,7 +219,7 @@ class Store:
                  capacity_bytes: int | None = None, pin_staging: bool | None = None,
                  file_mode: int | None = None, strict_permissions: bool = False,
                  memory_bytes: int = 0, prefetch_share: float = 0.5,
-                 io_scheduling: bool = True, backlog_bytes: int = 1 << 30,
+                 io_scheduling: bool | IoSchedule = True, backlog_bytes: int = 1 << 30,
                  remote: RemoteConfig | None = None) -> None:
         self.path = os.path.abspath(path)
         # remote tier (kvstore/remote/): made at the end of _open, started by open()
@@ -234,7 +234,10 @@ class Store:
             raise ValueError(f"backlog_bytes must be > 0, got {backlog_bytes}")
         self._memory_bytes = memory_bytes
         self._prefetch_share = prefetch_share
-        self._io_scheduling = io_scheduling
+        if not isinstance(io_scheduling, (bool, IoSchedule)):
+            raise TypeError(f"io_scheduling must be True, False or a kvstore.IoSchedule, "
+                            f"got {io_scheduling!r}")
+        self._io_schedule = IoSchedule() if io_scheduling is True else io_scheduling or None
         self.backlog_bytes = backlog_bytes  # puts in flight beyond this drop background puts
         self._backlog = 0  # bytes of puts in flight (foreground and background)
         self._backlog_drained: anyio.Event | None = None
@@ -338,7 +341,9 @@ class Store:
             self._memory_pin = pinning.default_pinner()(self.memory.region, self._pin_staging)
             self._cleanups.append(self._memory_pin.close)
         # Reads a caller awaits go before background writes and prefetches.
-        self.scheduler = IoScheduler(self.engine) if self._io_scheduling else None
+        schedule = self._io_schedule
+        self.scheduler = (IoScheduler(self.engine, **asdict(schedule))
+                          if schedule is not None else None)
         self.transfers = Transfers(self.scheduler or self.engine, self.arena, self._fds)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self._inflight: dict[bytes, anyio.Event] = {}
@@ -1002,7 +1007,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     strict_permissions: bool = False,
     memory_bytes: int = 0,
     prefetch_share: float = 0.5,
-    io_scheduling: bool = True,
+    io_scheduling: bool | IoSchedule = True,
     backlog_bytes: int = 1 << 30,
     remote: RemoteConfig | None = None,
 ) -> AsyncIterator[Store]:
@@ -1058,10 +1063,10 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
                    :mod:`kvstore.memory_tier`.
     ``prefetch_share`` the most of ``memory_bytes`` that prefetched blocks not yet read
                    by a get may take (``Store.prefetch``).
-    ``io_scheduling`` True (default): reads a caller awaits go before background writes
-                   and prefetches, with bounded bytes in flight per class
-                   (:mod:`kvstore.io.scheduler`); False hands every transfer to the engine
-                   as it comes.
+    ``io_scheduling`` True (default): reads a caller awaits go before background writes,
+                   flushes and prefetches, with bounded bytes in flight per class
+                   (:mod:`kvstore.io.scheduler`); a :class:`kvstore.IoSchedule` sets
+                   those bounds; False hands every transfer to the engine as it comes.
     ``backlog_bytes`` bytes of puts in flight beyond which ``put_many(background=True)``
                    drops its batch whole and foreground puts wait (default 1 GiB).
     ``remote``     a :class:`~kvstore.remote.RemoteConfig`: the shared S3 tier behind

@@ -49,6 +49,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
@@ -71,17 +73,63 @@ def as_class(name: str) -> Iterator[None]:
         io_class.reset(token)
 
 
+@dataclass(frozen=True)
+class IoSchedule:
+    """The read-first scheduler's bounds: ``kvstore.open(io_scheduling=IoSchedule(...))``.
+
+    ``write_bytes``       writes in flight when no get is being served (64 MiB);
+    ``write_bytes_busy``  writes in flight while one is, and the size of the pieces a
+                          write call is cut into (1 MiB; a multiple of 4 KiB);
+    ``dirty_bytes_busy``  while a get is served, flush after this much was written
+                          (2 MiB; 0: no flushes of the scheduler's own);
+    ``prefetch_bytes``    prefetch reads in flight (16 MiB; none while a get is served);
+    ``read_grace_s``      how long after a get ends it still counts as served (5 ms).
+
+    Larger busy bounds give puts more of the device while gets run, at the gets' cost
+    (README, "Tiers, prefetch and scheduling", has the measured trade-off).
+    """
+
+    write_bytes: int = 64 << 20
+    write_bytes_busy: int = 1 << 20
+    dirty_bytes_busy: int = 2 << 20
+    prefetch_bytes: int = 16 << 20
+    read_grace_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        for name in ("write_bytes", "write_bytes_busy", "prefetch_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < PAGE:
+                raise ValueError(f"IoSchedule.{name} must be an int >= {PAGE} bytes, "
+                                 f"got {value!r}")
+        if self.write_bytes_busy % PAGE:
+            raise ValueError(f"IoSchedule.write_bytes_busy must be a multiple of {PAGE} "
+                             f"(writes go in pieces of it), got {self.write_bytes_busy}")
+        if self.write_bytes_busy > self.write_bytes:
+            raise ValueError(f"IoSchedule.write_bytes_busy ({self.write_bytes_busy}) must "
+                             f"not exceed write_bytes ({self.write_bytes})")
+        if not isinstance(self.dirty_bytes_busy, int) or self.dirty_bytes_busy < 0:
+            raise ValueError(f"IoSchedule.dirty_bytes_busy must be an int >= 0 (0: no "
+                             f"flushes of the scheduler's own), got {self.dirty_bytes_busy!r}")
+        if not (isinstance(self.read_grace_s, (int, float)) and self.read_grace_s >= 0
+                and math.isfinite(self.read_grace_s)):
+            raise ValueError(f"IoSchedule.read_grace_s must be a finite number of seconds "
+                             f">= 0, got {self.read_grace_s!r}")
+
+
 class IoScheduler(EngineWrapper):
     """An :class:`~kvstore.io.protocol.IOEngine` that schedules another one's reads and
     writes by class; see the module docstring."""
 
-    def __init__(self, inner: IOEngine, *, write_bytes: int = 64 << 20,
-                 write_bytes_busy: int = 1 << 20, prefetch_bytes: int = 16 << 20,
-                 read_grace_s: float = 0.005, dirty_bytes_busy: int = 2 << 20) -> None:
+    def __init__(self, inner: IOEngine, **bounds: Any) -> None:
+        """``bounds``: :class:`IoSchedule` fields (its defaults for the rest)."""
         super().__init__(inner)
+        schedule = IoSchedule(**bounds)
+        write_bytes, write_bytes_busy = schedule.write_bytes, schedule.write_bytes_busy
+        prefetch_bytes, read_grace_s = schedule.prefetch_bytes, schedule.read_grace_s
+        dirty_bytes_busy = schedule.dirty_bytes_busy
         self._limits = {WRITE: write_bytes, PREFETCH: prefetch_bytes}
         self._write_busy = write_bytes_busy
-        self._piece = max(PAGE, write_bytes_busy // PAGE * PAGE)
+        self._piece = write_bytes_busy
         self._grace = read_grace_s
         self._read_until = 0.0  # monotonic time until which the last read still counts
         self._foreground = 0  # callers inside foreground(): a get from start to finish
@@ -270,4 +318,4 @@ class IoScheduler(EngineWrapper):
 
 
 
-__all__ = ["IoScheduler", "PREFETCH", "READ", "WRITE", "as_class", "io_class"]
+__all__ = ["IoSchedule", "IoScheduler", "PREFETCH", "READ", "WRITE", "as_class", "io_class"]
