@@ -223,9 +223,9 @@ def render(doc: dict[str, Any]) -> str:
               "|---|---:|---:|---:|---:|---:|---:|"]
     for k in ("off", "on"):
         r = x[k]
-        lines.append(f"| {k} | {r.get('samples', '')} | {r['idle_p99_ms']:.1f} | "
+        lines.append(f"| {k} | {r['samples']} | {r['idle_p99_ms']:.1f} | "
                      f"{r['loaded_p99_ms']:.1f} | **{r['p99_ratio']:.2f}** | "
-                     f"{r['p50_ratio']:.2f} | {r.get('bg_MB_s', float('nan')):.0f} |")
+                     f"{r['p50_ratio']:.2f} | {r['bg_MB_s']:.0f} |")
     lines += ["", f"Backpressure: {b['batches']} background batches of 8 x 2 MiB from 4 "
               f"writers, backlog_bytes {b['backlog_bytes'] >> 20} MiB: {b['dropped_batches']} "
               f"dropped ({b['dropped_blocks']} blocks), partially stored batches: "

@@ -342,8 +342,7 @@ class Store:
             self._cleanups.append(self._memory_pin.close)
         # Reads a caller awaits go before background writes and prefetches.
         schedule = self._io_schedule
-        self.scheduler = (IoScheduler(self.engine, **asdict(schedule))
-                          if schedule is not None else None)
+        self.scheduler = IoScheduler(self.engine, schedule) if schedule is not None else None
         self.transfers = Transfers(self.scheduler or self.engine, self.arena, self._fds)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self._inflight: dict[bytes, anyio.Event] = {}

@@ -15,8 +15,10 @@ from typing import Any
 import anyio
 import pytest
 
+from kvstore.io.arena import Arena
 from kvstore.io.probe import probe
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
+from kvstore.io.scheduler import IoSchedule, IoScheduler
 from kvstore.io.threads import ThreadPoolEngine
 
 DEADLINE = 60.0
@@ -95,10 +97,7 @@ class SchedulerBench:
     grace after reads unless a test asks for one: the tests do not wait on clocks."""
 
     def __init__(self, engine: IOEngine, path: Path, **limits: Any) -> None:
-        from kvstore.io.arena import Arena
-        from kvstore.io.scheduler import IoScheduler
-
-        self.sched = IoScheduler(engine, **{"read_grace_s": 0.0, **limits})
+        self.sched = IoScheduler(engine, IoSchedule(**{"read_grace_s": 0.0, **limits}))
         self.arena = Arena(64 << 20)
         self.path = path
 

@@ -50,7 +50,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 
@@ -120,20 +119,12 @@ class IoScheduler(EngineWrapper):
     """An :class:`~kvstore.io.protocol.IOEngine` that schedules another one's reads and
     writes by class; see the module docstring."""
 
-    def __init__(self, inner: IOEngine, **bounds: Any) -> None:
-        """``bounds``: :class:`IoSchedule` fields (its defaults for the rest)."""
+    def __init__(self, inner: IOEngine, schedule: IoSchedule = IoSchedule()) -> None:
         super().__init__(inner)
-        schedule = IoSchedule(**bounds)
-        write_bytes, write_bytes_busy = schedule.write_bytes, schedule.write_bytes_busy
-        prefetch_bytes, read_grace_s = schedule.prefetch_bytes, schedule.read_grace_s
-        dirty_bytes_busy = schedule.dirty_bytes_busy
-        self._limits = {WRITE: write_bytes, PREFETCH: prefetch_bytes}
-        self._write_busy = write_bytes_busy
-        self._piece = write_bytes_busy
-        self._grace = read_grace_s
+        self.schedule = schedule
+        self._limits = {WRITE: schedule.write_bytes, PREFETCH: schedule.prefetch_bytes}
         self._read_until = 0.0  # monotonic time until which the last read still counts
         self._foreground = 0  # callers inside foreground(): a get from start to finish
-        self._dirty_busy = dirty_bytes_busy
         self._dirty = 0  # bytes written since the last flush
         self._dirty_fds: set[int] = set()
         self._flushing: anyio.Event | None = None
@@ -148,12 +139,17 @@ class IoScheduler(EngineWrapper):
     # ------------------------------------------------------------------ admission
 
     def _reading(self) -> bool:
-        return bool(self._foreground or self.inflight[READ] or self.waiting[READ]) or (
-            self._read_until > 0 and time.monotonic() < self._read_until)
+        return bool(self._foreground or self.inflight[READ] or self.waiting[READ]
+                    or self._grace_left() is not None)
 
     def _grace_left(self) -> float | None:
         left = self._read_until - time.monotonic()
         return left if left > 0 else None
+
+    def _start_grace(self) -> None:
+        """A read or a get just ended: the next one of a load is a moment away."""
+        if self.schedule.read_grace_s > 0:
+            self._read_until = time.monotonic() + self.schedule.read_grace_s
 
     def _fits(self, cls: str, nbytes: int) -> bool:
         if cls == READ:
@@ -162,7 +158,8 @@ class IoScheduler(EngineWrapper):
             return False
         if not self.inflight[cls]:
             return True  # one call always goes when its class is idle
-        limit = self._write_busy if cls == WRITE and self._reading() else self._limits[cls]
+        busy = cls == WRITE and self._reading()
+        limit = self.schedule.write_bytes_busy if busy else self._limits[cls]
         return self.inflight[cls] + nbytes <= limit
 
     async def _admit(self, cls: str, nbytes: int) -> None:
@@ -171,8 +168,7 @@ class IoScheduler(EngineWrapper):
             self.admitted[READ] += 1
             return
         queue = self._queues[cls]
-        if not queue and self._fits(cls, nbytes):
-            self.inflight[cls] += nbytes
+        if self._claim(cls, nbytes):
             self.admitted[cls] += 1
             return
         self.deferred[cls] += 1
@@ -209,8 +205,8 @@ class IoScheduler(EngineWrapper):
 
     def _done(self, cls: str, nbytes: int) -> None:
         self.inflight[cls] -= nbytes
-        if cls == READ and self._grace > 0:
-            self._read_until = time.monotonic() + self._grace
+        if cls == READ:
+            self._start_grace()
         self._wake()
 
     def _wake(self) -> None:
@@ -229,8 +225,7 @@ class IoScheduler(EngineWrapper):
             yield
         finally:
             self._foreground -= 1
-            if self._grace > 0:
-                self._read_until = time.monotonic() + self._grace
+            self._start_grace()
             self._wake()
 
     # ------------------------------------------------------------------ the engine API
@@ -260,7 +255,8 @@ class IoScheduler(EngineWrapper):
     async def _flush_if_dirty(self) -> None:
         """While reads are served, flush once ``dirty_bytes_busy`` were written since the
         last flush, before the next write goes (see the module docstring)."""
-        while self._dirty_busy and self._dirty >= self._dirty_busy and self._reading():
+        bound = self.schedule.dirty_bytes_busy
+        while bound and self._dirty >= bound and self._reading():
             if self._flushing is not None:  # another writer is flushing: ride on it
                 await self._flushing.wait()
                 continue
@@ -286,7 +282,7 @@ class IoScheduler(EngineWrapper):
             first = pieces.popleft()
             await self._admit(WRITE, first.run.length)
             batch, nbytes = [first], first.run.length
-            while pieces and self._take_more(WRITE, pieces[0].run.length):
+            while pieces and self._claim(WRITE, pieces[0].run.length):
                 nbytes += pieces[0].run.length
                 batch.append(pieces.popleft())
             try:
@@ -300,20 +296,22 @@ class IoScheduler(EngineWrapper):
         self._dirty_fds.discard(fd)  # its number may be reused; nothing to flush there
         super().close_file(fd)
 
-    def _take_more(self, cls: str, nbytes: int) -> bool:
+    def _claim(self, cls: str, nbytes: int) -> bool:
+        """Take ``nbytes`` of ``cls``'s bound if nobody is queued before us and they fit."""
         if self._queues[cls] or not self._fits(cls, nbytes):
             return False
         self.inflight[cls] += nbytes
         return True
 
     def _pieces(self, ops: Sequence[IoOp]) -> Iterator[IoOp]:
+        piece = self.schedule.write_bytes_busy
         for op in ops:
             run = op.run
-            if run.length <= self._piece:
+            if run.length <= piece:
                 yield op
                 continue
-            for lo in range(0, run.length, self._piece):
-                n = min(self._piece, run.length - lo)
+            for lo in range(0, run.length, piece):
+                n = min(piece, run.length - lo)
                 yield IoOp(op.fd, op.offset + lo, ArenaRun(run.arena, run.offset + lo, n))
 
 
