@@ -62,11 +62,41 @@ def stage(run: ArenaRun, item: PutItem) -> None:
     else:
         body[:n] = item.data.numpy()
     body[n:] = 0
-    item.crc = crc32c(run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n])
+    stage_header(run, item, crc32c(run.view[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]))
+
+
+def stage_header(run: ArenaRun, item: PutItem, crc: int) -> None:
+    """Write the slot header of ``item``, whose staged payload has CRC32C ``crc``."""
+    item.crc = crc
     header = SlotHeader(key=item.key, parent=item.parent, codec=item.codec, dtype=item.dtype,
-                        shape=item.shape, payload_len=n, raw_len=item.raw_len,
-                        payload_crc=item.crc, seq=item.seq)
+                        shape=item.shape, payload_len=item.payload_len, raw_len=item.raw_len,
+                        payload_crc=crc, seq=item.seq)
     run.view[:SLOT_HEADER_BYTES] = header.encode()
+
+
+def stage_slot_range(run: ArenaRun, item: PutItem, start: int, end: int, crc: int, *,
+                     native: bool | None = None) -> int:
+    """Stage bytes ``start..end`` of a raw block's slot, header excepted (the payload
+    they hold copied, the padding after the payload zeroed), continuing the payload's
+    running CRC32C ``crc``; the CRC so far.  Ranges go in order from the slot's start;
+    ``stage_header`` finishes the slot.  This lets a large block be written a piece at
+    a time, each piece as soon as it is staged (``Transfers.write``).  ``native`` forces
+    the compiled CRC32C + copy kernel on or off, as for ``stage_all``."""
+    n = item.payload_len
+    lo = min(max(start - SLOT_HEADER_BYTES, 0), n)
+    hi = min(max(end - SLOT_HEADER_BYTES, 0), n)
+    if hi > lo:
+        src = item.data.numpy()[lo:hi]
+        dst = run.array[SLOT_HEADER_BYTES + lo:SLOT_HEADER_BYTES + hi]
+        if native_slots.available() if native is None else native:
+            crc = native_slots.crc32c(src, crc, copy_to=dst)
+        else:
+            dst[:] = src
+            crc = crc32c(run.view[SLOT_HEADER_BYTES + lo:SLOT_HEADER_BYTES + hi], crc)
+    pad = max(start, SLOT_HEADER_BYTES + n)
+    if end > pad:
+        run.array[pad:end] = 0
+    return crc
 
 
 def encode_all(items: list[PutItem], spec: CodecSpec) -> None:

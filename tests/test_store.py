@@ -214,3 +214,25 @@ async def test_stats_report_engine_and_bytes(tmp_path: Path) -> None:
     assert (s.blocks, s.put_blocks, s.put_bytes, s.hits, s.misses) == (3, 3, 6000, 3, 1)
     assert s.stored_bytes == 3 * 4096 and s.disk_bytes == 4 << 20
     assert json.loads(json.dumps(s.as_dict()))["blocks"] == 3
+
+
+@pytest.mark.parametrize("engine", ["io_uring", "threads"])
+async def test_a_block_large_enough_to_go_in_pieces_reads_back_and_fscks_clean(
+        tmp_path: Path, engine: str) -> None:
+    """Blocks of two pieces or more (kvstore/transfers.py) are staged and written a piece
+    at a time: the slot on disk is the one fsck and every read verify."""
+    from kvstore import fsck
+    from kvstore.transfers import PIECE_BYTES
+
+    shapes = [(2 * PIECE_BYTES // 4 + 1,), (3 * PIECE_BYTES // 2 + 1023, 2)]  # float32
+    values = [make_tensor(torch.float32, shape, i) for i, shape in enumerate(shapes)]
+    ks = keys(len(values))
+    async with kvstore.open(tmp_path, namespace=NS, engine=engine,
+                            extent_bytes=128 << 20) as store:
+        if store.stats().engine != engine:
+            pytest.skip(f"{engine} is not usable here: {store.stats().engine_reason}")
+        await store.put_many(ks, values, parents=kvstore.chain_parents(ks))
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=128 << 20) as store:
+        got = await store.get_many(ks)
+    assert all(same(g, v) for g, v in zip(got, values))
+    assert fsck.check(str(tmp_path), deep=True).findings == []

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 from kvstore.io.protocol import IoOp
 
-MAX_MERGED_BYTES = 4 << 20  # large enough to amortise a device op, small enough to overlap
+# Large enough to amortise a device op.  Bigger requests move more per second on the disks
+# measured here (fio, 256 MiB O_DIRECT writes, 64 MiB in flight: 4 MiB requests 216-421
+# ms, 16 MiB 209 ms; 32 MiB x 64 in flight 115-127 ms), and a call returns when all its
+# ops are done, so merging within a call costs no overlap.  Writes while gets are served
+# stay at the scheduler's busy bound (1 MiB) whatever this is.
+MAX_MERGED_BYTES = 16 << 20
 
 
 @dataclass(slots=True)
