@@ -6,7 +6,8 @@ gives its staging back and fails with the engine's error, not a task-group wrapp
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -80,6 +81,30 @@ def _read_file(path: Path, offset: int, n: int) -> bytes:
         os.close(fd)
 
 
+@asynccontextmanager
+async def _transfers(engine: IOEngine, path: Path, *, read_only: bool = False
+                     ) -> AsyncIterator[tuple[Transfers, Arena]]:
+    """Transfers over ``engine`` into one extent file (opened read-only: every write
+    fails), with an arena of 8 pieces filled with garbage; all closed after."""
+    await engine.start()
+    arena = Arena(8 * PIECE)
+    arena.array[:] = GARBAGE
+    if read_only:
+        (path / "extent").write_bytes(b"")
+        fd = os.open(path / "extent", os.O_RDONLY)
+    else:
+        fd = engine.open_file(str(path / "extent"), create=True)
+    try:
+        yield Transfers(engine, arena, {1: fd}, piece_bytes=PIECE), arena
+    finally:
+        if read_only:
+            os.close(fd)
+        else:
+            engine.close_file(fd)
+        await engine.aclose()
+        arena.close()
+
+
 class Recording(GatedEngine):
     """A gated real engine that records each write call's (file offset, bytes)."""
 
@@ -101,12 +126,7 @@ def test_pieces_are_written_while_later_ones_are_staged_and_the_header_last(
 
     async def scenario() -> None:
         engine = Recording(real_engine(kind, tmp_path))
-        await engine.start()
-        arena = Arena(8 * PIECE)
-        arena.array[:] = GARBAGE
-        fd = engine.open_file(str(tmp_path / "extent"), create=True)
-        try:
-            transfers = Transfers(engine, arena, {1: fd}, piece_bytes=PIECE)
+        async with _transfers(engine, tmp_path) as (transfers, arena):
             gate = engine.gate("write")
             seen: dict[str, bytes] = {}
 
@@ -127,10 +147,6 @@ def test_pieces_are_written_while_later_ones_are_staged_and_the_header_last(
             assert sorted(engine.writes) == [(item.offset, PAGE)] + [
                 (item.offset + s, min(PIECE, item.slot_len - s)) for s in starts]
             assert arena.free_bytes == arena.size
-        finally:
-            engine.close_file(fd)
-            await engine.aclose()
-            arena.close()
         on_disk = _read_file(tmp_path / "extent", item.offset, item.slot_len)
         assert on_disk == _staged_whole(_item(item.payload_len, seed=1))
 
@@ -146,11 +162,7 @@ def test_a_cancelled_transfer_gives_its_staging_back(tmp_path: Path, kind: str,
 
     async def scenario() -> None:
         engine = GatedEngine(real_engine(kind, tmp_path))
-        await engine.start()
-        arena = Arena(8 * PIECE)
-        fd = engine.open_file(str(tmp_path / "extent"), create=True)
-        try:
-            transfers = Transfers(engine, arena, {1: fd}, piece_bytes=PIECE)
+        async with _transfers(engine, tmp_path) as (transfers, arena):
             gate = engine.gate("write")
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
@@ -159,10 +171,6 @@ def test_a_cancelled_transfer_gives_its_staging_back(tmp_path: Path, kind: str,
                     scope.cancel()
             assert scope.cancelled_caught
             assert arena.free_bytes == arena.size
-        finally:
-            engine.close_file(fd)
-            await engine.aclose()
-            arena.close()
 
     run_within(scenario, backend)
 
@@ -173,21 +181,12 @@ def test_a_failed_piece_fails_the_transfer_with_the_engines_error(
         tmp_path: Path, kind: str, backend: str) -> None:
     item = _item(3 * PIECE, seed=3)
     item.extent, item.offset = 1, 0
-    (tmp_path / "extent").write_bytes(b"")
 
     async def scenario() -> None:
         engine = real_engine(kind, tmp_path)
-        await engine.start()
-        arena = Arena(8 * PIECE)
-        fd = os.open(tmp_path / "extent", os.O_RDONLY)  # every write fails (EBADF)
-        try:
-            transfers = Transfers(engine, arena, {1: fd}, piece_bytes=PIECE)
-            with pytest.raises(StoreIOError):
+        async with _transfers(engine, tmp_path, read_only=True) as (transfers, arena):
+            with pytest.raises(StoreIOError):  # EBADF, not an exception group
                 await transfers.write([item])
             assert arena.free_bytes == arena.size
-        finally:
-            os.close(fd)
-            await engine.aclose()
-            arena.close()
 
     run_within(scenario, backend)
