@@ -3,11 +3,12 @@ kvstore uses), on the same loopback SeaweedFS cluster and the same objects, in o
 
 * put: kvstore ``put_many`` of a chain + ``remote.flush()`` (local durable put, read
   back, conditional PUT, all in the background queue) vs obstore PUTs of the same
-  object bytes from ``concurrency`` threads;
+  object bytes from ``concurrency`` threads; the three puts in an order that changes
+  per repetition (obstore's never first: its bytes are kvstore's upload);
 * get: an empty store's ``get_many`` (GET, verify CRC32C + key, decode; the promotion
   into the local store runs in the background, timed separately) vs obstore GETs of
   the same objects from ``concurrency`` threads, as read-only bodies and copied into
-  writable memory; the three in a rotating order, with this process's CPU time.
+  writable memory; the four in a rotating order, with this process's CPU time.
 
 Usage: python -m benchmarks.remote [--blocks 48] [--block-mib 2] [--concurrency 8]
        [--batch 4] [--reps 3] [--out benchmarks/results/remote.md].  Needs ``pip install -e '.[test]'``.
@@ -93,6 +94,34 @@ def obstore_get(client: ObjectClient, names: list[str], bodies: list[memoryview 
     return took()
 
 
+# Orders of the three puts, one per repetition in turn; obstore's never first.
+PUT_ORDERS = [("one", "batches", "obstore"), ("batches", "obstore", "one"),
+              ("one", "obstore", "batches"), ("batches", "one", "obstore")]
+
+
+async def kvstore_put(store: kvstore.Store, ks: list[bytes], values: list[torch.Tensor],
+                      parents: list[bytes | None], batch: int) -> float:
+    """Seconds to put every block in batches of ``batch`` and see every upload done."""
+    t = time.perf_counter()
+    for i in range(0, len(ks), batch):
+        await store.put_many(ks[i:i + batch], values[i:i + batch],
+                             parents=parents[i:i + batch])
+    assert store.remote is not None
+    await store.remote.flush()
+    seconds = time.perf_counter() - t
+    assert store.remote.stats().uploaded_blocks == len(ks)
+    return seconds
+
+
+def obstore_put(client: ObjectClient, names: list[str], bodies: list[bytes],
+                conc: int) -> float:
+    """Seconds for the client alone to PUT ``bodies`` as ``names``, ``conc`` at once."""
+    with ThreadPoolExecutor(conc) as pool:
+        t = time.perf_counter()
+        list(pool.map(client.put, names, bodies))
+        return time.perf_counter() - t
+
+
 async def kvstore_get(b: kvstore.Store, ks: list[bytes], values: list[torch.Tensor],
                       outs: list[torch.Tensor] | None = None) -> dict[str, tuple[float, float]]:
     """An empty store's get_many of every block (into ``outs`` when given), then until
@@ -138,29 +167,24 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
         base_prefix = f"base-{uuid.uuid4().hex[:8]}"
         # kvstore put: durable locally, then every upload done; once as one put_many of
         # every block, once in batches of `--batch` blocks as an engine saves (uploads of
-        # a batch overlap the local writes of the next)
-        async with store(os.path.join(root, f"a{rep}"), prefix) as a:
-            t = time.perf_counter()
-            await a.put_many(ks, values, parents=parents)
-            await a.remote.flush()
-            kv_put = time.perf_counter() - t
-            assert a.remote.stats().uploaded_blocks == n
-        async with store(os.path.join(root, f"c{rep}"), f"{prefix}-batched") as c:
-            t = time.perf_counter()
-            for i in range(0, n, args.batch):
-                await c.put_many(ks[i:i + args.batch], values[i:i + args.batch],
-                                 parents=parents[i:i + args.batch])
-            await c.remote.flush()
-            kv_put_batched = time.perf_counter() - t
-            assert c.remote.stats().uploaded_blocks == n
+        # a batch overlap the local writes of the next).  obstore put: the same objects'
+        # bytes under another prefix (so never first: its bytes are kvstore's upload).
+        # In an order that changes per repetition, as the gets: the cluster's speed
+        # drifts within a run (its volumes grow as they fill).
         client = ObjectClient(cfg(prefix))
         names = [objects.object_name(prefix, NS.digest, k) for k in ks]
-        bodies = [client.get(x) for x in names]
         base_names = [objects.object_name(base_prefix, NS.digest, k) for k in ks]
-        with ThreadPoolExecutor(conc) as pool:
-            t = time.perf_counter()
-            list(pool.map(client.put, base_names, [bytes(x or b"") for x in bodies]))
-            ob_put = time.perf_counter() - t
+        puts: dict[str, float] = {}
+        for what in PUT_ORDERS[rep % len(PUT_ORDERS)]:
+            if what == "obstore":
+                base_bodies = [bytes(client.get(x) or b"") for x in names]
+                puts[what] = obstore_put(client, base_names, base_bodies, conc)
+            else:
+                sub = prefix if what == "one" else f"{prefix}-batched"
+                async with store(os.path.join(root, f"{what}{rep}"), sub) as a:
+                    puts[what] = await kvstore_put(a, ks, values, parents,
+                                                   n if what == "one" else args.batch)
+        bodies = [client.get(x) for x in names]
         gets: dict[str, tuple[float, float]] = {}
         # the gets in a rotating order: none always runs first on a cold cluster
         order = ["bytes", "copy", "kvstore", "kvstore out="]
@@ -170,7 +194,7 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
                     gets.update(await kvstore_get(b, ks, values, outs if "=" in what else None))
             else:
                 gets[what] = obstore_get(client, base_names, bodies, conc, copy=what == "copy")
-        rows.append((kv_put, kv_put_batched, ob_put, gets))
+        rows.append((puts["one"], puts["batches"], puts["obstore"], gets))
     gib = nbytes / 2**30
     lines = [f"# Remote tier vs obstore alone: {n} blocks of {args.block_mib:g} MiB, "
              f"{conc} requests in flight, loopback SeaweedFS (3 masters, 3 volume servers, "

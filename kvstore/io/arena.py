@@ -34,15 +34,24 @@ from kvstore.format import PAGE, round_up
 class ArenaRun:
     """A page-aligned run of the arena, owned by one transfer until ``Arena.release``."""
 
-    __slots__ = ("arena", "offset", "length", "view", "tensor", "array")
+    __slots__ = ("arena", "offset", "length", "view", "array", "_tensor")
 
     def __init__(self, arena: Arena, offset: int, length: int) -> None:
         self.arena = arena
         self.offset = offset
         self.length = length
         self.view = arena.view[offset:offset + length]
-        self.tensor = arena.tensor[offset:offset + length]
         self.array = arena.array[offset:offset + length]
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The run as a uint8 tensor, made on first use: a torch slice costs ~4 us, more
+        than the rest of a run, and most runs (every slot of a 64 KiB batch) never need
+        one."""
+        if self._tensor is None:
+            self._tensor = self.arena.tensor[self.offset:self.offset + self.length]
+        return self._tensor
 
 
 class Arena:

@@ -62,7 +62,9 @@ def encode(slot: bytes | memoryview, header: SlotHeader, *, namespace_digest: by
            hmac_key: bytes | None) -> bytes:
     """The object for a verified local slot (``slot`` from its first byte, at least
     header + payload long): header and payload, and the trailer when signing."""
-    body = bytes(slot[:SLOT_HEADER_BYTES + header.payload_len])
+    n = SLOT_HEADER_BYTES + header.payload_len
+    # An upload's read-back is exactly the object's body: no second copy of its MBs.
+    body = slot if isinstance(slot, bytes) and len(slot) == n else bytes(slot[:n])
     if hmac_key is None:
         return body
     return body + _AUTH.pack(AUTH_MAGIC, AUTH_VERSION, AUTH_HMAC_SHA256,
