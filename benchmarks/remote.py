@@ -175,12 +175,15 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
         names = [objects.object_name(prefix, NS.digest, k) for k in ks]
         base_names = [objects.object_name(base_prefix, NS.digest, k) for k in ks]
         puts: dict[str, float] = {}
+        uploaded = ""  # the prefix of a kvstore put already done: obstore PUTs its bytes
         for what in PUT_ORDERS[rep % len(PUT_ORDERS)]:
             if what == "obstore":
-                base_bodies = [bytes(client.get(x) or b"") for x in names]
+                base_bodies = [bytes(client.get(objects.object_name(uploaded, NS.digest, k))
+                                     or b"") for k in ks]
+                assert all(base_bodies)
                 puts[what] = obstore_put(client, base_names, base_bodies, conc)
             else:
-                sub = prefix if what == "one" else f"{prefix}-batched"
+                sub = uploaded = prefix if what == "one" else f"{prefix}-batched"
                 async with store(os.path.join(root, f"{what}{rep}"), sub) as a:
                     puts[what] = await kvstore_put(a, ks, values, parents,
                                                    n if what == "one" else args.batch)
