@@ -120,6 +120,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm_async_lookup import Lookups
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.integrations.vllm_lookup import (
     LookupClient,
@@ -128,6 +129,7 @@ from kvstore.integrations.vllm_lookup import (
     socket_name,
 )
 from kvstore.integrations.vllm_metrics import (
+    SCHEDULER_COUNTERS,
     STORE_COUNTERS,
     STORE_GAUGES,
     KVStoreConnectorStats,
@@ -163,7 +165,6 @@ logger = logging.getLogger(__name__)
 
 # The scheduler's (lookups) and the worker's; both reach vLLM's metrics
 # (kvstore.integrations.vllm_metrics).
-SCHEDULER_COUNTERS = ("lookups", "lookup_hit_blocks")
 _COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes",
              "load_failed_blocks", "save_blocks", "saved_blocks", "save_dedup_blocks",
              "save_failed_blocks", "save_dropped_blocks", "saved_bytes",
@@ -683,6 +684,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                         "open the stores and must start first, on this host") from e
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
+        self._lookups = Lookups(self._match, self._config.lookup_wait_s()) \
+            if role != KVConnectorRole.WORKER else None
         self._pending_loads: list[_Load] = []
         # worker side
         self._layers: dict[str, torch.Tensor] = {}
@@ -752,20 +755,27 @@ class KVStoreConnector(KVConnectorBase_V1):
         last = min(len(hashes), (request.num_tokens - 1) // self._block_size)
         if last <= first:
             return 0, False
+        assert self._lookups is not None  # the scheduler side has one
         try:
-            if self._client is not None:
-                hit = self._client.match(hashes[first:last])
-            else:
-                hit = self._store.match_hashes(hashes[first:last])
+            hit = self._lookups.ask(request.request_id, hashes[first:last])
         except (KVStoreError, OSError, ValueError) as e:
             _warn_once("lookup", "kvstore connector: lookup failed (no hits until it "
                        "works again): %s", e)
             return 0, False
+        if hit is None:  # still running (the remote tier): vLLM asks again next step
+            self._count(lookups_deferred=1)
+            return None, False
         self._count(lookups=1)
         tokens = min(hit, last - first) * self._block_size
         # Asynchronous: vLLM caches the blocks only once they arrived, and only the
         # verified ones.  Synchronous: the hit was read and verified by the lookup.
         return tokens, tokens > 0 and self._config.async_loads
+
+    def _match(self, hashes: list[bytes]) -> int:
+        """A lookup, on a lookup thread (or this one: ``Lookups`` with no wait)."""
+        if self._client is not None:
+            return self._client.match(hashes)
+        return self._store.match_hashes(hashes)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -818,6 +828,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # blocks of a request whose load is in flight until the worker reports it
         # finished: nothing here delays freeing.
         self._requests.pop(request.request_id, None)
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -1109,6 +1121,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._released:
             return
         self._released = True
+        if self._lookups is not None:  # before the client and store they ask
+            self._lookups.close()
         if self._client is not None:
             self._client.close()
         for inflight in self._loading.values():  # their buffers, not vLLM's blocks

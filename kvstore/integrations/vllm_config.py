@@ -17,6 +17,11 @@ from kvstore.remote.config import RemoteConfig, read_hmac_key_file
 
 __all__ = ["CODECS", "ConnectorConfig"]
 
+# How long the scheduler waits for a lookup when a remote tier may answer it: a local
+# lookup (an index read, well under a millisecond) is still answered in the step that asks,
+# a round trip to S3 is not waited for (the request is asked about again next step).
+DEFAULT_REMOTE_LOOKUP_WAIT_S = 0.005
+
 CODECS: dict[str, CodecSpec | None] = {
     "raw": None, "zstd": CodecSpec(zstd=True),
     "fp8_e4m3": CodecSpec(fp8="e4m3"), "fp8_e5m2": CodecSpec(fp8="e5m2"),
@@ -77,6 +82,11 @@ class ConnectorConfig:
                         reads and verifies the hit blocks at once (the scheduler waits)
                         and they are copied into the paged KV before the step's forward;
                         the request runs in the step that found the hit.
+    ``lookup_wait_ms``  how long vLLM's scheduler waits for a prefix lookup before it
+                        schedules other requests and asks about this one again at a later
+                        step (the lookup goes on meanwhile; vLLM's "needs more time").
+                        Default: 5 ms with ``remote`` (a lookup may wait on S3), else
+                        ``null``: always wait (a local lookup is an index read).
 
     With tensor/pipeline parallel (world size W > 1) every rank has a store of its own
     in ``path/rank-R-of-W`` (:mod:`kvstore.integrations.vllm_ranks`), and
@@ -101,6 +111,7 @@ class ConnectorConfig:
     background_saves: bool = True
     remote: RemoteConfig | None = None
     async_loads: bool = True
+    lookup_wait_ms: float | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -143,11 +154,22 @@ class ConnectorConfig:
         if extra.get("weights_fingerprint", "sample") not in ("sample", "full"):
             raise ValueError("kvstore connector: weights_fingerprint must be 'sample' or "
                              f"'full', got {extra['weights_fingerprint']!r}")
+        wait = extra.get("lookup_wait_ms")
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                                 or not 0 <= wait < float("inf")):
+            raise ValueError("kvstore connector: lookup_wait_ms must be a number of "
+                             f"milliseconds >= 0 (or null: always wait), got {wait!r}")
         model_id = extra.get("model_id")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise ValueError("kvstore connector: model_id must be a non-empty string naming "
                              f"these exact weights, got {model_id!r}")
         return cls(**extra)
+
+    def lookup_wait_s(self) -> float | None:
+        """The scheduler's wait for a lookup in seconds (None: wait for the answer)."""
+        if self.lookup_wait_ms is not None:
+            return self.lookup_wait_ms / 1000
+        return DEFAULT_REMOTE_LOOKUP_WAIT_S if self.remote is not None else None
 
     def open_options(self) -> dict[str, Any]:
         return {"capacity_bytes": self.capacity_bytes, "codec": CODECS[self.codec],

@@ -31,13 +31,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-__all__ = ["FAMILIES", "STORE_COUNTERS", "STORE_GAUGES", "KVStoreConnectorStats",
+__all__ = ["FAMILIES", "SCHEDULER_COUNTERS", "STORE_COUNTERS", "STORE_GAUGES", "KVStoreConnectorStats",
            "KVStorePromMetrics"]
 
 # StoreStats fields each worker samples from its store when something changed.
 STORE_COUNTERS = ("corrupt_blocks", "read_errors")
 STORE_GAUGES = ("used_bytes", "capacity_bytes", "blocks", "memory_used_bytes",
                 "memory_capacity_bytes")
+
+# Counted by the scheduler (lookups; no rank label), the rest by the workers.
+SCHEDULER_COUNTERS = ("lookups", "lookup_hit_blocks", "lookups_deferred")
 
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_SAMPLES = 4096
@@ -46,6 +49,9 @@ _MAX_SAMPLES = 4096
 FAMILIES: dict[str, tuple[str, str, str, dict[str, str], float]] = {
     "lookups": ("vllm:kvstore_lookups_total",
                 "Prefix lookups the scheduler sent to the store(s)", "counter", {}, 1.0),
+    "lookups_deferred": ("vllm:kvstore_lookups_deferred_total",
+                         "Lookups not answered within lookup_wait_ms: vLLM asked again at "
+                         "a later step while the lookup went on", "counter", {}, 1.0),
     "lookup_hit_blocks": ("vllm:kvstore_lookup_hit_blocks_total",
                           "Blocks the scheduler took as stored hits (on every rank) and "
                           "scheduled for loading", "counter", {}, 1.0),
@@ -176,7 +182,7 @@ class KVStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # Any w
         for key, (name, doc, kind, extra, _) in FAMILIES.items():
             if name in self._families:
                 continue
-            labels = [*labelnames, *([] if key in ("lookups", "lookup_hit_blocks")
+            labels = [*labelnames, *([] if key in SCHEDULER_COUNTERS
                                      else ["rank"]), *extra]
             if kind == "counter":
                 self._families[name] = self._counter_cls(

@@ -39,13 +39,16 @@ def test_an_empty_node_is_warmed_from_the_cluster(tmp_path: Path, tiny_model: Pa
     assert ca["saved_blocks"] == 5 + 3 + 1  # LONG, SP_A, SP_B's own third block
     # the connector_stats of the life wait for the saves; the uploads ran behind them
     # and the store's close drained them (RemoteConfig.close_drain_s)
+    # B's scheduler never waits for a lookup (lookup_wait_ms 0): each is answered "ask
+    # again later" first (vLLM's None), vLLM schedules on, and takes the hit a step later
     b = started(life(tmp_path, "RB", tiny_model, tmp_path / "node-b", env_extra=seaweed.env,
-                     extra=extra), "RB")
+                     extra={**extra, "lookup_wait_ms": 0}), "RB")
     assert tokens(b) == tokens(a)
     # every full prompt block came from the bucket: B's local store started empty
     assert [o["num_cached_tokens"] for o in b["outputs"]] == \
         [prompt_blocks(o) * BLOCK for o in b["outputs"]] == [5 * BLOCK, 3 * BLOCK, 3 * BLOCK]
     cb = b["connector"]
+    assert cb["lookups_deferred"] >= 3, cb  # every prompt's first lookup at least
     warnings = [ln for ln in b["stderr"].splitlines() if "kvstore connector" in ln]
     assert cb["loaded_blocks"] == 11 and cb["load_failed_blocks"] == 0, warnings
     rb = cb["store"]["remote"]
