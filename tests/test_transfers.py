@@ -6,6 +6,7 @@ gives its staging back and fails with the engine's error, not a task-group wrapp
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,7 +24,7 @@ from kvstore.io.arena import Arena
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.slots import PutItem
 from kvstore.tensors import DTYPE_CODES
-from kvstore.transfers import OFFLOAD_BYTES, Transfers
+from kvstore.transfers import LONE_OFFLOAD_BYTES, OFFLOAD_BYTES, Transfers, offloaded
 from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within, until
 
 KEY, PARENT = bytes(range(16)), bytes(range(100, 116))
@@ -188,5 +189,61 @@ def test_a_failed_piece_fails_the_transfer_with_the_engines_error(
             with pytest.raises(StoreIOError):  # EBADF, not an exception group
                 await transfers.write([item])
             assert arena.free_bytes == arena.size
+
+    run_within(scenario, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_work_goes_to_a_worker_thread_unless_small_or_alone_and_below_the_lone_bound(
+        backend: str) -> None:
+    async def scenario() -> dict[tuple[int, bool], bool]:
+        here = threading.get_ident()
+        placed = {}
+        for nbytes, alone in [(OFFLOAD_BYTES // 2, False), (OFFLOAD_BYTES, False),
+                              (OFFLOAD_BYTES, True), (LONE_OFFLOAD_BYTES - PAGE, True),
+                              (LONE_OFFLOAD_BYTES, True)]:
+            ident = await offloaded(nbytes, threading.get_ident, alone=alone)
+            placed[nbytes, alone] = ident != here
+        return placed
+
+    assert run_within(scenario, backend) == {
+        (OFFLOAD_BYTES // 2, False): False, (OFFLOAD_BYTES, False): True,
+        (OFFLOAD_BYTES, True): False, (LONE_OFFLOAD_BYTES - PAGE, True): False,
+        (LONE_OFFLOAD_BYTES, True): True}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_chunk_on_the_device_counts_as_in_flight_until_it_returns(
+        tmp_path: Path, kind: str, backend: str) -> None:
+    """Whether a chunk is staged / verified in place depends on the chunks in flight: one
+    held on the device counts (another task's chunk beside it goes to a thread), and the
+    count comes back to zero when it returns, is cancelled, or fails."""
+    items = [_item(OFFLOAD_BYTES, seed=10 + i) for i in range(2)]
+    for i, item in enumerate(items):
+        item.extent, item.offset = 1, i * item.slot_len
+
+    async def scenario() -> None:
+        engine = GatedEngine(real_engine(kind, tmp_path))
+        async with _transfers(engine, tmp_path) as (transfers, arena):
+            gate = engine.gate("write")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(transfers.write, [items[0]])
+                await gate.entered.wait()
+                assert transfers._chunks_active == 1
+                await transfers.write([items[1]])  # beside the held one: not alone
+                assert transfers._chunks_active == 1
+                gate.open()
+            assert transfers._chunks_active == 0
+            gate = engine.gate("write")
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(transfers.write, [items[0]])
+                    await gate.entered.wait()
+                    scope.cancel()
+            assert transfers._chunks_active == 0 and arena.free_bytes == arena.size
+        for item in items:
+            assert _read_file(tmp_path / "extent", item.offset, item.slot_len) == \
+                _staged_whole(_item(item.payload_len, seed=10 + items.index(item)))
 
     run_within(scenario, backend)
