@@ -903,9 +903,17 @@ class Store:
             return n
 
     async def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Delete blocks (durably); returns how many were stored."""
+        """Delete blocks (durably); returns how many were stored.
+
+        A put of any of these keys that is in flight (a caller's, or the remote tier
+        promoting a fetched block in the background) lands first: a delete that returned
+        is never undone by a put that started before it."""
         with self._operation(write=True):
             keys = check_keys(keys)
+            while (busy := next((self._inflight[k] for k in keys if k in self._inflight),
+                                None)) is not None:
+                await busy.wait()
+                self._check_writable()
             freed = await self.writer.run(lambda txn: self.index.delete_blocks(txn, keys))
             self._forget_in_memory(keys)
             self.allocator.release(freed)

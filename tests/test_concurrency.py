@@ -304,3 +304,36 @@ def _draining(store: kvstore.Store) -> bool:
     let the held read go once close has started waiting for it)."""
     ops = getattr(store, "_ops", None)
     return bool(getattr(ops, "draining", False))
+
+
+def test_a_delete_waits_for_a_put_of_the_same_key_in_flight(tmp_path: Path, kind: str,
+                                                            backend: str) -> None:
+    """A put (or a remote-tier promotion, a background put) of K is on the device when K
+    is deleted: the put lands first and the delete removes it; before, the delete found
+    nothing, returned, and the put made K reappear after it."""
+    k, other = keys(2)
+
+    async def scenario() -> None:
+        engine = GatedEngine(real_engine(kind, tmp_path))
+        async with opener(tmp_path, engine) as store:
+            await store.put(other, block(1))
+            gate = engine.gate("write")
+            deleted: list[int] = []
+
+            async def delete() -> None:
+                deleted.append(await store.delete_many([k, other]))
+
+            with anyio.fail_after(DEADLINE_IN):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: store.put(k, block(0)))
+                    await gate.entered.wait()
+                    tg.start_soon(delete)
+                    # the delete waits for the put (on the old code it ran to the end)
+                    await until(lambda: store._inflight[k].statistics().tasks_waiting == 1)
+                    assert deleted == []
+                    gate.open()
+            assert deleted == [2]
+            assert not await store.contains(k) and not await store.contains(other)
+        assert no_damage(tmp_path) == []
+
+    run_within(scenario, backend)
