@@ -255,10 +255,21 @@ class Transfers:
             whole, runs = await self._acquire_runs([e.slot_len for _, e in chunks[0]])
             await read_chunk(whole, [(i, e, run) for (i, e), run in zip(chunks[0], runs)])
             return counts[0], counts[1]
+        failures: list[BaseException] = []
+
+        async def read_chunk_of_many(whole: ArenaRun,
+                                     batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
+            try:
+                await read_chunk(whole, batch)
+            except Exception as e:  # re-raised below, unwrapped from the task group
+                failures.append(e)
+
         async with anyio.create_task_group() as tg:
             for chunk in chunks:
                 whole, runs = await self._acquire_runs([e.slot_len for _, e in chunk])
-                tg.start_soon(read_chunk, whole,
+                tg.start_soon(read_chunk_of_many, whole,
                               [(i, e, run) for (i, e), run in zip(chunk, runs)])
                 await anyio.lowlevel.checkpoint()  # let the chunk's reads go out first
+        if failures:
+            raise failures[0]
         return counts[0], counts[1]

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import kvstore
+from kvstore.extents import extent_path
+from kvstore.format import FORMAT_VERSION, SLOT_HEADER_BYTES, crc32c
 from kvstore.index import META_FORMAT
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
@@ -236,3 +238,29 @@ async def test_a_block_large_enough_to_go_in_pieces_reads_back_and_fscks_clean(
         got = await store.get_many(ks)
     assert all(same(g, v) for g, v in zip(got, values))
     assert fsck.check(str(tmp_path), deep=True).findings == []
+
+
+@pytest.mark.parametrize("staging", [8 << 20, 64 << 10])  # the batch in one chunk / in three
+async def test_a_slot_of_a_newer_format_is_refused_with_a_clear_error(
+        tmp_path: Path, staging: int) -> None:
+    """A slot written by a newer build (its header's version, valid CRC) makes the get
+    raise FormatVersionError, not a miss and not an exception group, however the batch
+    was split into chunks; nothing is quarantined."""
+    ks = keys(3)
+    values = [make_tensor(torch.uint8, (40_000,), i) for i in range(3)]
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
+        await store.put_many(ks, values)
+        entry = store.index.get_entries([ks[1]])[0]
+    assert entry is not None
+    with open(extent_path(str(tmp_path), entry.extent), "r+b") as f:
+        f.seek(entry.offset)
+        header = bytearray(f.read(SLOT_HEADER_BYTES))
+        struct.pack_into("<H", header, 4, FORMAT_VERSION + 1)
+        struct.pack_into("<I", header, SLOT_HEADER_BYTES - 4, crc32c(bytes(header[:-4])))
+        f.seek(entry.offset)
+        f.write(header)
+    async with kvstore.open(tmp_path, namespace=NS, staging_bytes=staging) as store:
+        with pytest.raises(kvstore.FormatVersionError, match="format version"):
+            await store.get_many(ks)
+        assert store.stats().quarantined == 0
+        assert same(await store.get(ks[0]), values[0])
