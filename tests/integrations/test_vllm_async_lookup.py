@@ -42,9 +42,11 @@ def match() -> Iterator[GatedMatch]:
     m.gate.set()  # never leave a pool thread parked
 
 
-def settle(lookups: Lookups, request_id: str) -> None:
-    """Wait until the lookup held for ``request_id`` (if any) has returned."""
+def settle(lookups: Lookups, request_id: str, *, held: bool = False) -> None:
+    """Wait until the lookup held for ``request_id`` (if any; ``held``: there must be
+    one) has returned."""
     future = lookups.running(request_id)
+    assert future is not None or not held
     if future is not None:
         wait([future])
 
@@ -69,9 +71,7 @@ def test_a_slow_lookup_is_deferred_then_answered_once(match: GatedMatch) -> None
         assert len(match.calls) == 1 and lookups.deferred == 2
         assert threading.current_thread().name not in match.threads
         match.gate.set()
-        future = lookups.running("r1")
-        assert future is not None
-        wait([future])
+        settle(lookups, "r1", held=True)
         assert lookups.ask("r1", hashes(4)) == 3
         # answered once: the next ask is a new lookup (the store may have changed)
         assert lookups.running("r1") is None
@@ -142,9 +142,7 @@ def test_a_failed_lookup_raises_once_and_the_next_ask_retries(match: GatedMatch)
     try:
         assert lookups.ask("r1", hashes(4)) is None
         match.gate.set()
-        future = lookups.running("r1")
-        assert future is not None
-        wait([future])
+        settle(lookups, "r1", held=True)
         with pytest.raises(ConnectionError, match="worker went away"):
             lookups.ask("r1", hashes(4))
         match.fail = None
