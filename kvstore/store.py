@@ -595,12 +595,7 @@ class Store:
                         staged: Sequence[tuple[torch.Tensor, int]],
                         values: Sequence[torch.Tensor], spec: CodecSpec | None) -> PutResult:
         # Wait out other tasks' puts of the same keys, then decide without yielding.
-        while True:
-            busy = next((self._inflight[k] for k in keys if k in self._inflight), None)
-            if busy is None:
-                break
-            await busy.wait()
-            self._check_writable()
+        await self._wait_for_puts_of(keys)
         present = self.index.present(keys)
         items: list[PutItem] = []
         deduplicated: dict[bytes, None] = {}
@@ -636,6 +631,13 @@ class Store:
         self._counters["put_bytes"] += sum(item.raw_len for item in items)
         self._counters["put_payload_bytes"] += written
         return PutResult(len(items), len(keys) - len(items), written)
+
+    async def _wait_for_puts_of(self, keys: Sequence[bytes]) -> None:
+        """Until no put of any of ``keys`` is in flight (each waited for in turn)."""
+        while (busy := next((self._inflight[k] for k in keys if k in self._inflight),
+                            None)) is not None:
+            await busy.wait()
+            self._check_writable()
 
     def _count_dedup(self, blocks: int, raw_bytes: int) -> None:
         self._counters["dedup_blocks"] += blocks
@@ -910,10 +912,7 @@ class Store:
         is never undone by a put that started before it."""
         with self._operation(write=True):
             keys = check_keys(keys)
-            while (busy := next((self._inflight[k] for k in keys if k in self._inflight),
-                                None)) is not None:
-                await busy.wait()
-                self._check_writable()
+            await self._wait_for_puts_of(keys)
             freed = await self.writer.run(lambda txn: self.index.delete_blocks(txn, keys))
             self._forget_in_memory(keys)
             self.allocator.release(freed)

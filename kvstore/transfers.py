@@ -38,9 +38,9 @@ T = TypeVar("T")
 # event loop keeps serving other tasks while megabytes are copied and checksummed...
 OFFLOAD_BYTES = 1 << 20
 # ...unless the chunk is below this and the only one in flight in the store (any task's):
-# nothing else waits on the loop then, and the thread hop (handing the call over, waking the loop on
-# return, the GIL back and forth) cost more than the ~0.4 ms of compiled copy + CRC32C of
-# a 64 KiB batch's 2 MiB: done in place, one caller's 64 KiB gets took 24% less wall time
+# nothing else waits on the loop then, and the thread hop (handing the call over, waking
+# the loop on return, the GIL back and forth) cost more than the ~0.4 ms of compiled copy
+# + CRC32C of a 64 KiB batch's 2 MiB: done in place, one caller's 64 KiB gets took 24% less wall time
 # and ~20% less CPU per batch.  With other transfers in flight it still goes to a thread
 # (in place, it held up their submissions: 4 callers' 64 KiB gets 13% slower).
 LONE_OFFLOAD_BYTES = 4 << 20
@@ -137,11 +137,13 @@ class Transfers:
                 self.arena.release(whole)
 
         async def write_in_pieces(whole: ArenaRun, item: PutItem) -> None:
+            self._chunks_active += 1  # its pieces go out beside anything staged in place
             try:
                 await self._write_in_pieces(whole, item)
             except Exception as e:
                 errors.append(e)
             finally:
+                self._chunks_active -= 1
                 self.arena.release(whole)
 
         async with anyio.create_task_group() as tg:
@@ -237,6 +239,13 @@ class Transfers:
                     nbytes += entry.raw_len
             return errors, nbytes
 
+        failures: list[BaseException] = []
+
+        async def staged(chunk: list[tuple[int, IndexEntry]]
+                         ) -> tuple[ArenaRun, list[tuple[int, IndexEntry, ArenaRun]]]:
+            whole, runs = await self._acquire_runs([e.slot_len for _, e in chunk])
+            return whole, [(i, e, run) for (i, e), run in zip(chunk, runs)]
+
         async def read_chunk(whole: ArenaRun, batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
             self._chunks_active += 1
             try:
@@ -246,30 +255,20 @@ class Transfers:
                                                  alone=self._chunks_active == 1)
                 counts[0] += errors
                 counts[1] += nbytes
+            except Exception as e:  # re-raised below, unwrapped from the task group
+                failures.append(e)
             finally:
                 self._chunks_active -= 1
                 self.arena.release(whole)
 
         chunks = self._chunks(wanted, lambda w: w[1].slot_len)
         if len(chunks) == 1:  # most gets of small blocks: no task group to set up
-            whole, runs = await self._acquire_runs([e.slot_len for _, e in chunks[0]])
-            await read_chunk(whole, [(i, e, run) for (i, e), run in zip(chunks[0], runs)])
-            return counts[0], counts[1]
-        failures: list[BaseException] = []
-
-        async def read_chunk_of_many(whole: ArenaRun,
-                                     batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
-            try:
-                await read_chunk(whole, batch)
-            except Exception as e:  # re-raised below, unwrapped from the task group
-                failures.append(e)
-
-        async with anyio.create_task_group() as tg:
-            for chunk in chunks:
-                whole, runs = await self._acquire_runs([e.slot_len for _, e in chunk])
-                tg.start_soon(read_chunk_of_many, whole,
-                              [(i, e, run) for (i, e), run in zip(chunk, runs)])
-                await anyio.lowlevel.checkpoint()  # let the chunk's reads go out first
+            await read_chunk(*await staged(chunks[0]))
+        else:
+            async with anyio.create_task_group() as tg:
+                for chunk in chunks:
+                    tg.start_soon(read_chunk, *await staged(chunk))
+                    await anyio.lowlevel.checkpoint()  # let the chunk's reads go out first
         if failures:
             raise failures[0]
         return counts[0], counts[1]

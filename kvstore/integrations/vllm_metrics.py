@@ -31,8 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-__all__ = ["FAMILIES", "SCHEDULER_COUNTERS", "STORE_COUNTERS", "STORE_GAUGES", "KVStoreConnectorStats",
-           "KVStorePromMetrics"]
+__all__ = ["FAMILIES", "SCHEDULER_COUNTERS", "STORE_COUNTERS", "STORE_GAUGES",
+           "KVStoreConnectorStats", "KVStorePromMetrics"]
 
 # StoreStats fields each worker samples from its store when something changed.
 STORE_COUNTERS = ("corrupt_blocks", "read_errors")
