@@ -412,8 +412,13 @@ class Index:
         if gone:
             raise ChainCut(gone)
         self.apply_touched(txn, touched)
+        for extent, offset, length, slots in _adjacent_ranges_merged(entries):
+            try:
+                self.take_range(txn, extent, offset, length)
+            except IndexCorruptionError:  # not one free run (runs are kept maximal, but if not):
+                for slot_offset, slot_len in slots:  # slot by slot, as before
+                    self.take_range(txn, extent, slot_offset, slot_len)
         for key, entry in entries:
-            self.take_range(txn, entry.extent, entry.offset, entry.slot_len)
             self.add_block(txn, key, entry)
         prev = unpack_u64(txn.get(META_SEQ, db=self.meta))
         txn.put(META_SEQ, pack_u64(max(prev, seq)), db=self.meta)
@@ -470,6 +475,25 @@ class Index:
                 txn.delete(free_key(extent, prev[1]), db=self.free)
                 offset, length = prev[1], length + prev[2]
         txn.put(free_key(extent, offset), pack_u64(length), db=self.free)
+
+
+def _adjacent_ranges_merged(entries: Sequence[tuple[bytes, IndexEntry]]
+                            ) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
+    """The entries' slots as runs (extent, offset, length, its slots), touching slots joined.
+
+    A batch's slots are usually allocated back to back: one ``take_range`` for the run
+    instead of one free-map update per slot (a cursor seek, a delete and a put each).
+    Only slots that exactly touch are joined; overlapping ones stay apart, so
+    ``take_range`` still refuses the second as drift."""
+    runs: list[tuple[int, int, int, list[tuple[int, int]]]] = []
+    for entry in sorted((e for _, e in entries), key=lambda e: (e.extent, e.offset)):
+        if runs and runs[-1][0] == entry.extent and runs[-1][1] + runs[-1][2] == entry.offset:
+            extent, offset, length, slots = runs[-1]
+            runs[-1] = (extent, offset, length + entry.slot_len, slots)
+        else:
+            runs.append((entry.extent, entry.offset, entry.slot_len, []))
+        runs[-1][3].append((entry.offset, entry.slot_len))
+    return runs
 
 
 class ChainCut(Exception):

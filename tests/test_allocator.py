@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kvstore.allocator import FreeSpace, ReadEpochs
 from kvstore.errors import IndexCorruptionError
-from kvstore.format import PAGE
-from kvstore.index import Index, IndexWriter
+from kvstore.format import PAGE, IndexEntry, free_key, pack_u64
+from kvstore.index import META_SEQ, Index, IndexWriter
 
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 8)), min_size=1, max_size=60)
 
@@ -84,6 +84,75 @@ def test_taking_space_that_is_not_free_is_index_corruption(tmp_path: Path) -> No
         with pytest.raises(IndexCorruptionError):
             writer.run_sync(lambda txn: index.give_range(txn, 1, 2 * PAGE, PAGE))
         assert index.free_runs() == [(1, PAGE, 4 * PAGE)]  # failed jobs changed nothing
+    finally:
+        writer.close()
+        index.close()
+
+
+def _entry(extent: int, offset: int, slot_len: int) -> IndexEntry:
+    return IndexEntry(extent=extent, offset=offset, slot_len=slot_len, payload_len=1,
+                      raw_len=1, codec=0, dtype=0, payload_crc=0, seq=1, last_use=1,
+                      parent=None)
+
+
+@given(st.lists(st.tuples(st.integers(1, 2), st.integers(1, 40), st.integers(1, 3)),
+                min_size=1, max_size=24))
+def test_a_batch_commit_takes_exactly_its_slots_from_the_free_map(
+        tmp_path_factory: pytest.TempPathFactory, slots: list[tuple[int, int, int]]) -> None:
+    """commit_puts joins slots that touch into one free-map update: the runs left are
+    those of taking every slot alone (touching, apart, two extents, any order)."""
+    taken: list[tuple[int, int, int]] = []
+    for extent, page, pages in slots:  # keep the disjoint ones
+        if all(e != extent or o + n <= page * PAGE or page * PAGE + pages * PAGE <= o
+               for e, o, n in taken):
+            taken.append((extent, page * PAGE, pages * PAGE))
+    entries = [(bytes([i]) * 16, _entry(*t)) for i, t in enumerate(taken)]
+    batched = _free_runs_after(str(tmp_path_factory.mktemp("idx")), entries, batch=True)
+    alone = _free_runs_after(str(tmp_path_factory.mktemp("idx")), entries, batch=False)
+    assert batched == alone
+
+
+def _free_runs_after(path: str, entries: list[tuple[bytes, IndexEntry]], *, batch: bool
+                     ) -> list[tuple[int, int, int]]:
+    """Free runs of two 64-page extents after taking the entries' slots: in one
+    ``commit_puts`` or (the reference) one ``take_range`` per slot."""
+    index = Index(path, map_size=1 << 26, sync=False)
+    writer = IndexWriter(index)
+    try:
+        writer.run_sync(lambda txn: txn.put(META_SEQ, pack_u64(0), db=index.meta))
+        for extent in (1, 2):
+            writer.run_sync(lambda txn, e=extent: index.give_range(txn, e, PAGE, 64 * PAGE))
+        if batch:
+            writer.run_sync(lambda txn: index.commit_puts(txn, entries, {}, 1))
+        for _, e in [] if batch else entries:
+            writer.run_sync(lambda txn, e=e: index.take_range(txn, e.extent, e.offset,
+                                                              e.slot_len))
+        return index.free_runs()
+    finally:
+        writer.close()
+        index.close()
+
+
+def test_a_batch_commit_refuses_overlapping_slots_and_survives_split_free_runs(
+        tmp_path: Path) -> None:
+    index = Index(str(tmp_path), map_size=1 << 24, sync=False)
+    writer = IndexWriter(index)
+    try:
+        # Two free runs that touch (the index keeps runs whole; an older tool might not).
+        writer.run_sync(lambda txn: (
+            txn.put(META_SEQ, pack_u64(0), db=index.meta),
+            txn.put(free_key(1, PAGE), pack_u64(4 * PAGE), db=index.free),
+            txn.put(free_key(1, 5 * PAGE), pack_u64(4 * PAGE), db=index.free)))
+        overlapping = [(b"a" * 16, _entry(1, PAGE, 2 * PAGE)),
+                       (b"b" * 16, _entry(1, 2 * PAGE, 2 * PAGE))]
+        with pytest.raises(IndexCorruptionError, match="fsck"):
+            writer.run_sync(lambda txn: index.commit_puts(txn, overlapping, {}, 1))
+        assert index.count_blocks() == 0  # the failed job applied nothing
+        across = [(b"c" * 16, _entry(1, 4 * PAGE, PAGE)),
+                  (b"d" * 16, _entry(1, 5 * PAGE, PAGE))]  # touch, across the two runs
+        writer.run_sync(lambda txn: index.commit_puts(txn, across, {}, 1))
+        assert index.free_runs() == [(1, PAGE, 3 * PAGE), (1, 6 * PAGE, 3 * PAGE)]
+        assert index.count_blocks() == 2
     finally:
         writer.close()
         index.close()

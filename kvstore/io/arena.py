@@ -66,6 +66,14 @@ class Arena:
         # first 256 MiB of large-block puts (issue 13).  So a thread faults pages in *ahead
         # of use*: up to twice the highest offset handed out so far (at least 8 MiB).
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # Transparent huge pages where the host allows them (THP "madvise" or "always";
+        # "never" wins): a 2 MiB page is faulted in ~3.5x faster than 512 small ones
+        # (12 vs 3.5 GB/s populate here), an O_DIRECT transfer pins one page instead of
+        # 512 and verify/copy take fewer TLB misses.  Measured (session 9, fresh stores,
+        # compare_trees): cold gets 1.1-1.8x, 32 MiB puts 1.2-1.5x, CPU per GB -20-45%;
+        # a long-lived store's 32 MiB puts +10-15%.  No-op where unsupported.
+        with suppress(AttributeError, OSError):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.array = np.frombuffer(self._map, dtype=np.uint8)

@@ -90,3 +90,27 @@ def test_close_stops_a_prefault_in_progress() -> None:
     arena.close()  # joins the thread: at most one step more
     assert arena._prefault is not None and not arena._prefault.is_alive()
     assert arena.prefaulted_bytes <= arena.size
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+                    reason="kernel without transparent huge pages")
+def test_the_arena_asks_for_transparent_huge_pages() -> None:
+    arena = Arena(16 << 20)
+    try:
+        assert "hg" in _vm_flags(arena.address)  # madvise(MADV_HUGEPAGE) took
+    finally:
+        arena.close()
