@@ -59,11 +59,12 @@ class Arena:
 
     def __init__(self, nbytes: int) -> None:
         self.size = round_up(max(nbytes, PAGE))
-        # Not MAP_POPULATE: prefaulting 256 MiB costs ~200 ms of page zeroing at every open
-        # (an engine restart would wait for it, and a store moving 64 KiB blocks never
-        # uses more than a few MiB).  A transfer through a never-touched page pays that
-        # zeroing itself (~1.3 GB/s vs ~5 GB/s once faulted in), which capped a store's
-        # first 256 MiB of large-block puts (issue 13).  So a thread faults pages in *ahead
+        # Not MAP_POPULATE: creating an arena is free; its owner decides when pages are
+        # faulted in.  The store's staging arena is populated whole at open
+        # (``populate``, on open()'s worker thread); the memory tier's region in the
+        # background (``prefault_all``: it may be large, and it is a cache).  Otherwise
+        # (or where the kernel lacks MADV_POPULATE_WRITE) a transfer through a
+        # never-touched page pays the zeroing itself, so a thread faults pages in *ahead
         # of use*: up to twice the highest offset handed out so far (at least 8 MiB).
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         # Transparent huge pages where the host allows them (THP "madvise" or "always";
@@ -88,6 +89,21 @@ class Arena:
         self._wake = threading.Condition()
         self._prefault: threading.Thread | None = None
 
+    def populate(self) -> bool:
+        """Fault the whole region in now, on the calling thread (GIL released); False
+        where the kernel lacks MADV_POPULATE_WRITE (pages then fault in on first use,
+        with the ahead-of-use thread).  For a caller that is not on an event loop."""
+        if _madvise is None:
+            return False
+        step = 64 << 20
+        for start in range(self.prefaulted_bytes, self.size, step):
+            length = min(step, self.size - start)
+            if _madvise(ctypes.c_void_p(self.address + start), ctypes.c_size_t(length),
+                        _MADV_POPULATE_WRITE) != 0:
+                return False
+            self.prefaulted_bytes = start + length
+        return True
+
     def prefault_all(self) -> None:
         """Fault the whole region in on the background thread now (a cache that will
         fill anyway: the memory tier), not only ahead of use."""
@@ -97,7 +113,7 @@ class Arena:
 
     def _note_high(self, end: int) -> None:
         """A run up to ``end`` was handed out: fault in ahead of it (background thread)."""
-        if end <= self._high or _madvise is None:
+        if end <= self._high or _madvise is None or self.prefaulted_bytes >= self.size:
             return
         with self._wake:
             self._high = end

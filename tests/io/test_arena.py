@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -114,3 +115,15 @@ def test_the_arena_asks_for_transparent_huge_pages() -> None:
         assert "hg" in _vm_flags(arena.address)  # madvise(MADV_HUGEPAGE) took
     finally:
         arena.close()
+
+
+async def test_a_store_opens_with_its_staging_arena_resident(tmp_path: Path) -> None:
+    """Faulting the arena in while transfers run cost more than the zeroing itself
+    (issue 13): a store populates it at open, off the event loop."""
+    import kvstore
+
+    async with kvstore.open(tmp_path / "s", staging_bytes=32 << 20) as store:
+        arena = store.arena
+        assert arena.prefaulted_bytes == arena.size
+        assert resident_bytes(arena.address, arena.size) == arena.size
+        assert arena._prefault is None  # nothing left for the ahead-of-use thread
