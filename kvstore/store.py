@@ -1038,7 +1038,9 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
                    most recent ones (never corrupt: what is read back still verifies).
     ``extent_bytes``  size of each preallocated extent file (fixed at creation).
     ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
-                   memory used by transfers in flight and the largest block.
+                   memory used by transfers in flight and the largest block.  Resident
+                   from open (faulted in then, on transparent huge pages where the host
+                   allows them: ~20 ms per 256 MiB), not page by page during transfers.
     ``queue_depth``   I/O operations in flight at once.
     ``index_map_bytes`` the most the LMDB index may grow to.  Its memory map starts at
                    1 GiB (or this, if smaller) and doubles when full, between
