@@ -70,9 +70,10 @@ class Arena:
         # Transparent huge pages where the host allows them (THP "madvise" or "always";
         # "never" wins): a 2 MiB page is faulted in ~3.5x faster than 512 small ones
         # (12 vs 3.5 GB/s populate here), an O_DIRECT transfer pins one page instead of
-        # 512 and verify/copy take fewer TLB misses.  Measured (session 9, fresh stores,
-        # compare_trees): cold gets 1.1-1.8x, 32 MiB puts 1.2-1.5x, CPU per GB -20-45%;
-        # a long-lived store's 32 MiB puts +10-15%.  No-op where unsupported.
+        # 512 and is one scatter-gather segment instead of up to 512 (the block requests
+        # stay the same), and verify/copy take fewer TLB misses.  Measured on a
+        # long-lived store (benchmarks/steady.py): 1-2 MiB puts and gets 1.06-2.06x,
+        # CPU per GB 10-30% lower (README, "Huge pages").  No-op where unsupported.
         with suppress(AttributeError, OSError):
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self._map)
