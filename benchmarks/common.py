@@ -43,6 +43,13 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
+def parse_size(text: str) -> int:
+    """``64K``, ``2M``, ``1.5GiB``, ``4096`` -> bytes (the scripts' size options)."""
+    units = {"K": KiB, "M": MiB, "G": GiB}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
 def summary(values: Sequence[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 

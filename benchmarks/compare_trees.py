@@ -48,12 +48,6 @@ print("RESULT " + json.dumps(samples))
 '''
 
 
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
 def kvstore_run(tree: str, block: int, n: int, callers: int, batch: int, rep: int,
                 root: str, cold: str, engine: str) -> list[dict[str, Any]]:
     out = subprocess.run(
@@ -70,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, HERE)
     from benchmarks import fio as fio_mod
     from benchmarks.callers import BATCH, CALLERS, blocks_for, measure_fio
-    from benchmarks.common import Cold, human, machine_info
+    from benchmarks.common import Cold, human, machine_info, parse_size
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("base_tree")

@@ -58,12 +58,6 @@ SKIP_FRAMES = ("_find_and_load", "Store.__init__", "acquire_lock", "cond_wait",
                "sem_wait", "Event.wait", "Condition.wait")
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
 def run_workload(tree: str, block: int, volume: int, batch: int) -> dict[str, float]:
     sys.path.insert(0, tree)
     import anyio
@@ -155,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--py-spy", action="store_true", help="also sample on-CPU stacks")
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     args = p.parse_args(argv)
+    sys.path.insert(0, HERE)
+    from benchmarks.common import parse_size
+
     tree, block = os.path.abspath(args.tree), parse_size(args.block)
     volume = int(args.mib * (1 << 20))
     phases = run_workload(tree, block, volume, args.batch)

@@ -97,12 +97,6 @@ anyio.run(main)
 '''
 
 
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
 def run_tree(tree: str, block: int, mib: int, root: str, callers: int
              ) -> list[dict[str, float]]:
     out = subprocess.run([sys.executable, "-c", CHILD, tree, str(block), str(mib), root,
@@ -123,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where stores go (default: .bench-tmp here)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    sys.path.insert(0, HERE)
+    from benchmarks.common import parse_size
+
     trees = {"base": os.path.abspath(args.base_tree), "new": os.path.abspath(args.new_tree)}
     root = args.dir or os.path.join(HERE, ".bench-tmp")
     os.makedirs(root, exist_ok=True)

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -290,13 +291,11 @@ def run_demo(args: argparse.Namespace) -> int:
     write_manifest(path, name, wrote["checksums"])
     print("engine restart: a new process opens the store ...", file=sys.stderr)
     cmd = [sys.executable, "-m", "kvstore", "demo", "--reload-only", "--path", path]
-    # Its own session: Ctrl-C reaches this process only, which says so once; the reader
-    # is then killed (it only reads: stopping it anywhere leaves the store consistent).
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    if proc.returncode not in (0, 1):
+    returncode, stdout = _run_reload(cmd)
+    if returncode not in (0, 1):
         print("the reload process failed", file=sys.stderr)
         return 2
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = json.loads(stdout.strip().splitlines()[-1])
     total = time.perf_counter() - t0
     _print_table(w, wrote, got, total)
     want_blocks = sum(len(t) // BLOCK_TOKENS for t in tokens)
@@ -312,6 +311,40 @@ def run_demo(args: argparse.Namespace) -> int:
           f"restart ({got['bad']} bad); {got['matched_tokens']} of {want_tokens} prefix tokens "
           "found")
     return 0 if ok else 1
+
+
+def _run_reload(cmd: list[str]) -> tuple[int, str]:
+    """Run the reload process; on Ctrl-C kill it before this process reports.
+
+    The child has its own session: Ctrl-C reaches this process only, which says so once;
+    the reader is then killed (it only reads: stopping it anywhere leaves the store
+    consistent).  While the child starts, Ctrl-C is only noted: a KeyboardInterrupt raised
+    inside ``Popen`` after the fork loses the only handle to a running child, which then
+    printed its progress after this process's "interrupted" line.  (Blocking SIGINT with
+    a signal mask is not enough: a signal that arrived just before the block has already
+    set Python's flag, and the exception is raised at the next bytecode, inside Popen.)"""
+    interrupted = False
+
+    def note(_signum: int, _frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    previous = signal.signal(signal.SIGINT, note)
+    proc: subprocess.Popen[str] | None = None
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        signal.signal(signal.SIGINT, previous)
+        if interrupted:
+            raise KeyboardInterrupt
+        stdout, _ = proc.communicate()
+    except BaseException:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return proc.returncode, stdout
 
 
 def _print_table(w: Workload, wrote: dict[str, Any], got: dict[str, Any], total: float) -> None:

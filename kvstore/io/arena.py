@@ -96,13 +96,21 @@ class Arena:
         with the ahead-of-use thread).  For a caller that is not on an event loop."""
         if _madvise is None:
             return False
-        step = 64 << 20
-        for start in range(self.prefaulted_bytes, self.size, step):
-            length = min(step, self.size - start)
-            if _madvise(ctypes.c_void_p(self.address + start), ctypes.c_size_t(length),
-                        _MADV_POPULATE_WRITE) != 0:
+        while self.prefaulted_bytes < self.size:
+            if not self._fault_in_next(64 << 20):
                 return False
-            self.prefaulted_bytes = start + length
+        return True
+
+    def _fault_in_next(self, step: int) -> bool:
+        """madvise(MADV_POPULATE_WRITE) the next ``step`` bytes past ``prefaulted_bytes``
+        (GIL released) and advance it; False if the kernel refused."""
+        assert _madvise is not None
+        start = self.prefaulted_bytes
+        length = min(step, self.size - start)
+        if _madvise(ctypes.c_void_p(self.address + start), ctypes.c_size_t(length),
+                    _MADV_POPULATE_WRITE) != 0:
+            return False
+        self.prefaulted_bytes = start + length
         return True
 
     def prefault_all(self) -> None:
@@ -128,20 +136,14 @@ class Arena:
         """Fault pages in, a few MiB per madvise(MADV_POPULATE_WRITE) with the GIL released,
         until ``close``.  Stops for good where the kernel lacks it (Linux < 5.14): pages
         then fault in on first use, as without this thread."""
-        assert _madvise is not None
-        step = 8 << 20
         while True:
             with self._wake:
                 while not self.closed and self.prefaulted_bytes >= self._goal():
                     self._wake.wait()
                 if self.closed:
                     return
-                start = self.prefaulted_bytes
-            length = min(step, self.size - start)
-            if _madvise(ctypes.c_void_p(self.address + start), ctypes.c_size_t(length),
-                        _MADV_POPULATE_WRITE) != 0:
+            if not self._fault_in_next(8 << 20):
                 return
-            self.prefaulted_bytes = start + length
 
     def _goal(self) -> int:
         return min(self.size, max(2 * self._high, 8 << 20)) if self._high else 0
