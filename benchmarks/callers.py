@@ -145,9 +145,17 @@ async def get_chain(store: Any, ds: Dataset, lo: int, hi: int, batch: int,
 
 
 def wrong_in_last_batch(ds: Dataset, lo: int, hi: int, batch: int,
-                        outs: list[torch.Tensor]) -> int:
+                        outs: list[torch.Tensor], *, lossy: bool = False) -> int:
+    """Blocks of the last batch read back that differ from what was put (with a lossy
+    codec: by more than FP8 e4m3's relative error, 0.1)."""
     last = lo + (hi - lo - 1) // batch * batch
-    return sum(not torch.equal(outs[i - last], ds.block(i)) for i in range(last, hi))
+
+    def wrong(got: torch.Tensor, want: torch.Tensor) -> bool:
+        if not lossy:
+            return not torch.equal(got, want)
+        return bool((got.float() - want.float()).norm() > 0.1 * want.float().norm())
+
+    return sum(wrong(outs[i - last], ds.block(i)) for i in range(last, hi))
 
 
 async def concurrently(calls: list[Callable[[], Awaitable[int]]]) -> list[int]:
@@ -186,8 +194,8 @@ async def measure_kvstore(sysm: KvstoreSystem, ds: Dataset, callers: int, batch:
             missing = await concurrently(
                 [partial(get_chain, sysm.store, ds, lo, hi, batch, o)
                  for (lo, hi), o in zip(slices, outs)])
-        wrong = sum(wrong_in_last_batch(ds, lo, hi, batch, o) for (lo, hi), o in
-                    zip(slices, outs))
+        wrong = sum(wrong_in_last_batch(ds, lo, hi, batch, o, lossy=sysm.lossy)
+                    for (lo, hi), o in zip(slices, outs))
     finally:
         await sysm.close()
     retained = rss_bytes()["rss"] - rss_idle  # left behind once the store is closed

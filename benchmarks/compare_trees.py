@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r'''
 import json, sys
-tree, here, block, n, callers, batch, rep, root, cold, engine = sys.argv[1:11]
+tree, here, block, n, callers, batch, rep, root, cold, engine, codec = sys.argv[1:12]
 sys.path.insert(0, tree)
 import kvstore  # the measured tree's package, before the measuring code is imported
 assert kvstore.__file__.startswith(tree), kvstore.__file__
@@ -42,17 +42,17 @@ from benchmarks.callers import measure_kvstore
 from benchmarks.common import Cold
 from benchmarks.systems import Dataset, KvstoreSystem
 ds = Dataset.make(int(block), int(n), seed=13)
-samples = anyio.run(measure_kvstore, KvstoreSystem(engine, "raw"), ds, int(callers),
+samples = anyio.run(measure_kvstore, KvstoreSystem(engine, codec), ds, int(callers),
                     int(batch), int(rep), root, Cold(cold, root))
 print("RESULT " + json.dumps(samples))
 '''
 
 
 def kvstore_run(tree: str, block: int, n: int, callers: int, batch: int, rep: int,
-                root: str, cold: str, engine: str) -> list[dict[str, Any]]:
+                root: str, cold: str, engine: str, codec: str) -> list[dict[str, Any]]:
     out = subprocess.run(
         [sys.executable, "-c", CHILD, tree, HERE, str(block), str(n), str(callers),
-         str(batch), str(rep), root, cold, engine],
+         str(batch), str(rep), root, cold, engine, codec],
         capture_output=True, text=True, check=False)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if out.returncode or line is None:
@@ -76,8 +76,14 @@ def main(argv: list[str] | None = None) -> int:
                    "a temporary directory under the new tree)")
     p.add_argument("--cold", default="fadvise", choices=("drop", "fadvise", "none"))
     p.add_argument("--engine", default="io_uring")
+    p.add_argument("--codec", default="raw", choices=("raw", "fp8"),
+                   help="the codec both trees put with (input bytes are compared)")
+    p.add_argument("--base-codec", default=None, choices=("raw", "fp8"),
+                   help="the base's codec, if not --codec: with the same tree as base "
+                   "and new, `--codec fp8 --base-codec raw` measures FP8 against raw")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    codecs = {"base": args.base_codec or args.codec, "new": args.codec}
     trees = {"base": os.path.abspath(args.base_tree), "new": os.path.abspath(args.new_tree)}
     fio = fio_mod.find_fio(None)
     if fio is None:
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     got = measure_fio(fio, block, n, callers, rep, root, cold)
                 else:
                     got = kvstore_run(trees[who], block, n, callers, batch, rep, root,
-                                      args.cold, args.engine)
+                                      args.cold, args.engine, codecs[who])
                 for s in got:
                     s["who"] = who
                 samples += got
@@ -136,9 +142,11 @@ def render(samples: list[dict[str, Any]], blocks: list[int], trees: dict[str, st
     lines = [
         "# kvstore before/after, one run (benchmarks/compare_trees.py)", "",
         f"`python benchmarks/compare_trees.py {trees['base']} --blocks {args.blocks} "
-        f"--volume-mib {args.volume_mib:g} --reps {args.reps} --cold {args.cold}`, "
-        f"{seconds:.0f} s", "",
-        f"- base: {trees['base']}; new: {trees['new']}",
+        f"--volume-mib {args.volume_mib:g} --reps {args.reps} --cold {args.cold} "
+        f"--codec {args.codec}" + (f" --base-codec {args.base_codec}" if args.base_codec
+                                   else "") + f"`, {seconds:.0f} s", "",
+        f"- base: {trees['base']} ({args.base_codec or args.codec}); new: {trees['new']} "
+        f"({args.codec}); MB/s of input bytes (before the codec)",
         f"- machine: {machine['nproc']} CPUs ({machine['cpu']}), {machine['mem_gib']} GiB, "
         f"kernel {machine['kernel']}, Python {machine['python']}, torch {machine['torch']}; "
         f"load average at the end {os.getloadavg()}",

@@ -157,6 +157,7 @@ parse.  A caller-provided ``out`` that does not fit raises
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import threading
 import warnings
@@ -411,9 +412,7 @@ def _fp8_head(x: torch.Tensor, base: int,
     numel > 0: the payload's header and scales, and every vector's exponent (shape
     ``x.shape[:-1]``); or None when the block must be stored losslessly instead."""
     fmt = _FORMATS[base]
-    shape = tuple(x.shape)
-    kv, tok, head = _norm_axes(spec.layout, shape)
-    nd = len(shape) - 1
+    (kv, tok, head), grans, plan = _scale_plan(tuple(x.shape), spec)
 
     if _NATIVE:
         amax, special = fp8_kernels.row_amax(x)
@@ -430,17 +429,12 @@ def _fp8_head(x: torch.Tensor, base: int,
     if float(amax_np.max()) >= 2.0 ** _EMAX_DTYPE[x.dtype]:
         return None
 
-    grans = (GRANULARITIES.index(spec.k_granularity), GRANULARITIES.index(spec.v_granularity))
-    if kv == _NO_AXIS:
-        grans = (grans[0], grans[0])
-    parts = _parts(amax_np.shape, kv)
     groups: list[npt.NDArray[np.int8]] = []
-    for p, _part in parts:
+    for p, _part, dims in plan:
         a = amax_np if kv == _NO_AXIS else amax_np[(slice(None),) * kv + (slice(p, p + 1),)]
-        dims = _reduced_dims(grans[p], nd, kv, tok, head)
         g = a.max(axis=dims, keepdims=True) if dims else a
         groups.append(_exponents(g, fmt, x.dtype))
-    k_rows = _rows_of(groups, parts, kv)
+    k_rows = _rows_of(groups, [(p, part) for p, part, _ in plan], kv)
     scales = np.concatenate([g.reshape(-1) for g in groups])
 
     n = scales.size
@@ -576,6 +570,43 @@ def _zstd_stage(base: int, payload: U8, head: int) -> tuple[int, U8]:
     if head + len(frame) < payload.size:
         return base | ZSTD, np.concatenate([payload[:head], np.frombuffer(frame, np.uint8)])
     return base, payload
+
+
+def planned_nbytes(shape: tuple[int, ...], dtype: torch.dtype, spec: CodecSpec) -> int | None:
+    """The FP8 payload size :func:`prepare` gives a block of this shape and dtype, known
+    before its values are read, or None where it is not (no FP8, zstd, or a shape FP8
+    does not serve).  ``prepare`` can still differ for one input: values too large for
+    the scale exponents fall back to the lossless raw payload; a writer that sized a slot
+    from this plan compares the two (``kvstore.slots.PutItem``).  Lets a store reserve
+    FP8 slots before encoding and quantise chunk by chunk, overlapped with the writes.
+    Raises what ``prepare`` raises for a layout that does not fit ``shape``."""
+    want = codec_id(spec)
+    numel = math.prod(shape)
+    if want & ZSTD or want & _BASE_MASK == CODEC_RAW or dtype not in _FLOAT_DTYPES \
+            or not shape or numel == 0:
+        return None
+    n_scales = sum(math.prod(_group_shape(part, dims))
+                   for _, part, dims in _scale_plan(shape, spec)[2])
+    if not _fp8_smaller(n_scales, numel, dtype.itemsize):
+        return None
+    return _HDR.size + n_scales + numel
+
+
+def _scale_plan(shape: tuple[int, ...], spec: CodecSpec
+                ) -> tuple[tuple[int, int, int], tuple[int, int],
+                           list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+    """Steps 1-3's structure for a block of ``shape``, from the shape alone: its (kv,
+    token, head) axes, the (K, V) granularities the header records, and per part (K,
+    and V where the layout has a kv axis) its index, its shape among the vectors, and
+    the dims whose vectors share one scale."""
+    kv, tok, head = _norm_axes(spec.layout, shape)
+    grans = (GRANULARITIES.index(spec.k_granularity), GRANULARITIES.index(spec.v_granularity))
+    if kv == _NO_AXIS:
+        grans = (grans[0], grans[0])
+    nd = len(shape) - 1
+    parts = [(p, part, _reduced_dims(grans[p], nd, kv, tok, head))
+             for p, part in _parts(tuple(shape[:-1]), kv)]
+    return (kv, tok, head), grans, parts
 
 
 def prepare(t: torch.Tensor, spec: CodecSpec) -> Encoded:

@@ -170,6 +170,9 @@ METRICS: tuple[MetricSpec, ...] = (
              _field("dedup_bytes")),
     _counter("put_retries", "Puts decided again because an eviction removed a block they "
              "deduplicated against", _field("put_retries")),
+    _counter("put_replans", "FP8 puts encoded and placed again because a block's values "
+             "made the codec fall back to raw (its slot was sized for FP8)",
+             _field("put_replans")),
     _counter("dropped_puts", "Background puts dropped whole under write backpressure",
              _field("dropped_puts")),
     _counter("dropped_blocks", "Blocks of the background puts dropped under backpressure",

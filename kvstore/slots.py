@@ -9,6 +9,8 @@ Python code here is the reference they are tested against and the fallback witho
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from kvstore import codecs, native_slots
@@ -23,7 +25,7 @@ class PutItem:
     """One block of a put in flight (and, for the allocator, the slot it goes to)."""
 
     __slots__ = ("key", "parent", "data", "dtype", "shape", "slot_len", "extent", "offset",
-                 "crc", "seq", "codec", "raw_len", "payload_len", "encoded")
+                 "crc", "seq", "codec", "raw_len", "payload_len", "encoded", "planned")
 
     def __init__(self, key: bytes, parent: bytes | None, data: torch.Tensor, dtype: int,
                  shape: tuple[int, ...]) -> None:
@@ -33,15 +35,58 @@ class PutItem:
         self.codec, self.raw_len = CODEC_RAW, data.numel()
         self.payload_len = self.raw_len
         self.encoded: codecs.Encoded | None = None
+        self.planned: CodecSpec | None = None  # sized by ``plan``, encoded when staged
 
     def encode(self, spec: CodecSpec) -> None:
         """Choose the codec (it may fall back to raw) and size the slot; the payload
         bytes themselves are produced when the slot is staged (``_stage``)."""
+        self._take(self._prepare(spec))
+
+    def _prepare(self, spec: CodecSpec) -> codecs.Encoded | None:
+        """The block's encoding under ``spec``, or None where it stays raw."""
         value = self.data.view(CODE_DTYPES[self.dtype]).reshape(self.shape)
         encoded = codecs.prepare(value, spec)
-        if encoded.codec != CODEC_RAW:
-            self.encoded, self.codec, self.payload_len = encoded, encoded.codec, encoded.nbytes
-            self.slot_len = round_up(SLOT_HEADER_BYTES + self.payload_len)
+        return None if encoded.codec == CODEC_RAW else encoded
+
+    def _take(self, encoded: codecs.Encoded | None) -> None:
+        self.planned, self.encoded = None, encoded
+        self.codec, self.payload_len = (CODEC_RAW, self.raw_len) if encoded is None else \
+            (encoded.codec, encoded.nbytes)
+        self.slot_len = round_up(SLOT_HEADER_BYTES + self.payload_len)
+
+    def plan(self, spec: CodecSpec) -> bool:
+        """Size the slot for ``spec`` from the block's shape alone, the encoding itself
+        left to staging (``encode_planned``), where it runs chunk by chunk overlapped with
+        the writes of earlier chunks; False (nothing changed) where the size depends on
+        the values (``codecs.planned_nbytes``)."""
+        n = codecs.planned_nbytes(self.shape, CODE_DTYPES[self.dtype], spec)
+        if n is None:
+            return False
+        self.codec, self.payload_len = codecs.codec_id(spec), n
+        self.slot_len = round_up(SLOT_HEADER_BYTES + n)
+        self.planned = spec
+        return True
+
+
+class PlanMismatch(Exception):
+    """A planned block encoded to another size than its slot was planned for (its
+    values made the codec fall back to the lossless payload): the put must encode every
+    block first and place them again.  Nothing of the block was staged."""
+
+
+def encode_planned(items: Iterable[PutItem]) -> None:
+    """Encode the blocks that ``PutItem.plan`` sized, checking each fits its plan.  A
+    block that does not keeps its planned sizes (its reservation is given back by them)."""
+    for item in items:
+        if item.planned is not None:
+            encoded = item._prepare(item.planned)
+            got = (CODEC_RAW, item.raw_len) if encoded is None else (encoded.codec,
+                                                                      encoded.nbytes)
+            if got != (item.codec, item.payload_len):
+                raise PlanMismatch(f"block {item.key.hex()} encoded to codec {got[0]}, "
+                                   f"{got[1]} bytes; planned {item.codec}, "
+                                   f"{item.payload_len}")
+            item._take(encoded)
 
 
 def stage(run: ArenaRun, item: PutItem) -> None:
@@ -107,7 +152,9 @@ def encode_all(items: list[PutItem], spec: CodecSpec) -> None:
 def stage_all(chunk: list[tuple[PutItem, ArenaRun]], *, native: bool | None = None) -> None:
     """Stage a chunk: one call into the compiled kernels (``kvstore.native_slots``, GIL
     released) when they are built, else ``stage`` per slot.  Same bytes either way;
-    ``native`` forces a path (tests and benchmarks compare them)."""
+    ``native`` forces a path (tests and benchmarks compare them).  Planned blocks are
+    encoded first, here (``PlanMismatch`` if one does not fit its plan)."""
+    encode_planned(item for item, _ in chunk)
     if native_slots.available() if native is None else native:
         native_slots.stage(chunk)
         return

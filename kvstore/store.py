@@ -91,7 +91,7 @@ from kvstore.lock import LOCK_FILE, StoreLock
 from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.prefetch import Prefetch
 from kvstore.remote.config import RemoteConfig
-from kvstore.slots import PutItem
+from kvstore.slots import PlanMismatch, PutItem
 from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
 from kvstore.totals import Totals
 from kvstore.transfers import Transfers, offloaded
@@ -143,6 +143,7 @@ class StoreStats:
     evicted_blocks: int = 0
     evicted_bytes: int = 0
     put_retries: int = 0  # puts redone because an eviction cut what they deduplicated against
+    put_replans: int = 0  # FP8 puts placed again: a block's values made it fall back to raw
     memory_hits: int = 0  # blocks served from the memory tier (no disk I/O)
     memory_misses: int = 0  # stored blocks a get looked for in memory and read from disk
     memory_read_bytes: int = 0
@@ -358,7 +359,7 @@ class Store:
                                           "dedup_bytes", "gets", "hits", "misses", "read_bytes",
                                           "corrupt_blocks", "read_errors", "deletes",
                                           "evicted_blocks", "evicted_bytes",
-                                          "put_payload_bytes", "put_retries",
+                                          "put_payload_bytes", "put_retries", "put_replans",
                                           "memory_hits", "memory_misses", "memory_read_bytes",
                                           "prefetch_blocks", "prefetch_read_bytes",
                                           "dropped_puts", "dropped_blocks")}
@@ -624,10 +625,25 @@ class Store:
         self.allocator.protect(guarded)
         try:
             if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
-                await self.transfers.encode(items, spec)
+                # FP8 slots are sized from the shapes and each chunk is encoded as it is
+                # staged, overlapped with the writes of the chunks before it; encoded
+                # up front (over the cores, then placed) where the sizes depend on the
+                # values (zstd), or when a block's values made FP8 fall back to raw.
+                planned = [item.plan(spec) for item in items]
+                if not all(planned):
+                    await self.transfers.encode(items, spec)
                 for item in items:
                     self._check_fits(item.slot_len)
-            await self._put_items(items, list(deduplicated))
+                try:
+                    await self._put_items(items, list(deduplicated))
+                except PlanMismatch:
+                    self._counters["put_replans"] += 1
+                    await self.transfers.encode(items, spec)
+                    for item in items:
+                        self._check_fits(item.slot_len)
+                    await self._put_items(items, list(deduplicated))
+            else:
+                await self._put_items(items, list(deduplicated))
         finally:
             for item in items:
                 self._inflight.pop(item.key).set()

@@ -126,8 +126,9 @@ class Transfers:
         async def write_chunk(whole: ArenaRun, chunk: list[tuple[PutItem, ArenaRun]]) -> None:
             self._chunks_active += 1
             try:
-                await offloaded(whole.length, stage_all, chunk,
-                                alone=self._chunks_active == 1)
+                # A planned block is encoded here too: its raw bytes are read once more.
+                work = whole.length + sum(item.raw_len for item, _ in chunk if item.planned is not None)
+                await offloaded(work, stage_all, chunk, alone=self._chunks_active == 1)
                 await self.engine.write([IoOp(self._fds[item.extent], item.offset, run)
                                          for item, run in chunk])
             except Exception as e:  # re-raised below, unwrapped from the task group

@@ -16,12 +16,15 @@ from kvstore.codecs import (
     CODEC_RAW,
     FP8_E4M3,
     FP8_E5M2,
+    GRANULARITIES,
     ZSTD,
     CodecSpec,
     KVLayout,
     codec_id,
     decode,
     encode,
+    planned_nbytes,
+    prepare,
 )
 from kvstore.errors import CorruptionError, OutputMismatchError
 from tests.realdata import require_kv_dir
@@ -277,6 +280,32 @@ def test_round_trip(shape: tuple[int, ...], layout: KVLayout | None, dtype: torc
                 cid2, p2 = encode(x, CodecSpec(fp8=fp8, layout=layout,
                                                k_granularity=kg, v_granularity=vg))
                 assert torch.equal(decode(cid2, p2, dtype, shape), y)
+
+
+@given(st.sampled_from(SHAPES_LAYOUTS + [((1, 8), None), ((4, 1), None), ((3, 0, 2), None)]),
+       st.sampled_from([*FLOATS, torch.int32]), st.sampled_from([None, "e4m3", "e5m2"]),
+       st.booleans(), st.sampled_from(GRANULARITIES), st.sampled_from(GRANULARITIES),
+       st.booleans())
+def test_a_planned_size_is_what_encoding_gives_unless_values_overflow(
+        shape_layout: tuple[tuple[int, ...], KVLayout | None], dtype: torch.dtype,
+        fp8: str | None, zstd: bool, kg: str, vg: str, overflow: bool) -> None:
+    """A store reserves FP8 slots from ``planned_nbytes`` before encoding: it must be the
+    exact payload size ``prepare`` gives, for every shape, layout and granularity; None
+    where the size depends on the values (zstd) or FP8 does not apply; and values past
+    the scales' reach (the one data-dependent fallback) must make ``prepare`` differ."""
+    shape, layout = shape_layout
+    spec = CodecSpec(fp8=fp8, zstd=zstd, layout=layout, k_granularity=kg, v_granularity=vg)
+    x = (torch.randn(shape) * 3).to(dtype)
+    if overflow and x.numel() and dtype.is_floating_point:
+        x.view(-1)[0] = 2.0 ** EMAX_DTYPE[dtype] * 1.5
+    planned = planned_nbytes(shape, dtype, spec)
+    got = prepare(x, spec)
+    if planned is None:
+        assert fp8 is None or zstd or got.codec == CODEC_RAW
+    elif overflow:
+        assert got.codec == CODEC_RAW and got.nbytes != planned
+    else:
+        assert (got.codec, got.nbytes) == (codec_id(spec), planned)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int32, torch.int64,
