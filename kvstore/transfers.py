@@ -87,22 +87,25 @@ class Transfers:
             self._stagers = anyio.CapacityLimiter(self._cores)
         return self._stagers
 
-    def _chunks(self, items: Sequence[T], size: Callable[[T], int]) -> list[list[T]]:
-        """Split ``items`` into runs of about ``_chunk_bytes`` (at least one item each),
-        never more than the arena holds: each chunk is staged in one arena run."""
+    def _chunks(self, items: Sequence[T], size: Callable[[T], int],
+                work: Callable[[T], int] | None = None) -> list[list[T]]:
+        """Split ``items`` into runs of about ``_chunk_bytes`` of ``work`` (default: their
+        ``size``; at least one item each), never more than the arena holds (in
+        ``size``): each chunk is staged in one arena run."""
         chunks: list[list[T]] = []
         current: list[T] = []
-        pending = 0
+        pending = done = 0
         for item in items:
             n = size(item)
             if current and pending + n > self.arena.size:
                 chunks.append(current)
-                current, pending = [], 0
+                current, pending, done = [], 0, 0
             current.append(item)
             pending += n
-            if pending >= self._chunk_bytes:
+            done += n if work is None else work(item)
+            if done >= self._chunk_bytes:
                 chunks.append(current)
-                current, pending = [], 0
+                current, pending, done = [], 0, 0
         if current:
             chunks.append(current)
         return chunks
@@ -163,7 +166,12 @@ class Transfers:
                 self.arena.release(whole)
 
         async with anyio.create_task_group() as tg:
-            for chunk in self._chunks(items, lambda item: item.slot_len):
+            # A planned block's staging reads its raw bytes twice (amax, then the codes):
+            # chunks of that work, not of slot bytes (half of it for FP8), so a batch
+            # of 1 MiB blocks is four chunks, not two finishing together.
+            for chunk in self._chunks(items, lambda item: item.slot_len, lambda item:
+                                      item.raw_len if item.planned is not None
+                                      else item.slot_len):
                 whole, runs = await self._acquire_runs([item.slot_len for item in chunk])
                 if errors:
                     self.arena.release(whole)
