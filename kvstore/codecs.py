@@ -376,6 +376,12 @@ def _group_shape(part: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, ...
     return tuple(1 if d in dims else n for d, n in enumerate(part))
 
 
+def _dims_of(part: tuple[int, ...], group: tuple[int, ...]) -> tuple[int, ...]:
+    """The dims a group shape reduces (``_group_shape``'s inverse, for the index cache;
+    a dim of size 1 counts as reduced either way: the same index)."""
+    return tuple(d for d, (n, g) in enumerate(zip(part, group)) if g == 1 and n != 1)
+
+
 # --------------------------------------------------------------------------- encode
 
 
@@ -392,18 +398,8 @@ def _exponents(amax: npt.NDArray[np.float32], fmt: _Fp8, dtype: torch.dtype) -> 
     m, e = np.frexp(amax)             # amax = m * 2**e, m in [0.5, 1): E = e - 1, M = 2m
     k = np.where(amax == 0, 0, (fmt.emax + 1) - e.astype(np.int32) - (m > 0.875))
     lo, hi = _K_RANGE[dtype]
-    return np.asarray(np.clip(k, lo, hi), dtype=np.int8)
-
-
-def _rows_of(groups: list[npt.NDArray[np.int8]], parts: list[tuple[int, tuple[int, ...]]],
-             kv: int) -> npt.NDArray[np.int8]:
-    """Every vector's exponent (shape: the block shape without its last axis), C order,
-    from the per-part group exponents."""
-    expanded = [np.broadcast_to(g, part) for g, (_, part) in zip(groups, parts)]
-    if kv == _NO_AXIS:
-        rows: npt.NDArray[np.int8] = expanded[0].copy()   # C order; keeps 0-d as 0-d
-        return rows
-    return np.concatenate(expanded, axis=kv)
+    # minimum/maximum, not np.clip: its Python-level dispatch cost more than the work
+    return np.minimum(np.maximum(k, lo), hi).astype(np.int8)
 
 
 def _fp8_head(x: torch.Tensor, base: int,
@@ -429,13 +425,13 @@ def _fp8_head(x: torch.Tensor, base: int,
     if float(amax_np.max()) >= 2.0 ** _EMAX_DTYPE[x.dtype]:
         return None
 
-    groups: list[npt.NDArray[np.int8]] = []
+    group_amax = []
     for p, _part, dims in plan:
         a = amax_np if kv == _NO_AXIS else amax_np[(slice(None),) * kv + (slice(p, p + 1),)]
-        g = a.max(axis=dims, keepdims=True) if dims else a
-        groups.append(_exponents(g, fmt, x.dtype))
-    k_rows = _rows_of(groups, [(p, part) for p, part, _ in plan], kv)
-    scales = np.concatenate([g.reshape(-1) for g in groups])
+        group_amax.append((a.max(axis=dims, keepdims=True) if dims else a).reshape(-1))
+    scales = _exponents(group_amax[0] if len(group_amax) == 1 else
+                        np.concatenate(group_amax), fmt, x.dtype)
+    k_rows = scales[_row_scale_index(tuple(x.shape[:-1]), kv, tuple(plan))]
 
     n = scales.size
     out = np.empty(_HDR.size + n, dtype=np.uint8)
@@ -590,6 +586,28 @@ def planned_nbytes(shape: tuple[int, ...], dtype: torch.dtype, spec: CodecSpec) 
     if not _fp8_smaller(n_scales, numel, dtype.itemsize):
         return None
     return _HDR.size + n_scales + numel
+
+
+@functools.lru_cache(maxsize=256)
+def _row_scale_index(rows: tuple[int, ...], kv: int,
+                     plan: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+                     ) -> npt.NDArray[np.intp]:
+    """For every vector of a block (C order), the index of its scale in the payload's
+    scale array (each part's group indices broadcast over the part, the parts joined
+    along the kv axis): ``k_rows = scales[index]``.  A function of the shape alone, so
+    cached: expanding the scales per block was a third of a small block's encode and
+    decode time."""
+    ids, start = [], 0
+    for _p, part, dims in plan:
+        g = _group_shape(part, dims)
+        n = int(np.prod(g))
+        ids.append(np.arange(start, start + n, dtype=np.intp).reshape(g))
+        start += n
+    expanded = [np.broadcast_to(i, part) for i, (_p, part, _dims) in zip(ids, plan)]
+    index: npt.NDArray[np.intp] = (expanded[0].copy() if kv == _NO_AXIS  # C order
+                                   else np.concatenate(expanded, axis=kv)).reshape(rows)
+    index.setflags(write=False)  # shared by every caller of the cache
+    return index
 
 
 def _scale_plan(shape: tuple[int, ...], spec: CodecSpec
@@ -761,7 +779,7 @@ class Fp8Payload:
     flags: int
     granularities: tuple[int, int]
     axes: tuple[int, int, int]          # kv, token, head (_NO_AXIS where absent)
-    groups: list[tuple[int, tuple[int, ...], tuple[int, ...]]]
+    groups: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
     scales: npt.NDArray[np.int8]
     codes: U8
 
@@ -783,25 +801,7 @@ def parse_fp8_payload(data: U8, zstd: bool, dtype: torch.dtype,
     if version != _VERSION or flags & ~_FLAG_SPECIAL or gk > 3 or gv > 3:
         raise CorruptionError(f"bad fp8 payload header (version {version}, flags {flags:#x}, "
                               f"granularities {gk}/{gv})")
-    nd = len(shape) - 1
-    layout: KVLayout | None = None
-    if tok != _NO_AXIS or head != _NO_AXIS:
-        layout = KVLayout(None if kv == _NO_AXIS else kv, tok, head)
-    elif kv != _NO_AXIS:
-        raise CorruptionError("fp8 payload has a kv axis but no token/head axes")
-    if layout is not None:
-        try:
-            if max(a for a in (kv, tok, head) if a != _NO_AXIS) >= nd:
-                raise ValueError("axis out of range")
-            _norm_axes(layout, shape)
-        except ValueError as e:
-            raise CorruptionError(f"fp8 payload layout does not fit shape {shape}: {e}") from None
-    if kv == _NO_AXIS and gv != gk:
-        raise CorruptionError("fp8 payload without kv axis has two granularities")
-    rows = tuple(shape[:-1])
-    groups = [(p, part, _group_shape(part, _reduced_dims((gk, gv)[p], nd, kv, tok, head)))
-              for p, part in _parts(rows, kv)]
-    want_n = sum(int(np.prod(g)) for _, _, g in groups)
+    groups, want_n = _payload_geometry(tuple(shape), gk, gv, kv, tok, head)
     if n != want_n or data.size < _HDR.size + n:
         raise CorruptionError(f"fp8 payload has {n} scales, the shape needs {want_n}")
     k_all = data[_HDR.size:_HDR.size + n].view(np.int8)
@@ -818,6 +818,33 @@ def parse_fp8_payload(data: U8, zstd: bool, dtype: torch.dtype,
     return Fp8Payload(flags, (gk, gv), (kv, tok, head), groups, k_all, codes_np)
 
 
+@functools.lru_cache(maxsize=256)
+def _payload_geometry(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: int, head: int
+                      ) -> tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], int]:
+    """The checks of an FP8 payload's header fields against the block's shape, and its
+    scale groups and their count: functions of the header and shape alone, so cached
+    (they were a third of a small block's decode time).  Raises CorruptionError (not
+    cached) for a header that does not fit the shape."""
+    nd = len(shape) - 1
+    layout: KVLayout | None = None
+    if tok != _NO_AXIS or head != _NO_AXIS:
+        layout = KVLayout(None if kv == _NO_AXIS else kv, tok, head)
+    elif kv != _NO_AXIS:
+        raise CorruptionError("fp8 payload has a kv axis but no token/head axes")
+    if layout is not None:
+        try:
+            if max(a for a in (kv, tok, head) if a != _NO_AXIS) >= nd:
+                raise ValueError("axis out of range")
+            _norm_axes(layout, shape)
+        except ValueError as e:
+            raise CorruptionError(f"fp8 payload layout does not fit shape {shape}: {e}") from None
+    if kv == _NO_AXIS and gv != gk:
+        raise CorruptionError("fp8 payload without kv axis has two granularities")
+    groups = tuple((p, part, _group_shape(part, _reduced_dims((gk, gv)[p], nd, kv, tok, head)))
+                   for p, part in _parts(tuple(shape[:-1]), kv))
+    return groups, sum(math.prod(g) for _, _, g in groups)
+
+
 def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
                 shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
     fmt = _FORMATS[base]
@@ -825,13 +852,8 @@ def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
     flags, kv = parsed.flags, parsed.axes[0]
     groups, k_all, codes_np = parsed.groups, parsed.scales, parsed.codes
 
-    pos = 0
-    k_groups = []
-    for _p, _part, g in groups:
-        cnt = int(np.prod(g))
-        k_groups.append(k_all[pos:pos + cnt].reshape(g))
-        pos += cnt
-    k_np = _rows_of(k_groups, [(p, part) for p, part, _ in groups], kv)
+    plan = tuple((p, part, _dims_of(part, g)) for p, part, g in groups)
+    k_np = k_all[_row_scale_index(tuple(shape[:-1]), kv, plan)]
 
     ret, work = _prepare_out(out, dtype, shape)
     if _NATIVE:
