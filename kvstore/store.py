@@ -629,18 +629,13 @@ class Store:
                 # staged, overlapped with the writes of the chunks before it; encoded
                 # up front (over the cores, then placed) where the sizes depend on the
                 # values (zstd), or when a block's values made FP8 fall back to raw.
-                planned = [item.plan(spec) for item in items]
-                if not all(planned):
-                    await self.transfers.encode(items, spec)
-                for item in items:
-                    self._check_fits(item.slot_len)
+                if not all([item.plan(spec) for item in items]):
+                    await self._encode(items, spec)
                 try:
                     await self._put_items(items, list(deduplicated))
                 except PlanMismatch:
                     self._counters["put_replans"] += 1
-                    await self.transfers.encode(items, spec)
-                    for item in items:
-                        self._check_fits(item.slot_len)
+                    await self._encode(items, spec)
                     await self._put_items(items, list(deduplicated))
             else:
                 await self._put_items(items, list(deduplicated))
@@ -654,6 +649,12 @@ class Store:
         self._counters["put_bytes"] += sum(item.raw_len for item in items)
         self._counters["put_payload_bytes"] += written
         return PutResult(len(items), len(keys) - len(items), written)
+
+    async def _encode(self, items: list[PutItem], spec: CodecSpec) -> None:
+        """Encode every block now (sizes known only then), checking each slot fits."""
+        await self.transfers.encode(items, spec)
+        for item in items:
+            self._check_fits(item.slot_len)
 
     async def _wait_for_puts_of(self, keys: Sequence[bytes]) -> None:
         """Until no put of any of ``keys`` is in flight (each waited for in turn)."""

@@ -144,7 +144,8 @@ class Transfers:
             self._chunks_active += 1
             try:
                 # A planned block is encoded here too: its raw bytes are read once more.
-                work = whole.length + sum(item.raw_len for item, _ in chunk if item.planned is not None)
+                work = whole.length + sum(item.raw_len for item, _ in chunk
+                                          if item.planned is not None)
                 await offloaded(work, stage_all, chunk, alone=self._chunks_active == 1,
                                 limiter=self._staging_threads())
                 await self.engine.write([IoOp(self._fds[item.extent], item.offset, run)
