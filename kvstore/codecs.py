@@ -376,12 +376,6 @@ def _group_shape(part: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, ...
     return tuple(1 if d in dims else n for d, n in enumerate(part))
 
 
-def _dims_of(part: tuple[int, ...], group: tuple[int, ...]) -> tuple[int, ...]:
-    """The dims a group shape reduces (``_group_shape``'s inverse, for the index cache;
-    a dim of size 1 counts as reduced either way: the same index)."""
-    return tuple(d for d, (n, g) in enumerate(zip(part, group)) if g == 1 and n != 1)
-
-
 # --------------------------------------------------------------------------- encode
 
 
@@ -431,7 +425,7 @@ def _fp8_head(x: torch.Tensor, base: int,
         group_amax.append((a.max(axis=dims, keepdims=True) if dims else a).reshape(-1))
     scales = _exponents(group_amax[0] if len(group_amax) == 1 else
                         np.concatenate(group_amax), fmt, x.dtype)
-    k_rows = scales[_row_scale_index(tuple(x.shape[:-1]), kv, tuple(plan))]
+    k_rows = scales[_row_scale_index(tuple(x.shape[:-1]), kv, plan)]
 
     n = scales.size
     out = np.empty(_HDR.size + n, dtype=np.uint8)
@@ -581,22 +575,24 @@ def planned_nbytes(shape: tuple[int, ...], dtype: torch.dtype, spec: CodecSpec) 
     if want & ZSTD or want & _BASE_MASK == CODEC_RAW or dtype not in _FLOAT_DTYPES \
             or not shape or numel == 0:
         return None
-    n_scales = sum(math.prod(_group_shape(part, dims))
-                   for _, part, dims in _scale_plan(shape, spec)[2])
+    n_scales = _scale_count(_scale_plan(shape, spec)[2])
     if not _fp8_smaller(n_scales, numel, dtype.itemsize):
         return None
     return _HDR.size + n_scales + numel
 
 
+# Per part of a block (K, and V where the layout has a kv axis): its index, its shape
+# among the vectors, and the dims whose vectors share one scale (``_part_plan``).
+Plan = tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+
+
 @functools.lru_cache(maxsize=256)
-def _row_scale_index(rows: tuple[int, ...], kv: int,
-                     plan: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
-                     ) -> npt.NDArray[np.intp]:
+def _row_scale_index(rows: tuple[int, ...], kv: int, plan: Plan) -> npt.NDArray[np.intp]:
     """For every vector of a block (C order), the index of its scale in the payload's
     scale array (each part's group indices broadcast over the part, the parts joined
-    along the kv axis): ``k_rows = scales[index]``.  A function of the shape alone, so
-    cached: expanding the scales per block was a third of a small block's encode and
-    decode time."""
+    along the kv axis): ``k_rows = scales[index]``; the CUDA kernels' row -> group map
+    too (``kvstore.cuda.fp8``).  A function of the shape alone, so cached: expanding the
+    scales per block was a third of a small block's encode and decode time."""
     ids, start = [], 0
     for _p, part, dims in plan:
         g = _group_shape(part, dims)
@@ -610,21 +606,32 @@ def _row_scale_index(rows: tuple[int, ...], kv: int,
     return index
 
 
+@functools.lru_cache(maxsize=256)
 def _scale_plan(shape: tuple[int, ...], spec: CodecSpec
-                ) -> tuple[tuple[int, int, int], tuple[int, int],
-                           list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+                ) -> tuple[tuple[int, int, int], tuple[int, int], Plan]:
     """Steps 1-3's structure for a block of ``shape``, from the shape alone: its (kv,
-    token, head) axes, the (K, V) granularities the header records, and per part (K,
-    and V where the layout has a kv axis) its index, its shape among the vectors, and
-    the dims whose vectors share one scale."""
+    token, head) axes, the (K, V) granularities the header records, and its
+    ``_part_plan``.  Cached: a planned put asks for it when it sizes a slot and again
+    when it encodes the block."""
     kv, tok, head = _norm_axes(spec.layout, shape)
     grans = (GRANULARITIES.index(spec.k_granularity), GRANULARITIES.index(spec.v_granularity))
     if kv == _NO_AXIS:
         grans = (grans[0], grans[0])
+    return (kv, tok, head), grans, _part_plan(shape, grans, kv, tok, head)
+
+
+def _part_plan(shape: tuple[int, ...], grans: tuple[int, int], kv: int, tok: int,
+               head: int) -> Plan:
+    """Per part (K, and V where the layout has a kv axis): its index, its shape among
+    the vectors, and the dims whose vectors share one scale.  What the encoder derives
+    from a spec and the decoder from a payload header."""
     nd = len(shape) - 1
-    parts = [(p, part, _reduced_dims(grans[p], nd, kv, tok, head))
-             for p, part in _parts(tuple(shape[:-1]), kv)]
-    return (kv, tok, head), grans, parts
+    return tuple((p, part, _reduced_dims(grans[p], nd, kv, tok, head))
+                 for p, part in _parts(tuple(shape[:-1]), kv))
+
+
+def _scale_count(plan: Plan) -> int:
+    return sum(math.prod(_group_shape(part, dims)) for _, part, dims in plan)
 
 
 def prepare(t: torch.Tensor, spec: CodecSpec) -> Encoded:
@@ -779,7 +786,7 @@ class Fp8Payload:
     flags: int
     granularities: tuple[int, int]
     axes: tuple[int, int, int]          # kv, token, head (_NO_AXIS where absent)
-    groups: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+    plan: Plan                          # per part: index, shape, dims sharing a scale
     scales: npt.NDArray[np.int8]
     codes: U8
 
@@ -801,7 +808,7 @@ def parse_fp8_payload(data: U8, zstd: bool, dtype: torch.dtype,
     if version != _VERSION or flags & ~_FLAG_SPECIAL or gk > 3 or gv > 3:
         raise CorruptionError(f"bad fp8 payload header (version {version}, flags {flags:#x}, "
                               f"granularities {gk}/{gv})")
-    groups, want_n = _payload_geometry(tuple(shape), gk, gv, kv, tok, head)
+    plan, want_n = _payload_geometry(tuple(shape), gk, gv, kv, tok, head)
     if n != want_n or data.size < _HDR.size + n:
         raise CorruptionError(f"fp8 payload has {n} scales, the shape needs {want_n}")
     k_all = data[_HDR.size:_HDR.size + n].view(np.int8)
@@ -815,17 +822,16 @@ def parse_fp8_payload(data: U8, zstd: bool, dtype: torch.dtype,
         raise CorruptionError(f"fp8 payload has {rest.size} code bytes, the block needs {numel}")
     else:
         codes_np = rest
-    return Fp8Payload(flags, (gk, gv), (kv, tok, head), groups, k_all, codes_np)
+    return Fp8Payload(flags, (gk, gv), (kv, tok, head), plan, k_all, codes_np)
 
 
 @functools.lru_cache(maxsize=256)
 def _payload_geometry(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: int, head: int
-                      ) -> tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], int]:
+                      ) -> tuple[Plan, int]:
     """The checks of an FP8 payload's header fields against the block's shape, and its
-    scale groups and their count: functions of the header and shape alone, so cached
+    ``_part_plan`` and scale count: functions of the header and shape alone, so cached
     (they were a third of a small block's decode time).  Raises CorruptionError (not
     cached) for a header that does not fit the shape."""
-    nd = len(shape) - 1
     layout: KVLayout | None = None
     if tok != _NO_AXIS or head != _NO_AXIS:
         layout = KVLayout(None if kv == _NO_AXIS else kv, tok, head)
@@ -833,16 +839,15 @@ def _payload_geometry(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: in
         raise CorruptionError("fp8 payload has a kv axis but no token/head axes")
     if layout is not None:
         try:
-            if max(a for a in (kv, tok, head) if a != _NO_AXIS) >= nd:
+            if max(a for a in (kv, tok, head) if a != _NO_AXIS) >= len(shape) - 1:
                 raise ValueError("axis out of range")
             _norm_axes(layout, shape)
         except ValueError as e:
             raise CorruptionError(f"fp8 payload layout does not fit shape {shape}: {e}") from None
     if kv == _NO_AXIS and gv != gk:
         raise CorruptionError("fp8 payload without kv axis has two granularities")
-    groups = tuple((p, part, _group_shape(part, _reduced_dims((gk, gv)[p], nd, kv, tok, head)))
-                   for p, part in _parts(tuple(shape[:-1]), kv))
-    return groups, sum(math.prod(g) for _, _, g in groups)
+    plan = _part_plan(shape, (gk, gv), kv, tok, head)
+    return plan, _scale_count(plan)
 
 
 def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
@@ -850,10 +855,8 @@ def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
     fmt = _FORMATS[base]
     parsed = parse_fp8_payload(data, zstd, dtype, shape)
     flags, kv = parsed.flags, parsed.axes[0]
-    groups, k_all, codes_np = parsed.groups, parsed.scales, parsed.codes
-
-    plan = tuple((p, part, _dims_of(part, g)) for p, part, g in groups)
-    k_np = k_all[_row_scale_index(tuple(shape[:-1]), kv, plan)]
+    k_all, codes_np = parsed.scales, parsed.codes
+    k_np = k_all[_row_scale_index(tuple(shape[:-1]), kv, parsed.plan)]
 
     ret, work = _prepare_out(out, dtype, shape)
     if _NATIVE:

@@ -54,28 +54,13 @@ class ScaleGroups:
 @functools.lru_cache(maxsize=256)
 def _groups(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: int,
             head: int) -> ScaleGroups:
-    rows_shape = shape[:-1]
-    nd = len(rows_shape)
-
-    if kv == _NO_AXIS:
-        parts = [(gk, rows_shape)]
-    else:
-        part = rows_shape[:kv] + (1,) + rows_shape[kv + 1:]
-        parts = [(gk, part), (gv, part)]
-    pieces = []
-    base = 0
-    for gran, part in parts:
-        # The codec's own rules (not a copy of them), so the two paths cannot drift.
-        dims = codecs._reduced_dims(gran, nd, kv, tok, head)
-        g = tuple(1 if d in dims else n for d, n in enumerate(part))
-        count = int(np.prod(g, dtype=np.int64))
-        ids = (np.arange(count, dtype=np.int32) + base).reshape(g)
-        pieces.append(np.broadcast_to(ids, part))
-        base += count
-    full = pieces[0] if kv == _NO_AXIS else np.concatenate(pieces, axis=kv)
-    row_group = np.ascontiguousarray(full, dtype=np.int32).reshape(-1)
-    rows = int(row_group.size)
-    return ScaleGroups(row_group, base, (gk, gv, kv, tok, head), rows, shape[-1])
+    # The codec's own rules and row -> scale map (not a copy of them), so the two paths
+    # cannot drift.
+    plan = codecs._part_plan(shape, (gk, gv), kv, tok, head)
+    row_group = np.ascontiguousarray(codecs._row_scale_index(shape[:-1], kv, plan),
+                                     dtype=np.int32).reshape(-1)
+    return ScaleGroups(row_group, codecs._scale_count(plan), (gk, gv, kv, tok, head),
+                       int(row_group.size), shape[-1])
 
 
 def scale_groups(shape: tuple[int, ...], spec: CodecSpec) -> ScaleGroups:
