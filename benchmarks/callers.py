@@ -57,7 +57,7 @@ from benchmarks.common import (
     rss_bytes,
     syncfs,
 )
-from benchmarks.systems import Dataset, KvstoreSystem
+from benchmarks.systems import Dataset, KvstoreSystem, same_block
 
 CALLERS = (1, 4)
 BATCH = 32
@@ -146,16 +146,9 @@ async def get_chain(store: Any, ds: Dataset, lo: int, hi: int, batch: int,
 
 def wrong_in_last_batch(ds: Dataset, lo: int, hi: int, batch: int,
                         outs: list[torch.Tensor], *, lossy: bool = False) -> int:
-    """Blocks of the last batch read back that differ from what was put (with a lossy
-    codec: by more than FP8 e4m3's relative error, 0.1)."""
+    """Blocks of the last batch read back that differ from what was put (``same_block``)."""
     last = lo + (hi - lo - 1) // batch * batch
-
-    def wrong(got: torch.Tensor, want: torch.Tensor) -> bool:
-        if not lossy:
-            return not torch.equal(got, want)
-        return bool((got.float() - want.float()).norm() > 0.1 * want.float().norm())
-
-    return sum(wrong(outs[i - last], ds.block(i)) for i in range(last, hi))
+    return sum(not same_block(outs[i - last], ds.block(i), lossy) for i in range(last, hi))
 
 
 async def concurrently(calls: list[Callable[[], Awaitable[int]]]) -> list[int]:

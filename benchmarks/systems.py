@@ -74,7 +74,8 @@ class Dataset:
                 "distinct": self.distinct, "fingerprint": fingerprint(self.src)}
 
 
-def _same(got: torch.Tensor | None, want: torch.Tensor, lossy: bool) -> bool:
+def same_block(got: torch.Tensor | None, want: torch.Tensor, lossy: bool) -> bool:
+    """Equal (lossless), or within FP8 e4m3's relative error, 0.1 (lossy)."""
     if got is None or got.shape != want.shape or got.dtype != want.dtype:
         return False
     if not lossy:
@@ -133,7 +134,7 @@ class System(ABC):
         """How many blocks of the last kept get are missing or different."""
         assert self.ds is not None
         ds = self.ds
-        return sum(not _same(t, ds.block(i), self.lossy) for i, t in self._got.items())
+        return sum(not same_block(t, ds.block(i), self.lossy) for i, t in self._got.items())
 
     def drop_results(self) -> None:
         self._got = {}
