@@ -226,6 +226,8 @@ METRICS: tuple[MetricSpec, ...] = (
            _remote(lambda r: float(r["state"] in ("ok", "probing")))),
     _counter("remote_hits", "Blocks fetched from the remote tier and verified",
              _remote(lambda r: r["hits"])),
+    _counter("remote_joined", "Blocks a read took from another read's fetch in flight "
+             "(requested once, not once per reader)", _remote(lambda r: r["joined"])),
     _counter("remote_misses", "Blocks looked up in the remote tier and not found (or not "
              "fetched by the deadline)", _remote(lambda r: r["misses"])),
     _counter("remote_bad_objects", "Remote objects that failed verification (CRC, key, "

@@ -727,6 +727,10 @@ class Store:
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} out tensors")
         entries = self.index.get_entries(keys)
+        held = None
+        if self.remote is not None:  # remote tier: what it holds of the misses, now
+            from kvstore.remote.local import held_blocks
+            held = held_blocks(self, keys, entries)
         for entry, o in zip(entries, outs):  # validate before any I/O
             if entry is not None:
                 self._check_fits(entry.slot_len)
@@ -761,7 +765,8 @@ class Store:
             await self._quarantine(corrupt)
         if self.remote is not None:  # remote tier: local misses, fetched and promoted
             from kvstore.remote.local import fill_misses
-            await fill_misses(self, keys, outs, results)
+            assert held is not None
+            await fill_misses(self, keys, outs, results, held)
         if self.memory is not None:
             # Only blocks read into new tensors: they carry the stored shape (an ``out``
             # tensor has the caller's) and live on the CPU.

@@ -32,7 +32,7 @@ from kvstore.errors import CorruptionError, KVStoreError
 from kvstore.extents import extent_path
 from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
 from kvstore.remote import objects
-from kvstore.remote.tier import RemoteBlock
+from kvstore.remote.tier import InFlight, RemoteBlock
 from kvstore.slots import check_payload, check_slot
 from kvstore.tensors import CODE_DTYPES, check_out
 
@@ -138,8 +138,12 @@ def _decode(block: RemoteBlock, out: torch.Tensor | None, *, check: bool = False
     return objects.decode(block.data, block.header, out, check=check)
 
 
-async def _fetch_decode(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
-                        *, chain: bool, promote_now: bool = False) -> list[torch.Tensor | None]:
+async def _fetch_own(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
+                     inflights: Sequence[InFlight], *, chain: bool, promote_now: bool
+                     ) -> list[torch.Tensor | None]:
+    """GET ``keys`` (registered as ``inflights`` by :func:`_read`), decode them into
+    ``outs`` and promote them; each fetched block is handed to the reads waiting on its
+    ``InFlight`` before the promotion starts."""
     remote = store.remote
     assert remote is not None
     values: list[torch.Tensor | None] = [None] * len(keys)
@@ -187,6 +191,14 @@ async def _fetch_decode(store: Store, keys: Sequence[bytes], outs: Sequence[torc
         if busy:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(decodes_done)
+    # Verified blocks (and misses) go to the waiters even if this caller's ``out`` was
+    # bad.  A chain walk took nothing after its first miss: those keys were never asked
+    # for, and their waiters ask themselves.
+    answered = len(keys)
+    if chain:
+        answered = next((i + 1 for i, b in enumerate(blocks) if b is None), len(keys))
+    for inflight, block in zip(inflights[:answered], blocks):
+        inflight.finish(block)
     if errors:
         raise errors[0]
     promote: list[tuple[RemoteBlock, torch.Tensor]] = []
@@ -203,50 +215,131 @@ async def _fetch_decode(store: Store, keys: Sequence[bytes], outs: Sequence[torc
     return values
 
 
-async def fill_misses(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
-                      results: list[torch.Tensor | None]) -> None:
-    """get_many: blocks the local store did not answer, from blocks being promoted,
-    then from the remote."""
-    assert store.remote is not None
-    promoting = store.remote.promoting
-    held = [(i, promoting[keys[i]]) for i, r in enumerate(results)
-            if r is None and keys[i] in promoting]
-    if held:
-        # Decoded again from the verified object, as a fetch delivers it (a raw block is
-        # a copy; the promotion keeps its own tensor); off the event loop.
-        def decode_held() -> None:
-            for i, block in held:
-                results[i] = _decode(block, outs[i])
+Held = dict[bytes, "RemoteBlock | InFlight"]
 
-        await anyio.to_thread.run_sync(decode_held)
+
+def _decode_all(blocks: Sequence[tuple[int, RemoteBlock]], outs: Sequence[torch.Tensor | None],
+                values: list[torch.Tensor | None]) -> None:
+    """On a worker thread: blocks fetched already (by another read, or being promoted)
+    decoded again from the verified object, as a fetch delivers them (a raw block is a
+    copy; the promotion keeps its own tensor)."""
+    for i, block in blocks:
+        values[i] = _decode(block, outs[i])
+
+
+def held_blocks(store: Store, keys: Sequence[bytes], entries: Sequence[IndexEntry | None]
+                ) -> Held:
+    """For get_many, in the same step as its index lookup: the keys it did not find
+    that the tier has already (being promoted) or is fetching for another read.  Taken
+    then, because a promotion may land (and leave ``promoting``) while the local read
+    runs; the get would otherwise fetch the block again."""
+    remote = store.remote
+    assert remote is not None
+    held: Held = {}
+    for key, entry in zip(keys, entries):
+        if entry is None and (block := remote.held(key)) is not None:
+            held[key] = block
+    return held
+
+
+async def _read(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
+                values: list[torch.Tensor | None] | None, *, chain: bool,
+                promote_now: bool = False, held: Held | None = None) -> list[bool]:
+    """Which of ``keys`` the remote tier has; with ``values``, their tensors too
+    (decoded into ``outs``).  A key being promoted is served from its fetched block; a
+    key another read is fetching waits for that read (its request is not sent twice);
+    the rest is fetched here (:func:`_fetch_own`).  A key whose fetching read was
+    cancelled before its answer is fetched here after all.  ``chain``: only the leading
+    run of found keys counts."""
+    remote = store.remote
+    assert remote is not None
+    found = [False] * len(keys)
+    held = dict(held or {})
+    todo = list(range(len(keys)))
+    while todo:
+        own: list[int] = []
+        inflights: list[InFlight] = []
+        joined: list[int] = []
+        mine: set[int] = set()
+        # No await from here to the fetch: a key is registered as ours in the same step
+        # another read could have seen it missing.
+        for i in todo:
+            key = keys[i]
+            block = held.get(key) or remote.held(key)
+            if block is None:
+                block = remote.start_fetching(key)
+                own.append(i)
+                inflights.append(block)
+                mine.add(id(block))
+            else:
+                joined.append(i)
+                if id(block) not in mine:  # not a duplicate key of this read's own fetch
+                    remote._stats.joined += 1
+            held[key] = block
+        try:
+            got = await _fetch_own(store, [keys[i] for i in own], [outs[i] for i in own],
+                                   inflights, chain=chain, promote_now=promote_now) \
+                if own else []
+        finally:
+            for i, inflight in zip(own, inflights):
+                remote.end_fetching(keys[i], inflight)
+                del held[keys[i]]
+        for i, value in zip(own, got):
+            found[i] = value is not None
+            if values is not None:
+                values[i] = value
+        todo, ready = [], []
+        for i in joined:
+            block = held[keys[i]]
+            if isinstance(block, InFlight):
+                await block.done.wait()
+                if block.abandoned:  # its read was cancelled first: ask ourselves
+                    held.pop(keys[i], None)
+                    todo.append(i)
+                    continue
+                block = block.block
+            if block is not None:
+                found[i] = True
+                ready.append((i, block))
+        if values is not None and ready:
+            await anyio.to_thread.run_sync(_decode_all, ready, outs, values)
+    if chain:  # only the prefix counts
+        n = next((i for i, f in enumerate(found) if not f), len(found))
+        found[n:] = [False] * (len(found) - n)
+        if values is not None:
+            values[n:] = [None] * (len(values) - n)
+    return found
+
+
+async def fill_misses(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
+                      results: list[torch.Tensor | None], held: Held) -> None:
+    """get_many: blocks the local store did not answer, from blocks being promoted or
+    fetched (``held``: :func:`held_blocks`, taken with the index lookup), then from the
+    remote."""
     miss = [i for i, r in enumerate(results) if r is None]
     if not miss:
         return
-    got = await _fetch_decode(store, [keys[i] for i in miss], [outs[i] for i in miss],
-                              chain=False)
-    for i, value in zip(miss, got):
+    values: list[torch.Tensor | None] = [None] * len(miss)
+    await _read(store, [keys[i] for i in miss], [outs[i] for i in miss], values, chain=False,
+                held=held)
+    for i, value in zip(miss, values):
         results[i] = value
 
 
 async def extend_prefix(store: Store, keys: Sequence[bytes]) -> int:
     """match_prefix: how many of ``keys`` (the chain after the local prefix) the remote
-    has, in order (blocks being promoted count); they are fetched and promoted."""
-    assert store.remote is not None
-    held = store.remote.promoting
-    n = next((i for i, k in enumerate(keys) if k not in held), len(keys))
-    if n == len(keys):
-        return n
-    got = await _fetch_decode(store, keys[n:], [None] * (len(keys) - n), chain=True)
-    return n + next((i for i, v in enumerate(got) if v is None), len(got))
+    has, in order (blocks being promoted or fetched count); they are fetched and
+    promoted."""
+    found = await _read(store, keys, [None] * len(keys), None, chain=True)
+    return next((i for i, f in enumerate(found) if not f), len(found))
 
 
 async def fetch_missing(store: Store, keys: Sequence[bytes]) -> None:
     """prefetch: blocks absent locally are fetched and promoted first, and the prefetch
-    waits for that (it then brings them into memory like any stored block)."""
-    assert store.remote is not None
+    waits for that (it then brings them into memory like any stored block).  Blocks
+    already being promoted or fetched by another read are not fetched again."""
     entries = store.index.get_entries(keys)
-    held = store.remote.promoting
-    missing = [k for k, e in zip(keys, entries) if e is None and k not in held]
+    missing = [k for k, e in zip(keys, entries) if e is None]
     if missing:
-        await _fetch_decode(store, missing, [None] * len(missing), chain=False,
-                            promote_now=True)
+        await _read(store, missing, [None] * len(missing), None, chain=False,
+                    promote_now=True)

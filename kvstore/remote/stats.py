@@ -22,6 +22,7 @@ class RemoteStats:
     request_errors: int = 0  # requests that got no answer (counted by the breaker)
     gets: int = 0  # blocks looked up in the remote
     hits: int = 0  # blocks fetched and verified
+    joined: int = 0  # blocks a read took from another read's fetch (not requested twice)
     misses: int = 0  # blocks not in the remote (or not fetched by the deadline)
     deadline_misses: int = 0  # blocks given up on at the read deadline
     bad_objects: int = 0  # objects that failed verification (CRC, key, HMAC): misses

@@ -56,6 +56,23 @@ class RemoteBlock:
     data: objects.ObjectBytes
 
 
+class InFlight:
+    """One key being fetched by a read: a second read of it waits for this one instead
+    of sending its own request.  ``block`` once ``done`` is set (None: a miss, a bad
+    object, or the deadline); ``abandoned``: the fetching read was cancelled before its
+    answer came (the waiter fetches the key itself)."""
+
+    __slots__ = ("done", "block", "abandoned")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.block: RemoteBlock | None = None
+        self.abandoned = True  # until the fetch returns
+
+    def finish(self, block: RemoteBlock | None) -> None:
+        self.block, self.abandoned = block, False
+
+
 class BreakerOpen(Unavailable):
     """No request was sent: the circuit breaker is open."""
 
@@ -80,6 +97,10 @@ class RemoteTier:
         # does not fetch them again.
         self.promoting: dict[bytes, RemoteBlock] = {}
         self._promotions = 0  # background promotions running
+        # Keys a read is fetching now: another read of them waits for that fetch
+        # (kvstore/remote/local.py), so concurrent lookups of a shared prefix send one
+        # request per block, not one each.
+        self.fetching: dict[bytes, InFlight] = {}
         self._idle: anyio.Event | None = None
         self._scope: anyio.CancelScope | None = None
         self._stopped: anyio.Event | None = None
@@ -157,6 +178,23 @@ class RemoteTier:
                 del self.promoting[block.key]
         self._promotions -= 1
         self._wake_if_idle()
+
+    def held(self, key: bytes) -> RemoteBlock | InFlight | None:
+        """A block of ``key`` this tier already has or is getting: being promoted (the
+        verified block), being fetched by another read (its :class:`InFlight`), or
+        None."""
+        return self.promoting.get(key) or self.fetching.get(key)
+
+    def start_fetching(self, key: bytes) -> InFlight:
+        self.fetching[key] = inflight = InFlight()
+        return inflight
+
+    def end_fetching(self, key: bytes, inflight: InFlight) -> None:
+        """After ``inflight.finish`` (or a cancellation): waiters go on; a key promoted
+        meanwhile is in ``promoting`` already, so it is never in neither."""
+        if self.fetching.get(key) is inflight:
+            del self.fetching[key]
+        inflight.done.set()
 
     def _wake_if_idle(self) -> None:
         if not self._pending and not self._promotions and self._idle is not None:

@@ -1,0 +1,175 @@
+"""Where the remote tier meets the local store (kvstore/remote/local.py), under
+concurrency: reads of the same blocks at once send one request per block, a read whose
+fetcher is cancelled fetches for itself, and a get that a promotion overtakes is served
+from the fetched block, not fetched again.  A real SeaweedFS cluster; the S3 requests
+and the store's reads are held at gates (no sleeps)."""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import kvstore
+from kvstore.remote import RemoteConfig
+from kvstore.remote.client import ObjectClient
+from tests.concurrency import DEADLINE, GatedEngine, real_engine, until
+from tests.conformance import NS, SMALL_EXTENT, keys, same
+from tests.remote.cluster import SeaweedCluster
+from tests.remote.test_tier import config, fresh_prefix, open_store, parents, value
+
+pytestmark = pytest.mark.anyio
+
+
+class HeldClient:
+    """The tier's real S3 client, with every GET held until ``release`` is set (and
+    counted): a test learns that a fetch is in its request from ``entered``."""
+
+    def __init__(self, inner: ObjectClient) -> None:
+        self.inner = inner
+        self.entered, self.release = threading.Event(), threading.Event()
+        self._lock = threading.Lock()
+        self.gets = 0
+
+    def get(self, name: str) -> Any:
+        with self._lock:
+            self.gets += 1
+        self.entered.set()
+        assert self.release.wait(DEADLINE), "a held GET was never released"
+        return self.inner.get(name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def bucket_with(seaweed: SeaweedCluster, path: Path, n: int) -> tuple[RemoteConfig,
+                                                                          list[bytes]]:
+    """A fresh prefix holding a chain of ``n`` blocks, uploaded by another store."""
+    remote, ks = config(seaweed, fresh_prefix()), keys(n)
+    async with open_store(path, remote) as a:
+        await a.put_many(ks, [value(i) for i in range(n)], parents=parents(ks))
+        await a.remote.flush()
+        assert a.remote.stats().uploaded_blocks == n
+    return remote, ks
+
+
+def hold_gets(store: Any) -> HeldClient:
+    store.remote.client = held = HeldClient(store.remote.client)
+    return held
+
+
+async def test_concurrent_reads_of_one_prefix_send_one_request_per_block(
+        seaweed: SeaweedCluster, tmp_path: Path) -> None:
+    """Two lookups and a get of the same chain, the later ones started while the first
+    one's GETs are in flight: they wait for it, and every block is requested once."""
+    remote, ks = await bucket_with(seaweed, tmp_path / "a", 3)
+    async with open_store(tmp_path / "b", remote) as b:
+        held = hold_gets(b)
+        probes = b.remote.stats().requests  # the access check at open
+        hits: list[int] = []
+        got: list[Any] = []
+
+        async def lookup() -> None:
+            hits.append(await b.match_prefix(ks))
+
+        async def get() -> None:
+            got.extend(await b.get_many(ks))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lookup)
+            await until(held.entered.is_set)  # the first lookup is in its requests
+            tg.start_soon(lookup)
+            tg.start_soon(get)
+            await until(lambda: b.remote.stats().joined == 6)  # both wait for it
+            held.release.set()
+        assert hits == [3, 3]
+        assert all(same(g, value(i)) for i, g in enumerate(got))
+        st = b.remote.stats()
+        assert (held.gets, st.requests - probes, st.hits, st.gets) == (3, 3, 3, 3)
+        await b.remote.flush()
+        assert st.promoted_blocks + b.remote.stats().promoted_blocks >= 3
+        assert await b.contains_many(ks) == [True] * 3
+
+
+async def test_a_read_whose_fetcher_is_cancelled_fetches_the_blocks_itself(
+        seaweed: SeaweedCluster, tmp_path: Path) -> None:
+    """A get waits for a lookup's fetch; the lookup is cancelled before its answers
+    came: the get asks for the blocks itself and gets them."""
+    remote, ks = await bucket_with(seaweed, tmp_path / "a", 3)
+    async with open_store(tmp_path / "b", remote) as b:
+        held = hold_gets(b)
+        got: list[Any] = []
+        lookup_scope, lookup_over = anyio.CancelScope(), anyio.Event()
+
+        async def lookup() -> None:
+            try:
+                with lookup_scope:
+                    await b.match_prefix(ks)
+            finally:
+                lookup_over.set()
+
+        async def get() -> None:
+            got.extend(await b.get_many(ks))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lookup)
+            await until(held.entered.is_set)  # the lookup is in its requests
+            tg.start_soon(get)
+            await until(lambda: b.remote.stats().joined == 3)  # the get waits for it
+            lookup_scope.cancel()
+            await lookup_over.wait()
+            assert lookup_scope.cancelled_caught
+            held.release.set()
+        assert len(got) == 3 and all(same(g, value(i)) for i, g in enumerate(got))
+        st = b.remote.stats()
+        assert st.hits == 3  # the get's own fetch; the lookup's answers were dropped
+        assert not b.remote.fetching
+
+
+async def test_a_get_that_its_promotion_overtakes_is_not_fetched_again(
+        seaweed: SeaweedCluster, tmp_path: Path) -> None:
+    """The get finds the blocks being promoted at its index lookup; the promotion lands
+    while the get reads a local block; the get still serves the fetched copies (before
+    this, it saw them neither local nor promoting and fetched them again)."""
+    remote, ks = await bucket_with(seaweed, tmp_path / "a", 3)
+    local = keys(1, start=500)
+    engine = GatedEngine(real_engine("threads", tmp_path / "probe"))
+    holding, released = threading.Event(), threading.Event()
+
+    def hold_the_writer(txn: Any) -> bool:
+        holding.set()
+        return released.wait(DEADLINE)
+
+    async with kvstore.open(tmp_path / "b", namespace=NS, extent_bytes=SMALL_EXTENT,
+                            staging_bytes=8 << 20, remote=remote, engine=engine) as b:
+        await b.put_many(local, [value(100)])
+        holder = b.writer.submit(hold_the_writer)
+        got: list[Any] = []
+        try:
+            await until(holding.is_set)  # no promotion can commit now
+            first = await b.get_many(ks)
+            assert all(same(g, value(i)) for i, g in enumerate(first))
+            assert b.remote.stats().promoting_blocks == 3
+            gate = engine.gate("read")
+
+            async def get() -> None:
+                got.extend(await b.get_many([*local, *ks]))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(get)
+                await gate.entered.wait()  # looked up (3 promoting), reading ``local``
+                released.set()
+                await until(lambda: b.remote.stats().promoting_blocks == 0)  # landed
+                assert await b.contains_many(ks) == [True] * 3
+                gate.open()
+        finally:
+            released.set()
+        assert holder.result() is True
+        assert same(got[0], value(100))
+        assert all(same(g, value(i)) for i, g in enumerate(got[1:]))
+        st = b.remote.stats()
+        assert (st.gets, st.hits) == (3, 3)
