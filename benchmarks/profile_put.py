@@ -3,6 +3,7 @@ phases, and (with ``--py-spy``) an on-CPU sampling profile summarised by what th
 was doing.  Issue 13's "profiles before and after".
 
     python benchmarks/profile_put.py [TREE] [--block 2M] [--mib 256] [--batch 32] [--py-spy]
+        [--ceiling]
 
 ``TREE`` is the kvstore tree to import (default: this one), so the same command
 profiles an older commit's worktree.  One caller, a fresh store (``kvstore.open``
@@ -15,6 +16,15 @@ Phases (wall time inside ``put_many``, summed over the batches): ``stage+write``
 ``other`` (the rest of ``put_many``: validation, dedup lookup, reservation).  They are
 found by timing the store's own calls, so a tree lacking one (older layout) shows it
 under ``other``.
+
+With ``--ceiling`` fio runs before and after the workload (same directory, block size,
+``--iodepth`` = batch, ``--end_fsync=1``), and the report adds what the commit protocol
+alone allows one caller: per batch the device must write the batch (at fio's rate) and
+then the store must fdatasync and commit (the two phases as measured), one after the
+other, before the caller's next batch exists.  ``ceiling = t_fio / (t_fio + fdatasync +
+commit)`` per batch, with staging and every other CPU cost taken as zero: no one-caller
+put at this block size can reach more of fio than that without a different commit
+protocol.
 
 With ``--py-spy`` the same workload runs under ``py-spy record --format raw`` (every
 thread, on-CPU samples only; Python frames only: ``--native`` unwinding slowed the run
@@ -120,6 +130,22 @@ def run_workload(tree: str, block: int, volume: int, batch: int) -> dict[str, fl
     return dict(phases)
 
 
+def fio_seconds(block: int, volume: int, iodepth: int) -> float:
+    """fio's durable write of ``volume`` in ``block`` requests, in the bench's directory."""
+    from benchmarks.fio import find_fio, remove, run_fio
+
+    fio = find_fio()
+    if fio is None:
+        raise SystemExit("--ceiling needs fio (apt-get install fio)")
+    root = os.path.join(HERE, ".bench-tmp")
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, "profile-put-fio")
+    try:
+        return run_fio(fio, path, "write", block, volume, iodepth)
+    finally:
+        remove(path)
+
+
 def summarise_raw(path: str) -> list[tuple[str, int]]:
     counts: collections.Counter[str] = collections.Counter()
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -153,18 +179,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--py-spy", action="store_true", help="also sample on-CPU stacks")
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also time fio and report the commit protocol's one-caller ceiling")
     args = p.parse_args(argv)
     sys.path.insert(0, HERE)
     from benchmarks.common import parse_size
 
     tree, block = os.path.abspath(args.tree), parse_size(args.block)
     volume = int(args.mib * (1 << 20))
+    fio_s = [fio_seconds(block, volume, args.batch)] if args.ceiling else []
     phases = run_workload(tree, block, volume, args.batch)
+    if args.ceiling:
+        fio_s.append(fio_seconds(block, volume, args.batch))
     wall = phases.pop("wall")
     print(f"tree {tree}: {block >> 10} KiB blocks, {volume >> 20} MiB, batches of "
           f"{args.batch}: {volume / wall / 1e6:.0f} MB/s")
     for name, secs in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"  {name:12s} {secs * 1e3:8.0f} ms  {100 * secs / wall:5.1f}% of wall")
+    if fio_s:
+        batches = max(1, volume // (block * args.batch))
+        device = sum(fio_s) / len(fio_s) / batches
+        protocol = (phases.get("fdatasync", 0.0) + phases.get("commit", 0.0)) / batches
+        print(f"  fio write (--end_fsync=1, iodepth {args.batch}): "
+              + ", ".join(f"{volume / t / 1e6:.0f}" for t in fio_s) + " MB/s; "
+              f"kvstore / fio {device * batches / wall:.2f}")
+        print(f"  per batch: device {device * 1e3:.2f} ms at fio's rate, fdatasync + commit "
+              f"{protocol * 1e3:.2f} ms -> one-caller ceiling "
+              f"{device / (device + protocol):.2f}x fio (staging and Python free)")
     if args.py_spy and not os.environ.get("PROFILE_PUT_CHILD"):
         spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
         out = tempfile.mktemp(suffix=".txt")
