@@ -7,7 +7,6 @@ and the store's reads are held at gates (no sleeps)."""
 from __future__ import annotations
 
 import threading
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +126,38 @@ async def test_a_read_whose_fetcher_is_cancelled_fetches_the_blocks_itself(
         assert len(got) == 3 and all(same(g, value(i)) for i, g in enumerate(got))
         st = b.remote.stats()
         assert st.hits == 3  # the get's own fetch; the lookup's answers were dropped
+        assert not b.remote.fetching
+
+
+async def test_keys_past_a_chain_walks_first_miss_are_fetched_by_their_waiter(
+        seaweed: SeaweedCluster, tmp_path: Path) -> None:
+    """A lookup's chain walk stops at a hole; a get waiting on the lookup for keys past
+    the hole gets no answer from it (the walk never used them) and asks itself."""
+    remote, ks = config(seaweed, fresh_prefix()), keys(5)
+    async with open_store(tmp_path / "a", remote) as a:
+        await a.put_many(ks[:2], [value(i) for i in range(2)], parents=parents(ks)[:2])
+        await a.put_many(ks[3:], [value(i) for i in range(3, 5)], parents=parents(ks)[3:])
+        await a.remote.flush()
+    async with open_store(tmp_path / "b", remote) as b:
+        held = hold_gets(b)
+        hits: list[int] = []
+        got: list[Any] = []
+
+        async def lookup() -> None:
+            hits.append(await b.match_prefix(ks))
+
+        async def get() -> None:
+            got.extend(await b.get_many(ks[3:]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lookup)
+            await until(held.entered.is_set)
+            tg.start_soon(get)
+            await until(lambda: b.remote.stats().joined == 2)
+            held.release.set()
+        assert hits == [2]
+        assert len(got) == 2 and all(same(g, value(3 + i)) for i, g in enumerate(got))
+        assert b.remote.stats().hits == 2 + 2
         assert not b.remote.fetching
 
 
