@@ -177,6 +177,8 @@ async def test_a_get_that_its_promotion_overtakes_is_not_fetched_again(
 
     async with kvstore.open(tmp_path / "b", namespace=NS, extent_bytes=SMALL_EXTENT,
                             staging_bytes=8 << 20, remote=remote, engine=engine) as b:
+        assert b.remote is not None
+        tier = b.remote
         await b.put_many(local, [value(100)])
         holder = b.writer.submit(hold_the_writer)
         got: list[Any] = []
@@ -184,7 +186,7 @@ async def test_a_get_that_its_promotion_overtakes_is_not_fetched_again(
             await until(holding.is_set)  # no promotion can commit now
             first = await b.get_many(ks)
             assert all(same(g, value(i)) for i, g in enumerate(first))
-            assert b.remote.stats().promoting_blocks == 3
+            assert tier.stats().promoting_blocks == 3
             gate = engine.gate("read")
 
             async def get() -> None:
@@ -194,7 +196,7 @@ async def test_a_get_that_its_promotion_overtakes_is_not_fetched_again(
                 tg.start_soon(get)
                 await gate.entered.wait()  # looked up (3 promoting), reading ``local``
                 released.set()
-                await until(lambda: b.remote.stats().promoting_blocks == 0)  # landed
+                await until(lambda: tier.stats().promoting_blocks == 0)  # landed
                 assert await b.contains_many(ks) == [True] * 3
                 gate.open()
         finally:
@@ -202,5 +204,5 @@ async def test_a_get_that_its_promotion_overtakes_is_not_fetched_again(
         assert holder.result() is True
         assert same(got[0], value(100))
         assert all(same(g, value(i)) for i, g in enumerate(got[1:]))
-        st = b.remote.stats()
+        st = tier.stats()
         assert (st.gets, st.hits) == (3, 3)
