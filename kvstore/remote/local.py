@@ -191,14 +191,18 @@ async def _fetch_own(store: Store, keys: Sequence[bytes], outs: Sequence[torch.T
         if busy:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(decodes_done)
-    # Verified blocks (and misses) go to the waiters even if this caller's ``out`` was
-    # bad.  A chain walk took nothing after its first miss: those keys were never asked
-    # for, and their waiters ask themselves.
+    # Verified blocks (and misses) go to the waiters at once (not after this read's
+    # promotion: a lookup waiting on a prefetch's fetch does not wait for its local put),
+    # even if this caller's ``out`` was bad.  A chain walk took nothing after its first
+    # miss: those keys were never asked for, and their waiters ask themselves.
     answered = len(keys)
     if chain:
         answered = next((i + 1 for i, b in enumerate(blocks) if b is None), len(keys))
-    for inflight, block in zip(inflights[:answered], blocks):
-        inflight.finish(block)
+    for i, (inflight, block) in enumerate(zip(inflights, blocks)):
+        if i < answered:
+            inflight.finish(block)
+        else:
+            inflight.give_up()
     if errors:
         raise errors[0]
     promote: list[tuple[RemoteBlock, torch.Tensor]] = []

@@ -59,18 +59,25 @@ class RemoteBlock:
 class InFlight:
     """One key being fetched by a read: a second read of it waits for this one instead
     of sending its own request.  ``block`` once ``done`` is set (None: a miss, a bad
-    object, or the deadline); ``abandoned``: the fetching read was cancelled before its
-    answer came (the waiter fetches the key itself)."""
+    object, or the deadline); ``abandoned``: the fetching read gave the key up without
+    an answer (it was cancelled, or its chain walk stopped before it): the waiter
+    fetches the key itself.  ``done`` is set as soon as the answer is known, before the
+    fetching read promotes the block; the key stays registered until that promotion
+    started (or, for a prefetch, landed), so a read in between is answered too."""
 
     __slots__ = ("done", "block", "abandoned")
 
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.block: RemoteBlock | None = None
-        self.abandoned = True  # until the fetch returns
+        self.abandoned = True  # until the fetch answers
 
     def finish(self, block: RemoteBlock | None) -> None:
         self.block, self.abandoned = block, False
+        self.done.set()
+
+    def give_up(self) -> None:
+        self.done.set()
 
 
 class BreakerOpen(Unavailable):
@@ -183,18 +190,25 @@ class RemoteTier:
         """A block of ``key`` this tier already has or is getting: being promoted (the
         verified block), being fetched by another read (its :class:`InFlight`), or
         None."""
-        return self.promoting.get(key) or self.fetching.get(key)
+        block = self.promoting.get(key)
+        if block is not None:
+            return block
+        inflight = self.fetching.get(key)
+        if inflight is None or (inflight.abandoned and inflight.done.is_set()):
+            return None  # given up: not an answer to wait for
+        return inflight
 
     def start_fetching(self, key: bytes) -> InFlight:
         self.fetching[key] = inflight = InFlight()
         return inflight
 
     def end_fetching(self, key: bytes, inflight: InFlight) -> None:
-        """After ``inflight.finish`` (or a cancellation): waiters go on; a key promoted
-        meanwhile is in ``promoting`` already, so it is never in neither."""
+        """The fetching read is over (answered and its promotion started or landed, or
+        cancelled): the key leaves ``fetching``, never before it is in ``promoting`` or
+        stored, so a read never finds it in neither place while it is on its way."""
         if self.fetching.get(key) is inflight:
             del self.fetching[key]
-        inflight.done.set()
+        inflight.give_up()  # if not answered: its waiters ask themselves
 
     def _wake_if_idle(self) -> None:
         if not self._pending and not self._promotions and self._idle is not None:

@@ -161,6 +161,39 @@ async def test_keys_past_a_chain_walks_first_miss_are_fetched_by_their_waiter(
         assert not b.remote.fetching
 
 
+async def test_a_lookup_waiting_on_a_prefetchs_fetch_does_not_wait_for_its_local_put(
+        seaweed: SeaweedCluster, tmp_path: Path) -> None:
+    """A prefetch fetches blocks and stores them locally before it ends; a lookup of the
+    same blocks meanwhile takes the prefetch's answers as soon as they came (it does not
+    send GETs of its own, nor wait for the prefetch's put, held here at the index
+    writer)."""
+    remote, ks = await bucket_with(seaweed, tmp_path / "a", 3)
+    holding, released = threading.Event(), threading.Event()
+
+    def hold_the_writer(txn: Any) -> bool:
+        holding.set()
+        return released.wait(DEADLINE)
+
+    async with open_store(tmp_path / "b", remote, memory_bytes=64 << 20) as b:
+        tier = b.remote
+        holder = b.writer.submit(hold_the_writer)
+        try:
+            await until(holding.is_set)
+            prefetch = b.prefetch(ks)
+            await until(lambda: b.stats().backlog_bytes > 0)  # fetched; its put is held
+            assert len(tier.fetching) == 3  # still registered: not stored yet
+            assert await b.match_prefix(ks) == 3  # answered while the put is held
+            assert not prefetch.done
+            st = tier.stats()
+            assert (st.joined, st.gets, st.hits) == (3, 3, 3)
+        finally:
+            released.set()
+        assert holder.result() is True
+        await prefetch.wait()  # its put landed, and with it the blocks in memory
+        assert b.memory is not None and all(k in b.memory for k in ks)
+        assert not tier.fetching and await b.contains_many(ks) == [True] * 3
+
+
 async def test_a_get_that_its_promotion_overtakes_is_not_fetched_again(
         seaweed: SeaweedCluster, tmp_path: Path) -> None:
     """The get finds the blocks being promoted at its index lookup; the promotion lands
