@@ -263,7 +263,7 @@ async def _read(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor
     while todo:
         own: list[int] = []
         inflights: list[InFlight] = []
-        joined: list[int] = []
+        joined: list[tuple[int, RemoteBlock | InFlight]] = []
         mine: set[int] = set()
         # No await from here to the fetch: a key is registered as ours in the same step
         # another read could have seen it missing.
@@ -276,7 +276,7 @@ async def _read(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor
                 inflights.append(block)
                 mine.add(id(block))
             else:
-                joined.append(i)
+                joined.append((i, block))
                 if id(block) not in mine:  # not a duplicate key of this read's own fetch
                     remote._stats.joined += 1
             held[key] = block
@@ -293,8 +293,7 @@ async def _read(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor
             if values is not None:
                 values[i] = value
         todo, ready = [], []
-        for i in joined:
-            block = held[keys[i]]
+        for i, block in joined:
             if isinstance(block, InFlight):
                 await block.done.wait()
                 if block.abandoned:  # its read was cancelled first: ask ourselves

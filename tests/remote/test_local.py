@@ -94,6 +94,19 @@ async def test_concurrent_reads_of_one_prefix_send_one_request_per_block(
         assert await b.contains_many(ks) == [True] * 3
 
 
+async def test_a_key_twice_in_one_get_is_fetched_once(seaweed: SeaweedCluster,
+                                                      tmp_path: Path) -> None:
+    remote, ks = await bucket_with(seaweed, tmp_path / "a", 2)
+    async with open_store(tmp_path / "b", remote) as b:
+        got = await b.get_many([ks[0], ks[1], ks[0]])
+        assert same(got[0], value(0)) and same(got[1], value(1)) and same(got[2], value(0))
+        assert got[0] is not got[2]  # each its own tensor
+        st = b.remote.stats()
+        assert (st.gets, st.hits, st.joined) == (2, 2, 0)
+        found = await b.match_prefix([ks[0], ks[0]])  # (not a chain, but asked)
+        assert found == 2 and not b.remote.fetching
+
+
 async def test_a_read_whose_fetcher_is_cancelled_fetches_the_blocks_itself(
         seaweed: SeaweedCluster, tmp_path: Path) -> None:
     """A get waits for a lookup's fetch; the lookup is cancelled before its answers
