@@ -252,9 +252,10 @@ async def _read(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor
     """Which of ``keys`` the remote tier has; with ``values``, their tensors too
     (decoded into ``outs``).  A key being promoted is served from its fetched block; a
     key another read is fetching waits for that read (its request is not sent twice);
-    the rest is fetched here (:func:`_fetch_own`).  A key whose fetching read was
-    cancelled before its answer is fetched here after all.  ``chain``: only the leading
-    run of found keys counts."""
+    the rest is fetched here (:func:`_fetch_own`).  A key whose fetching read gave it
+    up unanswered (cancelled, or past its chain walk's first miss) is fetched here
+    after all.  ``held``: get_many's snapshot (:func:`held_blocks`).  ``chain``: only
+    the leading run of found keys counts."""
     remote = store.remote
     assert remote is not None
     found = [False] * len(keys)
@@ -275,11 +276,10 @@ async def _read(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor
                 own.append(i)
                 inflights.append(block)
                 mine.add(id(block))
-            else:
+            else:  # (a key twice in this read finds its own fetch registered)
                 joined.append((i, block))
                 if id(block) not in mine:  # not a duplicate key of this read's own fetch
                     remote._stats.joined += 1
-            held[key] = block
         try:
             got = await _fetch_own(store, [keys[i] for i in own], [outs[i] for i in own],
                                    inflights, chain=chain, promote_now=promote_now) \
@@ -287,7 +287,6 @@ async def _read(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor
         finally:
             for i, inflight in zip(own, inflights):
                 remote.end_fetching(keys[i], inflight)
-                del held[keys[i]]
         for i, value in zip(own, got):
             found[i] = value is not None
             if values is not None:
@@ -296,8 +295,8 @@ async def _read(store: Store, keys: Sequence[bytes], outs: Sequence[torch.Tensor
         for i, block in joined:
             if isinstance(block, InFlight):
                 await block.done.wait()
-                if block.abandoned:  # its read was cancelled first: ask ourselves
-                    held.pop(keys[i], None)
+                if block.abandoned:  # its read gave the key up: ask ourselves
+                    held.pop(keys[i], None)  # (the snapshot's, if it came from there)
                     todo.append(i)
                     continue
                 block = block.block
