@@ -31,6 +31,7 @@ import anyio
 import torch
 
 import kvstore
+from kvstore import result_buffers
 from kvstore.remote import RemoteConfig, objects
 from kvstore.remote.client import ObjectClient
 from tests.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster, weed_binary
@@ -248,10 +249,14 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
                  f"obstore + copy {spread([r[3]['copy'][0] / r[3]['kvstore'][0] for r in rows])}"
                  f", get + promoted to bytes "
                  f"{spread([r[3]['bytes'][0] / r[3]['promoted'][0] for r in rows])}.")
+    pool = result_buffers.stats()
+    lines.append(f"\nResult buffers (kvstore get's new tensors): {pool.allocated} allocated, "
+                 f"{pool.reused} reused over the run.")
     lines.append("\nkvstore put = put_many (durable locally: staging, fdatasync, index "
                  "commit) until every upload is done (read back and verified, conditional "
                  "PUT); kvstore get = get_many on an empty store until it returns (GET, "
-                 "verify CRC32C + key, decode into new tensors; the local promotion runs "
+                 "verify CRC32C + key, decode into new tensors, recycled memory after the first run: "
+                 "`kvstore.result_buffers`; the local promotion runs "
                  "behind it); out= = the same into tensors allocated once, as the vLLM "
                  "connector's load buffers; + promoted = until the promotions have landed too "
                  "(`remote.flush()`).  obstore get (bytes) = the client's read-only response "

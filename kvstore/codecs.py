@@ -168,7 +168,7 @@ import numpy.typing as npt
 import torch
 import zstandard
 
-from kvstore import fp8_kernels
+from kvstore import fp8_kernels, result_buffers
 from kvstore.errors import CorruptionError
 from kvstore.tensors import check_out_tensor
 
@@ -717,7 +717,7 @@ def _prepare_out(out: torch.Tensor | None, dtype: torch.dtype,
                  shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(tensor to return, contiguous tensor of ``shape`` to write into)."""
     if out is None:
-        t = torch.empty(shape, dtype=dtype)
+        t = result_buffers.empty(tuple(shape), dtype)
         return t, t
     out = check_out_tensor(out, dtype, tuple(shape))
     if out.device.type == "cpu" and out.is_contiguous():

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kvstore import codecs, native_slots
+from kvstore import codecs, native_slots, result_buffers
 from kvstore.codecs import CODEC_RAW, CodecSpec
 from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, round_up
@@ -219,7 +219,8 @@ def _destination(entry: IndexEntry, out: torch.Tensor | None
         dtype = CODE_DTYPES.get(entry.dtype)
         if dtype is None or entry.raw_len % dtype.itemsize:
             return None, 0, False
-        return torch.empty(entry.raw_len // dtype.itemsize, dtype=dtype), entry.raw_len, True
+        return (result_buffers.empty((entry.raw_len // dtype.itemsize,), dtype), entry.raw_len,
+                True)
     if out.device.type == "cpu" and out.is_contiguous():
         return out, out.numel() * out.element_size(), False
     return None, 0, False
@@ -274,7 +275,7 @@ def deliver(run: ArenaRun, codec: int, dtype_code: int, shape: tuple[int, ...], 
             run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n], non_blocking=True)
         torch.cuda.current_stream(out.device).synchronize()
         return out
-    result = torch.empty(shape, dtype=dtype)
+    result = result_buffers.empty(shape, dtype)
     result.reshape(-1).view(torch.uint8).numpy()[:] = src
     if out is not None:
         out.copy_(result.reshape(out.shape))

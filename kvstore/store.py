@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from kvstore import codecs, permissions, pinning
+from kvstore import codecs, permissions, pinning, result_buffers
 from kvstore.allocator import Allocator
 from kvstore.codecs import CODEC_RAW, CodecSpec
 from kvstore.errors import (
@@ -809,7 +809,10 @@ class Store:
         def copy_all() -> None:
             for i, cached in hits:
                 src, o = cached.view(), outs[i]
-                results[i] = src.clone() if o is None else o.copy_(src.reshape(o.shape))
+                if o is None:  # recycled memory, as every get's new tensors
+                    results[i] = result_buffers.empty(tuple(src.shape), src.dtype).copy_(src)
+                else:
+                    results[i] = o.copy_(src.reshape(o.shape))
 
         for _, cached in hits:
             memory.begin_read(cached)

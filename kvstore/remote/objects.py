@@ -22,7 +22,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from kvstore import native_slots
+from kvstore import native_slots, result_buffers
 from kvstore.codecs import CODEC_RAW
 from kvstore.errors import CorruptionError
 from kvstore.format import SLOT_HEADER_BYTES, SlotHeader
@@ -134,7 +134,7 @@ def decode(data: ObjectBytes, header: SlotHeader, out: torch.Tensor | None, *,
     pass over bytes that just came off the network, not two)."""
     if check and out is None and header.codec == CODEC_RAW and native_slots.available():
         payload = memoryview(data)[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + header.payload_len]
-        result = torch.empty(header.shape, dtype=CODE_DTYPES[header.dtype])
+        result = result_buffers.empty(header.shape, CODE_DTYPES[header.dtype])
         copy = result.reshape(-1).view(torch.uint8).numpy()
         if native_slots.crc32c(payload, copy_to=copy) != header.payload_crc:
             raise CorruptionError("payload checksum mismatch")
