@@ -386,7 +386,8 @@ class Store:
         if namespace is None:
             raise ValueError("open(remote=...) needs namespace=...: remote objects are "
                              "stored per namespace (<prefix>/v1/<namespace digest>/<key>)")
-        tier = RemoteTier(config, namespace.digest, lambda key: local.read_slot(self, key))
+        tier = RemoteTier(config, namespace.digest,
+                          lambda key, buffer: local.read_slot(self, key, buffer))
         tier.check_access()
         self.remote = tier
 

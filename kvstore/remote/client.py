@@ -117,7 +117,7 @@ class ObjectClient:
         except Exception as e:  # noqa: BLE001 - sorted by _fail
             raise self._fail(e, name) from None
 
-    def put_if_absent(self, name: str, data: bytes) -> bool:
+    def put_if_absent(self, name: str, data: bytes | memoryview) -> bool:
         """Write unless the object exists (``If-None-Match: *``); True if written."""
         try:
             obstore.put(self._store, name, data, mode="create")

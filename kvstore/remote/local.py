@@ -1,9 +1,12 @@
 """Where the remote tier meets the local store: the few calls ``kvstore/store.py``
 makes (its hooks are marked "remote tier") and what they need from the store.
 
-* ``read_slot``: an upload reads its block back from the extent file (buffered
-  ``pread`` on a worker thread, under a read epoch so the slot is not reused meanwhile)
-  and verifies it against the index entry before it leaves the node.
+* ``read_slot``: an upload reads its block back from the extent file (O_DIRECT where
+  the store writes so, into the upload worker's own reused buffer, on a worker thread,
+  under a read epoch so the slot is not reused meanwhile) and verifies it against the
+  index entry before it leaves the node.  Not through the page cache: every uploaded
+  block would otherwise be read into it once, crowding out what the node caches, and
+  a fresh buffer per block paid its page faults on top.
 * ``fill_misses`` (get_many), ``extend_prefix`` (match_prefix), ``fetch_missing``
   (prefetch): fetch what the local store lacks, decode it like a local slot, and
   promote it: a local durable put (which also fills the memory tier), so the next get
@@ -31,6 +34,7 @@ from kvstore.codecs import CodecSpec
 from kvstore.errors import CorruptionError, KVStoreError
 from kvstore.extents import extent_path
 from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
+from kvstore.io.aligned import AlignedBuffer
 from kvstore.remote import objects
 from kvstore.remote.tier import InFlight, RemoteBlock
 from kvstore.slots import check_payload, check_slot
@@ -43,34 +47,39 @@ _RAW = CodecSpec()
 _ZSTD = CodecSpec(zstd=True)
 
 
-def _read_verified(path: str, offset: int, length: int, key: bytes, entry: IndexEntry
-                   ) -> tuple[bytes, SlotHeader] | None:
-    """On a worker thread: the slot's bytes, checked against its index entry (the
-    CRC32C of MBs runs off the event loop)."""
+def _read_verified(path: str, entry: IndexEntry, key: bytes, direct: bool,
+                   buffer: AlignedBuffer) -> tuple[memoryview, SlotHeader] | None:
+    """On a worker thread: the slot's bytes read into ``buffer``, checked against its
+    index entry (the CRC32C of MBs runs off the event loop)."""
+    view = buffer.view(entry.slot_len)  # slots are page-aligned and page-padded
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
         try:
-            raw = os.pread(fd, length, offset)
+            got = os.preadv(fd, [view], entry.offset)
         finally:
             os.close(fd)
-        header = check_slot(raw, key, entry)
-        check_payload(raw, header)
+        if got < SLOT_HEADER_BYTES + entry.payload_len:
+            return None  # the extent ends early: not this slot any more
+        header = check_slot(view, key, entry)
+        check_payload(view, header)
     except (OSError, CorruptionError):
         return None
-    return raw, header
+    return view[:SLOT_HEADER_BYTES + header.payload_len], header
 
 
-async def read_slot(store: Store, key: bytes) -> tuple[bytes, SlotHeader] | None:
-    """The verified slot bytes of a stored block, or None if it is gone (evicted,
-    deleted) or fails verification (then fsck / the next get deal with it)."""
+async def read_slot(store: Store, key: bytes, buffer: AlignedBuffer
+                    ) -> tuple[memoryview, SlotHeader] | None:
+    """The verified slot bytes of a stored block, in ``buffer`` (valid until its next
+    use), or None if it is gone (evicted, deleted) or fails verification (then fsck /
+    the next get deal with it)."""
     entry = store.index.get_entries([key])[0]
     if entry is None:
         return None
     epoch = store.allocator.begin_read()
     try:
         return await anyio.to_thread.run_sync(
-            _read_verified, extent_path(store.path, entry.extent), entry.offset,
-            SLOT_HEADER_BYTES + entry.payload_len, key, entry)
+            _read_verified, extent_path(store.path, entry.extent), entry, key,
+            store.engine.direct, buffer)
     finally:
         store.allocator.end_read(epoch)
 

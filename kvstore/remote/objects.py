@@ -59,16 +59,18 @@ def _tag(hmac_key: bytes, namespace_digest: bytes, body: bytes | memoryview) -> 
 
 
 def encode(slot: bytes | memoryview, header: SlotHeader, *, namespace_digest: bytes,
-           hmac_key: bytes | None) -> bytes:
+           hmac_key: bytes | None) -> bytes | memoryview:
     """The object for a verified local slot (``slot`` from its first byte, at least
-    header + payload long): header and payload, and the trailer when signing."""
+    header + payload long): header and payload, and the trailer when signing.  Unsigned,
+    it is ``slot``'s own memory (a view, no copy of its MBs): send it before ``slot``'s
+    buffer is reused."""
     n = SLOT_HEADER_BYTES + header.payload_len
-    # An upload's read-back is exactly the object's body: no second copy of its MBs.
-    body = slot if isinstance(slot, bytes) and len(slot) == n else bytes(slot[:n])
+    body = slot if isinstance(slot, bytes) and len(slot) == n else memoryview(slot)[:n]
     if hmac_key is None:
         return body
-    return body + _AUTH.pack(AUTH_MAGIC, AUTH_VERSION, AUTH_HMAC_SHA256,
-                             _tag(hmac_key, namespace_digest, body))
+    trailer = _AUTH.pack(AUTH_MAGIC, AUTH_VERSION, AUTH_HMAC_SHA256,
+                         _tag(hmac_key, namespace_digest, body))
+    return b"".join((body, trailer))
 
 
 def verify(data: ObjectBytes, key: bytes, *, namespace_digest: bytes,

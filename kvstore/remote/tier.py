@@ -31,6 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from kvstore.errors import RemoteAuthError, RemoteError
 from kvstore.format import SlotHeader
+from kvstore.io.aligned import AlignedBuffer
 from kvstore.remote import objects
 from kvstore.remote.breaker import HALF_OPEN, OPEN, CircuitBreaker
 from kvstore.remote.client import ObjectClient, Unavailable
@@ -42,7 +43,8 @@ T = TypeVar("T")
 _KNOWN_KEYS = 1 << 16  # keys remembered as present in the bucket
 _UPLOAD_ATTEMPTS = 3
 
-SlotReader = Callable[[bytes], Awaitable[tuple[bytes, SlotHeader] | None]]
+# (key, the upload worker's buffer) -> the verified slot bytes in that buffer, or None
+SlotReader = Callable[[bytes, AlignedBuffer], Awaitable[tuple[memoryview, SlotHeader] | None]]
 Finish = Callable[[int, "RemoteBlock"], None]
 
 
@@ -354,9 +356,13 @@ class RemoteTier:
 
     async def _upload_worker(self, receive: MemoryObjectReceiveStream[tuple[bytes, int]]
                              ) -> None:
+        # One buffer per worker, reused for every block it uploads: the PUT sends from
+        # it without a copy, and the next read-back waits for that PUT to return.  A PUT
+        # abandoned by cancellation ends the worker, so its buffer is never reused then.
+        buffer = AlignedBuffer()
         async for key, attempts in receive:
             try:
-                retry = await self._upload_one(key)
+                retry = await self._upload_one(key, buffer)
             except Unavailable:
                 retry = True
             if retry and attempts + 1 < _UPLOAD_ATTEMPTS and self._send is not None:
@@ -371,11 +377,11 @@ class RemoteTier:
                 self._stats.upload_failed += 1
             self._done_one()
 
-    async def _upload_one(self, key: bytes) -> bool:
-        """Upload one block; True to retry later."""
+    async def _upload_one(self, key: bytes, buffer: AlignedBuffer) -> bool:
+        """Upload one block (read back into ``buffer``); True to retry later."""
         if self._breaker_open():
             return True
-        slot = await self._read_slot(key)
+        slot = await self._read_slot(key, buffer)
         if slot is None:
             self._stats.upload_vanished += 1
             return False

@@ -4,7 +4,9 @@ foreign objects, refused credentials."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -22,6 +24,7 @@ import kvstore
 from kvstore import fsck
 from kvstore.codecs import CodecSpec
 from kvstore.errors import RemoteAuthError
+from kvstore.extents import extent_path
 from kvstore.format import SLOT_HEADER_BYTES
 from kvstore.remote import RemoteConfig, objects
 from kvstore.remote.client import ObjectClient
@@ -399,3 +402,64 @@ async def test_an_unreachable_cluster_at_open_is_not_an_error(tmp_path: Path) ->
         assert same(await a.get(keys(1)[0]), value(0))
         assert await a.get(keys(2)[1]) is None
     _ = CodecSpec
+
+
+def resident_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache (``mincore`` over a read-only mapping that
+    is never touched)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+            assert libc.mincore(address, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(b & 1 for b in vec.raw)
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "hmac"])
+async def test_uploads_read_their_blocks_back_around_the_page_cache(
+        seaweed: SeaweedCluster, tmp_path: Path, signed: bool) -> None:
+    """An upload reads its slot back with O_DIRECT into its worker's reused buffer and
+    sends from it: the extent's pages stay out of the page cache, and every object is
+    the slot's bytes exactly although each worker's buffer served many blocks."""
+    prefix, ks = fresh_prefix(), keys(24)
+    hmac_key = os.urandom(32) if signed else None
+    values = [value(i) for i in range(24)]
+    async with open_store(tmp_path, config(seaweed, prefix, hmac_key=hmac_key,
+                                           upload_workers=2)) as store:
+        if not store.engine.direct:
+            pytest.skip("this file system has no O_DIRECT: uploads read through the cache")
+        await store.put_many(ks, values, parents=parents(ks))
+        entries = store.index.get_entries(ks)
+        extents = {extent_path(str(tmp_path), e.extent) for e in entries if e is not None}
+        before = sum(resident_pages(p) for p in extents)
+        await store.remote.flush()
+        after = sum(resident_pages(p) for p in extents)
+        assert store.remote.stats().uploaded_blocks == 24
+        slots = []
+        for entry in entries:
+            assert entry is not None
+            with open(extent_path(str(tmp_path), entry.extent), "rb") as f:
+                f.seek(entry.offset)
+                slots.append(f.read(SLOT_HEADER_BYTES + entry.payload_len))
+    # 24 slots of 9 pages each were read: a buffered read-back leaves them all cached
+    assert after - before < 9, f"{after - before} extent pages came into the page cache"
+    client = ObjectClient(config(seaweed, prefix))
+    for key, slot in zip(ks, slots):
+        body = client.get(objects.object_name(prefix, NS.digest, key))
+        assert body is not None
+        assert bytes(body[:len(slot)]) == slot
+        assert len(body) == len(slot) + (objects.AUTH_TRAILER_BYTES if signed else 0)
+        objects.verify(body, key, namespace_digest=NS.digest, hmac_key=hmac_key)
