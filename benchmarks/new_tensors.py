@@ -15,6 +15,7 @@ the pool's ratios to ``out=`` and to the pool off.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import shutil
 import sys
@@ -82,7 +83,11 @@ def report(rows: dict[str, dict[str, list[float]]], args: argparse.Namespace, ro
     lines = [f"# Gets into new tensors: result-buffer pool off / on, against out= "
              f"({args.blocks} blocks of {args.block_mib:g} MiB, {args.reps} repetitions)", "",
              f"Machine: {info.get('cpu', '?')}, {os.cpu_count()} cores, torch "
-             f"{torch.__version__}.", "",
+             f"{torch.__version__}; {info['fs_type']} on {info['fs_device']}; kvstore "
+             f"{info['kvstore_source']}; load {info['loadavg_start']}.",
+             f"Command: `python benchmarks/new_tensors.py --blocks {args.blocks} --block-mib "
+             f"{args.block_mib:g} --reps {args.reps}`, "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.", "",
              "| read | MB/s min / median / max | CPU core-s/GiB min / median / max |",
              "|---|---|---|"]
     for name, row in rows.items():
