@@ -15,8 +15,14 @@ How the memory comes back: each result is a ``torch.from_numpy`` view of a numpy
 a pooled slab.  torch's storage holds the numpy view until the storage itself is freed
 (every tensor viewing it is gone, whatever the caller did with it), and a weak reference
 on the numpy view returns the slab then.  So memory is reused exactly when ``free``
-would have made it reusable: never while any tensor (or numpy array, or ``memoryview``)
-still sees it.
+would have made it reusable, as with ``torch.empty``: never while any tensor, or a numpy
+array or ``memoryview`` taken from one, still holds the storage.  (Like ``free``, it
+does not see raw pointers: a ``t.numpy()`` array taken before ``t.share_memory_()``,
+which moves the data to shared memory and frees the old pages, pointed at freed memory
+before too.)
+
+Unlike ``torch.empty``'s, a result's storage cannot grow (``resize_`` past its size
+raises, as for any ``torch.from_numpy`` tensor); ``clone()`` one that must.
 
 Bounds: only results of at least ``MIN_BYTES`` are pooled (smaller ones come from
 malloc's own free lists, already warm); at most ``max_bytes`` of idle slabs are kept
@@ -28,6 +34,7 @@ allocator is: the tensors outlive the store that read them.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -47,7 +54,7 @@ class ResultBufferStats:
     reused: int = 0  # results written into a recycled slab
     allocated: int = 0  # results that needed a new slab (pool empty for that size)
     idle_bytes: int = 0  # slabs kept for reuse now
-    dropped: int = 0  # slabs returned while the pool was full, left to be freed
+    dropped: int = 0  # slabs given back to the system past the bound (returned or trimmed)
 
 
 class ResultBuffers:
@@ -63,8 +70,10 @@ class ResultBuffers:
         self._idle_bytes = 0
         # Slabs come back from weakref callbacks, which run wherever the last reference
         # died: possibly inside ``empty`` on this very thread (a collection triggered by
-        # an allocation) with the lock held.  So a callback only appends here (atomic
-        # under the GIL); the lock holder files them.
+        # an allocation) with the lock held.  So a callback appends here (atomic under
+        # the GIL) and files what is queued only if it gets the lock without waiting;
+        # else the holder files it (every holder drains this queue, then checks it
+        # again once it let go of the lock).
         self._returned: deque[np.ndarray] = deque()
         self._stats = ResultBufferStats()
         # id -> weak reference of each slab handed out (a reference must live for its
@@ -91,20 +100,27 @@ class ResultBuffers:
             else:
                 slab = None
                 self._stats.allocated += 1
+        self._collect()  # what came back while the lock was held
         if slab is None:
             slab = np.empty(nbytes, dtype=np.uint8)
         view = slab[:]
-        ref = weakref.ref(view, self._on_release(slab))
+        ref = weakref.ref(view, functools.partial(self._release, slab))
         self._out[id(ref)] = ref
         return torch.from_numpy(view).view(dtype).view(shape)
 
-    def _on_release(self, slab: np.ndarray):  # type: ignore[no-untyped-def]
-        returned, out = self._returned, self._out
+    def _release(self, slab: np.ndarray, ref: weakref.ref[np.ndarray]) -> None:
+        """The weakref callback: ``slab``'s last view is gone."""
+        self._out.pop(id(ref), None)
+        self._returned.append(slab)
+        self._collect()
 
-        def released(ref: weakref.ref[np.ndarray]) -> None:
-            out.pop(id(ref), None)
-            returned.append(slab)
-        return released
+    def _collect(self) -> None:
+        """File the returned slabs now if the lock is free (never waits for it)."""
+        if self._returned and self._lock.acquire(blocking=False):
+            try:
+                self._file_returned()
+            finally:
+                self._lock.release()
 
     def _file_returned(self) -> None:
         """With the lock: file the slabs returned since, dropping the least recently
@@ -124,7 +140,7 @@ class ResultBuffers:
     def _trim(self) -> None:
         """With the lock: drop idle slabs of the least recently returned sizes until
         at most ``max_bytes`` are idle."""
-        while self._idle_bytes > self.max_bytes:
+        while self._idle and self._idle_bytes > self.max_bytes:
             oldest = next(iter(self._idle))
             victims = self._idle[oldest]
             victims.pop(0)
@@ -157,8 +173,13 @@ class ResultBuffers:
             return ResultBufferStats(s.reused, s.allocated, self._idle_bytes, s.dropped)
 
     def _after_fork(self) -> None:
-        """In a forked child: another thread may have held the lock at the fork."""
+        """In a forked child: another thread may have held the lock, in the middle of
+        an update, at the fork.  The child starts with an empty pool; results it
+        inherited still come back to it when they die there."""
         self._lock = threading.Lock()
+        self._idle.clear()
+        self._idle_bytes = 0
+        self._returned.clear()
 
 
 def _default_max_bytes() -> int:

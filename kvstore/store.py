@@ -710,7 +710,9 @@ class Store:
 
         With ``out``, block ``i`` is written into ``out[i]`` (same dtype and number of
         elements; any shape, contiguous or not, on any device) and that tensor is
-        returned; ``out[i] = None`` allocates as usual.
+        returned; ``out[i] = None`` allocates as usual.  New tensors of 256 KiB and more
+        are in recycled memory (:mod:`kvstore.result_buffers`): ordinary writable CPU
+        tensors whose storage cannot grow (``resize_`` past their size raises).
         """
         with self._operation(), self.latency.time("get"):
             keys = check_keys(keys)

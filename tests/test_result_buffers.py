@@ -85,6 +85,20 @@ def test_idle_memory_stays_within_the_bound_least_recently_returned_size_first()
         pool.resize(-1)
 
 
+def test_dropped_results_are_filed_at_once_within_the_bound() -> None:
+    """A process that drops a large read and goes idle keeps at most the bound: slabs
+    are filed (and trimmed) when they come back, not at the next allocation."""
+    pool = ResultBuffers(2 * NBYTES)
+    held = [pool.empty((NBYTES,), torch.uint8) for _ in range(5)]
+    del held
+    assert not pool._returned and pool._idle_bytes == 2 * NBYTES
+    assert pool.stats().dropped == 3
+    out = [pool.empty((NBYTES,), torch.uint8) for _ in range(3)]
+    pool.resize(0)  # off while results are out: they are not kept when they die
+    del out
+    assert not pool._returned and pool._idle_bytes == 0
+
+
 def test_a_slab_returned_while_the_pool_is_locked_is_filed_later() -> None:
     """The weakref callback runs wherever the last reference dies, e.g. in a garbage
     collection that an allocation inside ``empty`` triggered, with the lock held: it

@@ -356,9 +356,12 @@ class RemoteTier:
 
     async def _upload_worker(self, receive: MemoryObjectReceiveStream[tuple[bytes, int]]
                              ) -> None:
-        # One buffer per worker, reused for every block it uploads: the PUT sends from
-        # it without a copy, and the next read-back waits for that PUT to return.  A PUT
-        # abandoned by cancellation ends the worker, so its buffer is never reused then.
+        # One buffer per worker, reused for every block it uploads: an unsigned PUT sends
+        # from it without a copy (a signed one from a copy with the tag), and the next
+        # read-back waits for that PUT to return.  This relies on the S3 store being
+        # done with the body when ``put`` returns, which obstore's S3Store is (its
+        # in-memory store is not: it keeps the buffer).  A PUT abandoned by
+        # cancellation ends the worker, so its buffer is never reused then.
         buffer = AlignedBuffer()
         async for key, attempts in receive:
             try:
