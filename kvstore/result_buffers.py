@@ -34,7 +34,6 @@ allocator is: the tensors outlive the store that read them.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import weakref
@@ -76,9 +75,6 @@ class ResultBuffers:
         # again once it let go of the lock).
         self._returned: deque[np.ndarray] = deque()
         self._stats = ResultBufferStats()
-        # id -> weak reference of each slab handed out (a reference must live for its
-        # callback to run)
-        self._out: dict[int, weakref.ref[np.ndarray]] = {}
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised, contiguous, writable CPU tensor of ``shape`` and ``dtype``
@@ -104,13 +100,12 @@ class ResultBuffers:
         if slab is None:
             slab = np.empty(nbytes, dtype=np.uint8)
         view = slab[:]
-        ref = weakref.ref(view, functools.partial(self._release, slab))
-        self._out[id(ref)] = ref
+        # not at exit: the slab is freed with the process
+        weakref.finalize(view, self._release, slab).atexit = False
         return torch.from_numpy(view).view(dtype).view(shape)
 
-    def _release(self, slab: np.ndarray, ref: weakref.ref[np.ndarray]) -> None:
-        """The weakref callback: ``slab``'s last view is gone."""
-        self._out.pop(id(ref), None)
+    def _release(self, slab: np.ndarray) -> None:
+        """The finalizer of a slab's view: its last user is gone."""
         self._returned.append(slab)
         self._collect()
 
