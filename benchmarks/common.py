@@ -25,8 +25,8 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import Any
 
 KiB = 1 << 10
@@ -96,6 +96,16 @@ def process_cpu_seconds() -> float:
     I/O threads, the LMDB writer, io_uring workers); ``CLOCK_PROCESS_CPUTIME_ID``, finer
     than ``os.times``' clock ticks."""
     return time.process_time()
+
+
+@contextmanager
+def timed() -> Iterator[Callable[[], tuple[float, float]]]:
+    """Wall seconds and this process's CPU seconds of the block; call the yielded
+    function after it."""
+    wall, cpu = time.perf_counter(), process_cpu_seconds()
+    result: list[tuple[float, float]] = []
+    yield lambda: result[0]
+    result.append((time.perf_counter() - wall, process_cpu_seconds() - cpu))
 
 
 def syncfs(path: str) -> None:

@@ -29,8 +29,7 @@ import anyio  # noqa: E402
 import torch  # noqa: E402
 
 import kvstore  # noqa: E402
-from benchmarks.common import Cold, machine_info, summary  # noqa: E402
-from benchmarks.remote import timed  # noqa: E402
+from benchmarks.common import Cold, machine_info, summary, timed  # noqa: E402
 from kvstore import result_buffers  # noqa: E402
 
 NS = kvstore.Namespace(model="bench-new-tensors", dtype="uint8", block_size=1)

@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import anyio
 import torch
 
 import kvstore
+from benchmarks.common import timed
 from kvstore import result_buffers
 from kvstore.remote import RemoteConfig, objects
 from kvstore.remote.client import ObjectClient
@@ -72,20 +71,6 @@ def run_on_cluster(name: str, measure: Callable[[SeaweedCluster, str], list[str]
     if out:
         with open(out, "w") as f:
             f.write(text)
-
-
-@contextmanager
-def timed() -> Iterator[Callable[[], tuple[float, float]]]:
-    """Wall seconds and this process's CPU seconds (user + system) of the block."""
-    wall, cpu = time.perf_counter(), _cpu()
-    result: list[tuple[float, float]] = []
-    yield lambda: result[0]
-    result.append((time.perf_counter() - wall, _cpu() - cpu))
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def obstore_get(client: ObjectClient, names: list[str], bodies: list[memoryview | None],
