@@ -4,7 +4,11 @@ become fast misses instead of timeouts on every request.
 States: *closed* (requests go out; ``failures`` consecutive failures open it), *open*
 (no request; every call is a fast miss for ``reset_s``), *half-open* (one probe request
 is let through; success closes the breaker, failure opens it for another ``reset_s``).
-Only transport failures count (refused connections, timeouts, 5xx): a 404 is an answer.
+Only transport failures count (refused connections, timeouts, 5xx, and a request
+still unanswered at its read's deadline): a 404 is an answer.  Only answers that come
+in time count as successes: a request answered after its read gave up on it tells the
+breaker nothing (its miss was already counted), and while the breaker is open a late
+answer to a request sent before it opened does not close it; only the probe does.
 Thread-safe: reads ask it from their worker threads, uploads from the event loop.
 """
 
@@ -52,15 +56,19 @@ class CircuitBreaker:
         return max(0.0, self.reset_s - (self._clock() - self._opened_at))
 
     def success(self) -> None:
+        """A request answered (in time): resets the count; closes a half-open breaker.
+        An open one stays open: the answer is to a request sent before it opened."""
         if self.state == CLOSED and not self.consecutive:
             return  # the common case, without the lock
         with self._lock:
-            self.state, self.consecutive, self._probing = CLOSED, 0, False
+            if self.state != OPEN:
+                self.state, self.consecutive, self._probing = CLOSED, 0, False
 
-    def failure(self, why: str) -> None:
+    def failure(self, why: str, count: int = 1) -> None:
+        """``count`` requests got no answer (at most one trip for them all)."""
         with self._lock:
             self.last_error = why
-            self.consecutive += 1
+            self.consecutive += count
             if self.state == HALF_OPEN or (self.state == CLOSED
                                            and self.consecutive >= self.threshold):
                 if self.state == CLOSED:

@@ -31,10 +31,21 @@ class RemoteConfig:
                    write access to the bucket cannot inject KV.  Every store of a fleet
                    needs the same key.  None: objects are checked (CRC32C, key) but not
                    authenticated.
-    ``read_deadline_s`` the most a get / match_prefix / prefetch waits for the remote;
-                   blocks not fetched by then are misses (the engine recomputes them).
-    ``request_timeout_s`` / ``connect_timeout_s``  per S3 request.
-    ``concurrency`` S3 requests in flight at once (reads and uploads together).
+    ``read_deadline_s`` the most a get / match_prefix / prefetch waits for the remote
+                   (waiting for a request slot included); blocks not fetched by then are
+                   misses (the engine recomputes them).  Requests still unanswered then
+                   are circuit-breaker failures when the read got no answer at all: on
+                   a slow cluster a get pays at most this once, and only until the
+                   breaker opens.  Open waits at most ``connect_timeout_s`` + this for
+                   its access check.
+    ``request_timeout_s`` / ``connect_timeout_s``  per S3 request.  A request a read
+                   abandoned at its deadline runs on (a blocking call) and holds its
+                   slot until the cluster answers or ``request_timeout_s`` ends it.
+    ``concurrency`` S3 requests in flight at once (reads and uploads together), counted
+                   until each request returns, abandoned ones included: never more at
+                   the cluster, nor more threads in requests.  Uploads take at most
+                   ``concurrency - 1`` of them (all of one when it is 1), so a read
+                   always has one.
     ``upload_workers`` background uploads in flight at once.
     ``upload_queue_blocks`` blocks waiting for upload; puts beyond it are not uploaded
                    (``upload_dropped``): the queue never holds block bytes, only keys,

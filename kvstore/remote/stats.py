@@ -20,11 +20,15 @@ class RemoteStats:
     fast_misses: int = 0  # blocks answered as misses without a request (breaker open)
     requests: int = 0  # S3 requests sent
     request_errors: int = 0  # requests that got no answer (counted by the breaker)
+    # requests in flight now, abandoned ones (past their read deadline, still waiting
+    # for the cluster) included: never above RemoteConfig.concurrency
+    requests_in_flight: int = 0
     gets: int = 0  # blocks looked up in the remote
     hits: int = 0  # blocks fetched and verified
     joined: int = 0  # blocks a read took from another read's fetch (not requested twice)
     misses: int = 0  # blocks not in the remote (or not fetched by the deadline)
-    deadline_misses: int = 0  # blocks given up on at the read deadline
+    deadline_misses: int = 0  # blocks given up on at the read deadline (unanswered
+    # requests then are breaker failures when the read got no answer at all)
     bad_objects: int = 0  # objects that failed verification (CRC, key, HMAC): misses
     read_bytes: int = 0  # object bytes fetched
     promoted_blocks: int = 0  # fetched blocks stored locally (in the background)

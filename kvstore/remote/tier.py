@@ -15,14 +15,32 @@ local misses under a deadline, and a circuit breaker in front of both.
   bad object is a miss, counted, never returned.
 * The breaker (``kvstore.remote.breaker``): while it is open, every call is a fast miss
   and uploads wait; the local store is never slowed down by an unreachable cluster.
+* Slots (``kvstore.remote.slots``): at most ``concurrency`` requests are in flight at
+  the cluster, reads and uploads together, counted until each request returns: a
+  request a read abandoned at its deadline keeps its slot (and its thread) until the
+  cluster answers it or ``request_timeout_s`` ends it.  A read waits for a slot within
+  its deadline; uploads never take the last one.
+
+What a slow cluster costs a get: at most one ``read_deadline_s`` (a get never waits
+longer for the remote), and only until the breaker opens.  Requests unanswered at
+their read's deadline are breaker failures (one per request, when the read got no
+answer at all; a read that got answers but ran out of time is not the cluster's
+fault), and so is a read that found every slot held for longer than a deadline by
+such requests.  After ``breaker_failures`` of them (one get of ``breaker_failures``
+blocks or more, or that many single-block gets) the breaker opens, and every get is a
+miss at once, without a request, a thread or a wait, for ``breaker_reset_s``; then one
+get sends one probe (a due probe that finds no free slot is a fast miss too).  Answers
+that come after their read gave up are dropped and tell the breaker nothing.  Threads
+and connections a slow cluster can tie up: at most ``concurrency``, plus one for the
+access check at open.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -33,10 +51,11 @@ from kvstore.errors import RemoteAuthError, RemoteError
 from kvstore.format import SlotHeader
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.remote import objects
-from kvstore.remote.breaker import HALF_OPEN, OPEN, CircuitBreaker
+from kvstore.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvstore.remote.client import ObjectClient, Unavailable
 from kvstore.remote.config import RemoteConfig
 from kvstore.remote.fetch import FetchRun
+from kvstore.remote.slots import RequestSlots, Slot
 from kvstore.remote.stats import RemoteStats
 
 T = TypeVar("T")
@@ -94,6 +113,7 @@ class RemoteTier:
         self._read_slot = read_slot
         self.client = ObjectClient(config)
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
+        self._slots = RequestSlots(config.concurrency)
         self._stats = RemoteStats()
         self.disabled_reason: str | None = None
         self._known: OrderedDict[bytes, None] = OrderedDict()
@@ -119,15 +139,40 @@ class RemoteTier:
     def check_access(self) -> None:
         """At open (blocking): refused credentials or a missing bucket raise (or disable
         the tier with ``on_auth_error="disable"``); an unreachable cluster does not: it
-        opens the breaker, and the store opens with fast misses until it answers."""
+        opens the breaker, and the store opens with fast misses until it answers.  Nor
+        does a cluster that does not answer within ``connect_timeout_s +
+        read_deadline_s``: open waits no longer, the breaker opens, and the probe's
+        request finishes alone on its thread (holding its slot), its answer dropped."""
+        cfg = self.config
+        prefix = objects.namespace_prefix(cfg.prefix, self.namespace_digest)
+        slot = self._slots.take_nowait()
+        assert slot is not None, "check_access runs before any other request"
+        answered = threading.Event()
+        outcome: list[BaseException | None] = []
+
+        def probe() -> None:
+            slot.claim()
+            try:
+                self.client.probe(prefix)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to check_access
+                outcome.append(e)
+            finally:
+                slot.release()
+                answered.set()
+
+        self._stats.requests += 1
+        threading.Thread(target=probe, name="kvstore-remote-probe", daemon=True).start()
         try:
-            self._stats.requests += 1
-            self.client.probe(objects.namespace_prefix(self.config.prefix,
-                                                       self.namespace_digest))
+            if not answered.wait(cfg.connect_timeout_s + cfg.read_deadline_s):
+                raise Unavailable(f"no answer to the access check within "
+                                  f"{cfg.connect_timeout_s + cfg.read_deadline_s:g} s "
+                                  f"(connect_timeout_s + read_deadline_s)")
+            if outcome[0] is not None:
+                raise outcome[0]
         except Unavailable as e:
             self._stats.request_errors += 1
-            for _ in range(self.config.breaker_failures):
-                self.breaker.failure(str(e))
+            self.breaker.failure(str(e), cfg.breaker_failures)
         except RemoteError as e:  # RemoteAuthError included
             if self.config.on_auth_error == "disable":
                 self.disabled_reason = str(e)
@@ -229,6 +274,7 @@ class RemoteTier:
         elif b.state == HALF_OPEN:
             s.state, s.reason = "probing", b.last_error
         s.promoting_blocks = len(self.promoting)
+        s.requests_in_flight = self._slots.in_flight
         s.upload_queue_blocks = (self._receive.statistics().current_buffer_used
                                  if self._receive is not None else 0)
         return s
@@ -240,15 +286,30 @@ class RemoteTier:
     # ------------------------------------------------------------------ requests
 
     async def _call(self, fn: Callable[[], T]) -> T:
-        """One request on a worker thread, through the breaker: ``Unavailable`` if the
-        breaker is open or the request got no answer."""
-        if not self.breaker.allow():
-            raise BreakerOpen(f"circuit breaker open: {self.breaker.last_error}")
+        """One upload request on a worker thread, in an upload slot (waited for: uploads
+        have no deadline), through the breaker: ``Unavailable`` if the breaker is open
+        or the request got no answer.  Cancelled (at close), the request finishes alone
+        on its thread and gives its slot back when it returns."""
         assert self._limiter is not None, "RemoteTier.run() was not started"
+        slot = await self._slots.take(upload=True)
+        if not self.breaker.allow():
+            slot.drop()
+            raise BreakerOpen(f"circuit breaker open: {self.breaker.last_error}")
         self._stats.requests += 1
+
+        def in_slot() -> T:
+            if not slot.claim():
+                raise Unavailable("given up before it was sent")  # (result discarded)
+            try:
+                return fn()
+            finally:
+                slot.release()
+
         try:
-            # abandon_on_cancel: a deadline returns at once; the thread finishes alone
-            result = await anyio.to_thread.run_sync(fn, limiter=self._limiter,
+            # abandon_on_cancel: close returns at once; the thread finishes alone.  The
+            # limiter never makes it wait (every thread holds a slot first); it keeps
+            # these threads off anyio's default one, which the store's I/O uses.
+            result = await anyio.to_thread.run_sync(in_slot, limiter=self._limiter,
                                                     abandon_on_cancel=True)
         except Unavailable as e:
             self._stats.request_errors += 1
@@ -259,12 +320,23 @@ class RemoteTier:
             self.breaker.failure(str(e))
             raise Unavailable(str(e)) from None
         except BaseException:
-            # cancelled (deadline) or another error: a half-open probe must not stay
+            # cancelled (close) or another error: a half-open probe must not stay
             # claimed forever
             self.breaker.release_probe()
             raise
+        finally:
+            slot.drop()  # gives it back only if its thread never started
         self.breaker.success()
         return result
+
+    async def _fetch_thread(self, run: FetchRun, slot: Slot) -> None:
+        try:
+            # abandon_on_cancel: a deadline returns at once; a thread in a request
+            # finishes it alone, takes nothing more and then gives its slot back
+            await anyio.to_thread.run_sync(run.work, slot, limiter=self._limiter,
+                                           abandon_on_cancel=True)
+        finally:
+            slot.drop()  # gives it back only if its thread never started
 
     def _breaker_open(self) -> bool:
         """Open and not yet due for a probe: answer without a request."""
@@ -306,16 +378,44 @@ class RemoteTier:
         run = FetchRun(keys, [objects.object_name(self.config.prefix, digest, k)
                               for k in keys], chain=chain, client=self.client,
                        breaker=self.breaker, verify=verify, then=then)
+        # A breaker due for a probe (not closed) sends one request, on one thread, and
+        # waits for nothing: with no free slot (every one held by an unanswered
+        # request) the fetch is a fast miss.
+        probing = self.breaker.state != CLOSED
+        first = self._slots.take_nowait()
+        if first is None and probing:
+            self._stats.fast_misses += len(keys)
+            self._stats.misses += len(keys)
+            return [None] * len(keys)
+        want = 1 if probing else min(self.config.concurrency, len(keys))
+        started = 0
+        slot: Slot | None = first
         try:
             with anyio.move_on_after(self.config.read_deadline_s):
                 async with anyio.create_task_group() as tg:
-                    for _ in range(min(self.config.concurrency, len(keys))):
-                        # abandon_on_cancel: a deadline returns at once; a thread in a
-                        # request finishes it alone and takes nothing more
-                        tg.start_soon(partial(anyio.to_thread.run_sync, run.work,
-                                              limiter=self._limiter, abandon_on_cancel=True))
+                    # a thread per slot, as slots come free, while keys are left that
+                    # no thread took; the wait for a slot is within the deadline
+                    while started < want and run.untaken():
+                        if slot is None:
+                            slot = self._slots.take_nowait() or await self._slots.take()
+                            if not run.untaken():
+                                break
+                        tg.start_soon(self._fetch_thread, run, slot)
+                        slot = None
+                        started += 1
         finally:
-            run.close()
+            if slot is not None:
+                slot.drop()
+            late, silent = run.close()
+        if late and (silent or self.breaker.state == HALF_OPEN):
+            # no answer within a whole deadline: each request still out is a failure
+            self.breaker.failure(f"{late} GET(s) unanswered at the read deadline "
+                                 f"({self.config.read_deadline_s:g} s)", late)
+        elif not started and self._slots.oldest_s() >= self.config.read_deadline_s:
+            # no slot within the deadline, every one held by a request older than one
+            self.breaker.failure(f"no request slot free within the read deadline "
+                                 f"({self.config.read_deadline_s:g} s): "
+                                 f"{self._slots.in_flight} request(s) unanswered")
         results = run.results
         st = self._stats
         st.requests += run.requests

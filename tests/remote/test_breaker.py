@@ -65,3 +65,18 @@ def test_threads_asking_a_half_open_breaker_let_exactly_one_probe_out() -> None:
 def _ask(b: CircuitBreaker, start: threading.Barrier, allowed: list[bool]) -> None:
     start.wait()
     allowed.append(b.allow())
+
+
+def test_a_late_answer_does_not_close_an_open_breaker() -> None:
+    """An answer to a request sent before the breaker opened (a slow cluster answering
+    at last) leaves it open: only the probe closes it."""
+    clock = Clock()
+    b = CircuitBreaker(failures=2, reset_s=5.0, clock=clock)
+    b.failure("2 GET(s) unanswered at the read deadline", 2)
+    assert b.state == OPEN and b.trips == 1
+    b.success()
+    assert b.state == OPEN and not b.allow()
+    clock.now += 5.0
+    assert b.allow()  # the probe
+    b.success()
+    assert b.state == CLOSED
