@@ -4,12 +4,31 @@
 anyio blocking portal) and forwards each call to it; calls from any number of threads
 are safe and are served concurrently by that loop.
 
+The same API as :class:`~kvstore.store.Store`: every public method has a synchronous
+twin of the same name with the same parameters (``tests/test_blocking.py`` compares the
+signatures), and the same properties.  The differences are the ones blocking asks for:
+
+* ``aclose()`` is ``close()`` (and ``with open_blocking(...) as store:``);
+* ``prefetch(keys)`` returns a :class:`BlockingPrefetch` instead of an awaitable
+  :class:`~kvstore.prefetch.Prefetch`: ``handle.wait()`` blocks until it ended and
+  returns the blocks that arrived, ``handle.cancel()`` stops it.
+
+After ``close()`` every call raises :class:`~kvstore.errors.StoreClosedError`, also one
+racing the close from another thread (``close()`` waits for calls already inside);
+properties still answer, as ``Store``'s do.
+
 A script that forgets ``close()`` must still exit.  anyio's ``start_blocking_portal``
 runs its loop on a non-daemon executor thread, which the interpreter joins *before*
 ``atexit`` handlers run, so an unclosed store hung the exit forever.  The loop here runs
 on a daemon thread instead, and an ``atexit`` handler (daemon threads still run then)
 closes every store still open, as ``close()`` would: acknowledged puts are durable
 already; closing waits for calls in flight and releases the lock.
+
+Fork: a child of ``fork()`` inherits the ``BlockingStore`` object but not the thread
+that runs its loop, so a call forwarded there would wait forever.  In the child every
+call raises :class:`~kvstore.errors.StoreForkedError` at once (open a store of your own
+there, on another path), ``close()`` returns without releasing anything, and the exit
+handler leaves the parent's stores alone: the lock and the files stay the parent's.
 """
 
 from __future__ import annotations
@@ -18,22 +37,37 @@ import atexit
 import os
 import queue
 import threading
-from collections.abc import Sequence
-from contextlib import suppress
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any, TypeVar
 
 import anyio
 import torch
 from anyio.from_thread import BlockingPortal
 
+# imported at run time (store.py imports them all anyway), so that the annotations
+# resolve for typing.get_type_hints and the API docs
+from kvstore.codecs import CodecSpec
+from kvstore.errors import StoreClosedError, StoreForkedError
+from kvstore.keys import Namespace
+from kvstore.prefetch import Prefetch
+from kvstore.remote.config import RemoteConfig
 from kvstore.store import PutResult, Store, StoreStats
 from kvstore.store import open as open_async
 
+T = TypeVar("T")
+
 
 class BlockingStore:
-    """Synchronous twin of :class:`~kvstore.store.Store`; same methods, same semantics."""
+    """Synchronous twin of :class:`~kvstore.store.Store`: the same methods with the same
+    parameters and semantics (see the module doc for ``close`` and ``prefetch``)."""
 
     def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+        self._pid = os.getpid()  # the process whose thread runs the loop
+        self._cond = threading.Condition()  # guards _closed and _calls
+        self._closed = False
+        self._calls = 0  # calls that passed the closed check and may use the portal
+        self._closed_done = threading.Event()
         self._portal, self._thread = _start_portal()
         try:
             self._store_cm = self._portal.wrap_async_context_manager(open_async(path, **options))
@@ -41,7 +75,6 @@ class BlockingStore:
         except BaseException:
             self._stop_portal()
             raise
-        self._closed = False
         _OPEN.add(self)
 
     def __enter__(self) -> BlockingStore:
@@ -51,63 +84,231 @@ class BlockingStore:
         self.close()
 
     def close(self) -> None:
-        if self._closed:
+        """Close the store, as ``Store.aclose``: new calls raise ``StoreClosedError``,
+        calls in flight are waited for, then the files and the lock are released and the
+        loop thread ends.  Idempotent; a second caller returns once the store is closed.
+        In a forked child it returns at once: the store is the parent's to close."""
+        if os.getpid() != self._pid:
             return
-        self._closed = True
+        with self._cond:
+            first = not self._closed
+            self._closed = True
+        if not first:
+            self._closed_done.wait()
+            return
         _OPEN.discard(self)
         try:
             self._store_cm.__exit__(None, None, None)
         finally:
+            with self._cond:  # calls let in before the close: out of the portal first
+                self._cond.wait_for(lambda: self._calls == 0)
             self._stop_portal()
+            self._closed_done.set()
 
     def _stop_portal(self) -> None:
         self._portal.call(self._portal.stop)
         self._thread.join()
 
+    # ------------------------------------------------------------------ forwarding
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreForkedError(
+                f"store {self._store.path} was opened (open_blocking) by process "
+                f"{self._pid}; this is a forked child ({os.getpid()}), which has no thread "
+                "to run the store on and must not touch the parent's lock or files: open a "
+                "store of its own in the child (on another path)")
+
+    @contextmanager
+    def _admitted(self) -> Iterator[None]:
+        """One call through the portal: refused in a forked child and once closed."""
+        self._check_process()
+        with self._cond:
+            if self._closed:
+                raise StoreClosedError(f"store {self._store.path} is closed")
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._calls -= 1
+                if not self._calls:
+                    self._cond.notify_all()
+
+    def _run(self, call: Callable[[], Awaitable[T]]) -> T:
+        with self._admitted():
+            return self._portal.call(call)
+
+    def _run_sync(self, call: Callable[[], T]) -> T:
+        """A synchronous ``Store`` method: run on the loop thread too, which owns the
+        store's state (and its anyio primitives).  The result travels boxed: the portal
+        would await an awaitable result (a ``Prefetch`` handle) instead of returning it."""
+        with self._admitted():
+            return self._portal.call(lambda: (call(),))[0]
+
+    def _read(self, get: Callable[[], T]) -> T:
+        """A property: read on the loop while open, directly once closed (no loop left
+        to race with), so that properties answer after close as ``Store``'s do."""
+        self._check_process()
+        if not self._closed_done.is_set():
+            try:
+                return self._run_sync(get)
+            except StoreForkedError:
+                raise
+            except StoreClosedError:
+                self._closed_done.wait()  # closing now: read once it is done
+        return get()
+
     @property
     def store(self) -> Store:
+        """The async :class:`Store` behind this facade (its calls belong on the loop
+        thread: ``BlockingStore``'s own methods are the way in from other threads)."""
+        self._check_process()
         return self._store
 
+    # ------------------------------------------------------------------ Store's API
+
     def put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor], *,
-                 parents: Sequence[bytes | None] | None = None) -> PutResult:
-        return self._portal.call(lambda: self._store.put_many(keys, values, parents=parents))
+                 parents: Sequence[bytes | None] | None = None,
+                 codec: CodecSpec | None = None, background: bool = False) -> PutResult:
+        """:meth:`Store.put_many <kvstore.store.Store.put_many>`, blocking."""
+        return self._run(lambda: self._store.put_many(
+            keys, values, parents=parents, codec=codec, background=background))
 
     def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None = None
                  ) -> list[torch.Tensor | None]:
-        return self._portal.call(self._store.get_many, keys, out)
+        """:meth:`Store.get_many <kvstore.store.Store.get_many>`, blocking."""
+        return self._run(lambda: self._store.get_many(keys, out))
+
+    def prefetch(self, keys: Sequence[bytes]) -> BlockingPrefetch:
+        """:meth:`Store.prefetch <kvstore.store.Store.prefetch>`: starts bringing the
+        blocks into the memory tier and returns at once, with a :class:`BlockingPrefetch`
+        (``wait()`` blocks until it ended; ``cancel()`` stops it)."""
+        return BlockingPrefetch(self, self._run_sync(lambda: self._store.prefetch(keys)))
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return self._portal.call(self._store.contains_many, keys)
+        """:meth:`Store.contains_many <kvstore.store.Store.contains_many>`, blocking."""
+        return self._run(lambda: self._store.contains_many(keys))
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
-        return self._portal.call(self._store.match_prefix, keys)
+        """:meth:`Store.match_prefix <kvstore.store.Store.match_prefix>`, blocking."""
+        return self._run(lambda: self._store.match_prefix(keys))
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        return self._portal.call(self._store.delete_many, keys)
+        """:meth:`Store.delete_many <kvstore.store.Store.delete_many>`, blocking."""
+        return self._run(lambda: self._store.delete_many(keys))
 
     def pin(self, keys: Sequence[bytes]) -> None:
-        self._portal.call(self._store.pin, keys)
+        """:meth:`Store.pin <kvstore.store.Store.pin>`, blocking."""
+        self._run(lambda: self._store.pin(keys))
 
     def unpin(self, keys: Sequence[bytes]) -> None:
-        self._portal.call(self._store.unpin, keys)
+        """:meth:`Store.unpin <kvstore.store.Store.unpin>`, blocking."""
+        self._run(lambda: self._store.unpin(keys))
 
     def put(self, key: bytes, value: torch.Tensor, *, parent: bytes | None = None) -> bool:
-        return self._portal.call(lambda: self._store.put(key, value, parent=parent))
+        """:meth:`Store.put <kvstore.store.Store.put>`, blocking."""
+        return self._run(lambda: self._store.put(key, value, parent=parent))
 
     def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        return self._portal.call(self._store.get, key, out)
+        """:meth:`Store.get <kvstore.store.Store.get>`, blocking."""
+        return self._run(lambda: self._store.get(key, out))
 
     def contains(self, key: bytes) -> bool:
-        return self._portal.call(self._store.contains, key)
+        """:meth:`Store.contains <kvstore.store.Store.contains>`, blocking."""
+        return self._run(lambda: self._store.contains(key))
 
     def delete(self, key: bytes) -> bool:
-        return self._portal.call(self._store.delete, key)
+        """:meth:`Store.delete <kvstore.store.Store.delete>`, blocking."""
+        return self._run(lambda: self._store.delete(key))
+
+    def attach_remote(self, config: RemoteConfig, namespace: Namespace) -> None:
+        """:meth:`Store.attach_remote <kvstore.store.Store.attach_remote>`, blocking."""
+        self._run(lambda: self._store.attach_remote(config, namespace))
 
     def stats(self) -> StoreStats:
-        return self._portal.call(self._sync_stats)
+        """:meth:`Store.stats <kvstore.store.Store.stats>`."""
+        return self._run_sync(self._store.stats)
 
-    async def _sync_stats(self) -> StoreStats:
-        return self._store.stats()
+    @property
+    def read_only(self) -> bool:
+        """:attr:`Store.read_only <kvstore.store.Store.read_only>`."""
+        return self._read(lambda: self._store.read_only)
+
+    @property
+    def used_bytes(self) -> int:
+        """:attr:`Store.used_bytes <kvstore.store.Store.used_bytes>`."""
+        return self._read(lambda: self._store.used_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """:attr:`Store.capacity_bytes <kvstore.store.Store.capacity_bytes>`."""
+        return self._read(lambda: self._store.capacity_bytes)
+
+
+class BlockingPrefetch:
+    """What :meth:`BlockingStore.prefetch` returns: the blocking face of
+    :class:`~kvstore.prefetch.Prefetch` (same counters; ``wait()`` instead of ``await``).
+
+    Once the prefetch has ended, ``wait()`` answers without the store, also after the
+    store was closed (closing cancels and ends every prefetch in flight)."""
+
+    def __init__(self, owner: BlockingStore, handle: Prefetch) -> None:
+        self._owner = owner
+        self._handle = handle
+
+    @property
+    def requested(self) -> int:
+        """Keys asked for."""
+        return self._handle.requested
+
+    @property
+    def scheduled(self) -> int:
+        """Of which read from disk (stored, not yet in memory)."""
+        return self._handle.scheduled
+
+    @property
+    def arrived(self) -> int:
+        """Of which now in memory because of this prefetch."""
+        return self._handle.arrived
+
+    @property
+    def cancelled(self) -> bool:
+        return self._handle.cancelled
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._handle.error
+
+    @property
+    def done(self) -> bool:
+        return self._handle.done
+
+    def wait(self) -> int:
+        """Block until it ended (finished, cancelled or failed); the blocks that arrived.
+        A failure (an I/O error, the store closing) is raised here."""
+        if not self._handle.done:
+            try:
+                return self._owner._run(self._handle.wait)
+            except StoreForkedError:
+                raise
+            except StoreClosedError:
+                self._owner._closed_done.wait()  # closing ends it: answer from the handle
+        if self._handle.error is not None:
+            raise self._handle.error
+        return self._handle.arrived
+
+    def cancel(self) -> None:
+        """Stop reading; idempotent.  Blocks already in memory stay there."""
+        try:
+            self._owner._run_sync(self._handle.cancel)
+        except StoreForkedError:
+            raise
+        except StoreClosedError:
+            pass  # closed or closing: that cancels every prefetch still running
+
+    def __repr__(self) -> str:
+        return repr(self._handle).replace("<Prefetch", "<BlockingPrefetch", 1)
 
 
 def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
@@ -134,14 +335,26 @@ def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
     return got, thread
 
 
-# Stores opened by open_blocking() and not closed yet, closed at interpreter exit (held
-# strongly: the portal thread keeps the store open anyway until it is closed).
+# Stores opened by open_blocking() in this process and not closed yet, closed at
+# interpreter exit (held strongly: the portal thread keeps the store open anyway until
+# it is closed).
 _OPEN: set[BlockingStore] = set()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child: the parent's stores are not this process's to close at exit."""
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
 def _close_at_exit() -> None:
+    pid = os.getpid()
     for store in list(_OPEN):
+        if store._pid != pid:  # another process's (fork resets _OPEN; this is a backstop)
+            continue
         with suppress(Exception):  # exiting anyway; acknowledged puts are durable
             store.close()
 

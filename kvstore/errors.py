@@ -14,6 +14,7 @@ from __future__ import annotations
 __all__ = [
     "KVStoreError",
     "StoreClosedError",
+    "StoreForkedError",
     "StoreLockedError",
     "FormatVersionError",
     "NamespaceMismatchError",
@@ -39,6 +40,17 @@ class KVStoreError(Exception):
 
 class StoreClosedError(KVStoreError, RuntimeError):
     """Raised by every store call made after ``close()`` (or after its ``async with`` exited)."""
+
+
+class StoreForkedError(StoreClosedError):
+    """Raised by every call on a store that a forked child inherited from its parent.
+
+    The store (its event loop thread, its lock, its files) belongs to the process that
+    opened it; a child of ``fork()`` has a copy of the object but none of the machinery
+    behind it.  Open a store of your own in the child (on another path: the parent
+    holds the lock on this one).  ``close()`` in the child releases nothing and returns;
+    at exit the child leaves the parent's store alone.
+    """
 
 
 class StoreLockedError(KVStoreError, BlockingIOError):
