@@ -58,7 +58,8 @@ from kvstore.index import Index, IndexWriter, Touched, Txn
 class FreeSpace:
     """Free runs ``(extent, offset) -> length``, coalesced; best-fit allocation."""
 
-    def __init__(self) -> None:
+    def __init__(self, lost: Iterable[int] = ()) -> None:
+        self._lost = frozenset(lost)  # extents whose file is missing: never free space
         self._by_start: dict[tuple[int, int], int] = {}
         self._by_end: dict[tuple[int, int], int] = {}  # (extent, end) -> offset
         self._sizes: list[tuple[int, int, int]] = []  # sorted (length, extent, offset)
@@ -96,7 +97,10 @@ class FreeSpace:
         return extent, offset
 
     def free(self, extent: int, offset: int, length: int) -> None:
-        """Return a range; it must not overlap a free run (checked: overlap is a bug)."""
+        """Return a range; it must not overlap a free run (checked: overlap is a bug).
+        A range of a lost extent stays used (its file is gone: nothing can go there)."""
+        if extent in self._lost:
+            return
         end = offset + length
         if (extent, offset) in self._by_start:
             raise AssertionError(f"double free of extent {extent} offset {offset}")
@@ -168,6 +172,7 @@ class Allocator:
     def __init__(self, *, path: str, index: Index, writer: IndexWriter, extent_bytes: int,
                  store_uuid: bytes, extents: Iterable[int],
                  free_runs: Iterable[tuple[int, int, int]], capacity_bytes: int | None,
+                 lost_extents: Iterable[int] = (),
                  file_mode: int, counters: dict[str, int],
                  on_new_extent: Callable[[int], None],
                  on_evicted: Callable[[list[bytes]], None] = lambda keys: None,
@@ -179,7 +184,9 @@ class Allocator:
         self._ride_along = ride_along  # more of the store's writes in the eviction's txn
         self._counters = counters  # the store's: evicted_blocks, evicted_bytes
         self._extents = len(list(extents))
-        self.space = FreeSpace()
+        # Extents whose file is missing: their space is never handed out (a slot there
+        # could not be written) and stays counted as used until fsck --repair drops them.
+        self.space = FreeSpace(lost=lost_extents)
         for run in free_runs:
             self.space.free(*run)
         self.epochs = ReadEpochs(self.space, self._notify)

@@ -10,14 +10,21 @@ and then joins the next one, which every caller that arrived meanwhile shares.  
 callers that each finish a batch while a sync is running cost two fdatasyncs, not four.
 
 The leader's sync is shielded from cancellation: the callers riding on it must get an
-answer, and an fdatasync cannot be taken back anyway.  A failed sync fails every caller
-that was waiting for it (they all needed it); the store then goes read-only.
+answer, and an fdatasync cannot be taken back anyway.
+
+A failed sync fails every caller, then and from then on, of every fd: on Linux a failed
+fsync reports the error once and may drop the dirty pages it could not write, so a
+later sync that succeeds proves nothing about writes that returned before the failure
+(PostgreSQL's "fsyncgate").  A caller whose writes returned while the failing sync ran
+waits for the next sync; had that one succeeded, it would have been acknowledged with
+bytes the kernel may have thrown away.  The store goes read-only on the first failure
+(G5); reopening it (after fsck) is the way back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 
@@ -29,7 +36,6 @@ class _FileSyncs:
     started: int = 0  # syncs started on this fd so far; the running one is number `started`
     done: int = 0  # the newest sync number that completed successfully
     running: anyio.Event | None = None
-    failed: dict[int, BaseException] = field(default_factory=dict)  # sync number -> error
 
 
 class GroupSync:
@@ -38,11 +44,14 @@ class GroupSync:
     def __init__(self, engine: IOEngine) -> None:
         self._engine = engine
         self._files: dict[int, _FileSyncs] = {}
+        self.failure: Exception | None = None  # the first failed sync: every call fails
         self.syncs = 0  # fdatasyncs issued (one per fd per sync)
         self.requests = 0  # fds callers asked to make durable
 
     async def datasync(self, fds: Sequence[int]) -> None:
         """Return once every write to ``fds`` that returned before this call is durable."""
+        if self.failure is not None:
+            raise self.failure
         targets = {fd: self._file(fd).started + 1 for fd in fds}
         self.requests += len(targets)
         for fd, target in targets.items():  # one leader syncs every fd that is due at once
@@ -57,9 +66,8 @@ class GroupSync:
     async def _until_synced(self, fd: int, target: int, targets: dict[int, int]) -> None:
         state = self._file(fd)
         while state.done < target:
-            error = next((e for n, e in state.failed.items() if n >= target), None)
-            if error is not None:
-                raise error
+            if self.failure is not None:  # sticky: see the module's docstring
+                raise self.failure
             if state.running is not None:
                 await state.running.wait()
                 continue
@@ -78,9 +86,9 @@ class GroupSync:
             with anyio.CancelScope(shield=True):
                 self.syncs += len(fds)
                 await self._engine.datasync(fds)
-        except BaseException as e:
-            for state, n in zip(states, numbers):
-                state.failed[n] = e
+        except Exception as e:
+            if self.failure is None:
+                self.failure = e
             raise
         else:
             for state, n in zip(states, numbers):

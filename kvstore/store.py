@@ -31,6 +31,7 @@ Every public call runs as one tracked operation: ``aclose()`` refuses new ones
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -103,6 +104,8 @@ __all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
 
 INDEX_DIR = "index"
 
+logger = logging.getLogger(__name__)
+
 @dataclass
 class StoreStats:
     """A snapshot of the store, from ``Store.stats()``."""
@@ -139,6 +142,7 @@ class StoreStats:
     read_bytes: int = 0
     corrupt_blocks: int = 0
     read_errors: int = 0
+    quarantined_blocks: int = 0  # corrupt or unreadable blocks taken out of the index
     deletes: int = 0
     evicted_blocks: int = 0
     evicted_bytes: int = 0
@@ -318,14 +322,23 @@ class Store:
         self._fds: dict[int, int] = {}
         self._cleanups.append(self._close_fds)
         extents = self.index.extents_list()
+        # An extent file that is gone (deleted while the store was closed) loses its
+        # blocks, not the store: they are answered as misses and quarantined as they are
+        # read, its space is never handed out again, and fsck reports it (missing-extent)
+        # and drops it with --repair.  Refusing to open stopped the engine instead.
+        self.lost_extents: set[int] = set()
         for extent_id in extents:
-            path = extent_path(self.path, extent_id)
             try:
                 self._open_extent(extent_id)
             except FileNotFoundError:
-                raise IndexCorruptionError(
-                    f"extent file {path} named by the index is missing; run "
-                    f"`python -m kvstore fsck {self.path}` to see what is lost") from None
+                self.lost_extents.add(extent_id)
+        if self.lost_extents:
+            logger.warning(
+                "kvstore %s: extent file(s) %s named by the index are missing; their "
+                "blocks are lost (answered as misses, quarantined when read). Run "
+                "`python -m kvstore fsck %s` to see what is lost, --repair to drop them.",
+                self.path, ", ".join(extent_path(self.path, e) for e in sorted(self.lost_extents)),
+                self.path)
         self.arena = Arena(staging_bytes)
         self._cleanups.append(self.arena.close)
         # All of it resident before the first transfer (this runs on open()'s worker
@@ -362,7 +375,8 @@ class Store:
                                           "put_payload_bytes", "put_retries", "put_replans",
                                           "memory_hits", "memory_misses", "memory_read_bytes",
                                           "prefetch_blocks", "prefetch_read_bytes",
-                                          "dropped_puts", "dropped_blocks")}
+                                          "dropped_puts", "dropped_blocks",
+                                          "quarantined_blocks")}
         self._totals = Totals(self._counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
         # thread, before the writer stops (cleanups run last-registered first).
@@ -370,6 +384,7 @@ class Store:
         self.allocator = Allocator(
             path=self.path, index=self.index, writer=self.writer, extent_bytes=self.extent_bytes,
             store_uuid=self.store_uuid, extents=extents, free_runs=self.index.free_runs(),
+            lost_extents=self.lost_extents,
             capacity_bytes=self._capacity_option, file_mode=self.file_mode,
             counters=self._counters, on_new_extent=self._open_extent,
             on_evicted=self._forget_in_memory,
@@ -504,6 +519,13 @@ class Store:
     def _foreground(self) -> AbstractContextManager[None]:
         """A get: the I/O scheduler holds background writes back for all of it."""
         return self.scheduler.foreground() if self.scheduler is not None else nullcontext()
+
+    def _check_still_writable(self) -> None:
+        """A put about to commit: refused if the store failed closed meanwhile."""
+        if self._read_only_reason is not None:
+            raise ReadOnlyError(
+                f"store {self.path} stopped accepting writes while this put was in "
+                f"flight: {self._read_only_reason}. The put is not stored.")
 
     def _fail_closed(self, why: str) -> None:
         if self._read_only_reason is None:
@@ -684,9 +706,17 @@ class Store:
                 payload_len=item.payload_len, raw_len=item.raw_len, codec=item.codec,
                 dtype=item.dtype, payload_crc=item.crc, seq=item.seq, last_use=now,
                 parent=item.parent)) for item in items]
+            # G5: nothing is acknowledged once a write or a sync failed, even a put whose
+            # own sync succeeded later (the kernel may have dropped pages the failed
+            # sync covered); checked again on the writer thread, just before the commit.
+            self._check_still_writable()
             seq, touched = self._seq, self.allocator.take_touched()
-            await self.writer.run(self._with_totals(
-                lambda txn: self.index.commit_puts(txn, entries, touched, seq, relies_on)))
+
+            def commit(txn: Txn) -> None:
+                self._check_still_writable()
+                self.index.commit_puts(txn, entries, touched, seq, relies_on)
+
+            await self.writer.run(self._with_totals(commit))
             committed = True
             self.allocator.committed(items)
             if self.remote is not None:  # remote tier: uploaded in the background
@@ -742,6 +772,7 @@ class Store:
         self._counters["gets"] += 1
         results: list[torch.Tensor | None] = [None] * len(keys)
         corrupt: list[tuple[bytes, IndexEntry, str]] = []
+        unreadable: list[tuple[bytes, IndexEntry, str]] = []
         from_disk = entries
         in_memory: list[tuple[int, Cached]] = []
         if self.memory is not None:
@@ -759,13 +790,14 @@ class Store:
         try:
             if in_memory:
                 await self._copy_from_memory(in_memory, outs, results)
-            errors, nbytes = await self.transfers.read(keys, from_disk, outs, results, corrupt)
+            errors, nbytes = await self.transfers.read(keys, from_disk, outs, results, corrupt,
+                                                       unreadable)
             self._counters["read_errors"] += errors
             self._counters["read_bytes"] += nbytes
         finally:
             self.allocator.end_read(epoch)
-        if corrupt:
-            await self._quarantine(corrupt)
+        if corrupt or unreadable:
+            await self._quarantine(corrupt, unreadable)
         if self.remote is not None:  # remote tier: local misses, fetched and promoted
             from kvstore.remote.local import fill_misses
             assert held is not None
@@ -785,13 +817,26 @@ class Store:
         self._counters["misses"] += len(keys) - hits
         return results
 
-    async def _quarantine(self, bad: list[tuple[bytes, IndexEntry, str]]) -> None:
-        """Move corrupt blocks out of the index (their space stays allocated for fsck)."""
-        self._counters["corrupt_blocks"] += len(bad)
+    async def _quarantine(self, corrupt: Sequence[tuple[bytes, IndexEntry, str]],
+                          unreadable: Sequence[tuple[bytes, IndexEntry, str]] = ()) -> None:
+        """Move blocks that failed verification (``corrupt``) or could not be read at all
+        (``unreadable``: I/O error, short read, missing extent) out of the index, in the
+        same pass that found them, so that no lookup promises them again (a lookup that
+        promised what a load cannot deliver made vLLM retry the load for ever).  Their
+        space stays allocated for fsck, which reports them.  One warning per pass names
+        the store and the first cause."""
+        bad = [*corrupt, *unreadable]
+        self._counters["corrupt_blocks"] += len(corrupt)
+        self._counters["quarantined_blocks"] += len(bad)
         self._forget_in_memory([key for key, _, _ in bad])
+        logger.warning(
+            "kvstore %s: %d block(s) failed verification and %d could not be read; "
+            "quarantined (answered as misses from now on; `python -m kvstore fsck %s` "
+            "lists them). First: key %s: %s", self.path, len(corrupt), len(unreadable),
+            self.path, bad[0][0].hex()[:32], bad[0][2])
         if self.read_only:
             return
-        moved = [(key, entry) for key, entry, _ in bad]
+        moved = list({key: entry for key, entry, _ in bad}.items())
         with suppress(KVStoreError):
             await self.writer.run(lambda txn: self.index.quarantine_blocks(txn, moved))
 
@@ -894,17 +939,18 @@ class Store:
                 handle.scheduled = sum(e is not None for e in entries)
                 results: list[torch.Tensor | None] = [None] * len(keys)
                 corrupt: list[tuple[bytes, IndexEntry, str]] = []
+                unreadable: list[tuple[bytes, IndexEntry, str]] = []
                 epoch = self.allocator.begin_read()
                 try:
                     with as_class(PREFETCH):  # behind gets and (mostly) behind puts
                         errors, nbytes = await self.transfers.read(
-                            keys, entries, [None] * len(keys), results, corrupt)
+                            keys, entries, [None] * len(keys), results, corrupt, unreadable)
                     self._counters["read_errors"] += errors
                     self._counters["prefetch_read_bytes"] += nbytes
                 finally:
                     self.allocator.end_read(epoch)
-                if corrupt:
-                    await self._quarantine(corrupt)
+                if corrupt or unreadable:
+                    await self._quarantine(corrupt, unreadable)
                 handle.arrived = await self._fill_memory(
                     [(k, e.parent, r.reshape(-1).view(torch.uint8), r.dtype, tuple(r.shape),
                       e.seq) for k, e, r in zip(keys, entries, results)

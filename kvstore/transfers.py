@@ -226,18 +226,23 @@ class Transfers:
 
     async def read(self, keys: list[bytes], entries: list[IndexEntry | None],
                    outs: list[torch.Tensor | None], results: list[torch.Tensor | None],
-                   corrupt: list[tuple[bytes, IndexEntry, str]]) -> tuple[int, int]:
+                   corrupt: list[tuple[bytes, IndexEntry, str]],
+                   unreadable: list[tuple[bytes, IndexEntry, str]]) -> tuple[int, int]:
         """Read slots a chunk at a time into ``results``; each chunk is verified and copied
         out (on a worker thread when large) while later chunks are still on the device.
-        Blocks that fail verification go to ``corrupt``; returns (read errors, bytes read)
-        for the caller to count on the event loop."""
+        Blocks that fail verification go to ``corrupt``, blocks that cannot be read at
+        all (an I/O error, a short read past a truncated extent's end, an extent file
+        that is missing) to ``unreadable``, each with the cause: the caller takes both
+        out of the index, so that a lookup never promises them again.  Returns (read
+        errors, bytes read) for the caller to count on the event loop."""
         counts = [0, 0]
         wanted: list[tuple[int, IndexEntry]] = []
         for i, entry in enumerate(entries):
             if entry is None:
                 continue
             if entry.extent not in self._fds:
-                corrupt.append((keys[i], entry, f"extent {entry.extent} is not open"))
+                counts[0] += 1
+                unreadable.append((keys[i], entry, f"extent file {entry.extent} is missing"))
             else:
                 wanted.append((i, entry))
 
@@ -248,8 +253,14 @@ class Transfers:
             errors = nbytes = 0
             read = []
             for (i, entry, run), r in zip(batch, res):
-                if isinstance(r, OSError) or r != run.length:
+                if isinstance(r, OSError):
                     errors += 1
+                    unreadable.append((keys[i], entry, f"read failed: {r}"))
+                elif r != run.length:
+                    errors += 1
+                    unreadable.append((keys[i], entry, f"short read: {r} of {run.length} "
+                                       f"bytes at offset {entry.offset} of extent "
+                                       f"{entry.extent} (truncated?)"))
                 else:
                     read.append((i, entry, run))
             # One call for the chunk: the compiled kernels check and copy every slot with
