@@ -93,7 +93,7 @@ from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.prefetch import Prefetch
 from kvstore.remote.config import RemoteConfig
 from kvstore.slots import PlanMismatch, PutItem
-from kvstore.tensors import CODE_DTYPES, check_out, host_bytes
+from kvstore.tensors import CODE_DTYPES, check_out, check_writable_out, host_bytes
 from kvstore.totals import Totals
 from kvstore.transfers import Transfers, offloaded
 
@@ -765,6 +765,8 @@ class Store:
             from kvstore.remote.local import held_blocks
             held = held_blocks(self, keys, entries)
         for entry, o in zip(entries, outs):  # validate before any I/O
+            if isinstance(o, torch.Tensor):  # (a local miss may be fetched: checked too)
+                check_writable_out(o)
             if entry is not None:
                 self._check_fits(entry.slot_len)
             if entry is not None and o is not None:

@@ -77,4 +77,33 @@ def check_out_tensor(out: object, want: torch.dtype, shape: tuple[int, ...]) -> 
         raise OutputMismatchError(
             f"out tensor is {out.dtype} with {out.numel()} elements; the stored block is "
             f"{want} with shape {tuple(shape)}")
+    check_writable_out(out)
     return out
+
+
+def check_writable_out(out: torch.Tensor) -> None:
+    """``out`` must be a tensor a block's bytes can be written into, element by element:
+    refused (before any I/O) otherwise, rather than a raw torch error midway or a write
+    that lands nowhere."""
+    if out.device.type == "meta":
+        raise OutputMismatchError("out tensor is on the meta device: it has no memory to "
+                                  "write the block into")
+    if out.layout != torch.strided or out.is_quantized:
+        raise OutputMismatchError(f"out tensor must be a dense strided tensor, got "
+                                  f"{'a quantized' if out.is_quantized else out.layout} one")
+    if _overlaps(out):
+        raise OutputMismatchError(
+            f"out tensor has elements that share memory (size {tuple(out.shape)}, stride "
+            f"{out.stride()}, e.g. from expand()): pass one whose elements are distinct")
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """True unless the elements of ``t`` provably occupy distinct memory: dimensions of
+    more than one element, by increasing stride, each step past the previous span."""
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    span = 1  # elements the dimensions before this one cover
+    for stride, size in dims:
+        if stride < span:
+            return True
+        span = stride * (size - 1) + span
+    return False
