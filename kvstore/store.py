@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import (
     AbstractContextManager,
@@ -188,6 +189,17 @@ class PutResult:
     dropped: int = 0
 
 
+class _BacklogTurn:
+    """A foreground put waiting for room in the backlog; ``admitted`` is set once its
+    bytes were added to it for the put (by the put that made room)."""
+
+    __slots__ = ("nbytes", "admitted")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.admitted = anyio.Event()
+
+
 class _Operations:
     """Calls in flight, so that ``aclose()`` can wait for every one of them."""
 
@@ -245,7 +257,7 @@ class Store:
         self._io_schedule = IoSchedule() if io_scheduling is True else io_scheduling or None
         self.backlog_bytes = backlog_bytes  # puts in flight beyond this drop background puts
         self._backlog = 0  # bytes of puts in flight (foreground and background)
-        self._backlog_drained: anyio.Event | None = None
+        self._backlog_queue: deque[_BacklogTurn] = deque()  # foreground puts waiting
         self._prefetching: dict[bytes, anyio.Event] = {}  # key -> set when its read landed
         self._prefetches: set[Prefetch] = set()
         self._background: anyio.abc.TaskGroup | None = None  # open() runs prefetches here
@@ -571,9 +583,12 @@ class Store:
         each block records the codec it was written with, so reads need no option.
 
         Backpressure: ``background=True`` says this save may be dropped.  When the puts
-        in flight already hold ``backlog_bytes`` (``open()``), such a put is dropped whole
-        at once (``PutResult.dropped``, ``stats().dropped_puts``), never partly applied;
-        a foreground put waits instead until the backlog is below the bound.
+        in flight already hold ``backlog_bytes`` (``open()``), or a foreground put is
+        waiting for room, such a put is dropped whole at once (``PutResult.dropped``,
+        ``stats().dropped_puts``), never partly applied; a foreground put waits instead
+        until the backlog is below the bound, in arrival order (a waiting put waits only
+        for the puts admitted before it).  Blocks already stored need no room: they are
+        reported as deduplicated, never dropped or waited for.
         """
         with self._operation(write=True), self.latency.time("put"):
             return await self._put_many(keys, values, parents, codec, background)
@@ -594,18 +609,24 @@ class Store:
         staged = [host_bytes(v) for v in values]  # every value validated before any I/O
         for data, _ in staged:
             self._check_fits(round_up(SLOT_HEADER_BYTES + data.numel()))
-        nbytes = sum(data.numel() for data, _ in staged)
-        if background and self._backlog and self._backlog + nbytes > self.backlog_bytes:
+        # Blocks already stored are deduplicated, never dropped nor waited for: only the
+        # rest count against the backlog (_put_once decides again, without yielding).
+        present = self.index.present(keys)
+        dedup = [k in present for k in keys]
+        nbytes = sum(d.numel() for (d, _), p in zip(staged, dedup) if not p)
+        if not nbytes:
+            pass  # nothing to write: no room needed
+        elif background and not self._backlog_admits(nbytes):
+            self._count_dedup(sum(dedup), sum(d.numel() for (d, _), p in zip(staged, dedup) if p))
             self._counters["dropped_puts"] += 1
-            self._counters["dropped_blocks"] += len(keys)
-            return PutResult(0, 0, 0, dropped=len(keys))
-        while self._backlog and self._backlog + nbytes > self.backlog_bytes:
-            self._backlog_drained = self._backlog_drained or anyio.Event()
-            await self._backlog_drained.wait()
-            self._check_writable()
+            self._counters["dropped_blocks"] += len(keys) - sum(dedup)
+            return PutResult(0, sum(dedup), 0, dropped=len(keys) - sum(dedup))
+        elif background:
+            self._backlog += nbytes
+        else:
+            await self._enter_backlog(nbytes)
         self._counters["puts"] += 1
         spec = codec if codec is not None else self.codec
-        self._backlog += nbytes
         try:
             while True:
                 try:
@@ -617,10 +638,49 @@ class Store:
                     # by the evictions that were in flight when the put decided.
                     self._counters["put_retries"] += 1
         finally:
-            self._backlog -= nbytes
-            if self._backlog_drained is not None:
-                self._backlog_drained.set()
-                self._backlog_drained = None
+            self._leave_backlog(nbytes)
+
+    # Backpressure.  Puts enter the backlog in arrival order: a foreground put that does
+    # not fit waits in a queue, and while anyone waits there no later put goes ahead of
+    # it (a background put is dropped, a foreground one queues behind), so a waiting put
+    # waits at most for the puts admitted before it.  A put leaving the backlog admits
+    # the waiters at the head that now fit, in order (hand-off: nobody can slip in
+    # between the release and the waiter's turn).
+
+    def _backlog_fits(self, nbytes: int) -> bool:
+        """One put always goes when none is in flight, so a put above the bound goes alone."""
+        return not self._backlog or self._backlog + nbytes <= self.backlog_bytes
+
+    def _backlog_admits(self, nbytes: int) -> bool:
+        return not self._backlog_queue and self._backlog_fits(nbytes)
+
+    async def _enter_backlog(self, nbytes: int) -> None:
+        if self._backlog_admits(nbytes):
+            self._backlog += nbytes
+            return
+        turn = _BacklogTurn(nbytes)
+        self._backlog_queue.append(turn)
+        try:
+            await turn.admitted.wait()
+            self._check_writable()  # the store may have failed closed meanwhile
+        except BaseException:
+            if turn.admitted.is_set():
+                self._leave_backlog(nbytes)
+            else:
+                self._backlog_queue.remove(turn)
+                self._admit_waiting()  # the next in line may fit now
+            raise
+
+    def _leave_backlog(self, nbytes: int) -> None:
+        self._backlog -= nbytes
+        self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        queue = self._backlog_queue
+        while queue and self._backlog_fits(queue[0].nbytes):
+            turn = queue.popleft()
+            self._backlog += turn.nbytes
+            turn.admitted.set()
 
     async def _put_once(self, keys: Sequence[bytes], parent_list: Sequence[bytes | None],
                         staged: Sequence[tuple[torch.Tensor, int]],
