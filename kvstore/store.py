@@ -532,6 +532,11 @@ class Store:
         """A get: the I/O scheduler holds background writes back for all of it."""
         return self.scheduler.foreground() if self.scheduler is not None else nullcontext()
 
+    def _prefetch_awaited(self) -> AbstractContextManager[None]:
+        """A get waiting for a prefetch: the scheduler lets prefetch reads go meanwhile."""
+        return (self.scheduler.prefetch_awaited() if self.scheduler is not None
+                else nullcontext())
+
     def _check_still_writable(self) -> None:
         """A put about to commit: refused if the store failed closed meanwhile."""
         if self._read_only_reason is not None:
@@ -806,11 +811,16 @@ class Store:
         """
         with self._operation(), self.latency.time("get"):
             keys = check_keys(keys)
-            if self._prefetching:  # only the reads of these keys, then they come from memory
-                for key in keys:  # (before foreground(): prefetch reads wait while it lasts)
-                    landed = self._prefetching.get(key)
-                    if landed is not None:
-                        await landed.wait()
+            if self._prefetching and any(k in self._prefetching for k in keys):
+                # only the reads of these keys, then they come from memory
+                # (before foreground(): prefetch reads wait while it lasts).  Awaited, the
+                # prefetch reads go even while other gets run: a stream of them would
+                # otherwise hold this get back for as long as it lasted.
+                with self._prefetch_awaited():
+                    for key in keys:
+                        landed = self._prefetching.get(key)
+                        if landed is not None:
+                            await landed.wait()
             with self._foreground():
                 return await self._get_many(keys, out)
 

@@ -94,3 +94,61 @@ async def test_a_small_foreground_put_does_not_overtake_a_waiting_large_one(
                 assert order == []
                 gate.open()
         assert order == ["first", "large", "small"]
+
+
+async def test_a_get_waiting_on_a_prefetch_is_not_held_back_by_other_gets(
+        tmp_path: Path) -> None:
+    """A get of a key being prefetched waits for the prefetch's read, which the scheduler
+    admitted only while no get was served: under a stream of other gets (one held on
+    the device throughout, so the stream never pauses) it waited until the stream
+    ended.  Now the awaited prefetch reads go at once; the other gets that complete
+    meanwhile are those running beside it, a handful, not the stream."""
+    path = tmp_path / "s"
+    wanted, *others = keys(5)
+    async with kvstore.open(path, namespace=NS, engine="threads", sync=False,
+                            extent_bytes=16 << 20) as store:
+        await store.put_many([wanted, *others], [block(i) for i in range(5)])
+    engine = GatedEngine(real_engine("threads", tmp_path / "probe"))
+    # a fresh open: nothing in the memory tier yet, so the prefetch reads the disk
+    async with kvstore.open(path, namespace=NS, engine=engine, sync=False,
+                            extent_bytes=16 << 20, memory_bytes=4 << 20) as store:
+        waiter = {"waiting": False, "done": False}
+        overtook = 0  # gets started after the waiter and completed before it returned
+        streams_left = 2
+        gate = engine.gate("read")
+        got: list[torch.Tensor | None] = []
+
+        async def held_get() -> None:
+            await store.get(others[0], torch.empty(BLOCK, dtype=torch.uint8))
+
+        async def stream(task: int) -> None:
+            nonlocal overtook, streams_left
+            out = torch.empty(BLOCK, dtype=torch.uint8)  # out=: never cached in memory
+            for i in range(ROUNDS):
+                after = waiter["waiting"]
+                assert await store.get(others[1 + (task + i) % 3], out) is not None
+                if after and not waiter["done"]:
+                    overtook += 1
+            streams_left -= 1
+            if not streams_left:
+                gate.open()
+
+        async def waiting_get() -> None:
+            waiter["waiting"] = True
+            got.append(await store.get(wanted))
+            waiter["done"] = True
+            gate.open()
+
+        with anyio.fail_after(DEADLINE):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(held_get)
+                await gate.entered.wait()  # a get is being served, and stays so
+                handle = store.prefetch([wanted])
+                await until(lambda: store.stats().io_queue_depth.get("prefetch", 0) > 0)
+                tg.start_soon(stream, 0)
+                tg.start_soon(stream, 1)
+                await until(lambda: store.stats().gets >= 2)  # the stream is running
+                tg.start_soon(waiting_get)
+        assert await handle == 1
+        assert same(got[0], block(0))
+        assert overtook <= 8, f"{overtook} other gets completed while the get waited"

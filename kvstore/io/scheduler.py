@@ -11,7 +11,10 @@ admits transfers per *class* with a bound on the bytes each class may have in fl
               the bound holds for a call of any size (the pieces of a call that fit
               together still go to the engine as one call);
 ``prefetch``  background reads: up to ``prefetch_bytes``, and none while reads are
-              being served.
+              being served, unless a caller awaits a prefetch
+              (:meth:`IoScheduler.prefetch_awaited`: a get of a key being prefetched);
+              then they go at their bound, so that the get is not held back for as
+              long as other gets keep coming.
 
 "Reads are being served" means: a read on the device or waiting, a get in progress
 (:meth:`IoScheduler.foreground`, from its start to its end, so the CPU phases of a get
@@ -125,6 +128,7 @@ class IoScheduler(EngineWrapper):
         self._limits = {WRITE: schedule.write_bytes, PREFETCH: schedule.prefetch_bytes}
         self._read_until = 0.0  # monotonic time until which the last read still counts
         self._foreground = 0  # callers inside foreground(): a get from start to finish
+        self._awaited = 0  # callers inside prefetch_awaited(): a get waiting on a prefetch
         self._dirty = 0  # bytes written since the last flush
         self._dirty_fds: set[int] = set()
         self._flushing: anyio.Event | None = None
@@ -154,7 +158,7 @@ class IoScheduler(EngineWrapper):
     def _fits(self, cls: str, nbytes: int) -> bool:
         if cls == READ:
             return True
-        if cls == PREFETCH and self._reading():
+        if cls == PREFETCH and self._reading() and not self._awaited:
             return False
         if not self.inflight[cls]:
             return True  # one call always goes when its class is idle
@@ -227,6 +231,19 @@ class IoScheduler(EngineWrapper):
             self._foreground -= 1
             self._start_grace()
             self._wake()
+
+    @contextmanager
+    def prefetch_awaited(self) -> Iterator[None]:
+        """A caller awaits a prefetch's reads (a get of a key being prefetched): for as
+        long as it waits, prefetch reads go at their own bound even while gets are
+        served, so that a stream of other gets cannot hold them (and the caller) back
+        for ever.  The caller then waits at most for the prefetch reads queued before."""
+        self._awaited += 1
+        self._wake()
+        try:
+            yield
+        finally:
+            self._awaited -= 1
 
     # ------------------------------------------------------------------ the engine API
 
