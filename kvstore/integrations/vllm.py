@@ -104,6 +104,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import AbstractContextManager, suppress
@@ -199,6 +200,12 @@ class _SharedStore:
         self.layout: tuple[int, tuple[int, ...], torch.dtype] | None = None
         self._prepared: dict[bytes, _Prepared] = {}  # sync loads, by first key
         self.failed_keys: set[bytes] = set()  # loads that raised: misses from now on
+        # Moves to a new key scope since start (a weight update: KVStoreConnector
+        # .reset_cache); lookups of another epoch are answered 0.
+        self.scope_epoch = 0
+        # Why lookups, loads and saves are off (the weights changed and no new scope
+        # is known yet); None: on.
+        self.suspended: str | None = None
         self._generation = 0  # worker steps (start_load_kv) seen, to age them out
         self.users = 0
         self.closed = False
@@ -219,7 +226,21 @@ class _SharedStore:
             if len(self.load_seconds) < _MAX_LOAD_SAMPLES:
                 self.load_seconds.append(seconds)
 
-    def match_hashes(self, hashes: list[bytes]) -> int:
+    def rescope(self, epoch: int, namespace: Namespace) -> None:
+        """The connector moved to a new key scope (``epoch``): keys come from
+        ``namespace`` from now on; reads kept for the old keys are dropped."""
+        with self._lock:
+            self.namespace, self.scope_epoch, self.suspended = namespace, epoch, None
+            self._prepared.clear()
+            self.failed_keys.clear()
+
+    def suspend(self, why: str) -> None:
+        """No lookups, loads or saves until the next :meth:`rescope`."""
+        with self._lock:
+            self.suspended = why
+            self._prepared.clear()
+
+    def match_hashes(self, hashes: list[bytes], epoch: int = 0) -> int:
         """How many leading vLLM block hashes name stored blocks (0 before the worker
         registered its KV tensors: without a namespace there are no keys).
 
@@ -228,7 +249,7 @@ class _SharedStore:
         allocating blocks for the request, possibly after other requests), and the
         load's ``get_many`` then waits only for reads still in flight."""
         ns = self.namespace
-        if ns is None or not hashes:
+        if ns is None or not hashes or epoch != self.scope_epoch or self.suspended:
             return 0
         keys = ns.engine_keys(hashes)
         with self._lock:
@@ -294,6 +315,24 @@ class _SharedStore:
                 self.failed_keys.clear()
             self.failed_keys.update(keys)
 
+    def load_failed(self, key: bytes) -> None:
+        """A load found ``key`` missing or unreadable.  The store quarantines a block it
+        cannot read in the same pass; should it still be stored (a read-only store
+        cannot quarantine), it is answered as a miss for this engine life, so that
+        vLLM recomputes it once instead of loading it again and again."""
+        try:
+            still = self.portal.call(self.store.contains_many, [key])[0]
+        except Exception:  # noqa: BLE001 - a store that cannot answer: keep it out
+            still = True
+        if still:
+            _warn_once("unloadable", "kvstore connector: block %s of the store at %s "
+                       "failed to load but stays stored (read-only store?); answered as a "
+                       "miss from now on", key.hex()[:32], self.config.path)
+            with self._lock:
+                if len(self.failed_keys) >= _MAX_FAILED_KEYS:
+                    self.failed_keys.clear()
+                self.failed_keys.add(key)
+
     def take_prepared(self, keys: list[bytes]) -> torch.Tensor | None:
         """The blocks :meth:`_read_ahead` read for a load of ``keys`` (None if it
         holds fewer), forgotten once taken."""
@@ -347,7 +386,8 @@ class _SharedStore:
         if self.server is None:
             name = socket_name(self.config.path, self.engine_id)
             try:
-                self.server = LookupServer(name, self.match_hashes, self.engine_id, scope)
+                self.server = LookupServer(name, self.match_hashes, self.engine_id, scope,
+                                           epoch=lambda: self.scope_epoch)
             except OSError as e:
                 raise RuntimeError(
                     f"kvstore connector: cannot serve lookups for the store at "
@@ -572,6 +612,10 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
     idle: bool = False
+    # The scheduler's key scope: how often it moved (reset_cache) and the weights item
+    # of the scope now.  The worker moves with it before this step's loads and saves.
+    scope_epoch: int = 0
+    weights: str = ""
 
 
 @dataclass
@@ -580,6 +624,9 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     lookup_from: int = 0  # block-aligned local hit passed to the last lookup
     saves: SaveMark = field(default_factory=SaveMark)
+    # Known when the key scope moved (a weight update): its KV so far may mix both
+    # weights, so none of it is ever saved.
+    frozen: bool = False
 
 
 @dataclass
@@ -607,6 +654,7 @@ class _InFlightLoad:
     buffer: torch.Tensor
     future: Future[list[torch.Tensor | None]]
     started_ns: int
+    scope_epoch: int = 0  # the key scope it was read under
 
 
 # How long a step that runs no forward waits for a background load before returning
@@ -650,6 +698,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         # compare it at the lookup handshake.
         self._scope = model_scope(vllm_config, self._config)
         self._scope_digest = scope_digest(self._scope)
+        # Weight updates (reset_cache): the scope's epoch and weights item now.  The
+        # lookup handshake keeps comparing the scope the engine started with.
+        self._scope_epoch = 0
+        self._weights = dict(self._scope)["weights"]
+        # Where the worker's weights came from; reload_weights(weights_path=...) changes
+        # it in place (vLLM's model_config), which the worker notices at the next step.
+        self._weights_source = str(vllm_config.model_config.model)
         self._lora = LoraScopes(self._config.weights_fingerprint)
         self._shared: _SharedStore | None = None
         self._client: LookupClient | RankLookups | None = None
@@ -773,9 +828,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _match(self, hashes: list[bytes]) -> int:
         """A lookup, on a lookup thread (or this one: ``Lookups`` with no wait)."""
+        epoch = self._scope_epoch
         if self._client is not None:
-            return self._client.match(hashes)
-        return self._store.match_hashes(hashes)
+            return self._client.match(hashes, epoch)
+        return self._store.match_hashes(hashes, epoch)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -792,7 +848,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(
-            loads=self._pending_loads, idle=scheduler_output.total_num_scheduled_tokens == 0)
+            loads=self._pending_loads, idle=scheduler_output.total_num_scheduled_tokens == 0,
+            scope_epoch=self._scope_epoch, weights=self._weights)
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -816,11 +873,49 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _plan_saves(self, state: _RequestState, computed: int, scheduled: int,
                     meta: KVStoreConnectorMetadata) -> None:
         """Plan the request's blocks from its save mark on (:mod:`.vllm_saves`)."""
+        if state.frozen:
+            return
         hashes = self._hashes(state.request)
         for idx in plan_saves(state.saves, computed, scheduled, self._block_size,
                               len(hashes), len(state.block_ids)):
             meta.saves.append(_Save(state.block_ids[idx], hashes[idx],
                                     hashes[idx - 1] if idx else None))
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, which RL frameworks call
+        around a weight update (``reload_weights``, ``update_weights``, a pause with
+        ``clear_cache``).  Stored KV is only valid for the weights that computed it, so
+        the connector moves to a new key scope: derived from the weight files where
+        they changed (another ``weights_path``, files rewritten in place: an engine
+        started later on those files shares the blocks), else a fresh one that nothing
+        on disk matches (weights sent as tensors: the store is a cold cache for them).
+        From now on lookups count nothing of the old scope, the worker moves with the
+        next step's metadata (loads still in flight then fail and are recomputed), and
+        the requests running now are never saved again (their KV may mix both weights).
+        True: the move holds for every later lookup, load and save."""
+        if self.role == KVConnectorRole.WORKER:
+            return None  # vLLM resets the scheduler's; the worker follows its metadata
+        try:
+            weights = model_scope(self._vllm_config, self._config)
+            new = dict(weights)["weights"]
+        except ValueError:  # the new weights cannot be fingerprinted
+            new = self._weights
+        if new == self._weights:
+            # The files say nothing new: the weights came as tensors (or did not change
+            # at all: no telling which), so nothing stored may be used for them.
+            new = f"update:{uuid.uuid4().hex}"
+            _warn_once("reset", "kvstore connector: reset_cache: the weight files did not "
+                       "change, so the weights now loaded cannot be identified; moving to a "
+                       "fresh key scope (stored KV is not loaded for them)")
+        self._scope_epoch += 1
+        self._weights = new
+        for state in self._requests.values():
+            state.frozen = True
+        if self._lookups is not None:
+            self._lookups.forget_all()
+        logger.info("kvstore connector: key scope moved (epoch %d, weights %s)",
+                    self._scope_epoch, new)
+        return True
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -878,6 +973,34 @@ class KVStoreConnector(KVConnectorBase_V1):
             layout=layout, tp_rank=parallel.rank, tp_size=parallel.world_size,
             extra=(*self._scope, ("layers", ",".join(names))))
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, KVStoreConnectorMetadata) or not self._layers:
+            return
+        shared = self._store
+        if connector_metadata.scope_epoch != shared.scope_epoch:
+            self._rescope(connector_metadata)
+        elif shared.suspended is None and \
+                str(self._vllm_config.model_config.model) != self._weights_source:
+            shared.suspend(f"the weights were reloaded from "
+                           f"{self._vllm_config.model_config.model!r}")
+            logger.warning(
+                "kvstore connector: the engine reloaded its weights (from %r) without "
+                "reset_prefix_cache(reset_connector=True); the stored KV cannot be told "
+                "apart, so the connector loads and saves nothing until that reset",
+                self._vllm_config.model_config.model)
+
+    def _rescope(self, meta: KVStoreConnectorMetadata) -> None:
+        """Move to the scheduler's new key scope (see :meth:`reset_cache`)."""
+        self._scope = tuple(sorted({**dict(self._scope), "weights": meta.weights}.items()))
+        self._weights_source = str(self._vllm_config.model_config.model)
+        names = list(self._layers)
+        namespace = self._namespace(self._layers[names[0]], self._block_axis, names)
+        self._staging_meta = self._staging = None
+        self._store.rescope(meta.scope_epoch, namespace)
+        logger.info("kvstore connector: worker moved to key scope epoch %d (%s)",
+                    meta.scope_epoch, namespace.digest.hex()[:16])
+
     def _block_index(self, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=device)
 
@@ -904,6 +1027,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         start = time.perf_counter_ns()
         self._store.count(load_blocks=n)
         keys = self._keys(load.hashes)
+        if self._store.suspended is not None:
+            keys = None  # the weights changed under these keys: nothing is loaded
         blocks = None if keys is None else self._store.take_prepared(keys)
         ok = n
         if blocks is None:
@@ -915,6 +1040,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._store.load_raised(keys or [], e)
                 got = [None] * n
             ok = next((i for i, g in enumerate(got) if g is None), n)
+            self._note_failed(load, ok)
         if ok:
             self._scatter(blocks[:ok], load.block_ids[:ok])
         failed = load.block_ids[ok:]
@@ -937,7 +1063,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         else:
             future = self._store.start_get(keys, list(buffer.unbind(0)))
         self._loading[load.req_id] = _InFlightLoad(load, buffer, future,
-                                                   time.perf_counter_ns())
+                                                   time.perf_counter_ns(),
+                                                   self._store.scope_epoch)
 
     def _finish_load(self, inflight: _InFlightLoad) -> None:
         """Copy a finished load's verified leading blocks into the KV cache and record
@@ -949,7 +1076,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             keys = self._keys(load.hashes)
             self._store.load_raised(keys or [], e)
             got = [None] * len(load.block_ids)
+        if inflight.scope_epoch != self._store.scope_epoch or self._store.suspended:
+            got = [None] * len(load.block_ids)  # read under other weights' keys
         ok = next((i for i, g in enumerate(got) if g is None), len(load.block_ids))
+        self._note_failed(load, ok)
         if ok:
             self._scatter(inflight.buffer[:ok], load.block_ids[:ok])
         failed = load.block_ids[ok:]
@@ -958,6 +1088,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed), load_ns=elapsed,
                           loaded_bytes=ok * inflight.buffer[0].nbytes if ok else 0)
         self._store.record_load(elapsed / 1e9)
+
+    def _note_failed(self, load: _Load, ok: int) -> None:
+        """The load's block ``ok`` failed (a miss, unreadable, quarantined): make sure
+        no lookup promises it again (:meth:`_SharedStore.load_failed`)."""
+        keys = self._keys(load.hashes)
+        if keys is not None and ok < len(keys) and self._store.suspended is None:
+            self._store.load_failed(keys[ok])
 
     def _scatter(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
         axis = self._block_axis
@@ -1024,7 +1161,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        if meta.saves and layer_name in self._layer_index and not self._step_load_failed:
+        if meta.saves and layer_name in self._layer_index and not self._step_load_failed \
+                and self._store.suspended is None:
             start = time.perf_counter_ns()
             self._stage(meta, self._layer_index[layer_name])
             self._store.count(save_stall_ns=time.perf_counter_ns() - start)
@@ -1042,7 +1180,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # (Or) a synchronous load of this step failed: its forward read unloaded
         # blocks, so blocks computed in it may hold KV derived from garbage; vLLM
         # discards the step's output, and the recompute plans them again.
-        if sys.exc_info()[1] is not None or self._step_load_failed:
+        if sys.exc_info()[1] is not None or self._step_load_failed or \
+                self._store.suspended is not None:
             self._store.count(save_dropped_blocks=len(meta.saves))
             self._staging_meta = self._staging = None
             return

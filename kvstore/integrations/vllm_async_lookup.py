@@ -93,6 +93,14 @@ class Lookups:
         if pending is not None:
             pending.future.cancel()
 
+    def forget_all(self) -> None:
+        """Drop every held lookup (the key scope moved: their answers are of the old
+        one); lookups already running finish, and their answers are never used."""
+        with self._lock:
+            held, self._pending = list(self._pending.values()), OrderedDict()
+        for pending in held:
+            pending.future.cancel()
+
     def close(self) -> None:
         """Drop every held lookup and wait for the ones already running to return;
         later asks are answered on the caller's thread."""

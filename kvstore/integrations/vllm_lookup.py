@@ -14,11 +14,18 @@ namespace, where abstract socket names are shared).
 
 Protocol, little-endian.  At connect, one handshake; then one request at a time::
 
-    hello     b"KVSL", u16 version (2), u16 n, n bytes engine id (UTF-8), 16 bytes scope
+    hello     b"KVSL", u16 version (3), u16 n, n bytes engine id (UTF-8), 16 bytes scope
     welcome   u8 status (0 ok, 1 another engine, 2 another key scope),
               u16 n, n bytes the server's engine id, 16 bytes the server's scope
-    request   u32 n, then n times (u16 length, that many bytes of vLLM block hash)
-    response  u32 how many leading hashes name stored blocks
+    request   u32 scope epoch, u32 n, then n times (u16 length, that many bytes of
+              vLLM block hash)
+    response  u32 how many leading hashes name stored blocks (0 when the worker's
+              scope epoch is not the request's)
+
+The scope epoch counts the connector's moves to a new key scope since the engine
+started (``reset_cache``, after a weight update): the scheduler moves first, the worker
+when the step metadata reaches it; in between the worker answers 0, so a lookup never
+counts blocks of the other weights.
 
 The scope is a digest of everything the connector puts in the store's key scope that
 the scheduler knows too (model weights fingerprint, model config, KV cache dtype, ...):
@@ -51,7 +58,7 @@ MAX_HASHES = 1 << 20  # a request of more blocks than any context holds is refus
 _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
 _MAGIC = b"KVSL"
-_VERSION = 2
+_VERSION = 3
 SCOPE_BYTES = 16
 _OK, _OTHER_ENGINE, _OTHER_SCOPE = 0, 1, 2
 _MAX_ENGINE_ID = 1024
@@ -105,10 +112,10 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def encode_request(hashes: Sequence[bytes]) -> bytes:
+def encode_request(hashes: Sequence[bytes], epoch: int = 0) -> bytes:
     if len(hashes) > MAX_HASHES:
         raise ValueError(f"at most {MAX_HASHES} hashes per lookup, got {len(hashes)}")
-    parts = [_U32.pack(len(hashes))]
+    parts = [_U32.pack(epoch), _U32.pack(len(hashes))]
     for h in hashes:
         if len(h) > 0xFFFF:
             raise ValueError(f"a block hash of {len(h)} bytes is too long")
@@ -116,11 +123,11 @@ def encode_request(hashes: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def _read_request(conn: socket.socket) -> list[bytes] | None:
-    head = _recv_exact(conn, _U32.size)
+def _read_request(conn: socket.socket) -> tuple[int, list[bytes]] | None:
+    head = _recv_exact(conn, 2 * _U32.size)
     if head is None:
         return None
-    (n,) = _U32.unpack(head)
+    epoch, n = _U32.unpack(head[:4])[0], _U32.unpack(head[4:])[0]
     if n > MAX_HASHES:
         return None
     hashes: list[bytes] = []
@@ -130,16 +137,19 @@ def _read_request(conn: socket.socket) -> list[bytes] | None:
         if data is None:
             return None
         hashes.append(data)
-    return hashes
+    return epoch, hashes
 
 
 class LookupServer:
     """Answers lookups with ``match(hashes)`` on a thread per connection, to clients
-    of engine ``engine_id`` with key scope ``scope`` only."""
+    of engine ``engine_id`` with key scope ``scope`` only, and only while the request's
+    scope epoch is ``epoch()``'s (else 0)."""
 
-    def __init__(self, name: str, match: MatchFn, engine_id: str, scope: bytes) -> None:
+    def __init__(self, name: str, match: MatchFn, engine_id: str, scope: bytes,
+                 epoch: Callable[[], int] = lambda: 0) -> None:
         self.name = name
         self._match = match
+        self._epoch = epoch
         self._engine_id, self._scope = engine_id, bytes(scope)
         _encode_hello(engine_id, self._scope)  # validates both before binding
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -169,10 +179,12 @@ class LookupServer:
                 return
             while True:
                 try:
-                    hashes = _read_request(conn)
-                    if hashes is None:
+                    request = _read_request(conn)
+                    if request is None:
                         return
-                    conn.sendall(_U32.pack(self._safe_match(hashes)))
+                    epoch, hashes = request
+                    hit = self._safe_match(hashes) if epoch == self._epoch() else 0
+                    conn.sendall(_U32.pack(hit))
                 except OSError:
                     return
 
@@ -258,8 +270,8 @@ class LookupClient:
             self._sock.close()
             self._sock = None
 
-    def match(self, hashes: Sequence[bytes]) -> int:
-        request = encode_request(hashes)
+    def match(self, hashes: Sequence[bytes], epoch: int = 0) -> int:
+        request = encode_request(hashes, epoch)
         with self._lock:
             try:
                 if self._sock is None:
@@ -295,13 +307,13 @@ class RankLookups:
             self.close()
             raise
 
-    def match(self, hashes: Sequence[bytes]) -> int:
+    def match(self, hashes: Sequence[bytes], epoch: int = 0) -> int:
         hit = len(hashes)
         for client in self._clients:
             if hit == 0:
                 break
             # Later ranks are asked only about what every earlier rank has.
-            hit = min(hit, client.match(hashes[:hit]))
+            hit = min(hit, client.match(hashes[:hit], epoch))
         return hit
 
     def close(self) -> None:

@@ -9,7 +9,9 @@ SPEC: ``{"model": DIR, "prompts": [str, ...], "max_tokens": int, "store": PATH |
 ``kv_cache_dtype``), ``"engine_id": str`` (the kv_transfer_config's), ``"abort_first":
 {"I": STEPS}`` (prompt I is first submitted through the engine, stepped STEPS times and
 aborted, then served as usual, without a prefix-cache reset in between),
-``"abort_in_flight": [I, J]`` (prompt I's kvstore load is held in flight by a gate while
+``"weight_update": DIR`` (after the prompts, ``reload_weights`` from DIR and
+``reset_prefix_cache(reset_connector=True)``, then the prompts again:
+``outputs_after_update``, ``reset``), ``"abort_in_flight": [I, J]`` (prompt I's kvstore load is held in flight by a gate while
 the request is aborted and prompt J is served; see ``abort_in_flight``) and ``"hold":
 true`` (after writing RESULT, print KVSTORE-ENGINE-LIFE-READY and keep the engine alive until stdin closes).
 ``store: null`` runs without the connector (the reference outputs).  Prompts are served
@@ -208,6 +210,23 @@ def main(spec_path: str, result_path: str) -> None:
                         "tokens": list(out.outputs[0].token_ids),
                         "num_cached_tokens": out.num_cached_tokens})
     result["outputs"] = outputs
+    if spec.get("weight_update"):
+        # An RL trainer's weight update: new weights loaded in place, then the prefix
+        # caches reset, connector included; then the same prompts again.
+        if spec.get("store") is not None:
+            settle_saves(llm)
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": spec["weight_update"]})
+        result["reset"] = llm.reset_prefix_cache(reset_connector=True)
+        after = []
+        for prompt in spec["prompts"]:
+            if spec.get("store") is not None:
+                settle_saves(llm)
+            assert llm.reset_prefix_cache()
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            after.append({"prompt_token_ids": list(out.prompt_token_ids),
+                          "tokens": list(out.outputs[0].token_ids),
+                          "num_cached_tokens": out.num_cached_tokens})
+        result["outputs_after_update"] = after
     result["metrics"] = metrics(llm)
     if "abort_in_flight" in result:  # after the prompts that followed
         held = result["abort_in_flight"]

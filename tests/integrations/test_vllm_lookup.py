@@ -137,10 +137,10 @@ def test_oversized_requests_are_refused_before_sending() -> None:
 def test_malformed_request_closes_the_connection(server: LookupServer) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
         raw.connect(server.name)
-        raw.sendall(b"KVSL" + struct.pack("<HH", 2, len(ENGINE)) + ENGINE.encode() + SCOPE)
+        raw.sendall(b"KVSL" + struct.pack("<HH", 3, len(ENGINE)) + ENGINE.encode() + SCOPE)
         assert raw.recv(1) == b"\0"   # welcome: status ok
         raw.recv(2 + len(ENGINE) + 16)
-        raw.sendall(struct.pack("<I", MAX_HASHES + 1))
+        raw.sendall(struct.pack("<II", 0, MAX_HASHES + 1))  # epoch 0, too many hashes
         assert raw.recv(4) == b""  # the server hung up instead of reading on
     client = client_of(server)  # and still serves others
     try:
@@ -227,3 +227,22 @@ def test_rank_lookups_fail_at_start_when_a_rank_is_not_serving(server: LookupSer
                                                                 tmp_path: Path) -> None:
     with pytest.raises(OSError):
         RankLookups([server.name, socket_name(tmp_path / "nobody", ENGINE)], ENGINE, SCOPE)
+
+
+def test_a_lookup_of_another_scope_epoch_is_answered_zero() -> None:
+    """After a weight update the scheduler asks with the new epoch before its worker
+    moved (the step metadata carries the move): the worker counts nothing meanwhile."""
+    epoch = [0]
+    name = socket_name(f"/epoch-test-{os.getpid()}", ENGINE)
+    server = LookupServer(name, lambda hashes: len(hashes), ENGINE, SCOPE,
+                          epoch=lambda: epoch[0])
+    client = LookupClient(name, ENGINE, SCOPE)
+    try:
+        assert client.match(HASHES, 0) == len(HASHES)
+        assert client.match(HASHES, 1) == 0  # the scheduler moved, the worker not yet
+        epoch[0] = 1
+        assert client.match(HASHES, 1) == len(HASHES)
+        assert client.match(HASHES, 0) == 0  # a lookup of the old scope, late
+    finally:
+        client.close()
+        server.close()
