@@ -200,6 +200,19 @@ class _BacklogTurn:
         self.admitted = anyio.Event()
 
 
+class DeleteWatch:
+    """Keys a promotion fetched from the remote tier, registered before the fetch began
+    (``Store._watch_deletes``): a delete of any of them meanwhile adds it to
+    ``deleted``, and the promotion's put skips those keys (a delete that returned is
+    never undone by a promotion that started before it)."""
+
+    __slots__ = ("keys", "deleted")
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        self.keys = frozenset(keys)
+        self.deleted: set[bytes] = set()
+
+
 class _Operations:
     """Calls in flight, so that ``aclose()`` can wait for every one of them."""
 
@@ -260,6 +273,7 @@ class Store:
         self._backlog_queue: deque[_BacklogTurn] = deque()  # foreground puts waiting
         self._prefetching: dict[bytes, anyio.Event] = {}  # key -> set when its read landed
         self._prefetches: set[Prefetch] = set()
+        self._delete_watches: set[DeleteWatch] = set()  # promotions fetching (remote tier)
         self._background: anyio.abc.TaskGroup | None = None  # open() runs prefetches here
         if file_mode is not None:
             permissions.check_file_mode(file_mode)
@@ -600,7 +614,10 @@ class Store:
 
     async def _put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor],
                         parents: Sequence[bytes | None] | None,
-                        codec: CodecSpec | None, background: bool = False) -> PutResult:
+                        codec: CodecSpec | None, background: bool = False,
+                        skip_deleted: DeleteWatch | None = None) -> PutResult:
+        """``put_many``; ``skip_deleted`` (a promotion's): keys deleted since the watch
+        began are not stored (reported as ``dropped``)."""
         keys = check_keys(keys)
         values = list(values)
         if len(values) != len(keys):
@@ -635,7 +652,8 @@ class Store:
         try:
             while True:
                 try:
-                    return await self._put_once(keys, parent_list, staged, values, spec)
+                    return await self._put_once(keys, parent_list, staged, values, spec,
+                                                skip_deleted)
                 except ChainCut:
                     # An eviction chose blocks this put deduplicated against before the
                     # put protected them, and committed after the put's decision: decide
@@ -689,14 +707,20 @@ class Store:
 
     async def _put_once(self, keys: Sequence[bytes], parent_list: Sequence[bytes | None],
                         staged: Sequence[tuple[torch.Tensor, int]],
-                        values: Sequence[torch.Tensor], spec: CodecSpec | None) -> PutResult:
+                        values: Sequence[torch.Tensor], spec: CodecSpec | None,
+                        skip_deleted: DeleteWatch | None = None) -> PutResult:
         # Wait out other tasks' puts of the same keys, then decide without yielding.
         await self._wait_for_puts_of(keys)
         present = self.index.present(keys)
         items: list[PutItem] = []
         deduplicated: dict[bytes, None] = {}
         dedup_bytes = 0
+        # A promotion's keys deleted since its fetch began: not stored (from here on, a
+        # delete waits for this put instead: its keys are in ``_inflight``).
+        skipped = set() if skip_deleted is None else skip_deleted.deleted & set(keys)
         for key, parent, (data, code), value in zip(keys, parent_list, staged, values):
+            if key in skipped:
+                continue
             if key in present or key in self._inflight:
                 dedup_bytes += data.numel()
                 if key in present:
@@ -704,9 +728,11 @@ class Store:
                 continue
             items.append(PutItem(key, parent, data, code, tuple(value.shape)))
             self._inflight[key] = anyio.Event()
+        # (a key twice in the batch and skipped counts once per occurrence)
+        n_skipped = sum(k in skipped for k in keys)
         if not items:
-            self._count_dedup(len(keys), dedup_bytes)
-            return PutResult(0, len(keys), 0)
+            self._count_dedup(len(keys) - n_skipped, dedup_bytes)
+            return PutResult(0, len(keys) - n_skipped, 0, dropped=n_skipped)
         # Their parents and what they were deduplicated against stay until they are stored.
         guarded = [*(i.key for i in items), *(i.parent for i in items if i.parent is not None),
                    *deduplicated]
@@ -732,11 +758,12 @@ class Store:
                 self._inflight.pop(item.key).set()
             self.allocator.unprotect(guarded)  # its blocks are evictable now
         written = sum(item.payload_len for item in items)
-        self._count_dedup(len(keys) - len(items), dedup_bytes)
+        self._count_dedup(len(keys) - len(items) - n_skipped, dedup_bytes)
         self._counters["put_blocks"] += len(items)
         self._counters["put_bytes"] += sum(item.raw_len for item in items)
         self._counters["put_payload_bytes"] += written
-        return PutResult(len(items), len(keys) - len(items), written)
+        return PutResult(len(items), len(keys) - len(items) - n_skipped, written,
+                         dropped=n_skipped)
 
     async def _encode(self, items: list[PutItem], spec: CodecSpec) -> None:
         """Encode every block now (sizes known only then), checking each slot fits."""
@@ -1065,12 +1092,24 @@ class Store:
         is never undone by a put that started before it."""
         with self._operation(write=True):
             keys = check_keys(keys)
+            for watch in self._delete_watches:  # promotions fetching: skip these keys
+                watch.deleted.update(k for k in keys if k in watch.keys)
             await self._wait_for_puts_of(keys)
             freed = await self.writer.run(lambda txn: self.index.delete_blocks(txn, keys))
             self._forget_in_memory(keys)
             self.allocator.release(freed)
             self._counters["deletes"] += len(freed)
             return len(freed)
+
+    def _watch_deletes(self, keys: Sequence[bytes]) -> DeleteWatch:
+        """Register keys about to be fetched for a promotion (remote tier); pass the
+        watch to ``_put_many(skip_deleted=...)`` and end it with ``_unwatch_deletes``."""
+        watch = DeleteWatch(keys)
+        self._delete_watches.add(watch)
+        return watch
+
+    def _unwatch_deletes(self, watch: DeleteWatch) -> None:
+        self._delete_watches.discard(watch)
 
     async def pin(self, keys: Sequence[bytes]) -> None:
         """Never evict these blocks (e.g. a system prompt's chain) until ``unpin``.  Pins

@@ -41,7 +41,7 @@ from kvstore.slots import check_payload, check_slot
 from kvstore.tensors import CODE_DTYPES, check_out
 
 if TYPE_CHECKING:
-    from kvstore.store import Store
+    from kvstore.store import DeleteWatch, Store
 
 _RAW = CodecSpec()
 _ZSTD = CodecSpec(zstd=True)
@@ -89,10 +89,11 @@ def _spec_for(codec: int) -> CodecSpec:
 
 
 async def _promote(store: Store, blocks: Sequence[tuple[RemoteBlock, torch.Tensor]], *,
-                   background: bool) -> None:
+                   background: bool, watch: DeleteWatch | None = None) -> None:
     """Store fetched blocks locally (grouped by codec).  Best effort: a block that is
     not stored (backpressure for a ``background`` put, a full or read-only store) is
-    fetched again next time."""
+    fetched again next time.  ``watch``: registered before the fetch began; keys
+    deleted since are not stored (the delete returned: the promotion must not undo it)."""
     remote = store.remote
     if not blocks or remote is None:
         return
@@ -107,7 +108,8 @@ async def _promote(store: Store, blocks: Sequence[tuple[RemoteBlock, torch.Tenso
         try:
             result = await store._put_many([b.key for b, _ in group], [v for _, v in group],
                                            [b.header.parent for b, _ in group],
-                                           _spec_for(codec), background=background)
+                                           _spec_for(codec), background=background,
+                                           skip_deleted=watch)
         except KVStoreError:
             remote._stats.promotion_dropped += len(group)
             continue
@@ -115,28 +117,32 @@ async def _promote(store: Store, blocks: Sequence[tuple[RemoteBlock, torch.Tenso
         remote._stats.promotion_dropped += result.dropped
 
 
-def _promote_soon(store: Store, blocks: list[tuple[RemoteBlock, torch.Tensor]]) -> None:
+def _promote_soon(store: Store, blocks: list[tuple[RemoteBlock, torch.Tensor]],
+                  watch: DeleteWatch) -> bool:
     """Promote in the store's background task group: the caller has its blocks now,
     the local durable put (staging, fdatasync, index commit) runs behind it.  Until it
     lands the blocks are served from ``remote.promoting``; under backpressure the put
-    is dropped (counted), never queued without bound.  ``aclose`` waits for it."""
+    is dropped (counted), never queued without bound.  ``aclose`` waits for it.  True
+    if it started (the task then ends ``watch``)."""
     remote, group = store.remote, store._background
     if not blocks or remote is None:
-        return
+        return False
     if group is None:  # not opened through kvstore.open(): no background task group
         remote._stats.promotion_dropped += len(blocks)
-        return
+        return False
     fetched = [block for block, _ in blocks]
     remote.promotion_started(fetched)
 
     async def promote() -> None:
         try:
             with store._ops.track():
-                await _promote(store, blocks, background=True)
+                await _promote(store, blocks, background=True, watch=watch)
         finally:
+            store._unwatch_deletes(watch)
             remote.promotion_done(fetched)
 
     group.start_soon(promote)
+    return True
 
 
 def _decode(block: RemoteBlock, out: torch.Tensor | None, *, check: bool = False
@@ -153,6 +159,28 @@ async def _fetch_own(store: Store, keys: Sequence[bytes], outs: Sequence[torch.T
     """GET ``keys`` (registered as ``inflights`` by :func:`_read`), decode them into
     ``outs`` and promote them; each fetched block is handed to the reads waiting on its
     ``InFlight`` before the promotion starts."""
+    remote = store.remote
+    assert remote is not None
+    # Registered before the fetch begins: a delete of these keys from now on is not
+    # undone by their promotion (it skips them).
+    watch = store._watch_deletes(keys)
+    try:
+        values, handed = await _fetch_and_promote(store, keys, outs, inflights, watch,
+                                                  chain=chain, promote_now=promote_now)
+    except BaseException:
+        store._unwatch_deletes(watch)
+        raise
+    if not handed:
+        store._unwatch_deletes(watch)
+    return values
+
+
+async def _fetch_and_promote(store: Store, keys: Sequence[bytes],
+                             outs: Sequence[torch.Tensor | None],
+                             inflights: Sequence[InFlight], watch: DeleteWatch, *,
+                             chain: bool, promote_now: bool
+                             ) -> tuple[list[torch.Tensor | None], bool]:
+    """:func:`_fetch_own`'s work; also whether a background promotion took ``watch``."""
     remote = store.remote
     assert remote is not None
     values: list[torch.Tensor | None] = [None] * len(keys)
@@ -222,10 +250,9 @@ async def _fetch_own(store: Store, keys: Sequence[bytes], outs: Sequence[torch.T
         elif value is not None:
             promote.append((block, value))
     if promote_now:
-        await _promote(store, promote, background=False)
-    else:
-        _promote_soon(store, promote)
-    return values
+        await _promote(store, promote, background=False, watch=watch)
+        return values, False
+    return values, _promote_soon(store, promote, watch)
 
 
 Held = dict[bytes, "RemoteBlock | InFlight"]
