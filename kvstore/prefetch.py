@@ -11,7 +11,8 @@ serves them from memory.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import anyio
@@ -20,7 +21,8 @@ import anyio
 class Prefetch:
     """A prefetch in flight (or done): see the module docstring."""
 
-    def __init__(self, requested: int) -> None:
+    def __init__(self, requested: int,
+                 awaited: Callable[[], AbstractContextManager[None]] | None = None) -> None:
         self.requested = requested  # keys asked for
         self.scheduled = 0  # of which read from disk (stored, not yet in memory)
         self.arrived = 0  # of which now in memory because of this prefetch
@@ -28,6 +30,9 @@ class Prefetch:
         self.error: BaseException | None = None
         self._done = anyio.Event()
         self._scope: anyio.CancelScope | None = None
+        # held while a caller awaits the handle: the store's scheduler then lets
+        # prefetch reads go even while gets are served (a caller waits for it now)
+        self._awaited = awaited or nullcontext
 
     @property
     def done(self) -> bool:
@@ -41,8 +46,11 @@ class Prefetch:
 
     async def wait(self) -> int:
         """Wait until it ended (finished, cancelled or failed); the blocks that arrived.
-        A failure (an I/O error, the store closing) is raised here."""
-        await self._done.wait()
+        A failure (an I/O error, the store closing) is raised here.  While awaited, its
+        reads are not held back by gets (a stream of them would hold them for ever)."""
+        if not self._done.is_set():
+            with self._awaited():
+                await self._done.wait()
         if self.error is not None:
             raise self.error
         return self.arrived

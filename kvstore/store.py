@@ -1014,7 +1014,7 @@ class Store:
                              "memory_bytes=N (bytes of host RAM for cached blocks)")
         keys = list(dict.fromkeys(check_keys(keys)))
         want = [k for k in keys if k not in self.memory and k not in self._prefetching]
-        handle = Prefetch(len(keys))
+        handle = Prefetch(len(keys), awaited=self._prefetch_awaited)
         for key in want:
             self._prefetching[key] = anyio.Event()
         self._prefetches.add(handle)

@@ -96,13 +96,15 @@ async def test_a_small_foreground_put_does_not_overtake_a_waiting_large_one(
         assert order == ["first", "large", "small"]
 
 
+@pytest.mark.parametrize("waits_by", ["get", "handle"])
 async def test_a_get_waiting_on_a_prefetch_is_not_held_back_by_other_gets(
-        tmp_path: Path) -> None:
+        tmp_path: Path, waits_by: str) -> None:
     """A get of a key being prefetched waits for the prefetch's read, which the scheduler
     admitted only while no get was served: under a stream of other gets (one held on
     the device throughout, so the stream never pauses) it waited until the stream
     ended.  Now the awaited prefetch reads go at once; the other gets that complete
-    meanwhile are those running beside it, a handful, not the stream."""
+    meanwhile are those running beside it, a handful, not the stream.  Sibling: a
+    caller awaiting the prefetch's handle itself (``waits_by="handle"``)."""
     path = tmp_path / "s"
     wanted, *others = keys(5)
     async with kvstore.open(path, namespace=NS, engine="threads", sync=False,
@@ -135,6 +137,8 @@ async def test_a_get_waiting_on_a_prefetch_is_not_held_back_by_other_gets(
 
         async def waiting_get() -> None:
             waiter["waiting"] = True
+            if waits_by == "handle":
+                assert await handle == 1
             got.append(await store.get(wanted))
             waiter["done"] = True
             gate.open()
