@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import weakref
 
 from kvstore import permissions
 from kvstore.errors import StoreLockedError
 
 LOCK_FILE = "LOCK"
+
+_HELD: weakref.WeakSet[StoreLock] = weakref.WeakSet()
 
 
 class StoreLock:
@@ -28,6 +31,29 @@ class StoreLock:
                 "first: one store directory is served by one Store at a time") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        _HELD.add(self)
 
     def release(self) -> None:
-        os.close(self.fd)  # closing the descriptor drops the flock
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            _HELD.discard(self)
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def _forget_in_child(self) -> None:
+        """A forked child's copy of the descriptor: closed, not unlocked.  A flock
+        belongs to the open file description, which parent and child share; it drops
+        when the last descriptor on it closes, so a child that kept its copy (a worker
+        process running on) kept the store locked after the parent closed it, while
+        ``LOCK_UN`` here would unlock the parent's store under it."""
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_HELD):
+        lock._forget_in_child()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
