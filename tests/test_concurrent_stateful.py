@@ -4,8 +4,10 @@ Each step opens the store on the simulated disk (which yields a seeded number of
 before every I/O op, so tasks interleave and ops complete out of order), starts 1-5 tasks
 at once - puts of chain prefixes (parents in the batch), gets, match_prefix, deletes of
 chain suffixes - under capacity pressure with pinned blocks, and may cancel any task after
-a drawn number of scheduling points, close the store while tasks run, or crash the machine
-at a drawn I/O op.  Invariants after every round, on asyncio and trio:
+a drawn number of scheduling points, close the store while tasks run, crash the machine
+at a drawn I/O op, or fail the round's first fdatasync while other tasks' writes are
+pending (the disk drops what it covered, as Linux may; then the machine loses whatever
+else was unsynced: no put acknowledged after the failure may be among it).  Invariants after every round, on asyncio and trio:
 
 * every operation ended (the round runs under a deadline: a hang fails, it does not stall);
 * never wrong bytes: every get returns the stored value or a miss;
@@ -24,6 +26,7 @@ printed at the end of the run (``tests/conftest.py``).
 
 from __future__ import annotations
 
+import errno
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,7 +40,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 
 import kvstore
 from kvstore import fsck
-from kvstore.errors import CapacityError, StoreClosedError
+from kvstore.errors import CapacityError, ReadOnlyError, StoreClosedError, StoreIOError
 from kvstore.format import SLOT_HEADER_BYTES, round_up
 from kvstore.io.simulated import CRASH_MODES, SimulatedDisk, SimulatedEngine, is_simulated_crash
 from tests.concurrency import run_within
@@ -45,7 +48,7 @@ from tests.conformance import NS, make_tensor, same
 
 STATS: dict[str, int] = {"machines": 0, "rounds": 0, "tasks": 0, "cancellations": 0,
                          "closes_in_flight": 0, "crashes": 0, "scheduling_points": 0,
-                         "evictions": 0, "g1_checks": 0}
+                         "evictions": 0, "g1_checks": 0, "sync_faults": 0}
 
 CHAINS = [NS.chain_keys(list(range(10_000 * c, 10_000 * c + 4 * 6))) for c in range(3)]
 POOL = [k for chain in CHAINS for k in chain]
@@ -108,9 +111,10 @@ class ConcurrentMachine(RuleBasedStateMachine):
 
     @rule(tasks=st.lists(st.tuples(ops, cancel_points), min_size=1, max_size=5),
           close_after=st.one_of(st.none(), st.integers(0, 60)),
-          crash=st.one_of(st.none(), st.tuples(st.integers(1, 8), st.sampled_from(CRASH_MODES))))
+          crash=st.one_of(st.none(), st.tuples(st.integers(1, 8), st.sampled_from(CRASH_MODES))),
+          sync_fault=st.integers(0, 5))
     def concurrent_round(self, tasks: list[tuple[tuple[Any, ...], int | None]], close_after: int | None,
-              crash: tuple[int, str] | None) -> None:
+              crash: tuple[int, str] | None, sync_fault: int = 0) -> None:
         if not self.deletes:
             tasks = [t for t in tasks if t[0][0] != "delete"] or [(("match", 0), None)]
         outcomes: list[tuple[str, Any]] = [("unfinished", None)] * len(tasks)
@@ -121,11 +125,20 @@ class ConcurrentMachine(RuleBasedStateMachine):
                                   for k in CHAINS[op[1]][:op[2]]}
         self.deleted: set[bytes] = set()
         yields_before = self.disk.yields
+        # One round in six: the round's first fdatasync fails (the disk drops what it
+        # covered), with other tasks' writes pending; the store turns read-only, so its
+        # puts, deletes and pins may be refused; none acknowledged after it may be lost.
+        faulty = sync_fault == 5
+        if faulty:
+            self.disk.faults.append(("datasync", errno.EIO))
+            STATS["sync_faults"] += 1
+        refusals: tuple[type[BaseException], ...] = (StoreClosedError, CapacityError) + \
+            ((StoreIOError, ReadOnlyError) if faulty else ())
 
         async def one(store: kvstore.Store, i: int, op: tuple[Any, ...]) -> None:
             try:
                 outcomes[i] = ("ok", await self.do(store, op))
-            except (StoreClosedError, CapacityError) as e:
+            except refusals as e:
                 outcomes[i] = ("refused", e)
 
         async def cancellable(store: kvstore.Store, i: int, op: tuple[Any, ...],
@@ -176,6 +189,9 @@ class ConcurrentMachine(RuleBasedStateMachine):
             if crashed:
                 STATS["crashes"] += 1
                 self.disk.crash(crash[1] if crash else "lose")
+            elif faulty:
+                self.disk.faults = [f for f in self.disk.faults if f[0] != "datasync"]
+                self.disk.crash("lose")  # and then the machine loses what was unsynced
 
         run_within(go, self.backend, ROUND_DEADLINE * 2)
         STATS["rounds"] += 1

@@ -102,6 +102,17 @@ class SimulatedDisk:
                 return code
         return None
 
+    def drop(self, path: str) -> int:
+        """What Linux may do when an fdatasync of ``path`` fails: the dirty pages it
+        could not write are dropped, the file reads its old bytes there, and a later
+        sync succeeds with nothing to say about them.  Returns the writes dropped."""
+        writes = self.pending.pop(path, [])
+        with open(path, "r+b") as f:
+            for w in reversed(writes):  # newest first, so overlaps restore correctly
+                f.seek(w.offset)
+                f.write(w.old)
+        return len(writes)
+
     def crash(self, mode: str, keep: Sequence[bool] | None = None, *,
               moved: tuple[str, str] | None = None, clear: bool = True) -> int:
         """Turn the unsynced writes into one legal post-crash state; returns how many there
@@ -222,8 +233,10 @@ class SimulatedEngine:
             self.disk._tick()
             fault = self.disk._fault("datasync")
             if fault is not None:
-                # After a failed fsync the kernel may drop the dirty pages: the writes stay
-                # pending (losable), which is why the store must stop acknowledging.
+                # After a failed fsync the kernel may drop the dirty pages, and it does
+                # here: a later sync that succeeds would otherwise make them durable,
+                # hiding a store that acknowledged them after the failure (fsyncgate).
+                self.disk.drop(self._paths[fd])
                 raise StoreIOError(fault, f"fdatasync failed: {os.strerror(abs(fault))}")
             self.disk.pending.pop(self._paths[fd], None)
 
