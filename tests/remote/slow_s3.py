@@ -89,6 +89,14 @@ class SlowS3:
         with self._cond:
             self._gate.open()
 
+    def rearm(self) -> None:
+        """Hold requests of the kinds in ``hold`` again (after a ``release``); call it
+        when no request is held (after ``wait_idle``)."""
+        with self._cond:
+            if self._gate.opened:
+                self._gate.close()
+                self._gate = _Gate()
+
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Until no request is being served (bounded by ``timeout``: a hang fails)."""
         with self._cond:
