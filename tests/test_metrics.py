@@ -222,9 +222,9 @@ async def test_a_store_must_be_registered_from_its_loop(tmp_path: Path) -> None:
             await anyio.to_thread.run_sync(metrics.StoreCollector, store)
 
 
-async def test_readme_lists_exactly_what_the_collector_emits(tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert metrics.metric_table() in readme, "regenerate the README table: metric_table()"
+async def test_the_docs_list_exactly_what_the_collector_emits(tmp_path: Path) -> None:
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    assert metrics.metric_table() in page, "regenerate docs/metrics.md's table: metric_table()"
     async with opener(tmp_path) as store:
         stats = store.stats()
         families = parse(generate_latest(_registry(store)).decode())
