@@ -43,7 +43,6 @@ from contextlib import (
     nullcontext,
     suppress,
 )
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -94,6 +93,7 @@ from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.prefetch import Prefetch
 from kvstore.remote.config import RemoteConfig
 from kvstore.slots import PlanMismatch, PutItem
+from kvstore.stats import COUNTERS, PutResult, StoreStats, collect
 from kvstore.tensors import CODE_DTYPES, check_out, check_writable_out, host_bytes
 from kvstore.totals import Totals
 from kvstore.transfers import Transfers, offloaded
@@ -106,88 +106,6 @@ __all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
 INDEX_DIR = "index"
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class StoreStats:
-    """A snapshot of the store, from ``Store.stats()``."""
-
-    path: str
-    engine: str
-    o_direct: bool
-    engine_reason: str
-    durable: bool
-    read_only: bool
-    read_only_reason: str | None
-    blocks: int
-    quarantined: int
-    extents: int
-    extent_bytes: int
-    disk_bytes: int
-    free_bytes: int
-    stored_bytes: int
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-    peak_used_bytes: int = 0
-    pinned_blocks: int = 0
-    dedup_ratio: float = 1.0
-    compression_ratio: float = 1.0
-    put_payload_bytes: int = 0
-    puts: int = 0
-    put_blocks: int = 0
-    put_bytes: int = 0
-    dedup_blocks: int = 0
-    dedup_bytes: int = 0
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0
-    read_bytes: int = 0
-    corrupt_blocks: int = 0
-    read_errors: int = 0
-    quarantined_blocks: int = 0  # corrupt or unreadable blocks taken out of the index
-    deletes: int = 0
-    evicted_blocks: int = 0
-    evicted_bytes: int = 0
-    put_retries: int = 0  # puts redone because an eviction cut what they deduplicated against
-    put_replans: int = 0  # FP8 puts placed again: a block's values made it fall back to raw
-    memory_hits: int = 0  # blocks served from the memory tier (no disk I/O)
-    memory_misses: int = 0  # stored blocks a get looked for in memory and read from disk
-    memory_read_bytes: int = 0
-    memory_capacity_bytes: int = 0  # 0: the memory tier is off
-    memory_used_bytes: int = 0
-    memory_blocks: int = 0
-    memory_evicted_blocks: int = 0
-    prefetch_blocks: int = 0  # blocks prefetches brought into memory
-    prefetch_read_bytes: int = 0  # bytes prefetches read from disk
-    dropped_puts: int = 0  # background puts dropped whole under backpressure
-    dropped_blocks: int = 0
-    backlog_bytes: int = 0  # bytes of puts in flight now
-    io_deferred: dict[str, int] = field(default_factory=dict)  # transfers that waited, by class
-    io_queue_depth: dict[str, int] = field(default_factory=dict)  # transfers waiting now
-    io_backlog_bytes: dict[str, int] = field(default_factory=dict)  # bytes on the device now
-    io_busy_flushes: int = 0  # flushes the scheduler issued to keep writes small under reads
-    remote: dict[str, Any] = field(default_factory=dict)  # RemoteStats.as_dict(); {}: no remote
-    commits: int = 0
-    namespaces: list[str] = field(default_factory=list)
-    # Since the store was created, all processes (kvstore/totals.py); the counters above
-    # (puts ... evicted_bytes) count only this Store object since it was opened.
-    totals: dict[str, int] = field(default_factory=dict)
-    cuda: str = ""  # GPU path of the staging arena (kvstore.cuda.pinned.ArenaPin)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """What ``put_many`` did: blocks newly written, blocks skipped as already stored, and
-    blocks of a ``background=True`` put dropped whole under backpressure (then nothing
-    was written)."""
-
-    written: int
-    deduplicated: int
-    bytes_written: int
-    dropped: int = 0
-
 
 class _BacklogTurn:
     """A foreground put waiting for room in the backlog; ``admitted`` is set once its
@@ -394,15 +312,7 @@ class Store:
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self._inflight: dict[bytes, anyio.Event] = {}
         self._read_only_reason: str | None = None
-        self._counters = {k: 0 for k in ("puts", "put_blocks", "put_bytes", "dedup_blocks",
-                                          "dedup_bytes", "gets", "hits", "misses", "read_bytes",
-                                          "corrupt_blocks", "read_errors", "deletes",
-                                          "evicted_blocks", "evicted_bytes",
-                                          "put_payload_bytes", "put_retries", "put_replans",
-                                          "memory_hits", "memory_misses", "memory_read_bytes",
-                                          "prefetch_blocks", "prefetch_read_bytes",
-                                          "dropped_puts", "dropped_blocks",
-                                          "quarantined_blocks")}
+        self._counters = dict.fromkeys(COUNTERS, 0)
         self._totals = Totals(self._counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
         # thread, before the writer stops (cleanups run last-registered first).
@@ -1141,48 +1051,9 @@ class Store:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> StoreStats:
+        """A snapshot of the store's state and counters (:class:`kvstore.stats.StoreStats`)."""
         self._check_open()
-        extents = self.index.extents_list()
-        disk = sum(extents.values())
-        counts = self.index.counts()
-        offered = self._counters["put_bytes"] + self._counters["dedup_bytes"]
-        alloc = self.allocator
-        free = alloc.space.free_bytes
-        return StoreStats(
-            path=self.path, engine=self.engine.name, o_direct=self.engine.direct,
-            engine_reason=self.engine_reason, durable=self.durable, read_only=self.read_only,
-            read_only_reason=self._read_only_reason, blocks=counts["blocks"],
-            quarantined=counts["quarantine"], extents=len(extents),
-            extent_bytes=self.extent_bytes, disk_bytes=disk,
-            free_bytes=free, stored_bytes=disk - free - PAGE * len(extents),
-            capacity_bytes=alloc.capacity_bytes, used_bytes=alloc.used_bytes,
-            peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
-            dedup_ratio=offered / self._counters["put_bytes"] if self._counters["put_bytes"] else 1.0,
-            compression_ratio=(self._counters["put_bytes"] / self._counters["put_payload_bytes"]
-                               if self._counters["put_payload_bytes"] else 1.0),
-            commits=self.writer.commits, cuda=self._cuda.status,
-            namespaces=list(self.index.namespaces().values()),
-            totals=self._totals.current(self.index), backlog_bytes=self._backlog,
-            **self._extra_stats())
-
-    def _extra_stats(self) -> dict[str, Any]:
-        """The per-open counters and the optional layers' numbers, as StoreStats fields."""
-        remote = {"remote": self.remote.stats().as_dict()} if self.remote is not None else {}
-        return {**self._counters, **self._memory_stats(), **self._io_stats(), **remote}
-
-    def _io_stats(self) -> dict[str, Any]:
-        sched = self.scheduler
-        if sched is None:
-            return {}
-        return {"io_deferred": dict(sched.deferred), "io_queue_depth": dict(sched.waiting),
-                "io_backlog_bytes": dict(sched.inflight), "io_busy_flushes": sched.flushes}
-
-    def _memory_stats(self) -> dict[str, int]:
-        m = self.memory
-        if m is None:
-            return {}
-        return {"memory_capacity_bytes": m.capacity_bytes, "memory_used_bytes": m.used_bytes,
-                "memory_blocks": len(m), "memory_evicted_blocks": m.evicted_blocks}
+        return collect(self)
 
 
 @asynccontextmanager

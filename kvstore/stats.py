@@ -1,0 +1,159 @@
+"""What a store reports: :class:`StoreStats` (``Store.stats()``), :class:`PutResult`
+(``put_many``), the per-open counters every call path adds to (:data:`COUNTERS`), and
+:func:`collect`, which reads one snapshot of the store and its optional layers (the
+memory tier, the I/O scheduler, the remote tier).  Stats live here, apart from the call
+paths: ``Store`` counts, this module reports (``kvstore.metrics`` exports the same
+fields to Prometheus).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvstore.format import PAGE
+
+if TYPE_CHECKING:
+    from kvstore.store import Store
+
+__all__ = ["COUNTERS", "PutResult", "StoreStats", "collect"]
+
+# Counters of one open Store, by the calls that add to them (StoreStats fields of the
+# same names); kvstore/totals.py persists some of them across opens.
+COUNTERS = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes", "gets", "hits",
+            "misses", "read_bytes", "corrupt_blocks", "read_errors", "deletes",
+            "evicted_blocks", "evicted_bytes", "put_payload_bytes", "put_retries",
+            "put_replans", "memory_hits", "memory_misses", "memory_read_bytes",
+            "prefetch_blocks", "prefetch_read_bytes", "dropped_puts", "dropped_blocks",
+            "quarantined_blocks")
+
+
+@dataclass
+class StoreStats:
+    """A snapshot of the store, from ``Store.stats()``."""
+
+    path: str
+    engine: str
+    o_direct: bool
+    engine_reason: str
+    durable: bool
+    read_only: bool
+    read_only_reason: str | None
+    blocks: int
+    quarantined: int
+    extents: int
+    extent_bytes: int
+    disk_bytes: int
+    free_bytes: int
+    stored_bytes: int
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    peak_used_bytes: int = 0
+    pinned_blocks: int = 0
+    dedup_ratio: float = 1.0
+    compression_ratio: float = 1.0
+    put_payload_bytes: int = 0
+    puts: int = 0
+    put_blocks: int = 0
+    put_bytes: int = 0
+    dedup_blocks: int = 0
+    dedup_bytes: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    read_bytes: int = 0
+    corrupt_blocks: int = 0
+    read_errors: int = 0
+    quarantined_blocks: int = 0  # corrupt or unreadable blocks taken out of the index
+    deletes: int = 0
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
+    put_retries: int = 0  # puts redone because an eviction cut what they deduplicated against
+    put_replans: int = 0  # FP8 puts placed again: a block's values made it fall back to raw
+    memory_hits: int = 0  # blocks served from the memory tier (no disk I/O)
+    memory_misses: int = 0  # stored blocks a get looked for in memory and read from disk
+    memory_read_bytes: int = 0
+    memory_capacity_bytes: int = 0  # 0: the memory tier is off
+    memory_used_bytes: int = 0
+    memory_blocks: int = 0
+    memory_evicted_blocks: int = 0
+    prefetch_blocks: int = 0  # blocks prefetches brought into memory
+    prefetch_read_bytes: int = 0  # bytes prefetches read from disk
+    dropped_puts: int = 0  # background puts dropped whole under backpressure
+    dropped_blocks: int = 0
+    backlog_bytes: int = 0  # bytes of puts in flight now
+    io_deferred: dict[str, int] = field(default_factory=dict)  # transfers that waited, by class
+    io_queue_depth: dict[str, int] = field(default_factory=dict)  # transfers waiting now
+    io_backlog_bytes: dict[str, int] = field(default_factory=dict)  # bytes on the device now
+    io_busy_flushes: int = 0  # flushes the scheduler issued to keep writes small under reads
+    remote: dict[str, Any] = field(default_factory=dict)  # RemoteStats.as_dict(); {}: no remote
+    commits: int = 0
+    namespaces: list[str] = field(default_factory=list)
+    # Since the store was created, all processes (kvstore/totals.py); the counters above
+    # (puts ... evicted_bytes) count only this Store object since it was opened.
+    totals: dict[str, int] = field(default_factory=dict)
+    cuda: str = ""  # GPU path of the staging arena (kvstore.cuda.pinned.ArenaPin)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What ``put_many`` did: blocks newly written, blocks skipped as already stored, and
+    blocks of a ``background=True`` put dropped whole under backpressure (then nothing
+    was written)."""
+
+    written: int
+    deduplicated: int
+    bytes_written: int
+    dropped: int = 0
+
+
+def collect(store: Store) -> StoreStats:
+    """One snapshot of ``store`` (open: the caller checked)."""
+    counters = store._counters
+    extents = store.index.extents_list()
+    disk = sum(extents.values())
+    counts = store.index.counts()
+    offered = counters["put_bytes"] + counters["dedup_bytes"]
+    alloc = store.allocator
+    free = alloc.space.free_bytes
+    # the per-open counters and the optional layers' numbers, as StoreStats fields
+    extra: dict[str, Any] = {**counters, **_memory(store), **_io(store), **_remote(store)}
+    return StoreStats(
+        path=store.path, engine=store.engine.name, o_direct=store.engine.direct,
+        engine_reason=store.engine_reason, durable=store.durable, read_only=store.read_only,
+        read_only_reason=store._read_only_reason, blocks=counts["blocks"],
+        quarantined=counts["quarantine"], extents=len(extents),
+        extent_bytes=store.extent_bytes, disk_bytes=disk,
+        free_bytes=free, stored_bytes=disk - free - PAGE * len(extents),
+        capacity_bytes=alloc.capacity_bytes, used_bytes=alloc.used_bytes,
+        peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
+        dedup_ratio=offered / counters["put_bytes"] if counters["put_bytes"] else 1.0,
+        compression_ratio=(counters["put_bytes"] / counters["put_payload_bytes"]
+                           if counters["put_payload_bytes"] else 1.0),
+        commits=store.writer.commits, cuda=store._cuda.status,
+        namespaces=list(store.index.namespaces().values()),
+        totals=store._totals.current(store.index), backlog_bytes=store._backlog,
+        **extra)
+
+
+def _remote(store: Store) -> dict[str, Any]:
+    return {"remote": store.remote.stats().as_dict()} if store.remote is not None else {}
+
+
+def _io(store: Store) -> dict[str, Any]:
+    sched = store.scheduler
+    if sched is None:
+        return {}
+    return {"io_deferred": dict(sched.deferred), "io_queue_depth": dict(sched.waiting),
+            "io_backlog_bytes": dict(sched.inflight), "io_busy_flushes": sched.flushes}
+
+
+def _memory(store: Store) -> dict[str, int]:
+    m = store.memory
+    if m is None:
+        return {}
+    return {"memory_capacity_bytes": m.capacity_bytes, "memory_used_bytes": m.used_bytes,
+            "memory_blocks": len(m), "memory_evicted_blocks": m.evicted_blocks}
