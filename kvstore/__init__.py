@@ -35,6 +35,7 @@ from kvstore.errors import (
 from kvstore.format import FORMAT_VERSION
 from kvstore.io.scheduler import IoSchedule
 from kvstore.keys import Namespace, chain_parents
+from kvstore.options import StoreOptions
 from kvstore.store import PutResult, Store, StoreStats, open
 
 # The store pins its staging arena through a hook (kvstore.pinning), so that it does not
@@ -63,6 +64,7 @@ __all__ = [
     "RemoteAuthError",
     "RemoteError",
     "Store",
+    "StoreOptions",
     "StoreClosedError",
     "StoreFullError",
     "StoreIOError",

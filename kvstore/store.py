@@ -84,12 +84,13 @@ from kvstore.index import (
 from kvstore.io.arena import Arena
 from kvstore.io.probe import probe
 from kvstore.io.protocol import IOEngine
-from kvstore.io.scheduler import PREFETCH, IoSchedule, IoScheduler, as_class
+from kvstore.io.scheduler import PREFETCH, IoScheduler, as_class
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace, check_key, check_keys
 from kvstore.latency import Latency
 from kvstore.lock import LOCK_FILE, StoreLock
 from kvstore.memory_tier import Cached, MemoryTier
+from kvstore.options import StoreOptions
 from kvstore.prefetch import Prefetch
 from kvstore.remote.config import RemoteConfig
 from kvstore.slots import PlanMismatch, PutItem
@@ -161,61 +162,45 @@ class Store:
     """An open store.  Get one from :func:`open`; every method is a coroutine except
     ``stats()``.  Use a store from the event loop that opened it."""
 
-    def __init__(self, path: str, *, namespace: Namespace | None, allow_new_namespace: bool,
-                 engine: str | IOEngine, sync: bool, extent_bytes: int, staging_bytes: int,
-                 queue_depth: int, index_map_bytes: int, create: bool,
-                 capacity_bytes: int | None = None, pin_staging: bool | None = None,
-                 file_mode: int | None = None, strict_permissions: bool = False,
-                 memory_bytes: int = 0, prefetch_share: float = 0.5,
-                 io_scheduling: bool | IoSchedule = True, backlog_bytes: int = 1 << 30,
-                 remote: RemoteConfig | None = None) -> None:
+    def __init__(self, path: str, options: StoreOptions) -> None:
+        opts = self.options = options
+        namespace, memory_bytes, file_mode = opts.namespace, opts.memory_bytes, opts.file_mode
         self.path = os.path.abspath(path)
         # remote tier (kvstore/remote/): made at the end of _open, started by open()
-        self._remote_config = remote
+        self._remote_config = opts.remote
         self.remote: RemoteTier | None = None
-        if memory_bytes < 0:
-            raise ValueError(f"memory_bytes must be >= 0 (0 turns the memory tier off), "
-                             f"got {memory_bytes}")
-        if not 0 < prefetch_share <= 1:
-            raise ValueError(f"prefetch_share must be in (0, 1], got {prefetch_share}")
-        if backlog_bytes <= 0:
-            raise ValueError(f"backlog_bytes must be > 0, got {backlog_bytes}")
         self._memory_bytes = memory_bytes
-        self._prefetch_share = prefetch_share
-        if not isinstance(io_scheduling, (bool, IoSchedule)):
-            raise TypeError(f"io_scheduling must be True, False or a kvstore.IoSchedule, "
-                            f"got {io_scheduling!r}")
-        self._io_schedule = IoSchedule() if io_scheduling is True else io_scheduling or None
-        self.backlog_bytes = backlog_bytes  # puts in flight beyond this drop background puts
+        self._prefetch_share = opts.prefetch_share
+        self._io_schedule = opts.io_schedule()
+        self.backlog_bytes = opts.backlog_bytes  # puts in flight beyond this drop background puts
         self._backlog = 0  # bytes of puts in flight (foreground and background)
         self._backlog_queue: deque[_BacklogTurn] = deque()  # foreground puts waiting
         self._prefetching: dict[bytes, anyio.Event] = {}  # key -> set when its read landed
         self._prefetches: set[Prefetch] = set()
         self._delete_watches: set[DeleteWatch] = set()  # promotions fetching (remote tier)
         self._background: anyio.abc.TaskGroup | None = None  # open() runs prefetches here
-        if file_mode is not None:
-            permissions.check_file_mode(file_mode)
         # what new paths get until the store's recorded mode is known (in the index)
         self.file_mode = permissions.FILE_MODE if file_mode is None else file_mode
-        self._strict_permissions = strict_permissions
+        self._strict_permissions = opts.strict_permissions
         self._requested_mode = file_mode
-        if create:
+        if opts.create:
             permissions.make_dirs(self.path, self.file_mode)
         elif not os.path.isdir(os.path.join(self.path, INDEX_DIR)):
             raise FileNotFoundError(f"no kvstore at {self.path} (open with create=True to make one)")
         self.namespace = namespace
-        self.codec: CodecSpec | None = None  # the store's default codec; set by open()
-        self.durable = sync
-        self._capacity_option = capacity_bytes
-        self._pin_staging = pin_staging
+        self.codec: CodecSpec | None = opts.codec  # the store's default codec
+        self.durable = opts.sync
+        self._capacity_option = opts.capacity_bytes
+        self._pin_staging = opts.pin_staging
         self._lock = StoreLock(self.path)
         self._closed = False
         self._ops = _Operations()
         self.latency = Latency(("get", "put", "prefetch"))  # call durations (kvstore.metrics exports them)
         self._cleanups: list[Any] = [self._lock.release]
         try:
-            self._open(namespace, allow_new_namespace, engine, sync, extent_bytes,
-                       staging_bytes, queue_depth, index_map_bytes)
+            self._open(namespace, opts.allow_new_namespace, opts.engine, opts.sync,
+                       opts.extent_bytes, opts.staging_bytes, opts.queue_depth,
+                       opts.index_map_bytes)
         except BaseException:
             self._run_cleanups()
             raise
@@ -225,8 +210,6 @@ class Store:
     def _open(self, namespace: Namespace | None, allow_new_namespace: bool, engine: str | IOEngine,
               sync: bool, extent_bytes: int, staging_bytes: int, queue_depth: int,
               index_map_bytes: int) -> None:
-        if extent_bytes % PAGE or extent_bytes < 4 * PAGE:
-            raise ValueError(f"extent_bytes must be a multiple of {PAGE} and >= {4 * PAGE}")
         self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=index_map_bytes, sync=sync,
                            file_mode=self.file_mode)
         self._cleanups.append(self.index.close)
@@ -1058,105 +1041,18 @@ class Store:
 
 @asynccontextmanager
 async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
-    path: str | os.PathLike[str],
-    *,
-    namespace: Namespace | None = None,
-    allow_new_namespace: bool = False,
-    engine: str | IOEngine = "auto",
-    sync: bool = True,
-    extent_bytes: int = 1 << 30,
-    staging_bytes: int = 256 << 20,
-    queue_depth: int = 64,
-    index_map_bytes: int = 64 << 30,
-    create: bool = True,
-    capacity_bytes: int | None = None,
-    codec: CodecSpec | None = None,
-    pin_staging: bool | None = None,
-    file_mode: int | None = None,
-    strict_permissions: bool = False,
-    memory_bytes: int = 0,
-    prefetch_share: float = 0.5,
-    io_scheduling: bool | IoSchedule = True,
-    backlog_bytes: int = 1 << 30,
-    remote: RemoteConfig | None = None,
+    path: str | os.PathLike[str], options: StoreOptions | None = None, **fields: Any,
 ) -> AsyncIterator[Store]:
     """Open (creating if needed) the store at ``path``: ``async with open(p) as store``.
 
-    ``namespace``  the model/layout the caller's keys belong to; recorded at first use, and
-                   a different one is refused unless ``allow_new_namespace=True``.
-    ``engine``     ``"auto"`` (probe: io_uring if it works here, else threads),
-                   ``"io_uring"`` or ``"threads"`` (or an ``IOEngine`` instance, e.g. the
-                   crash tests' ``SimulatedEngine``).
-    ``sync``       True (default): an acknowledged put has been written, fdatasync'ed and
-                   committed (LMDB fsync) - it survives process crash, kernel crash and power
-                   loss.  False: no fdatasync and no LMDB fsync - acknowledged blocks survive
-                   a crash of the process, but a kernel crash or power loss can lose the
-                   most recent ones (never corrupt: what is read back still verifies).
-    ``extent_bytes``  size of each preallocated extent file (fixed at creation).
-    ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
-                   memory used by transfers in flight and the largest block.  Resident
-                   from open (faulted in then, on transparent huge pages where the host
-                   allows them: ~20 ms per 256 MiB), not page by page during transfers.
-    ``queue_depth``   I/O operations in flight at once.
-    ``index_map_bytes`` the most the LMDB index may grow to.  Its memory map starts at
-                   1 GiB (or this, if smaller) and doubles when full, between
-                   transactions; past this limit puts fail with ``StoreFullError`` (reads
-                   keep working).  Address space, not disk: the file grows as it fills.
-    ``codec``      default :class:`~kvstore.codecs.CodecSpec` for puts (None: raw bytes).
-                   FP8 is lossy and opt-in; zstd (after FP8, or over bf16/fp16 byte planes)
-                   is lossless.  Reads decode whatever each block was written with.
-    ``capacity_bytes`` stored bytes (slots, 4 KiB-rounded) never exceed this, even under
-                   concurrent puts: least-recently-used blocks without stored children and
-                   not pinned are evicted first (durably, like deletes), only as much as a
-                   put needs; parents of blocks being written are never evicted, so chains
-                   never get holes; default: what the store holds plus 90% of the free disk
-                   space.
-    ``pin_staging`` register the staging arena as CUDA pinned memory (kvstore.cuda), so
-                   gets land where the GPU can DMA them: None (default) when CUDA is
-                   usable, True requires it (CudaError if not), False never.  Unregistered
-                   at close.  ``stats().cuda`` says what happened.
-    ``file_mode``  permissions of the store's files (directories get search where it
-                   grants read), exact whatever the umask: None (default) keeps the
-                   store's recorded mode, owner-only ``0o600`` (dirs ``0o700``) for a new
-                   one - KV blocks hold users' prompts.  ``0o640``/``0o660`` share the
-                   store with the group on purpose; a mode different from the recorded
-                   one is recorded and applied to every existing file.  Other users
-                   never get write access.
-    ``strict_permissions``  opening a store whose files other users can reach (more
-                   than ``file_mode`` allows, or owned by another user) logs a warning
-                   naming them and the fixing ``chmod``; True refuses instead
-                   (:class:`~kvstore.errors.InsecurePermissionsError`).
-    ``memory_bytes`` size of the host-memory tier (0, the default: off): verified blocks
-                   cached in one region of host RAM (pinned when CUDA is usable) in front
-                   of the extents, filled by durable puts (lossless codecs) and by gets of
-                   CPU tensors; a get served from it does no disk I/O.  Least-recently-used
-                   leaves are evicted first; pinned blocks stay.  See
-                   :mod:`kvstore.memory_tier`.
-    ``prefetch_share`` the most of ``memory_bytes`` that prefetched blocks not yet read
-                   by a get may take (``Store.prefetch``).
-    ``io_scheduling`` True (default): reads a caller awaits go before background writes,
-                   flushes and prefetches, with bounded bytes in flight per class
-                   (:mod:`kvstore.io.scheduler`); a :class:`kvstore.IoSchedule` sets
-                   those bounds; False hands every transfer to the engine as it comes.
-    ``backlog_bytes`` bytes of puts in flight beyond which ``put_many(background=True)``
-                   drops its batch whole and foreground puts wait (default 1 GiB).
-    ``remote``     a :class:`~kvstore.remote.RemoteConfig`: the shared S3 tier behind
-                   this one (needs ``namespace``; ``pip install kvstore[remote]``).
-                   Durable puts are uploaded in the background; local misses of
-                   get_many / match_prefix / prefetch are fetched (verified, under a
-                   deadline) and promoted here.  Refused credentials raise
-                   ``RemoteAuthError`` here; an unreachable cluster does not (fast
-                   misses until it answers).  See :mod:`kvstore.remote.tier`.
+    Options are the fields of :class:`~kvstore.options.StoreOptions` (each documented
+    there), given as keywords (``open(p, memory_bytes=1 << 30)``) or as one
+    ``StoreOptions`` (``open(p, options)``; keywords beside it replace its fields).
+    They are validated before anything is opened: a bad value raises ``ValueError`` or
+    ``TypeError`` naming the option.
     """
-    store = await anyio.to_thread.run_sync(lambda: Store(
-        os.fspath(path), namespace=namespace, allow_new_namespace=allow_new_namespace,
-        engine=engine, sync=sync, extent_bytes=extent_bytes, staging_bytes=staging_bytes,
-        queue_depth=queue_depth, index_map_bytes=index_map_bytes, create=create,
-        capacity_bytes=capacity_bytes, pin_staging=pin_staging, file_mode=file_mode,
-        strict_permissions=strict_permissions, memory_bytes=memory_bytes,
-        prefetch_share=prefetch_share, io_scheduling=io_scheduling,
-        backlog_bytes=backlog_bytes, remote=remote))
-    store.codec = codec
+    opts = StoreOptions.of(options, **fields)
+    store = await anyio.to_thread.run_sync(Store, os.fspath(path), opts)
     # Prefetches run in this task group.  Entered and left by hand, not with ``async
     # with``: an exception from the caller's block then propagates as itself, not
     # wrapped in an ExceptionGroup (prefetch tasks never raise: they hand errors to

@@ -1,0 +1,146 @@
+"""The options of a store, in one frozen dataclass validated once: ``kvstore.open()``,
+``kvstore.open_blocking()`` and the engine integrations take it (or its fields as
+keywords) without restating them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from kvstore import permissions
+from kvstore.format import PAGE
+from kvstore.io.scheduler import IoSchedule
+
+if TYPE_CHECKING:
+    from kvstore.codecs import CodecSpec
+    from kvstore.io.protocol import IOEngine
+    from kvstore.keys import Namespace
+    from kvstore.remote.config import RemoteConfig
+
+__all__ = ["StoreOptions"]
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How a store is opened.  Every field has a default; a bad value raises
+    ``ValueError`` or ``TypeError`` naming the field when the options are made.
+
+    ``namespace``  the model/layout the caller's keys belong to; recorded at first use, and
+                   a different one is refused unless ``allow_new_namespace=True``.
+    ``engine``     ``"auto"`` (probe: io_uring if it works here, else threads),
+                   ``"io_uring"`` or ``"threads"`` (or an ``IOEngine`` instance, e.g. the
+                   crash tests' ``SimulatedEngine``).
+    ``sync``       True (default): an acknowledged put has been written, fdatasync'ed and
+                   committed (LMDB fsync) - it survives process crash, kernel crash and power
+                   loss.  False: no fdatasync and no LMDB fsync - acknowledged blocks survive
+                   a crash of the process, but a kernel crash or power loss can lose the
+                   most recent ones (never corrupt: what is read back still verifies).
+    ``extent_bytes``  size of each preallocated extent file (fixed at creation).
+    ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
+                   memory used by transfers in flight and the largest block.  Resident
+                   from open (faulted in then, on transparent huge pages where the host
+                   allows them: ~20 ms per 256 MiB), not page by page during transfers.
+    ``queue_depth``   I/O operations in flight at once.
+    ``index_map_bytes`` the most the LMDB index may grow to.  Its memory map starts at
+                   1 GiB (or this, if smaller) and doubles when full, between
+                   transactions; past this limit puts fail with ``StoreFullError`` (reads
+                   keep working).  Address space, not disk: the file grows as it fills.
+    ``codec``      default :class:`~kvstore.codecs.CodecSpec` for puts (None: raw bytes).
+                   FP8 is lossy and opt-in; zstd (after FP8, or over bf16/fp16 byte planes)
+                   is lossless.  Reads decode whatever each block was written with.
+    ``capacity_bytes`` stored bytes (slots, 4 KiB-rounded) never exceed this, even under
+                   concurrent puts: least-recently-used blocks without stored children and
+                   not pinned are evicted first (durably, like deletes), only as much as a
+                   put needs; parents of blocks being written are never evicted, so chains
+                   never get holes; default: what the store holds plus 90% of the free disk
+                   space.
+    ``pin_staging`` register the staging arena as CUDA pinned memory (kvstore.cuda), so
+                   gets land where the GPU can DMA them: None (default) when CUDA is
+                   usable, True requires it (CudaError if not), False never.  Unregistered
+                   at close.  ``stats().cuda`` says what happened.
+    ``file_mode``  permissions of the store's files (directories get search where it
+                   grants read), exact whatever the umask: None (default) keeps the
+                   store's recorded mode, owner-only ``0o600`` (dirs ``0o700``) for a new
+                   one - KV blocks hold users' prompts.  ``0o640``/``0o660`` share the
+                   store with the group on purpose; a mode different from the recorded
+                   one is recorded and applied to every existing file.  Other users
+                   never get write access.
+    ``strict_permissions``  opening a store whose files other users can reach (more
+                   than ``file_mode`` allows, or owned by another user) logs a warning
+                   naming them and the fixing ``chmod``; True refuses instead
+                   (:class:`~kvstore.errors.InsecurePermissionsError`).
+    ``memory_bytes`` size of the host-memory tier (0, the default: off): verified blocks
+                   cached in one region of host RAM (pinned when CUDA is usable) in front
+                   of the extents, filled by durable puts (lossless codecs) and by gets of
+                   CPU tensors; a get served from it does no disk I/O.  Least-recently-used
+                   leaves are evicted first; pinned blocks stay.  See
+                   :mod:`kvstore.memory_tier`.
+    ``prefetch_share`` the most of ``memory_bytes`` that prefetched blocks not yet read
+                   by a get may take (``Store.prefetch``).
+    ``io_scheduling`` True (default): reads a caller awaits go before background writes,
+                   flushes and prefetches, with bounded bytes in flight per class
+                   (:mod:`kvstore.io.scheduler`); a :class:`kvstore.IoSchedule` sets
+                   those bounds; False hands every transfer to the engine as it comes.
+    ``backlog_bytes`` bytes of puts in flight beyond which ``put_many(background=True)``
+                   drops its batch whole and foreground puts wait (default 1 GiB).
+    ``remote``     a :class:`~kvstore.remote.RemoteConfig`: the shared S3 tier behind
+                   this one (needs ``namespace``; ``pip install kvstore[remote]``).
+                   Durable puts are uploaded in the background; local misses of
+                   get_many / match_prefix / prefetch are fetched (verified, under a
+                   deadline) and promoted here.  Refused credentials raise
+                   ``RemoteAuthError`` here; an unreachable cluster does not (fast
+                   misses until it answers).  See :mod:`kvstore.remote.tier`.
+    """
+
+    namespace: Namespace | None = None
+    allow_new_namespace: bool = False
+    engine: str | IOEngine = "auto"
+    sync: bool = True
+    extent_bytes: int = 1 << 30
+    staging_bytes: int = 256 << 20
+    queue_depth: int = 64
+    index_map_bytes: int = 64 << 30
+    create: bool = True
+    capacity_bytes: int | None = None
+    codec: CodecSpec | None = None
+    pin_staging: bool | None = None
+    file_mode: int | None = None
+    strict_permissions: bool = False
+    memory_bytes: int = 0
+    prefetch_share: float = 0.5
+    io_scheduling: bool | IoSchedule = True
+    backlog_bytes: int = 1 << 30
+    remote: RemoteConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.extent_bytes % PAGE or self.extent_bytes < 4 * PAGE:
+            raise ValueError(f"extent_bytes must be a multiple of {PAGE} and >= {4 * PAGE}, "
+                             f"got {self.extent_bytes}")
+        if self.memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be >= 0 (0 turns the memory tier off), "
+                             f"got {self.memory_bytes}")
+        if not 0 < self.prefetch_share <= 1:
+            raise ValueError(f"prefetch_share must be in (0, 1], got {self.prefetch_share}")
+        if self.backlog_bytes <= 0:
+            raise ValueError(f"backlog_bytes must be > 0, got {self.backlog_bytes}")
+        if not isinstance(self.io_scheduling, (bool, IoSchedule)):
+            raise TypeError(f"io_scheduling must be True, False or a kvstore.IoSchedule, "
+                            f"got {self.io_scheduling!r}")
+        if self.file_mode is not None:
+            permissions.check_file_mode(self.file_mode)
+
+    @classmethod
+    def of(cls, options: StoreOptions | None = None, **fields_: Any) -> StoreOptions:
+        """``options`` (default: all defaults) with ``fields_`` replaced; an unknown
+        field is a ``TypeError`` that lists the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(fields_) - known)
+        if unknown:
+            raise TypeError(f"unknown store option(s) {', '.join(unknown)}; the options are "
+                            f"{', '.join(sorted(known))}")
+        return replace(options if options is not None else cls(), **fields_)
+
+    def io_schedule(self) -> IoSchedule | None:
+        """The I/O scheduler's bounds, or None for no scheduler."""
+        return IoSchedule() if self.io_scheduling is True else self.io_scheduling or None
