@@ -26,7 +26,7 @@ import ctypes
 import os
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -36,15 +36,34 @@ from kvstore.format import MAX_NDIM, NO_PARENT, SLOT_FLAG_HAS_PARENT, SLOT_HEADE
 from kvstore.tensors import CODE_DTYPES
 
 if TYPE_CHECKING:
+    import torch
+
     from kvstore.format import IndexEntry
     from kvstore.io.arena import ArenaRun
-    from kvstore.slots import PutItem
 
 __all__ = ["available", "reason", "hardware_crc", "crc_path", "crc_paths", "crc32c",
            "time_crc32c", "stage", "verify", "Verified"]
 
 _ABI_VERSION = 3
 _CRC_ENV = "KVSTORE_CRC32C"
+class StagedSlot(Protocol):
+    """What :func:`stage` needs of one block of a put (``kvstore.slots.PutItem`` is
+    one): its own type here, so that this binding does not import the module that
+    calls it."""
+
+    key: bytes
+    parent: bytes | None
+    data: torch.Tensor
+    dtype: int
+    shape: tuple[int, ...]
+    codec: int
+    raw_len: int
+    payload_len: int
+    crc: int
+    seq: int
+    encoded: codecs.Encoded | None
+
+
 # The `path` argument of the C functions (enum in slots.c; 0 = the selected path).
 _CRC_PATHS = {"table": 1, "crc32": 2, "pclmul": 3}
 _CRC_NAMES = {v: k for k, v in _CRC_PATHS.items()}
@@ -209,7 +228,7 @@ def _run_address(run: ArenaRun) -> int:
     return run.arena.address + run.offset
 
 
-def stage(chunk: Sequence[tuple[PutItem, ArenaRun]]) -> None:
+def stage(chunk: Sequence[tuple[StagedSlot, ArenaRun]]) -> None:
     """Stage every slot of ``chunk`` (same bytes as ``kvstore.slots.stage``) in one call:
     encoded payloads are first written into their runs by the codec, raw ones are copied
     by the kernel, which checksums the staged bytes in the same pass."""

@@ -1,7 +1,6 @@
 """What a store reports: :class:`StoreStats` (``Store.stats()``), :class:`PutResult`
 (``put_many``), the per-open counters every call path adds to (:data:`COUNTERS`), and
-:func:`collect`, which reads one snapshot of the store and its optional layers (the
-memory tier, the I/O scheduler, the remote tier).  Stats live here, apart from the call
+the fields its optional layers add (the memory tier, the I/O scheduler).  Stats live here, apart from the call
 paths: ``Store`` counts, this module reports (``kvstore.metrics`` exports the same
 fields to Prometheus).
 """
@@ -11,12 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.format import PAGE
-
 if TYPE_CHECKING:
-    from kvstore.store import Store
+    from kvstore.io.scheduler import IoScheduler
+    from kvstore.memory_tier import MemoryTier
 
-__all__ = ["COUNTERS", "PutResult", "StoreStats", "collect"]
+__all__ = ["COUNTERS", "PutResult", "StoreStats", "io_fields", "memory_fields", "ratios"]
 
 # Counters of one open Store, by the calls that add to them (StoreStats fields of the
 # same names); kvstore/totals.py persists some of them across opens.
@@ -110,49 +108,24 @@ class PutResult:
     dropped: int = 0
 
 
-def collect(store: Store) -> StoreStats:
-    """One snapshot of ``store`` (open: the caller checked)."""
-    counters = store._counters
-    extents = store.index.extents_list()
-    disk = sum(extents.values())
-    counts = store.index.counts()
-    offered = counters["put_bytes"] + counters["dedup_bytes"]
-    alloc = store.allocator
-    free = alloc.space.free_bytes
-    # the per-open counters and the optional layers' numbers, as StoreStats fields
-    extra: dict[str, Any] = {**counters, **_memory(store), **_io(store), **_remote(store)}
-    return StoreStats(
-        path=store.path, engine=store.engine.name, o_direct=store.engine.direct,
-        engine_reason=store.engine_reason, durable=store.durable, read_only=store.read_only,
-        read_only_reason=store._read_only_reason, blocks=counts["blocks"],
-        quarantined=counts["quarantine"], extents=len(extents),
-        extent_bytes=store.extent_bytes, disk_bytes=disk,
-        free_bytes=free, stored_bytes=disk - free - PAGE * len(extents),
-        capacity_bytes=alloc.capacity_bytes, used_bytes=alloc.used_bytes,
-        peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
-        dedup_ratio=offered / counters["put_bytes"] if counters["put_bytes"] else 1.0,
-        compression_ratio=(counters["put_bytes"] / counters["put_payload_bytes"]
-                           if counters["put_payload_bytes"] else 1.0),
-        commits=store.writer.commits, cuda=store._cuda.status,
-        namespaces=list(store.index.namespaces().values()),
-        totals=store._totals.current(store.index), backlog_bytes=store._backlog,
-        **extra)
+def ratios(counters: dict[str, int]) -> dict[str, float]:
+    """dedup_ratio (bytes offered / bytes written) and compression_ratio (raw / payload)."""
+    put, payload = counters["put_bytes"], counters["put_payload_bytes"]
+    offered = put + counters["dedup_bytes"]
+    return {"dedup_ratio": offered / put if put else 1.0,
+            "compression_ratio": put / payload if payload else 1.0}
 
 
-def _remote(store: Store) -> dict[str, Any]:
-    return {"remote": store.remote.stats().as_dict()} if store.remote is not None else {}
-
-
-def _io(store: Store) -> dict[str, Any]:
-    sched = store.scheduler
+def io_fields(sched: IoScheduler | None) -> dict[str, Any]:
+    """The I/O scheduler's numbers ({} without one)."""
     if sched is None:
         return {}
     return {"io_deferred": dict(sched.deferred), "io_queue_depth": dict(sched.waiting),
             "io_backlog_bytes": dict(sched.inflight), "io_busy_flushes": sched.flushes}
 
 
-def _memory(store: Store) -> dict[str, int]:
-    m = store.memory
+def memory_fields(m: MemoryTier | None) -> dict[str, int]:
+    """The memory tier's numbers ({} when it is off)."""
     if m is None:
         return {}
     return {"memory_capacity_bytes": m.capacity_bytes, "memory_used_bytes": m.used_bytes,

@@ -51,6 +51,7 @@ import torch
 from kvstore import codecs, permissions, pinning, result_buffers
 from kvstore.allocator import Allocator
 from kvstore.codecs import CODEC_RAW, CodecSpec
+from kvstore.deletes import DeleteWatch
 from kvstore.errors import (
     BlockTooLargeError,
     IndexCorruptionError,
@@ -94,7 +95,7 @@ from kvstore.options import StoreOptions
 from kvstore.prefetch import Prefetch
 from kvstore.remote.config import RemoteConfig
 from kvstore.slots import PlanMismatch, PutItem
-from kvstore.stats import COUNTERS, PutResult, StoreStats, collect
+from kvstore.stats import COUNTERS, PutResult, StoreStats, io_fields, memory_fields, ratios
 from kvstore.tensors import CODE_DTYPES, check_out, check_writable_out, host_bytes
 from kvstore.totals import Totals
 from kvstore.transfers import Transfers, offloaded
@@ -117,19 +118,6 @@ class _BacklogTurn:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self.admitted = anyio.Event()
-
-
-class DeleteWatch:
-    """Keys a promotion fetched from the remote tier, registered before the fetch began
-    (``Store._watch_deletes``): a delete of any of them meanwhile adds it to
-    ``deleted``, and the promotion's put skips those keys (a delete that returned is
-    never undone by a promotion that started before it)."""
-
-    __slots__ = ("keys", "deleted")
-
-    def __init__(self, keys: Sequence[bytes]) -> None:
-        self.keys = frozenset(keys)
-        self.deleted: set[bytes] = set()
 
 
 class _Operations:
@@ -1036,7 +1024,27 @@ class Store:
     def stats(self) -> StoreStats:
         """A snapshot of the store's state and counters (:class:`kvstore.stats.StoreStats`)."""
         self._check_open()
-        return collect(self)
+        extents = self.index.extents_list()
+        disk = sum(extents.values())
+        counts = self.index.counts()
+        alloc = self.allocator
+        free = alloc.space.free_bytes
+        remote = {"remote": self.remote.stats().as_dict()} if self.remote is not None else {}
+        extra: dict[str, Any] = {**self._counters, **ratios(self._counters),
+                                 **memory_fields(self.memory), **io_fields(self.scheduler),
+                                 **remote}
+        return StoreStats(
+            path=self.path, engine=self.engine.name, o_direct=self.engine.direct,
+            engine_reason=self.engine_reason, durable=self.durable, read_only=self.read_only,
+            read_only_reason=self._read_only_reason, blocks=counts["blocks"],
+            quarantined=counts["quarantine"], extents=len(extents),
+            extent_bytes=self.extent_bytes, disk_bytes=disk,
+            free_bytes=free, stored_bytes=disk - free - PAGE * len(extents),
+            capacity_bytes=alloc.capacity_bytes, used_bytes=alloc.used_bytes,
+            peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
+            commits=self.writer.commits, cuda=self._cuda.status,
+            namespaces=list(self.index.namespaces().values()),
+            totals=self._totals.current(self.index), backlog_bytes=self._backlog, **extra)
 
 
 @asynccontextmanager

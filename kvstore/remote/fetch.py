@@ -32,16 +32,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from kvstore.errors import CorruptionError, FormatVersionError, RemoteAuthError
 from kvstore.remote import objects
+from kvstore.remote.blocks import Finish, RemoteBlock
 from kvstore.remote.breaker import CircuitBreaker
 from kvstore.remote.client import ObjectClient, Unavailable
 from kvstore.remote.slots import Slot
-
-if TYPE_CHECKING:
-    from kvstore.remote.tier import Finish, RemoteBlock
 
 
 class FetchRun:

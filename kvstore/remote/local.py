@@ -24,24 +24,70 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import torch
 
 from kvstore import codecs
 from kvstore.codecs import CodecSpec
+from kvstore.deletes import DeleteWatch
 from kvstore.errors import CorruptionError, KVStoreError
 from kvstore.extents import extent_path
 from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.remote import objects
-from kvstore.remote.tier import InFlight, RemoteBlock
+from kvstore.remote.blocks import RemoteBlock
+from kvstore.remote.tier import InFlight
 from kvstore.slots import check_payload, check_slot
 from kvstore.tensors import CODE_DTYPES, check_out
 
 if TYPE_CHECKING:
-    from kvstore.store import DeleteWatch, Store
+    from contextlib import AbstractContextManager
+
+    from anyio.abc import TaskGroup
+
+    from kvstore.allocator import Allocator
+    from kvstore.index import Index
+    from kvstore.io.protocol import IOEngine
+    from kvstore.remote.tier import RemoteTier
+    from kvstore.stats import PutResult
+
+
+class _Calls(Protocol):
+    def track(self) -> AbstractContextManager[None]: ...
+
+
+class Store(Protocol):
+    """What this adapter uses of the local store (``kvstore.store.Store`` is one): the
+    index and allocator to read a verified slot in a read epoch, the put path to promote
+    fetched blocks, the delete watches, and the task group and call tracking the
+    background promotions run under.  A protocol, so that the store and this module do
+    not import each other; still private names of the store's, which a tier interface
+    handed over at construction is to replace (issue 32)."""
+
+    path: str
+    remote: RemoteTier | None
+    index: Index
+    allocator: Allocator
+    engine: IOEngine
+    _closed: bool
+    _background: TaskGroup | None
+
+    @property
+    def _ops(self) -> _Calls: ...
+
+    @property
+    def read_only(self) -> bool: ...
+
+    async def _put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor],
+                        parents: Sequence[bytes | None] | None,
+                        codec: CodecSpec | None, background: bool = False,
+                        skip_deleted: DeleteWatch | None = None) -> PutResult: ...
+
+    def _watch_deletes(self, keys: Sequence[bytes]) -> DeleteWatch: ...
+
+    def _unwatch_deletes(self, watch: DeleteWatch) -> None: ...
 
 _RAW = CodecSpec()
 _ZSTD = CodecSpec(zstd=True)

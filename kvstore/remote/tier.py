@@ -40,7 +40,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
@@ -51,6 +50,7 @@ from kvstore.errors import RemoteAuthError, RemoteError
 from kvstore.format import SlotHeader
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.remote import objects
+from kvstore.remote.blocks import Finish, RemoteBlock
 from kvstore.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvstore.remote.client import ObjectClient, Unavailable
 from kvstore.remote.config import RemoteConfig
@@ -64,17 +64,6 @@ _UPLOAD_ATTEMPTS = 3
 
 # (key, the upload worker's buffer) -> the verified slot bytes in that buffer, or None
 SlotReader = Callable[[bytes, AlignedBuffer], Awaitable[tuple[memoryview, SlotHeader] | None]]
-Finish = Callable[[int, "RemoteBlock"], None]
-
-
-@dataclass
-class RemoteBlock:
-    """A verified object: its bytes (read-only) and header (decode with
-    ``objects.decode``)."""
-
-    key: bytes
-    header: SlotHeader
-    data: objects.ObjectBytes
 
 
 class InFlight:
