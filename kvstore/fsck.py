@@ -77,13 +77,9 @@ from kvstore.format import (
     ExtentHeader,
     IndexEntry,
     SlotHeader,
-    extent_key,
-    free_key,
     lru_key,
-    pack_count,
     pack_u64,
     round_up,
-    unpack_count,
     unpack_u64,
 )
 from kvstore.index import (
@@ -317,30 +313,18 @@ class _Checker:
                 self.file_fixes.append(partial(_remove_file, p))
         for extent_id, size in usable.items():
             if size == 0:
-                self.fixes.append(partial(self._drop_extent, extent_id=extent_id))
+                self.fixes.append(partial(self.index.drop_extent, extent_id=extent_id))
         return usable
-
-    def _drop_extent(self, txn: Txn, *, extent_id: int) -> None:
-        txn.delete(extent_key(extent_id), db=self.index.extents)
-        for table in (self.index.blocks, self.index.quarantine):
-            doomed = [k for k, v in txn.cursor(table) if IndexEntry.decode(v).extent == extent_id]
-            for k in doomed:
-                txn.delete(k, db=table)
-        doomed = [k for k, _ in txn.cursor(self.index.free) if k[:4] == extent_key(extent_id)]
-        for k in doomed:
-            txn.delete(k, db=self.index.free)
 
     def load_entries(self) -> list[tuple[bytes, IndexEntry, bool]]:
         entries: list[tuple[bytes, IndexEntry, bool]] = []
         for quarantined, table in ((False, self.index.blocks), (True, self.index.quarantine)):
-            with self.index.env.begin() as txn, txn.cursor(table) as cur:
-                for k, v in cur:
-                    try:
-                        entries.append((bytes(k), IndexEntry.decode(v), quarantined))
-                    except KVStoreError as e:
-                        self.find("bad-index-entry", DAMAGE, f"entry {bytes(k).hex()}: {e}",
-                                  key=bytes(k).hex())
-                        self.fixes.append(partial(_delete, key=bytes(k), db=table))
+            for k, v in self.index.raw_rows(table):
+                try:
+                    entries.append((k, IndexEntry.decode(v), quarantined))
+                except KVStoreError as e:
+                    self.find("bad-index-entry", DAMAGE, f"entry {k.hex()}: {e}", key=k.hex())
+                    self.fixes.append(partial(self.index.delete_row, table=table, key=k))
         self.report.blocks = sum(not q for _, _, q in entries)
         self.report.quarantined = sum(q for _, _, q in entries)
         return entries
@@ -397,12 +381,13 @@ class _Checker:
                   length: int) -> None:
         """Repair of a double-owned range: drop the later owner (a free run, or an entry)."""
         if what == "free":
-            self.fixes.append(lambda txn: txn.delete(free_key(extent_id, offset),
-                                                     db=self.index.free))
+            self.fixes.append(partial(self.index.delete_free_run, extent=extent_id,
+                                      offset=offset))
         else:
             assert key is not None
-            self.fixes.append(partial(_delete, key=key, db=self.index.blocks))
-            self.fixes.append(partial(_delete, key=key, db=self.index.quarantine))
+            self.fixes.append(partial(self.index.delete_row, table=self.index.blocks, key=key))
+            self.fixes.append(partial(self.index.delete_row, table=self.index.quarantine,
+                                      key=key))
 
     # -- steps 4 and 5
     def check_slots(self, extents: dict[int, int],
@@ -441,7 +426,7 @@ class _Checker:
         table = self.index.quarantine if quarantined else self.index.blocks
 
         def fix(txn: Txn) -> None:
-            txn.delete(key, db=table)
+            self.index.delete_row(txn, table, key)
             self.index.give_range(txn, e.extent, e.offset, e.slot_len)
 
         self.fixes.append(fix)
@@ -471,9 +456,7 @@ class _Checker:
         self.report.chain_holes = len(holes)
         self.report.chain_hole_examples = [f"{k.hex()} (parent {p.hex()})" for k, p in holes[:3]]
         want_children, want_lru = _chain_tables(entries)
-        with self.index.env.begin() as txn:
-            have_children = {bytes(k): unpack_count(v) for k, v in txn.cursor(self.index.children)}
-            have_lru = {bytes(k) for k, _ in txn.cursor(self.index.lru)}
+        have_children, have_lru = self.index.chain_tables()
         if have_children == want_children and have_lru == want_lru:
             return
         self.find("refcount-drift", DAMAGE,
@@ -487,7 +470,8 @@ class _Checker:
             mode = permissions.recorded_mode(self.index.meta_get) or permissions.FILE_MODE
         except IndexCorruptionError as e:
             self.find("meta", DAMAGE, str(e))
-            self.fixes.append(partial(_delete, key=permissions.META_FILE_MODE, db=self.index.meta))
+            self.fixes.append(partial(self.index.delete_row, table=self.index.meta,
+                                      key=permissions.META_FILE_MODE))
             mode = permissions.FILE_MODE
         for p in permissions.audit(self.path, mode):
             if p.foreign:
@@ -503,14 +487,8 @@ class _Checker:
     def rewrite_chain_tables(self, txn: Txn) -> None:
         """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,
         after every other fix has changed ``blocks``)."""
-        for table in (self.index.children, self.index.lru):
-            txn.drop(table, delete=False)
-        blocks = [(bytes(k), IndexEntry.decode(v), False) for k, v in txn.cursor(self.index.blocks)]
-        children, lru = _chain_tables(blocks)
-        for k, n in children.items():
-            txn.put(k, pack_count(n), db=self.index.children)
-        for row in lru:
-            txn.put(row, b"", db=self.index.lru)
+        blocks = [(k, e, False) for k, e in self.index.stored_blocks(txn)]
+        self.index.rewrite_chain_tables(txn, *_chain_tables(blocks))
 
     # -- step 7
     def check_meta(self, extents: dict[int, int],
@@ -519,26 +497,22 @@ class _Checker:
         top = max((e.seq for _, e, _ in entries), default=0)
         if seq < top:
             self.find("meta", DAMAGE, f"sequence counter {seq} is below an entry's {top}")
-            self.fixes.append(lambda txn: txn.put(META_SEQ, pack_u64(top), db=self.index.meta))
+            self.fixes.append(partial(self.index.set_meta, key=META_SEQ, value=pack_u64(top)))
         nxt = unpack_u64(self.index.meta_get(META_NEXT_EXTENT) or pack_u64(0))
         if extents and nxt <= max(extents):
             want = max(extents) + 1
             self.find("meta", DAMAGE, f"next_extent {nxt} is not past extent {max(extents)}")
-            self.fixes.append(lambda txn: txn.put(META_NEXT_EXTENT, pack_u64(want),
-                                                  db=self.index.meta))
-        with self.index.env.begin() as txn, txn.cursor(self.index.meta) as cur:
-            bad = []
-            if cur.set_range(META_NAMESPACE_PREFIX):
-                for k, v in cur:
-                    if not k.startswith(META_NAMESPACE_PREFIX):
-                        break
-                    try:
-                        json.loads(bytes(v).decode())
-                    except (UnicodeDecodeError, ValueError):
-                        bad.append(bytes(k))
+            self.fixes.append(partial(self.index.set_meta, key=META_NEXT_EXTENT,
+                                      value=pack_u64(want)))
+        bad = []
+        for k, v in self.index.meta_rows(META_NAMESPACE_PREFIX):
+            try:
+                json.loads(v.decode())
+            except (UnicodeDecodeError, ValueError):
+                bad.append(k)
         for k in bad:
             self.find("meta", DAMAGE, f"namespace record {k!r} is not valid JSON")
-            self.fixes.append(partial(_delete, key=k, db=self.index.meta))
+            self.fixes.append(partial(self.index.delete_row, table=self.index.meta, key=k))
 
 
 def _chain_tables(entries: list[tuple[bytes, IndexEntry, bool]]) -> tuple[dict[bytes, int],
@@ -554,8 +528,6 @@ def _chain_tables(entries: list[tuple[bytes, IndexEntry, bool]]) -> tuple[dict[b
     return children, lru
 
 
-def _delete(txn: Txn, *, key: bytes, db: Any) -> None:
-    txn.delete(key, db=db)
 
 
 def _remove_file(path: str) -> None:
@@ -679,9 +651,9 @@ def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
 
             def build(txn: Txn) -> None:
                 init_meta(txn, index, store_uuid=uuid, extent_bytes=extent_bytes)
-                txn.put(META_NEXT_EXTENT, pack_u64(max(headers, default=0) + 1), db=index.meta)
-                txn.put(META_SEQ, pack_u64(max((v[2].seq for v in keep.values()), default=0)),
-                        db=index.meta)
+                index.set_meta(txn, META_NEXT_EXTENT, pack_u64(max(headers, default=0) + 1))
+                index.set_meta(txn, META_SEQ,
+                               pack_u64(max((v[2].seq for v in keep.values()), default=0)))
                 by_extent: dict[int, list[tuple[int, int]]] = {}
                 for k, (e, o, hd) in keep.items():
                     entry = IndexEntry(extent=e, offset=o, slot_len=hd.slot_len,
@@ -693,15 +665,14 @@ def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
                 for extent_id, (_, h) in headers.items():
                     if h.store_uuid != uuid:
                         continue
-                    txn.put(extent_key(extent_id), pack_u64(h.extent_bytes), db=index.extents)
-                    cursor = PAGE
+                    free, cursor = [], PAGE
                     for o, n in sorted(by_extent.get(extent_id, [])):
                         if o > cursor:
-                            txn.put(free_key(extent_id, cursor), pack_u64(o - cursor), db=index.free)
+                            free.append((cursor, o - cursor))
                         cursor = o + n
                     if cursor < h.extent_bytes:
-                        txn.put(free_key(extent_id, cursor), pack_u64(h.extent_bytes - cursor),
-                                db=index.free)
+                        free.append((cursor, h.extent_bytes - cursor))
+                    index.record_extent(txn, extent_id, h.extent_bytes, free)
 
             writer.run_sync(build)
         finally:

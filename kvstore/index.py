@@ -458,6 +458,76 @@ class Index:
         self.give_range(txn, extent_id, PAGE, extent_bytes - PAGE)
         txn.put(META_NEXT_EXTENT, pack_u64(extent_id + 1), db=self.meta)
 
+    # ---------------------------------------------------------------- fsck's repairs
+    # Every transaction fsck runs on these tables is one of these methods: the index
+    # owns its tables, fsck decides what to repair.
+
+    def raw_rows(self, table: Any) -> list[tuple[bytes, bytes]]:
+        """Every (key, value) of ``table``, undecoded (fsck reports rows that do not
+        decode instead of failing on them)."""
+        with self.begin() as txn, txn.cursor(table) as cur:
+            return [(bytes(k), bytes(v)) for k, v in cur]
+
+    def delete_row(self, txn: Txn, table: Any, key: bytes) -> None:
+        txn.delete(key, db=table)
+
+    def set_meta(self, txn: Txn, key: bytes, value: bytes) -> None:
+        txn.put(key, value, db=self.meta)
+
+    def meta_rows(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """The meta table's rows whose key starts with ``prefix``."""
+        rows = []
+        with self.begin() as txn, txn.cursor(self.meta) as cur:
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not bytes(k).startswith(prefix):
+                        break
+                    rows.append((bytes(k), bytes(v)))
+        return rows
+
+    def drop_extent(self, txn: Txn, extent_id: int) -> None:
+        """Forget an extent whose file is gone: its record, its blocks (stored and
+        quarantined) and its free runs."""
+        txn.delete(extent_key(extent_id), db=self.extents)
+        for table in (self.blocks, self.quarantine):
+            doomed = [k for k, v in txn.cursor(table) if IndexEntry.decode(v).extent == extent_id]
+            for k in doomed:
+                txn.delete(k, db=table)
+        doomed = [k for k, _ in txn.cursor(self.free) if k[:4] == extent_key(extent_id)]
+        for k in doomed:
+            txn.delete(k, db=self.free)
+
+    def chain_tables(self) -> tuple[dict[bytes, int], set[bytes]]:
+        """The derived tables as stored: parent -> child count, and the LRU rows."""
+        with self.begin() as txn:
+            children = {bytes(k): unpack_count(v) for k, v in txn.cursor(self.children)}
+            lru = {bytes(k) for k, _ in txn.cursor(self.lru)}
+        return children, lru
+
+    def stored_blocks(self, txn: Txn) -> list[tuple[bytes, IndexEntry]]:
+        return [(bytes(k), IndexEntry.decode(v)) for k, v in txn.cursor(self.blocks)]
+
+    def rewrite_chain_tables(self, txn: Txn, children: dict[bytes, int],
+                             lru: set[bytes]) -> None:
+        """Replace the derived tables (child counts, LRU rows) with these."""
+        for table in (self.children, self.lru):
+            txn.drop(table, delete=False)
+        for k, n in children.items():
+            txn.put(k, pack_count(n), db=self.children)
+        for row in lru:
+            txn.put(row, b"", db=self.lru)
+
+    def record_extent(self, txn: Txn, extent_id: int, extent_bytes: int,
+                      free: Sequence[tuple[int, int]]) -> None:
+        """Record an extent found on disk (``--rebuild-index``) and its free runs
+        (offset, length), as they are: no merging, no next-extent counter."""
+        txn.put(extent_key(extent_id), pack_u64(extent_bytes), db=self.extents)
+        for offset, length in free:
+            txn.put(free_key(extent_id, offset), pack_u64(length), db=self.free)
+
+    def delete_free_run(self, txn: Txn, extent: int, offset: int) -> None:
+        txn.delete(free_key(extent, offset), db=self.free)
+
     def give_range(self, txn: Txn, extent: int, offset: int, length: int) -> None:
         """Add [offset, offset+length) to the durable free map, merging neighbours."""
         nxt, prev = self._neighbours(txn, extent, offset)
