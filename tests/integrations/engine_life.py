@@ -86,10 +86,10 @@ def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str,
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvstore.integrations import vllm as connector
+    from kvstore.integrations.vllm_worker import WorkerSide
 
     gate, started = threading.Event(), threading.Event()
-    original = connector.KVStoreConnector._start_load
+    original = WorkerSide._start_load
 
     def gated_start_load(self: Any, load: Any) -> None:
         original(self, load)
@@ -112,7 +112,7 @@ def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str,
     pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     engine, worker = llm.llm_engine, get_kv_transfer_group()
     free_before = pool.get_num_free_blocks()
-    connector.KVStoreConnector._start_load = gated_start_load
+    WorkerSide._start_load = gated_start_load  # type: ignore[method-assign]
     try:
         engine.add_request("inflight-0", prompt, params)
         for _ in range(100):
@@ -125,9 +125,9 @@ def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str,
             engine.step()
         held = pool.get_num_free_blocks()
         (out,) = llm.generate([other], params, use_tqdm=False)  # the load is still held
-        loading_while_held = len(worker._loading)
+        loading_while_held = len(worker._worker._loading)
     finally:
-        connector.KVStoreConnector._start_load = original
+        WorkerSide._start_load = original  # type: ignore[method-assign]
         gate.set()
     # vLLM frees the aborted request's blocks once the worker reports its load done:
     # at the next steps that run (here: the next prompt's).
@@ -232,7 +232,7 @@ def main(spec_path: str, result_path: str) -> None:
         held = result["abort_in_flight"]
         held["free_after"] = llm.llm_engine.engine_core.engine_core.scheduler \
             .kv_cache_manager.block_pool.get_num_free_blocks()
-        held["loading_after"] = len(held.pop("worker")._loading)
+        held["loading_after"] = len(held.pop("worker")._worker._loading)
     if spec.get("store") is not None:
         from kvstore.integrations.vllm import connector_stats
 

@@ -1,0 +1,384 @@
+"""The vLLM connector's worker side: it opens the store (one per rank), learns the KV
+layout from the tensors vLLM registers, loads blocks into the paged KV cache (in the
+background, or before the forward with ``async_loads`` off), copies the step's new
+blocks out for background saves, and follows the scheduler's key scope
+(:mod:`.vllm_metadata`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm_config import ConnectorConfig
+from kvstore.integrations.vllm_metadata import KVStoreConnectorMetadata, Load, Save
+from kvstore.integrations.vllm_ranks import rank_config
+from kvstore.integrations.vllm_scope import Scope
+from kvstore.integrations.vllm_shared import SharedStore, acquire, load_buffer, release, warn_once
+from kvstore.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+
+__all__ = ["WorkerSide"]
+
+logger = logging.getLogger("kvstore.integrations.vllm")
+
+
+@dataclass
+class _InFlightLoad:
+    load: Load
+    buffer: torch.Tensor
+    future: Future[list[torch.Tensor | None]]
+    started_ns: int
+    scope_epoch: int = 0  # the key scope it was read under
+
+
+# How long a step that runs no forward waits for a background load before returning
+# (vLLM calls again at once while a request waits for its KV: this keeps that loop from
+# spinning, and costs nothing while other requests run, since they never wait).
+_IDLE_WAIT_S = 0.05
+
+
+
+class WorkerSide:
+    """What vLLM's worker (one per rank) asks of the connector.  ``conn`` is the
+    connector object vLLM holds: the step metadata is bound to it."""
+
+    def __init__(self, conn: KVConnectorBase_V1, vllm_config: Any, kv_cache_config: Any,
+                 config: ConnectorConfig, scope: Scope, scope_digest: bytes,
+                 engine_id: str) -> None:
+        self._conn = conn
+        self._vllm_config, self._kv_cache_config, self._config = \
+            vllm_config, kv_cache_config, config
+        self._block_size = vllm_config.cache_config.block_size
+        self._scope, self._scope_digest = scope, scope_digest
+        # Where the weights came from; reload_weights(weights_path=...) changes it in
+        # place (vLLM's model_config), which the worker notices at the next step.
+        self._weights_source = str(vllm_config.model_config.model)
+        parallel = vllm_config.parallel_config
+        # Every rank its own store (kvstore.integrations.vllm_ranks).
+        self.store = acquire(rank_config(config, parallel.rank, parallel.world_size),
+                             engine_id)
+        self._layers: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._block_axis = 0
+        self._block_shape: tuple[int, ...] = ()
+        self._dtype = torch.float32
+        self._staging: torch.Tensor | None = None
+        self._staging_meta: KVStoreConnectorMetadata | None = None
+        self._saves: list[Save] = []
+        self._staged_layers: set[int] = set()
+        self._loading: dict[str, _InFlightLoad] = {}
+        self._load_errors: set[int] = set()
+        # A synchronous load failed in this step: its forward read unloaded blocks.
+        self._step_load_failed = False
+
+    @property
+    def _store(self) -> SharedStore:
+        return self.store
+
+    def _keys(self, hashes: Sequence[bytes]) -> list[bytes] | None:
+        ns = self._store.namespace
+        return None if ns is None else ns.engine_keys(hashes)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not kv_caches:
+            raise ValueError("kvstore connector: the engine registered no KV cache tensors")
+        num_blocks = self._kv_cache_config.num_blocks
+        names = list(kv_caches)
+        first = kv_caches[names[0]]
+        axes = [i for i, s in enumerate(first.shape) if s == num_blocks]
+        if len(axes) != 1:
+            raise ValueError(f"kvstore connector: cannot tell the block axis of KV cache "
+                             f"shape {tuple(first.shape)} ({num_blocks} blocks)")
+        axis = axes[0]
+        for name in names:
+            t = kv_caches[name]
+            if t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
+                raise ValueError(f"kvstore connector: layer {name} has KV cache shape "
+                                 f"{tuple(t.shape)} {t.dtype}, unlike {names[0]}; "
+                                 "models with mixed layer shapes are not supported")
+        self._layers = dict(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self._block_axis = axis
+        self._block_shape = tuple(s for i, s in enumerate(first.shape) if i != axis)
+        self._dtype = first.dtype
+        self._store.layout = (len(names), self._block_shape, self._dtype)
+        self._store.namespace = self._namespace(first, axis, names)
+        self._store.attach_remote(self._store.namespace)
+        self._store.serve_lookups(self._scope_digest)
+
+    def _namespace(self, t: torch.Tensor, axis: int, names: list[str]) -> Namespace:
+        from vllm.platforms import current_platform
+
+        dims = ["B" if i == axis else str(s) for i, s in enumerate(t.shape)]
+        order = sorted(range(t.dim()), key=lambda i: -t.stride()[i])
+        layout = (f"vllm-v1;{current_platform.device_type};shape={'x'.join(dims)};"
+                  f"order={','.join(map(str, order))}")
+        parallel = self._vllm_config.parallel_config
+        model = str(self._vllm_config.model_config.model)
+        return Namespace(
+            # A local directory by its name only: the weights fingerprint identifies the
+            # model, so the same weights elsewhere (another mount, a copy) still hit.
+            model=os.path.basename(model.rstrip("/")) if os.path.exists(model) else model,
+            dtype=str(t.dtype).removeprefix("torch."), block_size=self._block_size,
+            layout=layout, tp_rank=parallel.rank, tp_size=parallel.world_size,
+            extra=(*self._scope, ("layers", ",".join(names))))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """A step's metadata arrived (the connector bound it): move with the scheduler's
+        key scope, or notice weights reloaded without a reset."""
+        if not isinstance(connector_metadata, KVStoreConnectorMetadata) or not self._layers:
+            return
+        shared = self._store
+        if connector_metadata.scope_epoch != shared.scope_epoch:
+            self._rescope(connector_metadata)
+        elif shared.suspended is None and \
+                str(self._vllm_config.model_config.model) != self._weights_source:
+            shared.suspend(f"the weights were reloaded from "
+                           f"{self._vllm_config.model_config.model!r}")
+            logger.warning(
+                "kvstore connector: the engine reloaded its weights (from %r) without "
+                "reset_prefix_cache(reset_connector=True); the stored KV cannot be told "
+                "apart, so the connector loads and saves nothing until that reset",
+                self._vllm_config.model_config.model)
+
+    def _rescope(self, meta: KVStoreConnectorMetadata) -> None:
+        """Move to the scheduler's new key scope (see :meth:`reset_cache`)."""
+        self._scope = tuple(sorted({**dict(self._scope), "weights": meta.weights}.items()))
+        self._weights_source = str(self._vllm_config.model_config.model)
+        names = list(self._layers)
+        namespace = self._namespace(self._layers[names[0]], self._block_axis, names)
+        self._staging_meta = self._staging = None
+        self._store.rescope(meta.scope_epoch, namespace)
+        logger.info("kvstore connector: worker moved to key scope epoch %d (%s)",
+                    meta.scope_epoch, namespace.digest.hex()[:16])
+
+    def _block_index(self, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=device)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's loads in the background (each into a buffer of its own),
+        or with ``async_loads`` off copy them into the KV cache before the forward."""
+        meta = self._conn._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        if self._config.async_loads:
+            for load in meta.loads:
+                self._start_load(load)
+            return
+        self._step_load_failed = False
+        self._store.next_step()
+        for load in meta.loads:
+            self._load_now(load)
+
+    def _load_now(self, load: Load) -> None:
+        """A synchronous load: the blocks its lookup read and verified, copied into
+        the KV cache.  Should they be gone (never, in vLLM's order of calls), they are
+        read now, and blocks that fail are reported as load errors: vLLM recomputes
+        them and drops this step's output of the request; this step saves nothing."""
+        n = len(load.block_ids)
+        start = time.perf_counter_ns()
+        self._store.count(load_blocks=n)
+        keys = self._keys(load.hashes)
+        if self._store.suspended is not None:
+            keys = None  # the weights changed under these keys: nothing is loaded
+        blocks = None if keys is None else self._store.take_prepared(keys)
+        ok = n
+        if blocks is None:
+            blocks = load_buffer((n, len(self._layers), *self._block_shape), self._dtype)
+            try:
+                got: list[torch.Tensor | None] = [None] * n if keys is None or not n else \
+                    self._store.get_many(keys, list(blocks.unbind(0)))
+            except Exception as e:
+                self._store.load_raised(keys or [], e)
+                got = [None] * n
+            ok = next((i for i, g in enumerate(got) if g is None), n)
+            self._note_failed(load, ok)
+        if ok:
+            self._scatter(blocks[:ok], load.block_ids[:ok])
+        failed = load.block_ids[ok:]
+        if failed:
+            self._step_load_failed = True
+            self._load_errors.update(failed)
+        self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed),
+                          loaded_bytes=ok * blocks[0].nbytes if ok else 0,
+                          load_ns=time.perf_counter_ns() - start)
+
+    def _start_load(self, load: Load) -> None:
+        n = len(load.block_ids)
+        self._store.count(load_blocks=n)
+        keys = self._keys(load.hashes)
+        buffer = load_buffer((n, len(self._layers), *self._block_shape), self._dtype)
+        future: Future[list[torch.Tensor | None]]
+        if keys is None or n == 0:  # no KV registered: nothing can be loaded
+            future = Future()
+            future.set_result([None] * n)
+        else:
+            future = self._store.start_get(keys, list(buffer.unbind(0)))
+        self._loading[load.req_id] = _InFlightLoad(load, buffer, future,
+                                                   time.perf_counter_ns(),
+                                                   self._store.scope_epoch)
+
+    def _finish_load(self, inflight: _InFlightLoad) -> None:
+        """Copy a finished load's verified leading blocks into the KV cache and record
+        the first failed block and everything after it as load errors."""
+        load = inflight.load
+        try:
+            got = inflight.future.result()
+        except Exception as e:  # a failed read is a miss: vLLM recomputes
+            keys = self._keys(load.hashes)
+            self._store.load_raised(keys or [], e)
+            got = [None] * len(load.block_ids)
+        if inflight.scope_epoch != self._store.scope_epoch or self._store.suspended:
+            got = [None] * len(load.block_ids)  # read under other weights' keys
+        ok = next((i for i, g in enumerate(got) if g is None), len(load.block_ids))
+        self._note_failed(load, ok)
+        if ok:
+            self._scatter(inflight.buffer[:ok], load.block_ids[:ok])
+        failed = load.block_ids[ok:]
+        self._load_errors.update(failed)
+        elapsed = time.perf_counter_ns() - inflight.started_ns
+        self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed), load_ns=elapsed,
+                          loaded_bytes=ok * inflight.buffer[0].nbytes if ok else 0)
+        self._store.record_load(elapsed / 1e9)
+
+    def _note_failed(self, load: Load, ok: int) -> None:
+        """The load's block ``ok`` failed (a miss, unreadable, quarantined): make sure
+        no lookup promises it again (:meth:`_SharedStore.load_failed`)."""
+        keys = self._keys(load.hashes)
+        if keys is not None and ok < len(keys) and self._store.suspended is None:
+            self._store.load_failed(keys[ok])
+
+    def _scatter(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
+        axis = self._block_axis
+        for li, layer in enumerate(self._layers.values()):
+            index = self._block_index(block_ids, layer.device)
+            layer.index_copy_(axis, index, blocks[:, li].to(layer.device).movedim(0, axis))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Async loads finish before their request is scheduled, sync loads in
+        # start_load_kv: a stored block holds all layers.
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose background load is done, their blocks copied into the KV
+        cache (the failed ones reported by ``get_block_ids_with_load_errors``, which
+        vLLM calls right after this, in the same step)."""
+        if not self._loading:
+            return None, None
+        idle = self._conn.has_connector_metadata() and getattr(
+            self._conn._get_connector_metadata(), "idle", False)
+        if idle and not any(f.future.done() for f in self._loading.values()):
+            wait([f.future for f in self._loading.values()], timeout=_IDLE_WAIT_S,
+                 return_when=FIRST_COMPLETED)
+        done = {req_id for req_id, f in self._loading.items() if f.future.done()}
+        for req_id in done:
+            self._finish_load(self._loading.pop(req_id))
+        return None, done or None
+
+    def _step_saves(self, meta: KVStoreConnectorMetadata) -> list[Save]:
+        """This step's saves less blocks the store already has (or that two requests
+        fill in one step): copying those out of the KV cache would be wasted."""
+        if self._staging_meta is meta:
+            return self._saves
+        first: dict[bytes, Save] = {}
+        for save in meta.saves:
+            first.setdefault(save.hash, save)
+        saves = list(first.values())
+        keys = self._keys([s.hash for s in saves])
+        if keys is None:
+            saves = []
+        elif keys:
+            try:
+                present = self._store.contains_many(keys)
+            except KVStoreError:
+                present = [False] * len(keys)
+            saves = [s for s, p in zip(saves, present) if not p]
+        self._staging_meta, self._saves, self._staged_layers = meta, saves, set()
+        self._staging = torch.empty((len(saves), len(self._layers), *self._block_shape),
+                                    dtype=self._dtype) if saves else None
+        return saves
+
+    def _stage(self, meta: KVStoreConnectorMetadata, layer_index: int) -> None:
+        """Copy this step's blocks of one layer out of the paged KV cache."""
+        saves = self._step_saves(meta)
+        if self._staging is None or layer_index in self._staged_layers:
+            return
+        layer = list(self._layers.values())[layer_index]
+        index = self._block_index([s.block_id for s in saves], layer.device)
+        self._staging[:, layer_index] = layer.index_select(self._block_axis, index) \
+            .movedim(self._block_axis, 0).to("cpu")
+        self._staged_layers.add(layer_index)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        meta = self._conn._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        if meta.saves and layer_name in self._layer_index and not self._step_load_failed \
+                and self._store.suspended is None:
+            start = time.perf_counter_ns()
+            self._stage(meta, self._layer_index[layer_name])
+            self._store.count(save_stall_ns=time.perf_counter_ns() - start)
+
+    def wait_for_save(self) -> None:
+        if not self._conn.has_connector_metadata():
+            return
+        meta = self._conn._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        if not meta.saves:
+            return
+        # vLLM calls this from a `finally`, so also when the forward raised: layers not
+        # reached this step still hold another request's (or no) KV.  Saving them would
+        # persist wrong bytes under the blocks' real hashes.
+        # (Or) a synchronous load of this step failed: its forward read unloaded
+        # blocks, so blocks computed in it may hold KV derived from garbage; vLLM
+        # discards the step's output, and the recompute plans them again.
+        if sys.exc_info()[1] is not None or self._step_load_failed or \
+                self._store.suspended is not None:
+            self._store.count(save_dropped_blocks=len(meta.saves))
+            self._staging_meta = self._staging = None
+            return
+        start = time.perf_counter_ns()
+        saves = self._step_saves(meta)
+        for li in range(len(self._layers)):
+            self._stage(meta, li)
+        staging = self._staging
+        self._staging_meta = self._staging = None
+        ns = self._store.namespace
+        if staging is not None and ns is not None:
+            keys = ns.engine_keys([s.hash for s in saves])
+            parents = [None if s.parent_hash is None else ns.engine_key(s.parent_hash)
+                       for s in saves]
+            self._store.count(save_blocks=len(keys))
+            try:
+                self._store.submit_put(keys, list(staging.unbind(0)), parents,
+                                       staging.numel() * staging.element_size())
+            except KVStoreError as e:
+                warn_once("save", "kvstore connector: save failed: %s", e)
+        self._store.count(save_stall_ns=time.perf_counter_ns() - start)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+
+    def shutdown(self) -> None:
+        for inflight in self._loading.values():  # their buffers, not vLLM's blocks
+            with suppress(Exception):  # a failed load frees its buffer too
+                inflight.future.result()
+        self._loading.clear()
+        release(self.store)
