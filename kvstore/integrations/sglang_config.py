@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvstore import permissions
 from kvstore.codecs import CodecSpec
+from kvstore.integrations.extra_config import file_mode, remote_config
 from kvstore.integrations.vllm_config import CODECS
-from kvstore.remote.config import RemoteConfig, read_hmac_key_file
+from kvstore.remote.config import RemoteConfig
 
 __all__ = ["CODECS", "SGLANG_KEYS", "BackendConfig", "rank_dir"]
 
@@ -120,9 +120,9 @@ class BackendConfig:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{_P}: {name} must be a non-empty string, got {value!r}")
         if options.get("remote") is not None:
-            options["remote"] = _remote_config(options["remote"])
+            options["remote"] = remote_config(options["remote"], _P, "the extra config")
         if options.get("file_mode") is not None:
-            options["file_mode"] = _file_mode(options["file_mode"])
+            options["file_mode"] = file_mode(options["file_mode"], _P)
         return cls(**options)
 
     @property
@@ -162,45 +162,3 @@ def rank_dir(path: str, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: in
     if dp_rank:
         parts.append(f"dp{dp_rank}")
     return os.path.join(path, "-".join(parts)) if parts else path
-
-
-_SECRETS = ("access_key_id", "secret_access_key", "session_token", "hmac_key")
-
-
-def _remote_config(value: object) -> RemoteConfig:
-    if not isinstance(value, Mapping):
-        raise ValueError(f'{_P}: remote must be an object of remote-tier options, e.g. '
-                         f'{{"bucket": "kv", "endpoint": "http://host:8333"}}, got {value!r}')
-    options = dict(value)
-    secret = [k for k in _SECRETS if k in options]
-    if secret:
-        raise ValueError(f"{_P}: remote.{secret[0]} does not belong in the extra config "
-                         "(SGLang logs it): credentials come from the AWS environment "
-                         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE), the HMAC "
-                         "key from remote.hmac_key_file")
-    known = {f.name for f in fields(RemoteConfig)} - set(_SECRETS) | {"hmac_key_file"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"{_P}: unknown remote options {unknown}; known options are "
-                         f"{sorted(known)}")
-    try:
-        key_file = options.pop("hmac_key_file", None)
-        if key_file is not None:
-            options["hmac_key"] = read_hmac_key_file(os.fspath(key_file))
-        return RemoteConfig(**options)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{_P}: remote: {e}") from None
-
-
-def _file_mode(value: object) -> int:
-    """An int, or an octal string as JSON configs spell modes ("0660", "0o660")."""
-    mode = value
-    if isinstance(value, str):
-        try:
-            mode = int(value.removeprefix("0o"), 8)
-        except ValueError:
-            mode = value
-    try:
-        return permissions.check_file_mode(mode)
-    except ValueError as e:
-        raise ValueError(f"{_P}: {e}") from None

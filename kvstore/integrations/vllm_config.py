@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvstore import permissions
 from kvstore.codecs import CodecSpec
-from kvstore.remote.config import RemoteConfig, read_hmac_key_file
+from kvstore.integrations.extra_config import file_mode, remote_config
+from kvstore.remote.config import RemoteConfig
 
 __all__ = ["CODECS", "ConnectorConfig"]
 
@@ -142,9 +142,9 @@ class ConnectorConfig:
                 raise ValueError(f"kvstore connector: {name} must be true or false, "
                                  f"got {extra[name]!r}")
         if extra.get("remote") is not None:
-            extra["remote"] = _remote_config(extra["remote"])
+            extra["remote"] = remote_config(extra["remote"], "kvstore connector", "kv_connector_extra_config")
         if extra.get("file_mode") is not None:
-            extra["file_mode"] = _file_mode(extra["file_mode"])
+            extra["file_mode"] = file_mode(extra["file_mode"], "kvstore connector")
         if extra.get("codec", "raw") not in CODECS:
             raise ValueError(f"kvstore connector: codec must be one of {sorted(CODECS)}, "
                              f"got {extra['codec']!r}")
@@ -178,46 +178,3 @@ class ConnectorConfig:
                 "file_mode": self.file_mode, "strict_permissions": self.strict_permissions,
                 "memory_bytes": self.memory_bytes, "backlog_bytes": self.backlog_bytes,
                 "allow_new_namespace": True}
-
-
-_SECRETS = ("access_key_id", "secret_access_key", "session_token", "hmac_key")
-
-
-def _remote_config(value: object) -> RemoteConfig:
-    if not isinstance(value, Mapping):
-        raise ValueError('kvstore connector: remote must be an object of remote-tier '
-                         'options, e.g. {"bucket": "kv", "endpoint": "http://host:8333"}, '
-                         f"got {value!r}")
-    options = dict(value)
-    secret = [k for k in _SECRETS if k in options]
-    if secret:
-        raise ValueError(f"kvstore connector: remote.{secret[0]} does not belong in "
-                         "kv_connector_extra_config (vLLM logs it): credentials come from "
-                         "the AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-                         "AWS_PROFILE), the HMAC key from remote.hmac_key_file")
-    known = {f.name for f in fields(RemoteConfig)} - set(_SECRETS) | {"hmac_key_file"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"kvstore connector: unknown remote options {unknown}; known "
-                         f"options are {sorted(known)}")
-    try:
-        key_file = options.pop("hmac_key_file", None)
-        if key_file is not None:
-            options["hmac_key"] = read_hmac_key_file(os.fspath(key_file))
-        return RemoteConfig(**options)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"kvstore connector: remote: {e}") from None
-
-
-def _file_mode(value: object) -> int:
-    """An int, or an octal string as JSON configs spell modes ("0660", "0o660")."""
-    mode = value
-    if isinstance(value, str):
-        try:
-            mode = int(value.removeprefix("0o"), 8)
-        except ValueError:
-            mode = value
-    try:
-        return permissions.check_file_mode(mode)
-    except ValueError as e:
-        raise ValueError(f"kvstore connector: {e}") from None
