@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import (
     AbstractContextManager,
@@ -50,6 +49,7 @@ import torch
 
 from kvstore import codecs, permissions, pinning, result_buffers
 from kvstore.allocator import Allocator
+from kvstore.backlog import Backlog
 from kvstore.codecs import CODEC_RAW, CodecSpec
 from kvstore.deletes import DeleteWatch
 from kvstore.errors import (
@@ -109,17 +109,6 @@ INDEX_DIR = "index"
 
 logger = logging.getLogger(__name__)
 
-class _BacklogTurn:
-    """A foreground put waiting for room in the backlog; ``admitted`` is set once its
-    bytes were added to it for the put (by the put that made room)."""
-
-    __slots__ = ("nbytes", "admitted")
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.admitted = anyio.Event()
-
-
 class _Operations:
     """Calls in flight, so that ``aclose()`` can wait for every one of them."""
 
@@ -160,9 +149,8 @@ class Store:
         self._memory_bytes = memory_bytes
         self._prefetch_share = opts.prefetch_share
         self._io_schedule = opts.io_schedule()
-        self.backlog_bytes = opts.backlog_bytes  # puts in flight beyond this drop background puts
-        self._backlog = 0  # bytes of puts in flight (foreground and background)
-        self._backlog_queue: deque[_BacklogTurn] = deque()  # foreground puts waiting
+        # puts in flight beyond opts.backlog_bytes drop background puts (kvstore/backlog.py)
+        self._backlog = Backlog(opts.backlog_bytes)
         self._prefetching: dict[bytes, anyio.Event] = {}  # key -> set when its read landed
         self._prefetches: set[Prefetch] = set()
         self._delete_watches: set[DeleteWatch] = set()  # promotions fetching (remote tier)
@@ -519,15 +507,13 @@ class Store:
         nbytes = sum(d.numel() for (d, _), p in zip(staged, dedup) if not p)
         if not nbytes:
             pass  # nothing to write: no room needed
-        elif background and not self._backlog_admits(nbytes):
+        elif background and not self._backlog.try_enter(nbytes):
             self._count_dedup(sum(dedup), sum(d.numel() for (d, _), p in zip(staged, dedup) if p))
             self._counters["dropped_puts"] += 1
             self._counters["dropped_blocks"] += len(keys) - sum(dedup)
             return PutResult(0, sum(dedup), 0, dropped=len(keys) - sum(dedup))
-        elif background:
-            self._backlog += nbytes
-        else:
-            await self._enter_backlog(nbytes)
+        elif not background:
+            await self._backlog.enter(nbytes, self._check_writable)
         self._counters["puts"] += 1
         spec = codec if codec is not None else self.codec
         try:
@@ -542,49 +528,7 @@ class Store:
                     # by the evictions that were in flight when the put decided.
                     self._counters["put_retries"] += 1
         finally:
-            self._leave_backlog(nbytes)
-
-    # Backpressure.  Puts enter the backlog in arrival order: a foreground put that does
-    # not fit waits in a queue, and while anyone waits there no later put goes ahead of
-    # it (a background put is dropped, a foreground one queues behind), so a waiting put
-    # waits at most for the puts admitted before it.  A put leaving the backlog admits
-    # the waiters at the head that now fit, in order (hand-off: nobody can slip in
-    # between the release and the waiter's turn).
-
-    def _backlog_fits(self, nbytes: int) -> bool:
-        """One put always goes when none is in flight, so a put above the bound goes alone."""
-        return not self._backlog or self._backlog + nbytes <= self.backlog_bytes
-
-    def _backlog_admits(self, nbytes: int) -> bool:
-        return not self._backlog_queue and self._backlog_fits(nbytes)
-
-    async def _enter_backlog(self, nbytes: int) -> None:
-        if self._backlog_admits(nbytes):
-            self._backlog += nbytes
-            return
-        turn = _BacklogTurn(nbytes)
-        self._backlog_queue.append(turn)
-        try:
-            await turn.admitted.wait()
-            self._check_writable()  # the store may have failed closed meanwhile
-        except BaseException:
-            if turn.admitted.is_set():
-                self._leave_backlog(nbytes)
-            else:
-                self._backlog_queue.remove(turn)
-                self._admit_waiting()  # the next in line may fit now
-            raise
-
-    def _leave_backlog(self, nbytes: int) -> None:
-        self._backlog -= nbytes
-        self._admit_waiting()
-
-    def _admit_waiting(self) -> None:
-        queue = self._backlog_queue
-        while queue and self._backlog_fits(queue[0].nbytes):
-            turn = queue.popleft()
-            self._backlog += turn.nbytes
-            turn.admitted.set()
+            self._backlog.leave(nbytes)
 
     async def _put_once(self, keys: Sequence[bytes], parent_list: Sequence[bytes | None],
                         staged: Sequence[tuple[torch.Tensor, int]],
@@ -1044,7 +988,7 @@ class Store:
             peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
             commits=self.writer.commits, cuda=self._cuda.status,
             namespaces=list(self.index.namespaces().values()),
-            totals=self._totals.current(self.index), backlog_bytes=self._backlog, **extra)
+            totals=self._totals.current(self.index), backlog_bytes=self._backlog.nbytes, **extra)
 
 
 @asynccontextmanager

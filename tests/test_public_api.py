@@ -21,7 +21,7 @@ def test_all_matches_the_public_names() -> None:
         "lock", "slots", "transfers", "native_slots", "native_lib", "tensors", "cli", "fsck",
         "permissions", "pinning", "codecs", "fp8_kernels", "cuda", "integrations", "totals",
         "group_sync", "memory_tier", "latency", "metrics", "prefetch", "remote",
-        "result_buffers", "stats", "options", "deletes"}
+        "result_buffers", "stats", "options", "deletes", "backlog"}
     assert set(kvstore.__all__) - {"__version__"} == public
     for name in kvstore.__all__:
         assert hasattr(kvstore, name), name
