@@ -207,11 +207,12 @@ class ConcurrentMachine(RuleBasedStateMachine):
                     round_stats["evicted"] = store.allocator.evicted_blocks
                     round_stats["evicted_bytes"] = store.allocator.evicted_bytes
                     round_stats["peak"] = store.allocator.peak_used_bytes
+            if faulty:  # unspent when the round crashed first: never carried to the next
+                self.disk.faults = [f for f in self.disk.faults if f[0] != "datasync"]
             if crashed:
                 STATS["crashes"] += 1
                 self.disk.crash(crash[1] if crash else "lose")
             elif faulty:
-                self.disk.faults = [f for f in self.disk.faults if f[0] != "datasync"]
                 self.disk.crash("lose")  # and then the machine loses what was unsynced
 
         if self.s3 is not None and slow_remote:
