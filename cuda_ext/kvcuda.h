@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define KVC_ABI_VERSION 2
+#define KVC_ABI_VERSION 3
 
 /* Errors of our own (negative, so they never collide with cudaError_t). */
 #define KVC_E_ARG (-1)     /* an argument is out of range (message says which) */
@@ -52,6 +52,11 @@ int kvc_free(void *ptr);
 int kvc_memset_async(void *ptr, int value, int64_t nbytes, uintptr_t stream);
 /* cudaMemcpyDefault: the direction follows from the pointers (unified addressing). */
 int kvc_memcpy_async(void *dst, const void *src, int64_t nbytes, uintptr_t stream);
+/* ABI 3: `rows` runs of `width` bytes, from src + r*src_pitch to dst + r*dst_pitch
+ * (cudaMemcpy2DAsync, cudaMemcpyDefault): one DMA that moves one layer of n blocks
+ * between a contiguous scratch and block-major staging. */
+int kvc_memcpy2d_async(void *dst, int64_t dst_pitch, const void *src, int64_t src_pitch,
+                       int64_t width, int64_t rows, uintptr_t stream);
 
 /* ---- streams and completion -------------------------------------------------------- */
 int kvc_stream_create(uintptr_t *stream);
@@ -65,6 +70,17 @@ int kvc_stream_query(uintptr_t stream);
  * also after a sticky error).  The caller keeps `fd` open until it has read that value.
  * ABI 2: ABI 1 wrote 1 from a cudaLaunchHostFunc, never called after an error. */
 int kvc_notify_eventfd(uintptr_t stream, int fd);
+
+/* ---- events (ABI 3) -------------------------------------------------------------------
+ * Ordering between streams without a host wait: record an event on one stream, make
+ * another wait for it (a GPU-side wait).  Events are created without timing. */
+int kvc_event_create(uintptr_t *event);
+int kvc_event_destroy(uintptr_t event);
+int kvc_event_record(uintptr_t event, uintptr_t stream);
+int kvc_stream_wait_event(uintptr_t stream, uintptr_t event);
+/* 0 when the work before the event's last record has finished, cudaErrorNotReady (600)
+ * while it runs (cudaEventQuery: never blocks). */
+int kvc_event_query(uintptr_t event);
 
 /* ---- paged KV gather / scatter -------------------------------------------------------
  * Each layer's cache is viewed as [outer, num_blocks, inner_bytes] with byte strides

@@ -95,6 +95,19 @@ extern "C" int kvc_memcpy_async(void *dst, const void *src, int64_t nbytes, uint
                                           reinterpret_cast<cudaStream_t>(stream)));
 }
 
+extern "C" int kvc_memcpy2d_async(void *dst, int64_t dst_pitch, const void *src,
+                                  int64_t src_pitch, int64_t width, int64_t rows,
+                                  uintptr_t stream) {
+  if (dst_pitch < 0 || src_pitch < 0 || width < 0 || rows < 0) return KVC_E_ARG;
+  if (width == 0 || rows == 0) return 0;
+  if (width > dst_pitch || width > src_pitch) return KVC_E_ARG;
+  return static_cast<int>(cudaMemcpy2DAsync(dst, static_cast<size_t>(dst_pitch), src,
+                                            static_cast<size_t>(src_pitch),
+                                            static_cast<size_t>(width),
+                                            static_cast<size_t>(rows), cudaMemcpyDefault,
+                                            reinterpret_cast<cudaStream_t>(stream)));
+}
+
 // ---------------------------------------------------------------------------- streams
 
 extern "C" int kvc_stream_create(uintptr_t *stream) {
@@ -139,4 +152,33 @@ extern "C" int kvc_notify_eventfd(uintptr_t stream, int fd) {
                                                 notify_eventfd,
                                                 reinterpret_cast<void *>(static_cast<intptr_t>(fd)),
                                                 0));
+}
+
+// ---------------------------------------------------------------------------- events
+
+extern "C" int kvc_event_create(uintptr_t *event) {
+  cudaEvent_t e = nullptr;
+  // No timing: recording and waiting stay as cheap as CUDA allows.
+  cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  *event = reinterpret_cast<uintptr_t>(e);
+  return static_cast<int>(err);
+}
+
+extern "C" int kvc_event_destroy(uintptr_t event) {
+  // Allowed while recorded work is pending: CUDA frees it once that work completes.
+  return static_cast<int>(cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event)));
+}
+
+extern "C" int kvc_event_record(uintptr_t event, uintptr_t stream) {
+  return static_cast<int>(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event),
+                                          reinterpret_cast<cudaStream_t>(stream)));
+}
+
+extern "C" int kvc_stream_wait_event(uintptr_t stream, uintptr_t event) {
+  return static_cast<int>(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream),
+                                              reinterpret_cast<cudaEvent_t>(event), 0));
+}
+
+extern "C" int kvc_event_query(uintptr_t event) {
+  return static_cast<int>(cudaEventQuery(reinterpret_cast<cudaEvent_t>(event)));
 }

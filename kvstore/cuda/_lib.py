@@ -20,7 +20,7 @@ from kvstore.errors import KVStoreError
 
 __all__ = ["ABI_VERSION", "CudaError", "Library", "Runtime", "load", "runtime"]
 
-ABI_VERSION = 2  # cuda_ext/kvcuda.h KVC_ABI_VERSION
+ABI_VERSION = 3  # cuda_ext/kvcuda.h KVC_ABI_VERSION
 
 _c_int_p = ctypes.POINTER(ctypes.c_int)
 _i64 = ctypes.c_int64
@@ -42,11 +42,17 @@ _SIGNATURES: dict[str, list[type]] = {
     "kvc_free": [_ptr],
     "kvc_memset_async": [_ptr, ctypes.c_int, _i64, _u64],
     "kvc_memcpy_async": [_ptr, _ptr, _i64, _u64],
+    "kvc_memcpy2d_async": [_ptr, _i64, _ptr, _i64, _i64, _i64, _u64],
     "kvc_stream_create": [ctypes.POINTER(_u64)],
     "kvc_stream_destroy": [_u64],
     "kvc_stream_synchronize": [_u64],
     "kvc_stream_query": [_u64],
     "kvc_notify_eventfd": [_u64, ctypes.c_int],
+    "kvc_event_create": [ctypes.POINTER(_u64)],
+    "kvc_event_destroy": [_u64],
+    "kvc_event_record": [_u64, _u64],
+    "kvc_stream_wait_event": [_u64, _u64],
+    "kvc_event_query": [_u64],
     "kvc_gather": [_ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _u64],
     "kvc_scatter": [_ptr, ctypes.c_int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _u64],
     "kvc_fp8_encode": [_ptr, ctypes.c_int, _i64, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr,

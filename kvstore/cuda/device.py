@@ -40,7 +40,8 @@ import numpy.typing as npt
 
 from kvstore.cuda._lib import CudaError, Library, runtime
 
-__all__ = ["DeviceBuffer", "Stream", "copy_async", "on_device", "require_lib", "wait_stream"]
+__all__ = ["DeviceBuffer", "Notice", "Stream", "copy_async", "on_device", "require_lib",
+           "wait_stream"]
 
 _NOT_READY = 600        # cudaErrorNotReady: kvc_stream_query's "still running"
 CHECK_EVERY_S = 1.0     # how often a waiter asks cudaStreamQuery whether the stream failed
@@ -130,6 +131,66 @@ async def wait_stream(stream: int, lib: Library | None = None,
             os.close(efd)
     if code:
         raise CudaError("CUDA stream", code, lib.error_string(code))
+
+
+class Notice:
+    """Completion of the work queued on a stream *so far*, armed now and awaited later
+    (possibly on another thread: the data mover arms on the engine's thread and the
+    store's event loop awaits): the stream callback of :func:`wait_stream`, split in two.
+    :meth:`poll` never blocks; :meth:`wait` awaits the eventfd; both raise
+    :class:`CudaError` if the stream failed.  The fd is closed once the callback wrote."""
+
+    def __init__(self, stream: int, lib: Library) -> None:
+        self.stream, self.lib = stream, lib
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            lib.call("kvc_notify_eventfd", stream, self._efd)
+        except BaseException:
+            os.close(self._efd)
+            raise
+        self._code: int | None = None  # the stream's status once the callback ran
+
+    @property
+    def fired(self) -> bool:
+        return self._code is not None
+
+    def _take(self, code: int) -> None:
+        self._code = code
+        os.close(self._efd)
+
+    def _raise(self) -> None:
+        if self._code:
+            raise CudaError("CUDA stream", self._code, self.lib.error_string(self._code))
+
+    def poll(self) -> bool:
+        """True once the work is done (a non-blocking eventfd read, no CUDA call)."""
+        if self._code is None:
+            try:
+                self._take(os.eventfd_read(self._efd) - 1)
+            except BlockingIOError:
+                return False
+        self._raise()
+        return True
+
+    async def wait(self, check_every: float = CHECK_EVERY_S) -> None:
+        """Until the work is done; a cancelled waiter still waits (shielded) for the
+        callback, so that nothing the copies use is freed under them."""
+        if self._code is None:
+            try:
+                fired, code = await _await_callback(self._efd, self.stream, self.lib,
+                                                    check_every)
+            except anyio.get_cancelled_exc_class():
+                with anyio.CancelScope(shield=True):
+                    fired, code = await _await_callback(self._efd, self.stream, self.lib,
+                                                        check_every)
+                if fired:
+                    self._take(code)
+                raise
+            if fired:
+                self._take(code)
+            elif code:
+                raise CudaError("CUDA stream", code, self.lib.error_string(code))
+        self._raise()
 
 
 async def _await_callback(efd: int, stream: int, lib: Library,

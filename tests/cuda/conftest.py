@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.cuda import _lib
 from kvstore.cuda.build import BuildResult, build, find_nvcc
-from tests.cuda.standin import StandInLibrary
+from tests.cuda.standin import StandInGpu, StandInLibrary
 
 
 @pytest.fixture(scope="session")
@@ -73,3 +73,14 @@ def standin_kernels(standin: StandInLibrary, host_lib: _lib.Library) -> StandInL
     """The stand-in, its FP8 "kernels" being the built library's host twins."""
     standin.host = host_lib
     return standin
+
+
+@pytest.fixture
+def gpu() -> Iterator[StandInGpu]:
+    """kvstore.cuda sees one stand-in device with deferred streams (StandInGpu)."""
+    lib = StandInGpu()
+    old = _lib.reset_for_tests(lib.runtime(devices=1, device=0))
+    try:
+        yield lib
+    finally:
+        _lib.reset_for_tests(old)

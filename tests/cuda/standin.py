@@ -120,3 +120,167 @@ class StandInLibrary:
     def _kvc_fp8_decode(self, *args: Any) -> int:
         assert self.host is not None
         return self.host.try_call("kvc_fp8_decode_host", *args[:-1])
+
+
+_NOT_READY = 600
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.recorded = 0   # records enqueued
+        self.reached = 0    # records the GPU has run
+
+
+class StandInGpu(StandInLibrary):
+    """The stand-in as a recording device with deferred streams: asynchronous calls
+    (copies, kernels, event records and waits, stream callbacks) are queued on their
+    stream and run only when the test says so (:meth:`run`), in stream order, a
+    ``kvc_stream_wait_event`` holding its stream until the event's record has run --
+    CUDA's ordering rules, so a missing event shows as wrong bytes.  Host-blocking
+    calls (``kvc_stream_synchronize``, a synchronous copy) are recorded in ``syncs``.
+
+    Stream 0 stands for the legacy default stream; any other integer a test uses as
+    the engine's compute stream is a stream too (:meth:`enqueue` puts the engine's own
+    work on it)."""
+
+    SYNCHRONISING = ("kvc_stream_synchronize",)
+
+    def __init__(self, host: Library | None = None, current: int = 0) -> None:
+        super().__init__(host, current)
+        self.queues: dict[int, list[tuple[str, Any]]] = {}
+        self.events: dict[int, _Event] = {}
+        self.syncs: list[str] = []
+        self._next = 1000
+
+    # ---- the queue
+    def enqueue(self, stream: int, fn: Any, what: str = "engine work") -> None:
+        """Queue ``fn()`` on ``stream`` (the engine's kernels in a test)."""
+        self.queues.setdefault(stream, []).append((what, fn))
+
+    def _runnable(self, op: tuple[str, Any]) -> bool:
+        what, fn = op
+        if what == "wait":
+            event, target = fn
+            return self.events[event].reached >= target
+        return True
+
+    def run(self, streams: list[int] | None = None) -> int:
+        """Run queued work of ``streams`` (default: all) until nothing more can run;
+        how many operations ran."""
+        ran = 0
+        progress = True
+        while progress:
+            progress = False
+            for s in list(self.queues if streams is None else streams):
+                q = self.queues.get(s, [])
+                while q and self._runnable(q[0]):
+                    what, fn = q.pop(0)
+                    if what != "wait":
+                        fn()
+                    ran += 1
+                    progress = True
+        return ran
+
+    def pending(self, stream: int | None = None) -> int:
+        return sum(len(q) for s, q in self.queues.items() if stream in (None, s))
+
+    # ---- streams and events
+    def _kvc_stream_create(self, out: Any) -> int:
+        self._next += 1
+        out._obj.value = self._next
+        self.queues.setdefault(self._next, [])
+        return 0
+
+    def _kvc_stream_destroy(self, stream: int) -> int:
+        return 0
+
+    def _kvc_stream_synchronize(self, stream: int) -> int:
+        self.syncs.append(f"kvc_stream_synchronize({stream})")
+        self.run()
+        return self.stream_status
+
+    def _kvc_stream_query(self, stream: int) -> int:
+        return self.stream_status or (_NOT_READY if self.queues.get(stream) else 0)
+
+    def _kvc_event_create(self, out: Any) -> int:
+        self._next += 1
+        self.events[self._next] = _Event()
+        out._obj.value = self._next
+        return 0
+
+    def _kvc_event_destroy(self, event: int) -> int:
+        return 0
+
+    def _kvc_event_record(self, event: int, stream: int) -> int:
+        ev = self.events[event]
+        ev.recorded += 1
+        target = ev.recorded
+
+        def reach() -> None:
+            ev.reached = max(ev.reached, target)
+        self.enqueue(stream, reach, "record")
+        return 0
+
+    def _kvc_stream_wait_event(self, stream: int, event: int) -> int:
+        self.enqueue(stream, (event, self.events[event].recorded), "wait")
+        return 0
+
+    def _kvc_event_query(self, event: int) -> int:
+        ev = self.events[event]
+        return 0 if ev.reached >= ev.recorded else _NOT_READY
+
+    def _kvc_notify_eventfd(self, stream: int, fd: int) -> int:
+        if not self.run_callbacks:
+            self.pending_fds.append(fd)
+            return 0
+        self.enqueue(stream, lambda: os.eventfd_write(fd, 1 + self.stream_status), "callback")
+        return 0
+
+    # ---- copies and kernels, queued
+    def _kvc_memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> int:
+        if stream == 0:   # the legacy stream as DeviceBuffer.upload uses it: then synced
+            ctypes.memmove(dst, src, nbytes)
+            return 0
+        self.enqueue(stream, lambda: ctypes.memmove(dst, src, nbytes), "memcpy")
+        return 0
+
+    def _kvc_memcpy2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                            rows: int, stream: int) -> int:
+        def copy() -> None:
+            for r in range(rows):
+                ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        self.enqueue(stream, copy, "memcpy2d")
+        return 0
+
+    def _blocks(self, layer_ptrs: int, n_layers: int, outer: int, outer_stride: int,
+                block_stride: int, inner: int, block_ids: int, n_ids: int,
+                staging: int, gather: bool) -> Any:
+        layers = list((ctypes.c_uint64 * n_layers).from_address(layer_ptrs))
+        ids = list((ctypes.c_int64 * n_ids).from_address(block_ids)) if n_ids else []
+
+        def copy() -> None:   # cuda_ext/gather_scatter.cu's addressing
+            per_block = n_layers * outer * inner
+            for i, b in enumerate(ids):
+                for li, base in enumerate(layers):
+                    for o in range(outer):
+                        cache = base + o * outer_stride + b * block_stride
+                        stage = staging + i * per_block + (li * outer + o) * inner
+                        if gather:
+                            ctypes.memmove(stage, cache, inner)
+                        else:
+                            ctypes.memmove(cache, stage, inner)
+        return copy
+
+    def _kvc_gather(self, *args: Any) -> int:
+        self.enqueue(args[-1], self._blocks(*args[:-1], gather=True), "gather")
+        return 0
+
+    def _kvc_scatter(self, *args: Any) -> int:
+        self.enqueue(args[-1], self._blocks(*args[:-1], gather=False), "scatter")
+        return 0
+
+    def _kvc_fp8_encode(self, *args: Any) -> int:
+        assert self.host is not None
+        host = self.host
+        self.enqueue(args[-1], lambda: host.call("kvc_fp8_encode_host", *args[:-1]), "fp8")
+        return 0
