@@ -9,9 +9,7 @@ Public API (everything else is private and may change)::
         blocks = await store.get_many(keys[:n])
 """
 
-from kvstore import pinning as _pinning
 from kvstore.blocking import BlockingStore, open_blocking
-from kvstore.cuda.pinned import pin_arena as _pin_arena
 from kvstore.errors import (
     BlockTooLargeError,
     CapacityError,
@@ -38,9 +36,9 @@ from kvstore.keys import Namespace, chain_parents
 from kvstore.options import StoreOptions
 from kvstore.store import PutResult, Store, StoreStats, open
 
-# The store pins its staging arena through a hook (kvstore.pinning), so that it does not
-# depend on the optional CUDA package, which sits above it and is installed here.
-_pinning.set_default_pinner(_pin_arena)
+# Optional parts load only when used: kvstore.cuda with the first store that page-locks
+# its staging arena (kvstore.page_locking), the remote tier's client with the first store
+# opened with remote=..., kvstore.metrics and the engine integrations when imported.
 
 __version__ = "0.1.0"
 

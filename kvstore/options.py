@@ -5,6 +5,7 @@ keywords) without restating them.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,10 @@ if TYPE_CHECKING:
     from kvstore.remote.config import RemoteConfig
 
 __all__ = ["StoreOptions"]
+
+# Deprecated option names -> their new names (accepted by ``StoreOptions.of``, so by
+# ``open()`` and ``open_blocking()``, for one release).
+_RENAMED = {"pin_staging": "page_lock_staging"}
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,13 @@ class StoreOptions:
                    put needs; parents of blocks being written are never evicted, so chains
                    never get holes; default: what the store holds plus 90% of the free disk
                    space.
-    ``pin_staging`` register the staging arena as CUDA pinned memory (kvstore.cuda), so
-                   gets land where the GPU can DMA them: None (default) when CUDA is
-                   usable, True requires it (CudaError if not), False never.  Unregistered
-                   at close.  ``stats().cuda`` says what happened.
+    ``page_lock_staging`` page-lock the staging arena (register it with CUDA as
+                   host memory the GPU can DMA to and from, what torch calls "pinned";
+                   :mod:`kvstore.page_locking`), so gets land where the GPU copies them
+                   from directly: None (default) when CUDA is usable, True requires it
+                   (CudaError if not), False never.  Unregistered at close.
+                   ``stats().cuda`` says what happened.  ``pin_staging`` is its
+                   deprecated old name (``Store.pin`` is the never-evict feature).
     ``file_mode``  permissions of the store's files (directories get search where it
                    grants read), exact whatever the umask: None (default) keeps the
                    store's recorded mode, owner-only ``0o600`` (dirs ``0o700``) for a new
@@ -71,10 +79,11 @@ class StoreOptions:
                    naming them and the fixing ``chmod``; True refuses instead
                    (:class:`~kvstore.errors.InsecurePermissionsError`).
     ``memory_bytes`` size of the host-memory tier (0, the default: off): verified blocks
-                   cached in one region of host RAM (pinned when CUDA is usable) in front
-                   of the extents, filled by durable puts (lossless codecs) and by gets of
-                   CPU tensors; a get served from it does no disk I/O.  Least-recently-used
-                   leaves are evicted first; pinned blocks stay.  See
+                   cached in one region of host RAM (page-locked like the staging arena)
+                   in front of the extents, filled by durable puts (lossless codecs) and by
+                   gets of CPU tensors; a get served from it does no disk I/O.
+                   Least-recently-used leaves are evicted first; pinned blocks (``Store.pin``)
+                   stay.  See
                    :mod:`kvstore.memory_tier`.
     ``prefetch_share`` the most of ``memory_bytes`` that prefetched blocks not yet read
                    by a get may take (``Store.prefetch``).
@@ -104,7 +113,7 @@ class StoreOptions:
     create: bool = True
     capacity_bytes: int | None = None
     codec: CodecSpec | None = None
-    pin_staging: bool | None = None
+    page_lock_staging: bool | None = None
     file_mode: int | None = None
     strict_permissions: bool = False
     memory_bytes: int = 0
@@ -130,10 +139,23 @@ class StoreOptions:
         if self.file_mode is not None:
             permissions.check_file_mode(self.file_mode)
 
+    @property
+    def pin_staging(self) -> bool | None:
+        """Deprecated name of ``page_lock_staging`` (reading it does not warn)."""
+        return self.page_lock_staging
+
     @classmethod
     def of(cls, options: StoreOptions | None = None, **fields_: Any) -> StoreOptions:
         """``options`` (default: all defaults) with ``fields_`` replaced; an unknown
-        field is a ``TypeError`` that lists the known ones."""
+        field is a ``TypeError`` that lists the known ones.  ``pin_staging=`` (the old
+        name of ``page_lock_staging``) still works and warns (``DeprecationWarning``)."""
+        for old, new in _RENAMED.items():
+            if old in fields_:
+                if new in fields_:
+                    raise TypeError(f"{old} is the deprecated name of {new}: pass only {new}")
+                warnings.warn(f"the store option {old} is deprecated; it is now called {new}",
+                              DeprecationWarning, stacklevel=3)
+                fields_[new] = fields_.pop(old)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(fields_) - known)
         if unknown:

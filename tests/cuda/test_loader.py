@@ -93,8 +93,8 @@ async def test_store_falls_back_and_says_why(tmp_path: Path, use_built_runtime: 
         await store.put(key, torch.arange(100, dtype=torch.float16))
         got = await store.get(key)
         assert got is not None and torch.equal(got, torch.arange(100, dtype=torch.float16))
-    async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT, pin_staging=False) as store:
-        assert store.stats().cuda == "cuda: not used (pin_staging=False)"
+    async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT, page_lock_staging=False) as store:
+        assert store.stats().cuda == "cuda: not used (page_lock_staging=False)"
 
 
 async def test_store_requiring_pinned_staging_refuses_to_open(
@@ -102,10 +102,10 @@ async def test_store_requiring_pinned_staging_refuses_to_open(
     if _has_device(use_built_runtime):
         pytest.skip("this machine has a CUDA device")
     with pytest.raises(cuda.CudaError, match="pin_staging=True failed: no usable CUDA device"):
-        async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT, pin_staging=True):
+        async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT, page_lock_staging=True):
             pass
     # nothing was left behind: the store opens again (lock released, arena unmapped)
-    async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT, pin_staging=False):
+    async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT, page_lock_staging=False):
         pass
 
 
