@@ -1,10 +1,22 @@
 """The store's process lock: one store directory is served by one ``Store`` (or one fsck)
-at a time, because LMDB's writer lock and the in-memory allocator both assume it."""
+at a time, because LMDB's writer lock and the in-memory allocator both assume it.
+
+Fork: a ``flock`` belongs to the open file description, which a forked child shares
+through its copy of the descriptor, so a child that kept a copy kept the store locked for
+as long as it ran.  The child closes every copy at fork (``_after_fork_in_child``), and a
+fork waits for a thread that is opening or releasing a lock (``_FORK_GUARD``): the store
+opens and closes on worker threads, and a child forked between the ``open`` of the
+descriptor and its registration, or between its unregistration and its ``close``, got a
+copy nobody closed (issue 31).  Only ``os.fork`` (and ``multiprocessing``'s fork start
+method, which calls it) runs these hooks; ``subprocess`` children exec at once and the
+descriptor is ``O_CLOEXEC``.
+"""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import weakref
 
 from kvstore import permissions
@@ -13,6 +25,11 @@ from kvstore.errors import StoreLockedError
 LOCK_FILE = "LOCK"
 
 _HELD: weakref.WeakSet[StoreLock] = weakref.WeakSet()
+# Held while a descriptor of a LOCK file exists that ``_HELD`` does not name (opening,
+# releasing), and by a fork from its before-hook to its after-hooks: so a child never
+# inherits a descriptor its at-fork hook does not know.  Never held across a blocking call
+# (the flock is non-blocking).
+_FORK_GUARD = threading.Lock()
 
 
 class StoreLock:
@@ -20,24 +37,31 @@ class StoreLock:
     holder's pid, for the error another opener sees."""
 
     def __init__(self, path: str) -> None:
-        self.fd = permissions.open_file(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CLOEXEC)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self.fd)
-            raise StoreLockedError(
-                11, f"store {path} is already open (holder pid {holder}); close it there "
-                "first: one store directory is served by one Store at a time") from None
+        self.path = path
+        with _FORK_GUARD:
+            fd = permissions.open_file(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise StoreLockedError(
+                    11, f"store {path} is already open (holder pid {holder}); close it there "
+                    "first: one store directory is served by one Store at a time") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+            _HELD.add(self)
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-        _HELD.add(self)
 
     def release(self) -> None:
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            _HELD.discard(self)
-            os.close(fd)  # closing the descriptor drops the flock
+        with _FORK_GUARD:
+            if self.fd >= 0:
+                fd, self.fd = self.fd, -1
+                _HELD.discard(self)
+                os.close(fd)  # closing the descriptor drops the flock
 
     def _forget_in_child(self) -> None:
         """A forked child's copy of the descriptor: closed, not unlocked.  A flock
@@ -50,10 +74,21 @@ class StoreLock:
             os.close(fd)
 
 
+def _before_fork() -> None:
+    _FORK_GUARD.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _FORK_GUARD.release()
+
+
 def _after_fork_in_child() -> None:
+    global _FORK_GUARD
+    _FORK_GUARD = threading.Lock()  # the forking thread's acquisition: not this process's
     for lock in list(_HELD):
         lock._forget_in_child()
     _HELD.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
