@@ -126,11 +126,15 @@ class _Batch:
                 self.notice = self.mover._notice_after(self.enqueued)
             self.mover._retire(self.lease, self.notice)
 
-    def blocks(self) -> list[torch.Tensor]:
-        """The staged blocks, ``[num_layers, *per_block]`` each (pinned CPU views; read
-        them only once :meth:`wait` returned)."""
+    def staged(self) -> torch.Tensor:
+        """The staging as ``[n, num_layers, *per_block]`` (a pinned CPU view; read it
+        only once :meth:`wait` returned)."""
         m = self.mover
-        return list(self.lease.tensor(m.dtype, (self.n, *m.block_shape)).unbind(0))
+        return self.lease.tensor(m.dtype, (self.n, *m.block_shape))
+
+    def blocks(self) -> list[torch.Tensor]:
+        """The staged blocks, ``[num_layers, *per_block]`` each."""
+        return list(self.staged().unbind(0))
 
 
 class SaveBatch(_Batch):
@@ -283,7 +287,9 @@ class Mover:
         if self._compute_stream is not None:
             return self._compute_stream()
         dev = self.layers[0].device
-        return int(torch.cuda.current_stream(dev).cuda_stream) if dev.type == "cuda" else 0
+        if dev.type == "cuda" and torch.cuda.is_available():
+            return int(torch.cuda.current_stream(dev).cuda_stream)
+        return 0  # the legacy default stream (a torch without CUDA: the stand-in's)
 
     # ------------------------------------------------------------------ staging
 
@@ -509,6 +515,20 @@ class Mover:
                 lib.call("kvc_event_record", self._load_events[layer], self.load_stream)
                 self._unwaited.add(layer)
             batch.notice = Notice(self.load_stream, lib)
+
+    def load_host(self, blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """The CPU path's load from any host tensor ``[n, num_layers, *per_block]``
+        (pageable memory cannot be copied asynchronously: refused on the GPU path)."""
+        if self.cuda:
+            raise ValueError("load_host is the CPU path's; load through begin_load staging")
+        ids = [int(b) for b in block_ids]
+        with self._lock:
+            self._stats.loads += 1
+            self._stats.loaded_blocks += len(ids)
+            self._stats.copied_in_bytes += len(ids) * self.block_bytes
+        for layer in range(self.num_layers):
+            paged.scatter_reference(blocks[:len(ids), layer:layer + 1], [self.layers[layer]],
+                                    ids, self.layout)
 
     def wait_layer(self, layer: int) -> None:
         """Make the compute stream wait (on the GPU) for the loads into ``layer``

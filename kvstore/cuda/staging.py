@@ -55,8 +55,11 @@ class Lease:
             n *= d
         if n > self.nbytes:
             raise ValueError(f"{n} bytes do not fit a {self.nbytes}-byte lease")
-        return self.pool.arena.tensor[self.run.offset:self.run.offset + n].view(dtype) \
-            .view(shape)
+        # Not an inference tensor, also when made under torch.inference_mode (vLLM's
+        # hooks): the store writes loads into it from its own thread.
+        with torch.inference_mode(False):
+            return self.pool.arena.tensor[self.run.offset:self.run.offset + n].view(dtype) \
+                .view(shape)
 
     def release(self) -> None:
         self.pool._give_back(self)

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from kvstore.cuda.mover import LoadBatch, SaveBatch
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.integrations.vllm_lookup import LookupServer, socket_name
@@ -41,6 +42,13 @@ class _Prepared:
     keys: list[bytes]  # the verified leading keys of a lookup
     buffer: torch.Tensor  # their blocks, [len(keys), layers, *block shape]
     generation: int
+    staging: LoadBatch | None = None  # the mover's staging the buffer lies in
+
+    def drop(self) -> None:
+        """Not taken by a load: its staging goes back (after any copy using it)."""
+        if self.staging is not None:
+            self.staging.release()
+            self.staging = None
 
 
 def load_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -61,7 +69,9 @@ _COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes"
              "load_failed_blocks", "save_blocks", "saved_blocks", "save_dedup_blocks",
              "save_failed_blocks", "save_dropped_blocks", "saved_bytes",
              # nanoseconds: the forward waiting on save copies / on loads; background puts
-             "save_stall_ns", "load_ns", "save_io_ns")
+             "save_stall_ns", "load_ns", "save_io_ns",
+             # loads refused for want of page-locked staging (the data mover's)
+             "load_no_staging_blocks")
 _MAX_LOAD_SAMPLES = 4096  # load durations kept for vLLM's histogram between two steps
 _MAX_FAILED_KEYS = 1 << 16  # keys whose load raised, answered as misses
 
@@ -90,6 +100,9 @@ class SharedStore:
         # lookup of a synchronous load reads into a buffer of that shape.
         self.layout: tuple[int, tuple[int, ...], torch.dtype] | None = None
         self._prepared: dict[bytes, _Prepared] = {}  # sync loads, by first key
+        # The worker's data mover's load staging (Mover.begin_load), once it has one:
+        # loads are read into page-locked staging and scattered from there.
+        self.load_staging: Callable[[int], LoadBatch | None] | None = None
         self.failed_keys: set[bytes] = set()  # loads that raised: misses from now on
         # Moves to a new key scope since start (a weight update: KVStoreConnector
         # .reset_cache); lookups of another epoch are answered 0.
@@ -122,14 +135,36 @@ class SharedStore:
         ``namespace`` from now on; reads kept for the old keys are dropped."""
         with self._lock:
             self.namespace, self.scope_epoch, self.suspended = namespace, epoch, None
-            self._prepared.clear()
+            self._drop_prepared()
             self.failed_keys.clear()
 
     def suspend(self, why: str) -> None:
         """No lookups, loads or saves until the next :meth:`rescope`."""
         with self._lock:
             self.suspended = why
-            self._prepared.clear()
+            self._drop_prepared()
+
+    def _drop_prepared(self) -> None:
+        """(With the lock) forget every read-ahead, its staging back."""
+        for held in self._prepared.values():
+            held.drop()
+        self._prepared.clear()
+
+    def load_target(self, n: int) -> tuple[torch.Tensor, LoadBatch | None] | None:
+        """Where a load of ``n`` blocks is read (``[n, layers, *block shape]``): the
+        worker's page-locked staging, or a plain buffer before the worker has a mover;
+        None when the staging has no room now (the load fails: vLLM computes)."""
+        layout = self.layout
+        assert layout is not None
+        layers, shape, dtype = layout
+        make = self.load_staging
+        if make is None:
+            return load_buffer((n, layers, *shape), dtype), None
+        batch = make(n)
+        if batch is None:
+            self.count(load_no_staging_blocks=n)
+            return None
+        return batch.staged(), batch
 
     def match_hashes(self, hashes: list[bytes], epoch: int = 0) -> int:
         """How many leading vLLM block hashes name stored blocks (0 before the worker
@@ -179,11 +214,15 @@ class SharedStore:
         hit = self.portal.call(self.store.match_prefix, keys)
         if not hit:
             return 0
-        layers, shape, dtype = layout
-        buffer = load_buffer((hit, layers, *shape), dtype)
+        target = self.load_target(hit)
+        if target is None:
+            return 0
+        buffer, staging = target
         try:
             got = self.portal.call(self.store.get_many, keys[:hit], list(buffer.unbind(0)))
         except Exception as e:  # a failed read is a miss: vLLM computes
+            if staging is not None:
+                staging.release()
             self.load_raised(keys[:hit], e)
             return 0
         ok = next((i for i, g in enumerate(got) if g is None), hit)
@@ -192,7 +231,13 @@ class SharedStore:
         self.record_load(elapsed / 1e9)
         if ok:
             with self._lock:
-                self._prepared[keys[0]] = _Prepared(keys[:ok], buffer[:ok], self._generation)
+                old = self._prepared.pop(keys[0], None)
+                if old is not None:
+                    old.drop()
+                self._prepared[keys[0]] = _Prepared(keys[:ok], buffer[:ok], self._generation,
+                                                    staging)
+        elif staging is not None:
+            staging.release()
         return ok
 
     def load_raised(self, keys: Sequence[bytes], error: Exception) -> None:
@@ -224,16 +269,21 @@ class SharedStore:
                     self.failed_keys.clear()
                 self.failed_keys.add(key)
 
-    def take_prepared(self, keys: list[bytes]) -> torch.Tensor | None:
+    def take_prepared(self, keys: list[bytes]
+                      ) -> tuple[torch.Tensor, LoadBatch | None] | None:
         """The blocks :meth:`_read_ahead` read for a load of ``keys`` (None if it
-        holds fewer), forgotten once taken."""
+        holds fewer), forgotten once taken, and the staging they lie in (the caller
+        releases it)."""
         if not keys:
             return None
         with self._lock:
             held = self._prepared.pop(keys[0], None)
-        if held is None or held.keys[:len(keys)] != keys:
+        if held is None:
             return None
-        return held.buffer[:len(keys)]
+        if held.keys[:len(keys)] != keys:
+            held.drop()
+            return None
+        return held.buffer[:len(keys)], held.staging
 
     def next_step(self) -> None:
         """A worker step began: forget reads no load took for a few steps (their
@@ -245,7 +295,7 @@ class SharedStore:
             stale = [k for k, p in self._prepared.items()
                      if p.generation < self._generation - _PREPARED_STEPS]
             for k in stale:
-                del self._prepared[k]
+                self._prepared.pop(k).drop()
 
     async def _match_and_prefetch(self, keys: list[bytes]) -> int:
         hit = await self.store.match_prefix(keys)
@@ -320,6 +370,32 @@ class SharedStore:
             self._pending.append((future, nbytes))
             self._pending_bytes += nbytes
 
+    def submit_save(self, batch: SaveBatch, keys: list[bytes], parents: list[bytes | None],
+                    nbytes: int) -> None:
+        """Put a step's blocks once the mover's copy-out of ``batch`` is done (awaited on
+        the store's loop through the copy-done eventfd); never waits itself: the staging
+        bound is the backpressure (a save that found none was dropped at its start).
+        The staging goes back when the put is over, whatever became of it."""
+        background = self.config.background_saves
+
+        async def put() -> PutResult:
+            try:
+                await batch.wait()
+                start = time.perf_counter_ns()
+                try:
+                    return await self.store.put_many(keys, batch.blocks(), parents=parents,
+                                                     background=background)
+                finally:
+                    self.count(save_io_ns=time.perf_counter_ns() - start)
+            finally:
+                batch.release()
+
+        future = self.portal.start_task_soon(put)
+        future.add_done_callback(lambda f: self._done(f, len(keys)))
+        with self._lock:
+            self._pending.append((future, nbytes))
+            self._pending_bytes += nbytes
+
     def _done(self, future: Future[PutResult], n: int) -> None:
         if future.cancelled():
             self.count(save_failed_blocks=n)
@@ -360,7 +436,8 @@ class SharedStore:
         self.closed = True
         if self.server is not None:
             self.server.close()
-        self._prepared.clear()
+        with self._lock:
+            self._drop_prepared()
         try:
             self.flush()
             self._store_cm.__exit__(None, None, None)

@@ -3,6 +3,16 @@ layout from the tensors vLLM registers, loads blocks into the paged KV cache (in
 background, or before the forward with ``async_loads`` off), copies the step's new
 blocks out for background saves, and follows the scheduler's key scope
 (:mod:`.vllm_metadata`).
+
+Every copy between the KV cache and host memory goes through the data mover
+(:mod:`kvstore.cuda.mover`), on a GPU as on the CPU: ``save_kv_layer`` only enqueues
+the layer's copy-out (after the compute stream's write of that layer, on the mover's
+own stream), ``wait_for_save`` hands the step's blocks to a background put that starts
+when their copy-done event fires, and waits for nothing; loads are read into the
+mover's page-locked staging and scattered layer by layer, the compute stream waiting
+for a layer's event in ``wait_for_layer_load`` (a GPU-side wait).  The staging is
+bounded by ``max_pending_save_bytes``: a step whose save finds no room drops it
+(``save_dropped_blocks``) instead of waiting for the disk.
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvstore.cuda.mover import LoadBatch, Mover, SaveBatch
+from kvstore.cuda.paged import Layout
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.integrations.vllm_metadata import KVStoreConnectorMetadata, Load, Save
@@ -45,6 +57,7 @@ class _InFlightLoad:
     future: Future[list[torch.Tensor | None]]
     started_ns: int
     scope_epoch: int = 0  # the key scope it was read under
+    staging: LoadBatch | None = None  # the mover's staging ``buffer`` lies in
 
 
 # How long a step that runs no forward waits for a background load before returning
@@ -78,7 +91,8 @@ class WorkerSide:
         self._block_axis = 0
         self._block_shape: tuple[int, ...] = ()
         self._dtype = torch.float32
-        self._staging: torch.Tensor | None = None
+        self.mover: Mover | None = None
+        self._staging: SaveBatch | None = None
         self._staging_meta: KVStoreConnectorMetadata | None = None
         self._saves: list[Save] = []
         self._staged_layers: set[int] = set()
@@ -112,6 +126,20 @@ class WorkerSide:
                 raise ValueError(f"kvstore connector: layer {name} has KV cache shape "
                                  f"{tuple(t.shape)} {t.dtype}, unlike {names[0]}; "
                                  "models with mixed layer shapes are not supported")
+        layout: Layout
+        if axis == 1 and first.dim() >= 3 and first.shape[0] == 2:
+            layout = "kv_first"
+        elif axis == 0:
+            layout = "blocks_first"
+        else:
+            raise ValueError(f"kvstore connector: KV cache shape {tuple(first.shape)} has "
+                             f"its blocks on axis {axis}; supported: [2, num_blocks, ...] "
+                             "and [num_blocks, ...]")
+        if self.mover is not None:  # registered again: the old caches are gone
+            self.mover.close()
+        budget = self._config.max_pending_save_bytes
+        self.mover = Mover(list(kv_caches.values()), layout, staging_bytes=budget)
+        self._store.load_staging = self.mover.begin_load
         self._layers = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._block_axis = axis
@@ -163,7 +191,7 @@ class WorkerSide:
         self._weights_source = str(self._vllm_config.model_config.model)
         names = list(self._layers)
         namespace = self._namespace(self._layers[names[0]], self._block_axis, names)
-        self._staging_meta = self._staging = None
+        self._drop_staging()
         self._store.rescope(meta.scope_epoch, namespace)
         logger.info("kvstore connector: worker moved to key scope epoch %d (%s)",
                     meta.scope_epoch, namespace.digest.hex()[:16])
@@ -196,42 +224,51 @@ class WorkerSide:
         keys = self._keys(load.hashes)
         if self._store.suspended is not None:
             keys = None  # the weights changed under these keys: nothing is loaded
-        blocks = None if keys is None else self._store.take_prepared(keys)
+        prepared = None if keys is None else self._store.take_prepared(keys)
         ok = n
-        if blocks is None:
-            blocks = load_buffer((n, len(self._layers), *self._block_shape), self._dtype)
+        if prepared is not None:
+            blocks, staging = prepared
+        else:
+            target = self._store.load_target(n) if n else None
+            blocks, staging = target if target is not None else \
+                (load_buffer((0, len(self._layers), *self._block_shape), self._dtype), None)
             try:
-                got: list[torch.Tensor | None] = [None] * n if keys is None or not n else \
-                    self._store.get_many(keys, list(blocks.unbind(0)))
+                got: list[torch.Tensor | None] = [None] * n if keys is None or not n \
+                    or target is None else self._store.get_many(keys, list(blocks.unbind(0)))
             except Exception as e:
                 self._store.load_raised(keys or [], e)
                 got = [None] * n
             ok = next((i for i, g in enumerate(got) if g is None), n)
             self._note_failed(load, ok)
         if ok:
-            self._scatter(blocks[:ok], load.block_ids[:ok])
+            self._scatter(blocks, staging, load.block_ids[:ok])
+        elif staging is not None:
+            staging.release()
         failed = load.block_ids[ok:]
         if failed:
             self._step_load_failed = True
             self._load_errors.update(failed)
         self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed),
-                          loaded_bytes=ok * blocks[0].nbytes if ok else 0,
-                          load_ns=time.perf_counter_ns() - start)
+                          loaded_bytes=ok * self._block_bytes(), load_ns=time.perf_counter_ns() - start)
 
     def _start_load(self, load: Load) -> None:
         n = len(load.block_ids)
         self._store.count(load_blocks=n)
         keys = self._keys(load.hashes)
-        buffer = load_buffer((n, len(self._layers), *self._block_shape), self._dtype)
+        target = self._store.load_target(n) if keys is not None and n else None
         future: Future[list[torch.Tensor | None]]
-        if keys is None or n == 0:  # no KV registered: nothing can be loaded
+        if target is None:  # no KV registered, or no staging now: nothing is loaded
+            buffer, staging = load_buffer((0, len(self._layers), *self._block_shape),
+                                          self._dtype), None
             future = Future()
             future.set_result([None] * n)
         else:
+            buffer, staging = target
+            assert keys is not None
             future = self._store.start_get(keys, list(buffer.unbind(0)))
         self._loading[load.req_id] = _InFlightLoad(load, buffer, future,
                                                    time.perf_counter_ns(),
-                                                   self._store.scope_epoch)
+                                                   self._store.scope_epoch, staging)
 
     def _finish_load(self, inflight: _InFlightLoad) -> None:
         """Copy a finished load's verified leading blocks into the KV cache and record
@@ -248,12 +285,14 @@ class WorkerSide:
         ok = next((i for i, g in enumerate(got) if g is None), len(load.block_ids))
         self._note_failed(load, ok)
         if ok:
-            self._scatter(inflight.buffer[:ok], load.block_ids[:ok])
+            self._scatter(inflight.buffer, inflight.staging, load.block_ids[:ok])
+        elif inflight.staging is not None:
+            inflight.staging.release()
         failed = load.block_ids[ok:]
         self._load_errors.update(failed)
         elapsed = time.perf_counter_ns() - inflight.started_ns
         self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed), load_ns=elapsed,
-                          loaded_bytes=ok * inflight.buffer[0].nbytes if ok else 0)
+                          loaded_bytes=ok * self._block_bytes())
         self._store.record_load(elapsed / 1e9)
 
     def _note_failed(self, load: Load, ok: int) -> None:
@@ -263,16 +302,28 @@ class WorkerSide:
         if keys is not None and ok < len(keys) and self._store.suspended is None:
             self._store.load_failed(keys[ok])
 
-    def _scatter(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
-        axis = self._block_axis
-        for li, layer in enumerate(self._layers.values()):
-            index = self._block_index(block_ids, layer.device)
-            layer.index_copy_(axis, index, blocks[:, li].to(layer.device).movedim(0, axis))
+    def _block_bytes(self) -> int:
+        return self.mover.block_bytes if self.mover is not None else 0
+
+    def _scatter(self, blocks: torch.Tensor, staging: LoadBatch | None,
+                 block_ids: list[int]) -> None:
+        """Into the KV cache, through the mover: from its staging on the load stream,
+        layer by layer (the staging goes back once those copies are done), or, for a
+        plain host buffer on a CPU engine, with plain copies now."""
+        assert self.mover is not None
+        if staging is not None:
+            self.mover.load(staging, block_ids)
+            staging.release()
+        else:
+            self.mover.load_host(blocks, block_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Async loads finish before their request is scheduled, sync loads in
-        # start_load_kv: a stored block holds all layers.
-        return
+        """The compute stream waits (on the GPU, not this thread) for the loads into
+        this layer enqueued so far; async loads are enqueued before their request is
+        scheduled, sync loads in ``start_load_kv``: a stored block holds all layers."""
+        index = self._layer_index.get(layer_name)
+        if index is not None and self.mover is not None:
+            self.mover.wait_layer(index)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose background load is done, their blocks copied into the KV
@@ -308,21 +359,30 @@ class WorkerSide:
             except KVStoreError:
                 present = [False] * len(keys)
             saves = [s for s, p in zip(saves, present) if not p]
-        self._staging_meta, self._saves, self._staged_layers = meta, saves, set()
-        self._staging = torch.empty((len(saves), len(self._layers), *self._block_shape),
-                                    dtype=self._dtype) if saves else None
-        return saves
+        self._drop_staging()
+        self._staging_meta, self._saves = meta, saves
+        if saves:
+            assert self.mover is not None
+            # Staging for the step's blocks, or None: no room, the save is dropped
+            # (counted), the step does not wait.
+            self._staging = self.mover.begin_save([s.block_id for s in saves])
+            if self._staging is None:
+                self._store.count(save_blocks=len(saves), save_dropped_blocks=len(saves))
+                self._saves = []
+        return self._saves
+
+    def _drop_staging(self) -> None:
+        """Forget the step's save; its staging goes back once its copies are done."""
+        if self._staging is not None:
+            self._staging.release()
+        self._staging_meta = self._staging = None
 
     def _stage(self, meta: KVStoreConnectorMetadata, layer_index: int) -> None:
-        """Copy this step's blocks of one layer out of the paged KV cache."""
-        saves = self._step_saves(meta)
-        if self._staging is None or layer_index in self._staged_layers:
-            return
-        layer = list(self._layers.values())[layer_index]
-        index = self._block_index([s.block_id for s in saves], layer.device)
-        self._staging[:, layer_index] = layer.index_select(self._block_axis, index) \
-            .movedim(self._block_axis, 0).to("cpu")
-        self._staged_layers.add(layer_index)
+        """Enqueue the copy-out of this step's blocks of one layer (returns at once)."""
+        self._step_saves(meta)
+        if self._staging is not None:
+            assert self.mover is not None
+            self.mover.save_layer(self._staging, layer_index)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
@@ -350,25 +410,28 @@ class WorkerSide:
         if sys.exc_info()[1] is not None or self._step_load_failed or \
                 self._store.suspended is not None:
             self._store.count(save_dropped_blocks=len(meta.saves))
-            self._staging_meta = self._staging = None
+            self._drop_staging()
             return
         start = time.perf_counter_ns()
         saves = self._step_saves(meta)
-        for li in range(len(self._layers)):
-            self._stage(meta, li)
         staging = self._staging
-        self._staging_meta = self._staging = None
         ns = self._store.namespace
         if staging is not None and ns is not None:
+            assert self.mover is not None
+            self.mover.end_save(staging)  # layers not saved yet, then the copy-done event
+            self._staging_meta = self._staging = None
             keys = ns.engine_keys([s.hash for s in saves])
             parents = [None if s.parent_hash is None else ns.engine_key(s.parent_hash)
                        for s in saves]
             self._store.count(save_blocks=len(keys))
             try:
-                self._store.submit_put(keys, list(staging.unbind(0)), parents,
-                                       staging.numel() * staging.element_size())
-            except KVStoreError as e:
+                self._store.submit_save(staging, keys, parents,
+                                        len(keys) * self.mover.block_bytes)
+            except (KVStoreError, RuntimeError) as e:
+                staging.release()
                 warn_once("save", "kvstore connector: save failed: %s", e)
+        else:
+            self._drop_staging()
         self._store.count(save_stall_ns=time.perf_counter_ns() - start)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -380,5 +443,13 @@ class WorkerSide:
         for inflight in self._loading.values():  # their buffers, not vLLM's blocks
             with suppress(Exception):  # a failed load frees its buffer too
                 inflight.future.result()
+            if inflight.staging is not None:
+                inflight.staging.release()
         self._loading.clear()
+        self._drop_staging()
+        self._store.load_staging = None
+        self._store.flush()  # the saves still hold the mover's staging
         release(self.store)
+        if self.mover is not None:
+            self.mover.close()
+            self.mover = None
