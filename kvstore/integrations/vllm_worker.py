@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvstore.cuda import reason as cuda_reason
 from kvstore.cuda.mover import LoadBatch, Mover, SaveBatch
 from kvstore.cuda.paged import Layout
 from kvstore.errors import KVStoreError
@@ -140,6 +141,11 @@ class WorkerSide:
         budget = self._config.max_pending_save_bytes
         self.mover = Mover(list(kv_caches.values()), layout, staging_bytes=budget)
         self._store.load_staging = self.mover.begin_load
+        if first.device.type == "cuda" and not self.mover.cuda:
+            warn_once("no-cuda-lib", "kvstore connector: the KV cache is on %s but kvstore's "
+                      "CUDA library is not usable (%s): copies to and from it are "
+                      "synchronous; run `python -m kvstore cuda build`", first.device,
+                      cuda_reason())
         self._layers = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._block_axis = axis
@@ -239,7 +245,8 @@ class WorkerSide:
                 self._store.load_raised(keys or [], e)
                 got = [None] * n
             ok = next((i for i, g in enumerate(got) if g is None), n)
-            self._note_failed(load, ok)
+            if target is not None:  # (no staging now is no reason to doubt the block)
+                self._note_failed(load, ok)
         if ok:
             self._scatter(blocks, staging, load.block_ids[:ok])
         elif staging is not None:
@@ -283,7 +290,8 @@ class WorkerSide:
         if inflight.scope_epoch != self._store.scope_epoch or self._store.suspended:
             got = [None] * len(load.block_ids)  # read under other weights' keys
         ok = next((i for i, g in enumerate(got) if g is None), len(load.block_ids))
-        self._note_failed(load, ok)
+        if inflight.staging is not None:  # (no staging then is no reason to doubt it)
+            self._note_failed(load, ok)
         if ok:
             self._scatter(inflight.buffer, inflight.staging, load.block_ids[:ok])
         elif inflight.staging is not None:
