@@ -7,6 +7,8 @@ No sleeps: a test holds an operation at a :class:`Gate`, learns that it arrived 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -161,3 +163,52 @@ def resident_bytes(address: int, length: int) -> int:
     if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return sum(v & 1 for v in vec) * page
+
+
+def lock_descriptors(store_path: Path) -> int:
+    """Descriptors this process has on the LOCK file of the store at ``store_path``."""
+    lock_file = os.path.join(os.path.abspath(store_path), "LOCK")
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own)
+            n += os.readlink(f"/proc/self/fd/{fd}") == lock_file
+    return n
+
+
+class LiveChild:
+    """A child forked from the calling thread (an event loop's, mid-round): it reports what
+    ``probe`` returns (a small count) and then runs on until :meth:`end`, as a worker
+    process an engine forks would.  It never returns into the caller's code (it leaves by
+    ``os._exit``: no atexit handler, no buffer flushed), so it cannot run the parent's
+    event loop or store; a probe that raises is its exit status 1."""
+
+    def __init__(self, probe: Callable[[], int]) -> None:
+        report_r, report_w = os.pipe()
+        hold_r, self._hold_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            status = 1
+            try:
+                os.close(report_r)
+                os.close(self._hold_w)
+                os.write(report_w, bytes([min(probe(), 255)]))
+                status = 0
+                os.read(hold_r, 1)  # end of file once the parent ends it
+            finally:
+                os._exit(status)
+        os.close(report_w)
+        os.close(hold_r)
+        try:
+            got = os.read(report_r, 1)  # written at once by the child
+        finally:
+            os.close(report_r)
+        self.report: int | None = got[0] if got else None
+        self.status: int | None = None
+
+    def end(self) -> int:
+        """Let it exit; its exit status."""
+        if self.status is None:
+            os.close(self._hold_w)
+            _, raw = os.waitpid(self.pid, 0)
+            self.status = os.waitstatus_to_exitcode(raw)
+        return self.status

@@ -7,7 +7,12 @@ chain suffixes - under capacity pressure with pinned blocks, and may cancel any 
 a drawn number of scheduling points, close the store while tasks run, crash the machine
 at a drawn I/O op, or fail the round's first fdatasync while other tasks' writes are
 pending (the disk drops what it covered, as Linux may; then the machine loses whatever
-else was unsynced: no put acknowledged after the failure may be among it).  Invariants after every round, on asyncio and trio:
+else was unsynced: no put acknowledged after the failure may be among it), or fork the
+process from the event loop after a drawn number of scheduling points (a worker process
+an engine starts with the store's operations in flight, its open or close on a worker
+thread): the child holds no descriptor of the store's LOCK file and runs on past the
+round, through the reopen and fsck of the checks below, then exits cleanly.  Invariants
+after every round, on asyncio and trio:
 
 * every operation ended (the round runs under a deadline: a hang fails, it does not stall);
 * never wrong bytes: every get returns the stored value or a miss;
@@ -44,14 +49,15 @@ from kvstore.errors import CapacityError, ReadOnlyError, StoreClosedError, Store
 from kvstore.format import SLOT_HEADER_BYTES, round_up
 from kvstore.io.simulated import CRASH_MODES, SimulatedDisk, SimulatedEngine, is_simulated_crash
 from kvstore.remote.config import RemoteConfig
-from tests.concurrency import run_within
+from tests.concurrency import LiveChild, lock_descriptors, run_within
 from tests.conformance import NS, make_tensor, same
 from tests.remote.slow_s3 import SlowS3
 
 STATS: dict[str, int] = {"machines": 0, "rounds": 0, "tasks": 0, "cancellations": 0,
                          "closes_in_flight": 0, "crashes": 0, "scheduling_points": 0,
                          "evictions": 0, "g1_checks": 0, "sync_faults": 0,
-                         "remote_machines": 0, "slow_remote_rounds": 0}
+                         "remote_machines": 0, "slow_remote_rounds": 0, "forks": 0,
+                         "forks_in_flight": 0}
 
 CHAINS = [NS.chain_keys(list(range(10_000 * c, 10_000 * c + 4 * 6))) for c in range(3)]
 POOL = [k for chain in CHAINS for k in chain]
@@ -132,10 +138,11 @@ class ConcurrentMachine(RuleBasedStateMachine):
     @rule(tasks=st.lists(st.tuples(ops, cancel_points), min_size=1, max_size=5),
           close_after=st.one_of(st.none(), st.integers(0, 60)),
           crash=st.one_of(st.none(), st.tuples(st.integers(1, 8), st.sampled_from(CRASH_MODES))),
-          sync_fault=st.integers(0, 5), slow_remote=st.booleans())
+          sync_fault=st.integers(0, 5), slow_remote=st.booleans(),
+          fork=st.one_of(st.none(), st.none(), st.none(), st.integers(0, 40)))  # 1 in 4
     def concurrent_round(self, tasks: list[tuple[tuple[Any, ...], int | None]], close_after: int | None,
               crash: tuple[int, str] | None, sync_fault: int = 0,
-              slow_remote: bool = False) -> None:
+              slow_remote: bool = False, fork: int | None = None) -> None:
         if not self.deletes:
             tasks = [t for t in tasks if t[0][0] != "delete"] or [(("match", 0), None)]
         outcomes: list[tuple[str, Any]] = [("unfinished", None)] * len(tasks)
@@ -183,6 +190,14 @@ class ConcurrentMachine(RuleBasedStateMachine):
             STATS["closes_in_flight"] += any(o[0] == "unfinished" for o in outcomes)
             await store.aclose()
 
+        children: list[LiveChild] = []
+
+        async def fork_later(after: int) -> None:
+            for _ in range(after):
+                await anyio.lowlevel.checkpoint()
+            STATS["forks_in_flight"] += any(o[0] == "unfinished" for o in outcomes)
+            children.append(LiveChild(lambda: lock_descriptors(self.path)))
+
         async def go() -> None:
             crashed = False
             if crash is not None:
@@ -197,6 +212,8 @@ class ConcurrentMachine(RuleBasedStateMachine):
                                 tg.start_soon(cancellable, store, i, op, after, tg)
                             if close_after is not None:
                                 tg.start_soon(close_later, store, close_after)
+                            if fork is not None:
+                                tg.start_soon(fork_later, fork)
             except BaseException as e:
                 if not is_simulated_crash(e):
                     raise
@@ -220,20 +237,27 @@ class ConcurrentMachine(RuleBasedStateMachine):
             self.s3.rearm()
             STATS["slow_remote_rounds"] += 1
         try:
-            run_within(go, self.backend, ROUND_DEADLINE * 2)
-        finally:
+            try:
+                run_within(go, self.backend, ROUND_DEADLINE * 2)
+            finally:
+                if self.s3 is not None:
+                    self.s3.release()
+                    self.s3.hold = set()
+                    assert self.s3.wait_idle(ROUND_DEADLINE)
             if self.s3 is not None:
-                self.s3.release()
-                self.s3.hold = set()
-                assert self.s3.wait_idle(ROUND_DEADLINE)
-        if self.s3 is not None:
-            assert self.s3.max_in_flight <= REMOTE_CONCURRENCY, \
-                f"{self.s3.max_in_flight} requests in flight at the cluster"
-        STATS["rounds"] += 1
-        STATS["tasks"] += len(tasks)
-        STATS["scheduling_points"] += self.disk.yields - yields_before
-        self.account(tasks, outcomes, round_stats)
-        self.verify()
+                assert self.s3.max_in_flight <= REMOTE_CONCURRENCY, \
+                    f"{self.s3.max_in_flight} requests in flight at the cluster"
+            STATS["rounds"] += 1
+            STATS["tasks"] += len(tasks)
+            STATS["scheduling_points"] += self.disk.yields - yields_before
+            self.account(tasks, outcomes, round_stats)
+            self.verify()  # reopens and checks the store while a forked child still runs
+        finally:
+            statuses = [child.end() for child in children]
+        for child, status in zip(children, statuses):
+            STATS["forks"] += 1
+            assert child.report == 0, f"a forked child kept {child.report} LOCK descriptors"
+            assert status == 0, f"a forked child exited with {status}"
 
     async def do(self, store: kvstore.Store, op: tuple[Any, ...]) -> Any:
         kind = op[0]
