@@ -9,7 +9,7 @@ Python code here is the reference they are tested against and the fallback witho
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -19,6 +19,12 @@ from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, round_up
 from kvstore.io.arena import ArenaRun
 from kvstore.tensors import CODE_DTYPES
+
+# Enqueues a host -> device copy without waiting for it: (contiguous CUDA ``out``, host
+# address, bytes, an object to keep alive until the copy completes).  Handed in by
+# ``kvstore.transfers`` (kvstore.cuda's stream-ordered copies); this module stays below
+# the GPU path and never imports it.
+ToDevice = Callable[[torch.Tensor, int, int, object], None]
 
 
 class PutItem:
@@ -163,20 +169,23 @@ def stage_all(chunk: list[tuple[PutItem, ArenaRun]], *, native: bool | None = No
 
 
 def verify_copy(run: ArenaRun, key: bytes, entry: IndexEntry, out: torch.Tensor | None,
-                *, native: bool | None = None) -> torch.Tensor:
+                *, native: bool | None = None, to_device: ToDevice | None = None
+                ) -> torch.Tensor:
     """Check a slot read into the arena against its index entry and decode it."""
-    result = verify_copy_all([(run, key, entry, out)], native=native)[0]
+    result = verify_copy_all([(run, key, entry, out)], native=native, to_device=to_device)[0]
     if isinstance(result, Exception):
         raise result
     return result
 
 
 def verify_copy_all(batch: list[tuple[ArenaRun, bytes, IndexEntry, torch.Tensor | None]], *,
-                    native: bool | None = None
+                    native: bool | None = None, to_device: ToDevice | None = None
                     ) -> list[torch.Tensor | CorruptionError | FormatVersionError]:
     """``verify_copy`` for a chunk of slots: one call into the compiled kernels when they
     are built (header checks, CRC32C and raw copies, GIL released), the Python checks
-    otherwise; each slot's tensor, or the error it failed with."""
+    otherwise; each slot's tensor, or the error it failed with.  ``to_device``: CUDA
+    outputs are filled by copies it enqueues (the caller awaits them before the runs are
+    reused), not by a copy this thread waits for."""
     if not (native_slots.available() if native is None else native):
         results: list[torch.Tensor | CorruptionError | FormatVersionError] = []
         for run, key, entry, out in batch:
@@ -187,7 +196,7 @@ def verify_copy_all(batch: list[tuple[ArenaRun, bytes, IndexEntry, torch.Tensor 
                 results.append(e)
                 continue
             results.append(deliver(run, header.codec, header.dtype, header.shape,
-                                    header.payload_len, out))
+                                    header.payload_len, out, to_device))
         return results
     requests, fresh = [], []
     for run, key, entry, out in batch:
@@ -205,7 +214,7 @@ def verify_copy_all(batch: list[tuple[ArenaRun, bytes, IndexEntry, torch.Tensor 
             results.append(out)
         else:
             results.append(deliver(run, checked.codec, checked.dtype, checked.shape,
-                                    checked.payload_len, out))
+                                    checked.payload_len, out, to_device))
     return results
 
 
@@ -259,18 +268,29 @@ def check_payload(raw: bytes | bytearray | memoryview, header: SlotHeader) -> No
 
 
 def deliver(run: ArenaRun, codec: int, dtype_code: int, shape: tuple[int, ...], n: int,
-             out: torch.Tensor | None) -> torch.Tensor:
-    """Decode or copy a verified payload out of the arena run."""
+            out: torch.Tensor | None, to_device: ToDevice | None = None) -> torch.Tensor:
+    """Decode or copy a verified payload out of the arena run.  A contiguous CUDA
+    ``out`` with ``to_device``: one copy enqueued straight from the arena run (a DMA when
+    the arena is page-locked), nothing waited for here; an encoded payload is decoded on
+    the host first and that copy enqueued from it."""
     dtype = CODE_DTYPES[dtype_code]
     src = run.array[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
+    if to_device is not None and out is not None and out.device.type == "cuda" \
+            and out.is_contiguous():
+        if codec == CODEC_RAW:
+            to_device(out, run.arena.address + run.offset + SLOT_HEADER_BYTES, n, None)
+        else:
+            host = codecs.decode(codec, src, dtype, shape)
+            to_device(out, host.data_ptr(), host.numel() * host.element_size(), host)
+        return out
     if codec != CODEC_RAW:
         return codecs.decode(codec, src, dtype, shape, out)
     if out is not None and out.is_contiguous() and out.device.type == "cpu":
         out.reshape(-1).view(torch.uint8).numpy()[:] = src
         return out
     if out is not None and out.is_contiguous() and out.device.type == "cuda":
-        # Straight from the arena run (a DMA when kvstore.cuda pinned the arena), no host
-        # copy; the run is released after this returns, so wait for the copy first.
+        # Without kvstore's CUDA library (no to_device): straight from the arena run, no
+        # host copy; the run is released after this returns, so wait for the copy first.
         out.reshape(-1).view(torch.uint8).copy_(
             run.tensor[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n], non_blocking=True)
         torch.cuda.current_stream(out.device).synchronize()

@@ -25,6 +25,7 @@ from kvstore.io.arena import Arena, ArenaRun
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.slots import (
     PutItem,
+    ToDevice,
     encode_all,
     stage_all,
     stage_header,
@@ -48,6 +49,41 @@ LONE_OFFLOAD_BYTES = 4 << 20
 # a few milliseconds into staging, large enough to be an efficient device request and
 # that a thread hop per piece is noise (~3-4 GB/s of copy + CRC32C per core here).
 PIECE_BYTES = 8 << 20
+
+
+class _HostCopies:
+    """No CUDA library: ``deliver`` copies (and waits) itself."""
+
+    to_device_from = None
+
+    def __bool__(self) -> bool:
+        return False
+
+    async def wait(self) -> None:
+        return
+
+
+def device_copies() -> Any:
+    """The collector of a read chunk's copies into CUDA outputs
+    (:class:`kvstore.cuda.copies.DeviceCopies`), when kvstore's CUDA library is usable.
+    Imported here, on first use: a store without CUDA outputs never loads kvstore.cuda."""
+    from kvstore.cuda import available
+    from kvstore.cuda.copies import DeviceCopies
+
+    return DeviceCopies() if available() else _HostCopies()
+
+
+async def device_values_to_host(values: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """A put's values with CUDA tensors copied into page-locked staging by
+    stream-ordered copies, awaited through the eventfd (no synchronize; see
+    :func:`kvstore.cuda.copies.to_host`); ``values`` itself when none is on a CUDA device
+    or kvstore's CUDA library is not usable (``tensors.host_bytes`` copies them then)."""
+    if not any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values):
+        return values
+    from kvstore.cuda import available
+    from kvstore.cuda.copies import to_host
+
+    return await to_host(values) if available() else values
 
 
 async def offloaded(nbytes: int, fn: Callable[..., T], *args: Any, alone: bool = False,
@@ -246,8 +282,12 @@ class Transfers:
             else:
                 wanted.append((i, entry))
 
+        # CUDA outputs: filled by stream-ordered copies from the arena runs, awaited
+        # (eventfd) before the runs are reused; no host synchronisation.
+        device_outs = any(o is not None and o.device.type == "cuda" for o in outs)
+
         def finish(batch: list[tuple[int, IndexEntry, ArenaRun]],
-                   res: list[int | OSError]) -> tuple[int, int]:
+                   res: list[int | OSError], to_device: ToDevice | None) -> tuple[int, int]:
             """Verify and copy out; returns (read errors, bytes read), which the caller
             counts on the event loop (this may run on a worker thread)."""
             errors = nbytes = 0
@@ -265,7 +305,8 @@ class Transfers:
                     read.append((i, entry, run))
             # One call for the chunk: the compiled kernels check and copy every slot with
             # the GIL released (the Python checks where they are not built).
-            checked = verify_copy_all([(run, keys[i], entry, outs[i]) for i, entry, run in read])
+            checked = verify_copy_all([(run, keys[i], entry, outs[i]) for i, entry, run in read],
+                                      to_device=to_device)
             for (i, entry, _), result in zip(read, checked):
                 if isinstance(result, CorruptionError):
                     corrupt.append((keys[i], entry, str(result)))
@@ -285,17 +326,25 @@ class Transfers:
 
         async def read_chunk(whole: ArenaRun, batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
             self._chunks_active += 1
+            copies = device_copies() if device_outs else None
             try:
                 res = await self.engine.read([IoOp(self._fds[e.extent], e.offset, run)
                                               for _, e, run in batch])
-                errors, nbytes = await offloaded(whole.length, finish, batch, res,
-                                                 alone=self._chunks_active == 1)
+                errors, nbytes = await offloaded(
+                    whole.length, finish, batch, res,
+                    None if copies is None else copies.to_device_from,
+                    alone=self._chunks_active == 1)
+                if copies is not None:
+                    await copies.wait()
                 counts[0] += errors
                 counts[1] += nbytes
             except Exception as e:  # re-raised below, unwrapped from the task group
                 failures.append(e)
             finally:
                 self._chunks_active -= 1
+                if copies:  # (cancelled) the GPU may still read the runs
+                    with anyio.CancelScope(shield=True):
+                        await copies.wait()
                 self.arena.release(whole)
 
         chunks = self._chunks(wanted, lambda w: w[1].slot_len)

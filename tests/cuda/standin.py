@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from kvstore.cuda._lib import CudaError, Library, Runtime
 
@@ -145,12 +146,20 @@ class StandInGpu(StandInLibrary):
 
     SYNCHRONISING = ("kvc_stream_synchronize",)
 
-    def __init__(self, host: Library | None = None, current: int = 0) -> None:
+    def __init__(self, host: Library | None = None, current: int = 0,
+                 auto: bool = False) -> None:
         super().__init__(host, current)
+        self.auto = auto  # run whatever can run after every call (a GPU that keeps up)
         self.queues: dict[int, list[tuple[str, Any]]] = {}
         self.events: dict[int, _Event] = {}
         self.syncs: list[str] = []
         self._next = 1000
+
+    def try_call(self, name: str, *args: Any) -> int:
+        code = super().try_call(name, *args)
+        if self.auto:
+            self.run()
+        return code
 
     # ---- the queue
     def enqueue(self, stream: int, fn: Any, what: str = "engine work") -> None:
@@ -284,3 +293,26 @@ class StandInGpu(StandInLibrary):
         host = self.host
         self.enqueue(args[-1], lambda: host.call("kvc_fp8_encode_host", *args[:-1]), "fp8")
         return 0
+
+
+class OnDevice(torch.Tensor):
+    """Host memory that says it is on ``cuda:0`` (for the stand-in GPU, whose "device
+    memory" is host memory), recording every call that would copy device memory to the
+    host and so wait for the GPU (``.to``, ``.cpu``, ``.item``, ``.tolist``, ``.numpy``);
+    what it computes, it computes as the CPU tensor it is (results are plain tensors)."""
+
+    log: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        owner = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name == "__get__" and owner == "device":
+            return torch.device("cuda", 0)
+        if name == "__get__" and owner == "is_cuda":
+            return True
+        if name in ("to", "cpu", "item", "tolist", "numpy", "__array__", "synchronize"):
+            cls.log.append(name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))

@@ -25,31 +25,11 @@ from kvstore.cuda import _lib, paged
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.integrations.vllm_metadata import KVStoreConnectorMetadata, Load, Save
 from kvstore.integrations.vllm_worker import WorkerSide
-from tests.cuda.standin import StandInGpu
+from tests.cuda.standin import OnDevice, StandInGpu
 
 NUM_BLOCKS, LAYERS = 12, 3
 SHAPE = (2, NUM_BLOCKS, 4, 2, 8)   # [2, blocks, block_size, heads, head_dim]
 COMPUTE = 0                        # the engine's stream (torch without CUDA: stream 0)
-
-
-class OnDevice(torch.Tensor):
-    """Host memory that says it is on cuda:0; records device -> host copies."""
-
-    log: list[str] = []
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        owner = getattr(getattr(func, "__self__", None), "__name__", "")
-        if name == "__get__" and owner == "device":
-            return torch.device("cuda", 0)
-        if name == "__get__" and owner == "is_cuda":
-            return True
-        if name in ("to", "cpu", "item", "tolist", "numpy", "__array__", "synchronize"):
-            cls.log.append(name)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
 
 
 class Conn:

@@ -1,0 +1,216 @@
+"""Stream-ordered copies between host memory and CUDA tensors for ``Store.put_many`` and
+``Store.get_many(out=...)``: no ``synchronize``, completion awaited through the eventfd.
+
+* :class:`DeviceCopies` collects the host -> device copies of one read chunk
+  (``kvstore.slots.deliver`` enqueues them straight from the verified arena run: one
+  DMA from the page-locked arena, no host copy), each on kvstore's copy stream of the
+  tensor's device after an event recorded on the current torch stream of the thread
+  (whatever that stream queued into the tensor comes first); ``kvstore.transfers``
+  awaits :meth:`DeviceCopies.wait` before the arena run is reused.
+* :func:`to_host` copies CUDA values of a put into page-locked staging (a process-wide
+  :class:`~kvstore.cuda.staging.StagingPool`, registered once) and awaits the copies;
+  the CPU tensors it returns hand their staging back when the last of them dies (a
+  weak reference, as :mod:`kvstore.result_buffers` does), so the put path needs no
+  release call.  A put whose values do not fit the staging now gets ordinary host
+  memory for the rest (counted in :func:`stats`): slower, never blocked.
+
+Both need the CUDA library (``kvstore.cuda.available()``); without it, or for tensors
+not on a CUDA device, they are not used (``enabled_for``), and torch's copies run as
+before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.cuda._lib import Library, runtime
+from kvstore.cuda.device import Notice, on_device
+from kvstore.cuda.staging import Lease, StagingPool
+
+__all__ = ["DeviceCopies", "close", "enabled_for", "stats", "to_host"]
+
+PUT_STAGING_BYTES = 256 << 20   # the put path's page-locked staging, made on first use
+
+_lock = threading.Lock()
+_streams: dict[int, int] = {}       # device index -> kvstore's copy stream there
+_events: dict[int, int] = {}        # device index -> the event it orders by
+_pool: StagingPool | None = None
+
+
+@dataclass
+class CopyStats:
+    to_device: int = 0        # host -> device copies enqueued
+    to_host: int = 0          # device -> host copies into page-locked staging
+    to_host_unstaged: int = 0  # device -> host copies that found no staging
+
+
+_stats = CopyStats()
+
+
+def stats() -> CopyStats:
+    return CopyStats(**vars(_stats))
+
+
+def enabled_for(t: torch.Tensor) -> bool:
+    """Whether ``t``'s copies take this path: on a CUDA device, the library usable."""
+    return t.device.type == "cuda" and runtime().usable
+
+
+def _index(t: torch.Tensor) -> int:
+    if t.device.index is not None:
+        return int(t.device.index)
+    return torch.cuda.current_device() if torch.cuda.is_available() else runtime().device
+
+
+def _caller_stream(device: torch.device) -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    return 0  # a torch without CUDA: the legacy default stream (the stand-in's)
+
+
+def close() -> None:
+    """Release the copy streams and the put staging (the process's CUDA library is about
+    to change, or the process ends; copies are awaited by their callers, none is in
+    flight then)."""
+    global _pool
+    with _lock:
+        pool, _pool = _pool, None
+        lib = runtime().lib
+        if lib is not None:
+            for device, s in _streams.items():
+                with on_device(device, lib):
+                    lib.try_call("kvc_event_destroy", _events[device])
+                    lib.try_call("kvc_stream_destroy", s)
+        _streams.clear()
+        _events.clear()
+    if pool is not None:
+        pool.close()
+
+
+def _stream(lib: Library, device: int) -> tuple[int, int]:
+    """kvstore's copy stream on ``device`` and its ordering event (made once)."""
+    with _lock:
+        if device not in _streams:
+            s, e = ctypes.c_uint64(0), ctypes.c_uint64(0)
+            with on_device(device, lib):
+                lib.call("kvc_stream_create", ctypes.byref(s))
+                lib.call("kvc_event_create", ctypes.byref(e))
+            _streams[device], _events[device] = int(s.value), int(e.value)
+        return _streams[device], _events[device]
+
+
+class DeviceCopies:
+    """The copies of one chunk, awaited together (module docstring)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, int] = {}   # stream -> device
+        self._lib: Library | None = None
+        self._keep: list[object] = []
+
+    def _enqueue(self, t: torch.Tensor, dst: int, src: int, nbytes: int) -> None:
+        rt = runtime()
+        assert rt.lib is not None
+        lib = self._lib = rt.lib
+        device = _index(t)
+        stream, event = _stream(lib, device)
+        with _lock, on_device(device, lib):
+            # after what the current torch stream queued (e.g. the tensor's producer)
+            lib.call("kvc_event_record", event, _caller_stream(t.device))
+            lib.call("kvc_stream_wait_event", stream, event)
+            lib.call("kvc_memcpy_async", dst, src, nbytes, stream)
+        self._streams[stream] = device
+
+    def to_device(self, dst: torch.Tensor, src_address: int, nbytes: int) -> None:
+        """Enqueue ``nbytes`` from host ``src_address`` into contiguous CUDA ``dst``."""
+        _stats.to_device += 1
+        self._enqueue(dst, dst.data_ptr(), src_address, nbytes)
+
+    def to_device_from(self, dst: torch.Tensor, src_address: int, nbytes: int,
+                       keep: object) -> None:
+        """``to_device``, keeping ``keep`` (the host source) alive until :meth:`wait`
+        (``kvstore.slots.ToDevice``)."""
+        if keep is not None:
+            self._keep.append(keep)
+        self.to_device(dst, src_address, nbytes)
+
+    def to_host(self, dst_address: int, src: torch.Tensor, nbytes: int) -> None:
+        """Enqueue ``nbytes`` of contiguous CUDA ``src`` into host ``dst_address``."""
+        self._enqueue(src, dst_address, src.data_ptr(), nbytes)
+
+    def __bool__(self) -> bool:
+        return bool(self._streams)
+
+    async def wait(self) -> None:
+        """Until every copy enqueued so far has completed (the eventfd; a cancelled
+        wait still lets them finish first)."""
+        if not self._streams:
+            return
+        assert self._lib is not None
+        notices = []
+        for stream, device in self._streams.items():
+            with on_device(device, self._lib):
+                notices.append(Notice(stream, self._lib))
+        self._streams = {}
+        try:
+            for n in notices:
+                await n.wait()
+        finally:
+            self._keep = []
+
+
+def _staging() -> StagingPool:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = StagingPool(PUT_STAGING_BYTES, runtime().lib,
+                                owner="kvstore put staging")
+        return _pool
+
+
+def _leased(lease: Lease, nbytes: int) -> torch.Tensor:
+    """A CPU uint8 tensor over the lease that hands it back when the last user dies."""
+    arr = np.frombuffer(lease.pool.arena._map, dtype=np.uint8, count=nbytes,
+                        offset=lease.run.offset)
+    weakref.finalize(arr, lease.release).atexit = False
+    with torch.inference_mode(False):
+        return torch.from_numpy(arr)
+
+
+async def to_host(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``values`` with every CUDA tensor replaced by a CPU copy of its bytes, viewed as
+    its dtype and shape (module docstring); other values are returned as they are."""
+    copies = DeviceCopies()
+    out: list[torch.Tensor] = []
+    keep = []
+    for v in values:
+        if not (isinstance(v, torch.Tensor) and enabled_for(v)):
+            out.append(v)
+            continue
+        src = v.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()   # a kernel on the current stream, ordered before ours
+        keep.append(src)
+        nbytes = src.numel() * src.element_size()
+        lease = _staging().try_take(nbytes) if nbytes else None
+        if lease is None:
+            _stats.to_host_unstaged += 1
+            host = torch.empty(nbytes, dtype=torch.uint8)
+            address = host.data_ptr()
+        else:
+            _stats.to_host += 1
+            host = _leased(lease, nbytes)
+            address = lease.address
+        if nbytes:
+            copies.to_host(address, src, nbytes)
+        out.append(host.view(src.dtype).view(src.shape) if nbytes else
+                   torch.empty(src.shape, dtype=src.dtype))
+    await copies.wait()
+    del keep
+    return out

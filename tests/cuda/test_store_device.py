@@ -1,0 +1,85 @@
+"""``Store.get_many(out=CUDA tensors)`` and the put path's CUDA values go through
+kvstore/cuda/copies.py: copies on kvstore's copy stream, ordered after the caller's
+stream by an event, completion awaited through the eventfd; never a ``synchronize``,
+never a device -> host ``.to("cpu")``.
+
+Through the stand-in GPU (tests/cuda/standin.py, ``StandInGpu`` keeping up with every
+call) and ``OnDevice`` tensors (host memory that says it is on ``cuda:0`` and records
+device -> host copies).  Before this path, ``get_many(out=...)`` ended in
+``torch.cuda.current_stream().synchronize()`` (which raises on this CUDA-less torch) and
+``host_bytes`` copied a CUDA value with ``.to("cpu")`` (recorded).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvstore
+from kvstore.codecs import CodecSpec
+from kvstore.cuda import _lib, copies
+from kvstore.transfers import device_values_to_host
+from tests.cuda.standin import OnDevice, StandInGpu
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def gpu_keeping_up() -> Iterator[StandInGpu]:
+    lib = StandInGpu(auto=True)
+    old = _lib.reset_for_tests(lib.runtime(devices=1, device=0))
+    try:
+        yield lib
+    finally:
+        copies.close()
+        _lib.reset_for_tests(old)
+
+
+def _blocks(n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=g).to(torch.float16) for _ in range(n)]
+
+
+@pytest.mark.parametrize("codec", [None, CodecSpec(zstd=True)], ids=["raw", "zstd"])
+async def test_get_many_into_device_tensors_never_synchronises(
+        tmp_path: Path, gpu_keeping_up: StandInGpu, codec: CodecSpec | None) -> None:
+    blocks = _blocks(3, 8192)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+        await store.put_many(keys, blocks, codec=codec)
+        plain = [torch.zeros(8192, dtype=torch.float16) for _ in blocks]
+        outs = [t.as_subclass(OnDevice) for t in plain]
+        OnDevice.log.clear()
+        gpu_keeping_up.syncs.clear()
+        got = await store.get_many(keys, outs)
+    assert all(g is o for g, o in zip(got, outs))
+    assert all(torch.equal(p, b) for p, b in zip(plain, blocks))
+    assert gpu_keeping_up.syncs == [] and OnDevice.log == []
+    names = [n for n, _ in gpu_keeping_up.calls]
+    assert names.count("kvc_memcpy_async") >= 3 and "kvc_notify_eventfd" in names
+    assert copies.stats().to_device >= 3
+
+
+async def test_a_puts_device_values_reach_the_host_by_awaited_copies(
+        gpu_keeping_up: StandInGpu) -> None:
+    blocks = _blocks(2, 4096, seed=1)
+    values = [b.clone().as_subclass(OnDevice) for b in blocks]
+    OnDevice.log.clear()
+    staged = await device_values_to_host(values)
+    assert [type(t) for t in staged] == [torch.Tensor, torch.Tensor]
+    assert all(s.device.type == "cpu" and torch.equal(s, b) for s, b in zip(staged, blocks))
+    assert gpu_keeping_up.syncs == [] and OnDevice.log == []
+    pool = copies._pool
+    assert pool is not None and pool.stats().in_use_bytes > 0
+    del staged
+    gc.collect()
+    assert pool.stats().in_use_bytes == 0   # the staging came back with its tensors
+
+
+async def test_cpu_values_and_no_library_leave_values_alone(no_library: _lib.Runtime) -> None:
+    cpu = _blocks(1, 64)
+    assert await device_values_to_host(cpu) is cpu
