@@ -337,7 +337,27 @@ def markdown(data: dict[str, Any]) -> str:
                      f"{r['loading']['p50'] * ms:.1f} / {r['loading']['p99'] * ms:.1f} / "
                      f"{r['loading']['max'] * ms:.1f} | {r['loading']['n']} | "
                      f"{r['long_ttft']['median'] * ms:.0f} | {r['steps']} |")
+    lines += save_stall_lines(data)
     return "\n".join(lines) + "\n"
+
+
+def save_stall_lines(data: dict[str, Any]) -> list[str]:
+    """The forward's wait for the connector's saves (``save_stall_ns``: the time inside
+    ``save_kv_layer`` and ``wait_for_save``), per step that saved, in the life that
+    saves (``fill``).  Its save steps: one per prompt (each prefill is one step here:
+    ``max_num_batched_tokens`` > the prompt) plus the warm-up prompt; the connector's own
+    ``save_steps`` counter, where it has one, says so too."""
+    c = (data.get("connector") or {}).get("fill") or {}
+    if "save_stall_ns" not in c:
+        return []
+    steps = c.get("save_steps") or data["args"]["repeats"] + 1
+    blocks = max(int(c.get("save_blocks", 0)), 1)
+    stall = c["save_stall_ns"] / 1e6
+    return ["", "## The forward's wait for saves (connector `save_stall_ns`, life `fill`)", "",
+            "| save steps | blocks saved | stall in all (ms) | per save step (ms) | "
+            "per block (ms) |", "|---|---|---|---|---|",
+            f"| {steps} | {c.get('save_blocks', 0)} | {stall:.1f} | {stall / steps:.2f} | "
+            f"{stall / blocks:.3f} |"]
 
 
 def remote_warm(args: argparse.Namespace, work: Path, base: dict[str, Any],

@@ -70,6 +70,9 @@ _COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes"
              "save_failed_blocks", "save_dropped_blocks", "saved_bytes",
              # nanoseconds: the forward waiting on save copies / on loads; background puts
              "save_stall_ns", "load_ns", "save_io_ns",
+             # steps whose forward had blocks to save (save_stall_ns / save_steps: the
+             # forward's wait for saves per such step)
+             "save_steps",
              # loads refused for want of page-locked staging (the data mover's)
              "load_no_staging_blocks")
 _MAX_LOAD_SAMPLES = 4096  # load durations kept for vLLM's histogram between two steps

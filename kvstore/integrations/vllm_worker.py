@@ -422,6 +422,7 @@ class WorkerSide:
             return
         start = time.perf_counter_ns()
         saves = self._step_saves(meta)
+        self._store.count(save_steps=1)
         staging = self._staging
         ns = self._store.namespace
         if staging is not None and ns is not None:
