@@ -17,9 +17,15 @@
 #   imports    every dependency imports and works; torch sees the GPU
 #   build      libkvcuda.so (nvcc) into build/cuda/; `kvstore cuda status` says cuda
 #   tests      pytest tests/gpu tests/cuda
+#   mover      benchmarks/cuda_mover.py: the data mover on a Llama-3-8B-shaped paged cache
+#              (32 layers, 8 KV heads, head dim 128, block 16, bf16), an emulated engine
+#              step under torch.cuda.set_sync_debug_mode("error"): step time saves on/off,
+#              GPU->NVMe and NVMe->GPU GB/s vs pin_memory() copies and fio, FP8 on the GPU;
+#              fails on any synchronising call or an FP8 payload unlike the CPU codec's
 #   benchmark  benchmarks/cuda_transfer.py: NVMe -> GPU through the pinned arena vs
 #              get_many + torch pin_memory().to('cuda')
-# Results: benchmarks/results/cuda_gpu_checks.md (+ cuda_transfer.md/.json), written only
+# Results: benchmarks/results/cuda_gpu_checks.md (+ cuda_mover.md/.json,
+# cuda_transfer.md/.json), written only
 # once a GPU was found; with $OUT set (the device tool), those and gpu_checks.log go to
 # $OUT, the log as it is written, so a run killed at its limit still returns it.
 #
@@ -30,7 +36,8 @@
 # Exit status: 0 all passed; 1 a test failed; 2 the benchmark failed; 3 the build failed
 # or CUDA is not usable after it; 4 no GPU visible; 5 nvcc missing; 6 a dependency is
 # missing from this machine and from the carried wheels, their install failed, or an
-# import failed; 7 out of time before a step could start.
+# import failed; 7 out of time before a step could start; 8 the mover step failed (a
+# synchronising call, an FP8 payload unlike the codec's, or an error).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 6
 START=$SECONDS
@@ -88,6 +95,10 @@ finish() {
             cp "$BENCH_MD" "$OUT/cuda_transfer.md"
             cp "${BENCH_MD%.md}.json" "$OUT/cuda_transfer.json" 2>/dev/null
         fi
+        if [ -f "$MOVER_MD" ]; then
+            cp "$MOVER_MD" "$OUT/cuda_mover.md"
+            cp "${MOVER_MD%.md}.json" "$OUT/cuda_mover.json" 2>/dev/null
+        fi
     else
         rm -f "$LOG"
     fi
@@ -105,6 +116,10 @@ write_results() {
         echo "|---|---|---|---|"
         printf '%s\n' "${STEPS[@]}"
         echo
+        if [ -f "$MOVER_MD" ]; then
+            sed -e 's/^# /## /' "$MOVER_MD"
+            echo
+        fi
         if [ -f "$BENCH_MD" ]; then
             sed -e 's/^# /## /' "$BENCH_MD"
             echo
@@ -117,6 +132,7 @@ write_results() {
     } > "$RESULTS.tmp" && mv "$RESULTS.tmp" "$RESULTS"
 }
 BENCH_MD=$(mktemp -u "${TMPDIR:-/tmp}/cuda_transfer.XXXXXX").md
+MOVER_MD=$(mktemp -u "${TMPDIR:-/tmp}/cuda_mover.XXXXXX").md
 
 # ------------------------------------------------------------------ preflight (cheap)
 STEP=preflight; STEP_T0=$SECONDS; STEP_LIMIT=$(budget 30)
@@ -285,18 +301,31 @@ end "$RC"
 case "$STATUS" in cuda:*) ;; *) fail 3 "CUDA not usable after the build: $STATUS" ;; esac
 
 # ------------------------------------------------------------------ tests
-begin tests 200
+begin tests 170
 timeout "$STEP_LIMIT" "$PY" -m pytest tests/gpu tests/cuda -q -p no:cacheprovider -rs \
     -o tmp_path_retention_policy=none 2>&1 | tee -a "$LOG"
 RC_TEST=${PIPESTATUS[0]}
 end "$RC_TEST"
 
+# ------------------------------------------------------------------ mover
+begin mover 110
+# 8 steps saves off, 8 on (256 MiB of new KV each), 2 GiB saved durably, a 4k-token
+# prefix (512 MiB) loaded 3 times: well under a minute on one H200 and an NVMe disk.
+timeout "$STEP_LIMIT" "$PY" benchmarks/cuda_mover.py --steps 8 --reps 3 \
+    --dir .bench-tmp/mover --out "$MOVER_MD" 2>&1 | tee -a "$LOG"
+RC_MOVER=${PIPESTATUS[0]}
+end "$RC_MOVER"
+if [ -f "$MOVER_MD" ]; then
+    cp "$MOVER_MD" benchmarks/results/cuda_mover.md
+    cp "${MOVER_MD%.md}.json" benchmarks/results/cuda_mover.json 2>/dev/null
+fi
+
 # ------------------------------------------------------------------ benchmark
-begin benchmark 150
+begin benchmark 100
 # 1 GiB x 3 repetitions of 3 paths: ~10 GiB of O_DIRECT reads, under a minute even from
 # a disk of 200 MB/s; half that when less time is left.
 VOL=1024
-[ "$STEP_LIMIT" -ge 100 ] || VOL=512
+[ "$STEP_LIMIT" -ge 90 ] || VOL=512
 timeout "$STEP_LIMIT" "$PY" benchmarks/cuda_transfer.py --volume-mib "$VOL" --reps 3 \
     --out "$BENCH_MD" 2>&1 | tee -a "$LOG"
 RC_BENCH=${PIPESTATUS[0]}
@@ -308,5 +337,6 @@ fi
 
 log "done in $((SECONDS - START))s; results in $RESULTS"
 [ "$RC_TEST" -eq 0 ] || finish 1
+[ "$RC_MOVER" -eq 0 ] || finish 8
 [ "$RC_BENCH" -eq 0 ] || finish 2
 finish 0

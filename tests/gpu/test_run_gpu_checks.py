@@ -73,3 +73,20 @@ def test_wheels_only_mode_stops_on_a_missing_wheel(tmp_path: Path) -> None:
     assert proc.returncode == MISSING_DEPENDENCY, proc.stdout + proc.stderr
     assert "no GPU" not in proc.stdout                  # this mode needs none
     assert "lmdb==3.0.0 is not installed" in proc.stdout
+
+
+def test_the_mover_step_runs_end_to_end_on_cpu_tensors(tmp_path: Path) -> None:
+    # The script's mover step (benchmarks/cuda_mover.py) in its CPU smoke mode: the same
+    # code (engine steps, saves through the mover into a real store, loads back, the
+    # report) on CPU tensors with tiny shapes, so a GPU run is not its first run.
+    out = tmp_path / "cuda_mover.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_mover.py"),
+                           "--cpu-smoke", "--steps", "2", "--reps", "1", "--new-tokens", "16",
+                           "--prefix-tokens", "16", "--staging-mib", "1",
+                           "--dir", str(tmp_path / "work"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = out.read_text()
+    assert "| FP8 payloads byte-identical to kvstore.codecs | True |" in text
+    assert '| synchronising torch calls (sync debug mode "error") | 0 | 0 |' in text
+    assert (tmp_path / "cuda_mover.json").exists()
