@@ -104,6 +104,8 @@ class _Batch:
         self.notice: Notice | None = None
         self.released = False
         self.enqueued = 0   # the stream its copies were enqueued on (0: none)
+        self.host_ids: list[int] = []   # the CPU path's cache block ids
+        self._staged: torch.Tensor | None = None
 
     @property
     def done(self) -> bool:
@@ -129,8 +131,10 @@ class _Batch:
     def staged(self) -> torch.Tensor:
         """The staging as ``[n, num_layers, *per_block]`` (a pinned CPU view; read it
         only once :meth:`wait` returned)."""
-        m = self.mover
-        return self.lease.tensor(m.dtype, (self.n, *m.block_shape))
+        if self._staged is None:
+            m = self.mover
+            self._staged = self.lease.tensor(m.dtype, (self.n, *m.block_shape))
+        return self._staged
 
     def blocks(self) -> list[torch.Tensor]:
         """The staged blocks, ``[num_layers, *per_block]`` each."""
@@ -142,7 +146,7 @@ class SaveBatch(_Batch):
 
     def __init__(self, mover: Mover, lease: Lease, block_ids: list[int]) -> None:
         super().__init__(mover, lease, len(block_ids))
-        self.block_ids = block_ids
+        self.block_ids = self.host_ids = block_ids
         self.layers_done: set[int] = set()
         self.ended = False
 
@@ -378,9 +382,7 @@ class Mover:
             return
         batch.layers_done.add(layer)
         if not self.cuda:
-            staged = batch.lease.tensor(self.dtype, (batch.n, *self.block_shape))
-            staged[:, layer] = paged.gather_reference([self.layers[layer]], batch.block_ids,
-                                                      self.layout)[:, 0]
+            self._host_copy(batch, layer, out=True)
             return
         lib = self._lib
         assert lib is not None
@@ -489,10 +491,9 @@ class Mover:
         if not n:
             return
         if not self.cuda:
-            staged = batch.lease.tensor(self.dtype, (batch.n, *self.block_shape))[:n]
+            batch.host_ids = ids
             for layer in range(self.num_layers):
-                paged.scatter_reference(staged[:, layer:layer + 1],
-                                        [self.layers[layer]], ids, self.layout)
+                self._host_copy(batch, layer, out=False)
             return
         lib = self._lib
         assert lib is not None
@@ -516,6 +517,36 @@ class Mover:
                 self._unwaited.add(layer)
             batch.notice = Notice(self.load_stream, lib)
 
+    # Up to this many blocks a CPU copy goes block by block (one copy of each block's
+    # layer, straight into place); more, through index_select (one call, two copies).
+    _HOST_LOOP_BLOCKS = 64
+
+    def _host_copy(self, batch: _Batch, layer: int, out: bool,
+                   staged: torch.Tensor | None = None) -> None:
+        """The CPU path: layer ``layer`` of the batch's blocks between the cache and
+        ``staged`` (default: the batch's staging), ``out``: cache -> staging."""
+        ids = batch.host_ids
+        if staged is None:
+            staged = batch.staged()
+        cache = self.layers[layer]
+        kv_first = self.layout == "kv_first"
+        if len(ids) <= self._HOST_LOOP_BLOCKS:
+            for i, b in enumerate(ids):
+                part = cache[:, b] if kv_first else cache[b]
+                if out:
+                    staged[i, layer].copy_(part)
+                else:
+                    part.copy_(staged[i, layer])
+            return
+        index = torch.tensor(ids, dtype=torch.long, device=cache.device)
+        axis = 1 if kv_first else 0
+        if out:
+            sel = cache.index_select(axis, index)
+            staged[:len(ids), layer].copy_(sel.transpose(0, 1) if kv_first else sel)
+        else:
+            part = staged[:len(ids), layer]
+            cache.index_copy_(axis, index, part.transpose(0, 1) if kv_first else part)
+
     def load_host(self, blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
         """The CPU path's load from any host tensor ``[n, num_layers, *per_block]``
         (pageable memory cannot be copied asynchronously: refused on the GPU path)."""
@@ -526,9 +557,12 @@ class Mover:
             self._stats.loads += 1
             self._stats.loaded_blocks += len(ids)
             self._stats.copied_in_bytes += len(ids) * self.block_bytes
+        if len(set(ids)) != len(ids):
+            raise ValueError("load block ids must be distinct")
+        holder = _Batch.__new__(_Batch)
+        holder.host_ids = ids
         for layer in range(self.num_layers):
-            paged.scatter_reference(blocks[:len(ids), layer:layer + 1], [self.layers[layer]],
-                                    ids, self.layout)
+            self._host_copy(holder, layer, out=False, staged=blocks)
 
     def wait_layer(self, layer: int) -> None:
         """Make the compute stream wait (on the GPU) for the loads into ``layer``

@@ -302,3 +302,32 @@ async def test_fp8_block_the_codec_stores_losslessly_is_dropped_not_misencoded(
     assert got[1] is not None and np.array_equal(got[1][1], want[1])
     batch.release()
     m.close()
+
+
+@pytest.mark.parametrize("layout", ["kv_first", "blocks_first"])
+@pytest.mark.parametrize("n", [3, 70])   # block by block, and through index_select
+def test_the_cpu_path_round_trips_many_and_few_blocks(layout: str, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    shape = (2, 100, 2, 1, 4) if layout == "kv_first" else (100, 2, 2, 1, 4)
+    layers = [torch.randn(shape, generator=g) for _ in range(2)]
+    m = Mover(layers, layout, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    ids = list(range(99, 99 - n, -1))
+    batch = m.begin_save(ids)
+    assert batch is not None
+    m.end_save(batch)
+    want = paged.gather_reference(layers, ids, layout)  # type: ignore[arg-type]
+    assert torch.equal(batch.staged(), want)
+    dst = list(range(n))
+    load = m.begin_load(n)
+    assert load is not None
+    load.staged().copy_(want)
+    m.load(load, dst)
+    assert torch.equal(paged.gather_reference(layers, dst, layout), want)  # type: ignore[arg-type]
+    other = [torch.zeros_like(t) for t in layers]
+    m2 = Mover(other, layout, staging_bytes=1 << 20)  # type: ignore[arg-type]
+    m2.load_host(want, dst)
+    assert torch.equal(paged.gather_reference(other, dst, layout), want)  # type: ignore[arg-type]
+    batch.release()
+    load.release()
+    m.close()
+    m2.close()
