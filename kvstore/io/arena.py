@@ -11,6 +11,14 @@ then ``split`` it into per-block runs), so a task never holds part of its stagin
 it waits for the rest.  Runs held while waiting for the next chunk belong to transfers
 already on the device, which return them without needing more.  Anything up to the
 arena's size is therefore always granted eventually; more is refused at once.
+
+Waiters are served in arrival order (issue 31): a transfer that does not fit queues, and
+while anyone queues no later request goes ahead of it (``acquire`` queues behind,
+``try_acquire`` is refused), so a waiting transfer waits at most for the runs handed out
+before it arrived.  Without this, a large chunk waited for as long as smaller transfers
+kept taking the room that came back (the arena never emptied enough for it).  A release
+hands the room to the waiters at the head that now fit, in order (nobody slips in
+between the release and the waiter's turn).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import ctypes
 import ctypes.util
 import mmap
 import threading
+from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 
@@ -54,6 +63,18 @@ class ArenaRun:
         return self._tensor
 
 
+class _Turn:
+    """A transfer waiting for a run; ``run`` is set (and ``granted``) by the release that
+    made room for it."""
+
+    __slots__ = ("nbytes", "run", "granted")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.run: ArenaRun | None = None
+        self.granted = anyio.Event()
+
+
 class Arena:
     """Page-aligned host memory for staging; ``acquire`` waits when it is exhausted."""
 
@@ -83,7 +104,7 @@ class Arena:
         # Free runs as two parallel sorted lists (start, length), coalesced on release.
         self._starts: list[int] = [0]
         self._lengths: list[int] = [self.size]
-        self._changed: anyio.Event | None = None  # made on first wait, on the event loop
+        self._queue: deque[_Turn] = deque()  # transfers waiting, in arrival order
         self.closed = False
         self.prefaulted_bytes = 0  # pages [0, prefaulted_bytes) are resident
         self._high = 0  # the highest end of a run handed out so far
@@ -153,6 +174,10 @@ class Arena:
         return sum(self._lengths)
 
     def try_acquire(self, nbytes: int) -> ArenaRun | None:
+        """A run now, or None: none is free, or transfers wait for one (they go first)."""
+        return None if self._queue else self._take(nbytes)
+
+    def _take(self, nbytes: int) -> ArenaRun | None:
         need = round_up(nbytes)
         for i, length in enumerate(self._lengths):
             if length >= need:
@@ -171,11 +196,22 @@ class Arena:
             raise BlockTooLargeError(
                 f"a transfer of {nbytes} bytes does not fit the {self.size}-byte staging "
                 "arena; open the store with a larger staging_bytes")
-        while (run := self.try_acquire(nbytes)) is None:
-            if self._changed is None:
-                self._changed = anyio.Event()
-            await self._changed.wait()
-        return run
+        run = self.try_acquire(nbytes)
+        if run is not None:
+            return run
+        turn = _Turn(nbytes)
+        self._queue.append(turn)
+        try:
+            await turn.granted.wait()
+        except BaseException:
+            if turn.run is not None:  # granted as it was cancelled: hand it on
+                self.release(turn.run)
+            else:
+                self._queue.remove(turn)
+                self._grant_waiting()  # the next in line may fit now
+            raise
+        assert turn.run is not None
+        return turn.run
 
     def split(self, run: ArenaRun, lengths: list[int]) -> list[ArenaRun]:
         """Per-block runs carved, back to back, from one acquired ``run`` (they are released
@@ -201,9 +237,18 @@ class Arena:
         if i + 1 < len(self._starts) and self._starts[i] + self._lengths[i] == self._starts[i + 1]:
             self._lengths[i] += self._lengths.pop(i + 1)
             del self._starts[i + 1]
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
+        if self._queue:  # (never without waiters: a staging pool releases from threads)
+            self._grant_waiting()
+
+    def _grant_waiting(self) -> None:
+        """Runs for the waiters at the head of the queue that fit now, in order."""
+        while self._queue:
+            run = self._take(self._queue[0].nbytes)
+            if run is None:
+                return
+            turn = self._queue.popleft()
+            turn.run = run
+            turn.granted.set()
 
     def close(self) -> None:
         if self.closed:
