@@ -72,7 +72,7 @@ async def arena_to_gpu(store: kvstore.Store, keys: list[bytes], dev: DeviceBuffe
         batch = entries[c:c + chunk]
         runs = [await store.arena.acquire(e.slot_len) for e in batch if e is not None]
         try:
-            res = await store.engine.read([IoOp(store._fds[e.extent], e.offset, r)
+            res = await store.engine.read([IoOp(store.fds[e.extent], e.offset, r)
                                            for e, r in zip(batch, runs) if e is not None])
             for i, (e, r, n) in enumerate(zip(batch, runs, res)):
                 assert n == r.length and e is not None

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["DeleteWatch"]
+__all__ = ["DeleteWatch", "DeleteWatches"]
 
 
 class DeleteWatch:
     """Keys a promotion fetched from the remote tier, registered before the fetch began
-    (``Store._watch_deletes``): a delete of any of them meanwhile adds it to
+    (``DeleteWatches.watch``): a delete of any of them meanwhile adds it to
     ``deleted``, and the promotion's put skips those keys (a delete that returned is
     never undone by a promotion that started before it)."""
 
@@ -22,3 +22,26 @@ class DeleteWatch:
     def __init__(self, keys: Sequence[bytes]) -> None:
         self.keys = frozenset(keys)
         self.deleted: set[bytes] = set()
+
+
+class DeleteWatches:
+    """The watches of one store's promotions in flight; ``deleting`` tells each of them
+    about a delete (before it waits for puts of its keys)."""
+
+    def __init__(self) -> None:
+        self._watches: set[DeleteWatch] = set()
+
+    def __len__(self) -> int:
+        return len(self._watches)
+
+    def watch(self, keys: Sequence[bytes]) -> DeleteWatch:
+        watch = DeleteWatch(keys)
+        self._watches.add(watch)
+        return watch
+
+    def unwatch(self, watch: DeleteWatch) -> None:
+        self._watches.discard(watch)
+
+    def deleting(self, keys: Sequence[bytes]) -> None:
+        for watch in self._watches:
+            watch.deleted.update(k for k in keys if k in watch.keys)

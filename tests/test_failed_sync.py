@@ -145,7 +145,7 @@ async def _race(path: Path, engine: FailingSync) -> tuple[dict[bytes, torch.Tens
         assert store.read_only, "a failed fdatasync must turn the store read-only"
         with pytest.raises(ReadOnlyError):
             await store.put(_key("after"), _block(7))
-        fds = dict(store._fds)
+        fds = dict(store.fds)
         entries = dict(zip(acked, store.index.get_entries(list(acked)), strict=True))
         for key, entry in entries.items():
             assert entry is not None

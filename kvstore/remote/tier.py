@@ -111,12 +111,12 @@ class RemoteTier:
         self._receive: MemoryObjectReceiveStream[tuple[bytes, int]] | None = None
         self._pending = 0  # queued + being uploaded
         # Fetched blocks whose local put (promotion) runs in the background: served from
-        # here meanwhile (kvstore/remote/local.py), so a get right after a match_prefix
+        # here meanwhile (kvstore/remote/adapter.py), so a get right after a match_prefix
         # does not fetch them again.
         self.promoting: dict[bytes, RemoteBlock] = {}
         self._promotions = 0  # background promotions running
         # Keys a read is fetching now: another read of them waits for that fetch
-        # (kvstore/remote/local.py), so concurrent lookups of a shared prefix send one
+        # (kvstore/remote/adapter.py), so concurrent lookups of a shared prefix send one
         # request per block, not one each.
         self.fetching: dict[bytes, InFlight] = {}
         self._idle: anyio.Event | None = None

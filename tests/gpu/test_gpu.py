@@ -274,7 +274,7 @@ async def test_pinned_arena_get_then_h2d(tmp_path: Path) -> None:
         run = await store.arena.acquire(entry.slot_len)
         try:
             from kvstore.io.protocol import IoOp
-            (res,) = await store.engine.read([IoOp(store._fds[entry.extent], entry.offset, run)])
+            (res,) = await store.engine.read([IoOp(store.fds[entry.extent], entry.offset, run)])
             assert res == run.length
             with Stream() as s, DeviceBuffer(block.numel()) as dev:
                 await copy_async(dev.ptr, store.arena.address + run.offset + SLOT_HEADER_BYTES,

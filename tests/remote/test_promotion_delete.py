@@ -13,7 +13,7 @@ import pytest
 
 from tests.concurrency import DEADLINE, until
 from tests.remote.cluster import SeaweedCluster
-from tests.remote.test_local import bucket_with, hold_gets
+from tests.remote.test_adapter import bucket_with, hold_gets
 from tests.remote.test_tier import open_store
 
 pytestmark = pytest.mark.anyio
@@ -39,7 +39,7 @@ async def test_a_delete_during_a_promotions_fetch_is_not_undone(
             await until(lambda: b.remote.stats().promoting_blocks == 0)
         assert await b.contains_many(ks) == [False, False]  # not brought back
         assert b.remote.stats().promoted_blocks == 0
-        assert not b._delete_watches  # every watch ended
+        assert len(b._deletes) == 0  # every watch ended
         # a fetch that begins after the delete promotes as usual
         assert all(v is not None for v in await b.get_many(ks))
         with anyio.fail_after(DEADLINE):

@@ -1,4 +1,4 @@
-"""Where the remote tier meets the local store (kvstore/remote/local.py), under
+"""Where the remote tier meets the local store (kvstore/remote/adapter.py), under
 concurrency: reads of the same blocks at once send one request per block, a read whose
 fetcher is cancelled fetches for itself, and a get that a promotion overtakes is served
 from the fetched block, not fetched again.  A real SeaweedFS cluster; the S3 requests

@@ -1,0 +1,240 @@
+"""Opening a store's parts, in order, and closing them in reverse: what ``Store``
+coordinates once it is open.
+
+:class:`StoreParts` takes the lock, opens (or initialises) the index, settles the file
+mode and the namespace, picks the I/O engine, opens the extent files, maps and
+page-locks the staging arena (and the memory tier's region), and builds the allocator,
+the transfers and the shared fdatasync.  Every step that acquires something registers
+its release; a failure part-way releases what was acquired, last first.  Runs on a
+worker thread (``open()`` calls it there): the LMDB open and the arena's page faults
+take milliseconds the event loop should not wait for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+from kvstore import permissions, pinning
+from kvstore.allocator import Allocator
+from kvstore.errors import IndexCorruptionError, NamespaceMismatchError
+from kvstore.extents import extent_path
+from kvstore.format import new_store_uuid, unpack_u64
+from kvstore.group_sync import GroupSync
+from kvstore.index import (
+    META_EXTENT_BYTES,
+    META_SEQ,
+    META_UUID,
+    Index,
+    IndexWriter,
+    Txn,
+    init_meta,
+    record_namespace,
+)
+from kvstore.io.arena import Arena
+from kvstore.io.probe import probe
+from kvstore.io.protocol import IOEngine
+from kvstore.io.scheduler import IoScheduler
+from kvstore.io.threads import ThreadPoolEngine
+from kvstore.keys import Namespace
+from kvstore.lock import StoreLock
+from kvstore.memory_tier import MemoryTier
+from kvstore.operations import Health
+from kvstore.options import StoreOptions
+from kvstore.stats import COUNTERS
+from kvstore.totals import Totals
+from kvstore.transfers import Transfers
+
+__all__ = ["INDEX_DIR", "StoreParts"]
+
+INDEX_DIR = "index"
+
+logger = logging.getLogger("kvstore.store")
+
+
+class StoreParts:
+    """The open parts of one store (see the module docstring); ``close()`` releases
+    them.  Attributes are the parts themselves; ``Store`` exposes the same names."""
+
+    def __init__(self, path: str, opts: StoreOptions) -> None:
+        self.path = path
+        # what new paths get until the store's recorded mode is known (in the index)
+        self.file_mode = permissions.FILE_MODE if opts.file_mode is None else opts.file_mode
+        if opts.create:
+            permissions.make_dirs(path, self.file_mode)
+        elif not os.path.isdir(os.path.join(path, INDEX_DIR)):
+            raise FileNotFoundError(f"no kvstore at {path} (open with create=True to make one)")
+        lock = StoreLock(path)
+        self._cleanups: list[Callable[[], Any]] = [lock.release]
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.health = Health(path)
+        try:
+            self._open_index(opts)
+            self._open_engine(opts)
+            self._open_memory(opts)
+            self._open_paths(opts)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_index(self, opts: StoreOptions) -> None:
+        self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=opts.index_map_bytes,
+                           sync=opts.sync, file_mode=self.file_mode)
+        self._cleanups.append(self.index.close)
+        self.writer = IndexWriter(self.index)
+        self._cleanups.append(self.writer.close)
+        if self.index.meta_get(META_UUID) is None:
+            extents_dir = os.path.join(self.path, "extents")
+            if os.path.isdir(extents_dir) and os.listdir(extents_dir):
+                raise IndexCorruptionError(
+                    f"store {self.path} has extent files but no index; run `python -m kvstore "
+                    f"fsck {self.path} --rebuild-index` to rebuild it (nothing was changed)")
+            self.writer.run_sync(lambda txn: init_meta(
+                txn, self.index, store_uuid=new_store_uuid(), extent_bytes=opts.extent_bytes))
+        self.index.check_format()
+        self.file_mode = permissions.settle(
+            self.path, opts.file_mode, permissions.recorded_mode(self.index.meta_get),
+            lambda mode: self.writer.run_sync(
+                lambda txn: permissions.record_mode(txn, self.index.meta, mode)),
+            strict=opts.strict_permissions)
+        self.store_uuid = self.index.meta_get(META_UUID) or b""
+        self.extent_bytes = unpack_u64(self.index.meta_get(META_EXTENT_BYTES) or b"")
+        self.seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
+        self._check_namespace(opts.namespace, opts.allow_new_namespace)
+        self.totals = Totals(self.counters)
+        # Counts since the last write transaction are flushed at close, on the cleanup
+        # thread, before the writer stops (cleanups run last-registered first).
+        self._cleanups.append(self.flush_totals)
+
+    def _check_namespace(self, namespace: Namespace | None, allow_new: bool) -> None:
+        if namespace is None:
+            return
+        known = self.index.namespaces()
+        if namespace.digest in known:
+            return
+        if known and not allow_new:
+            names = "; ".join(known.values())
+            raise NamespaceMismatchError(
+                f"store {self.path} holds blocks of another namespace ({names}); this open asks "
+                f"for {namespace.canonical_json()}. Open another path, or pass "
+                "allow_new_namespace=True to keep both in one store.")
+        self.writer.run_sync(lambda txn: record_namespace(
+            txn, self.index, namespace.digest, namespace.canonical_json()))
+
+    def _open_engine(self, opts: StoreOptions) -> None:
+        engine = opts.engine
+        self.engine: IOEngine
+        if not isinstance(engine, str):  # an IOEngine instance: the crash tests' seam
+            self.engine, self.engine_reason = engine, "given by the caller"
+        else:
+            result = probe(self.path, engine)
+            self.engine_reason = result.reason
+            if result.engine == "io_uring":
+                from kvstore.io.uring import UringEngine
+                self.engine = UringEngine(direct=result.direct, queue_depth=opts.queue_depth)
+            else:
+                self.engine = ThreadPoolEngine(direct=result.direct, queue_depth=opts.queue_depth)
+        self.fds: dict[int, int] = {}
+        self._cleanups.append(self._close_fds)
+        self.extents = self.index.extents_list()
+        # An extent file that is gone (deleted while the store was closed) loses its
+        # blocks, not the store: they are answered as misses and quarantined as they are
+        # read, its space is never handed out again, and fsck reports it (missing-extent)
+        # and drops it with --repair.  Refusing to open stopped the engine instead.
+        self.lost_extents: set[int] = set()
+        for extent_id in self.extents:
+            try:
+                self.open_extent(extent_id)
+            except FileNotFoundError:
+                self.lost_extents.add(extent_id)
+        if self.lost_extents:
+            logger.warning(
+                "kvstore %s: extent file(s) %s named by the index are missing; their "
+                "blocks are lost (answered as misses, quarantined when read). Run "
+                "`python -m kvstore fsck %s` to see what is lost, --repair to drop them.",
+                self.path, ", ".join(extent_path(self.path, e) for e in sorted(self.lost_extents)),
+                self.path)
+        self.arena = Arena(opts.staging_bytes)
+        self._cleanups.append(self.arena.close)
+        # All of it resident before the first transfer (this runs on open()'s worker
+        # thread): pages faulted in while transfers run cost far more than the zeroing
+        # itself, whether by the transfers or by a thread racing ahead of them (4 callers
+        # putting a fresh store's first 256 MiB of 2 MiB blocks: 0.85-1.28 GB/s at
+        # 1.5-0.7 core-s/GB, against 2.0 GB/s at 0.24 with the arena populated here, which
+        # takes ~20 ms for 256 MiB of huge pages).
+        self.arena.populate()
+        # Page-locked for DMA; unregistered by the cleanup below, which runs before the unmap.
+        self.arena_lock = pinning.default_pinner()(self.arena, opts.pin_staging)
+        self._cleanups.append(self.arena_lock.close)
+
+    def _open_memory(self, opts: StoreOptions) -> None:
+        self.memory: MemoryTier | None = None
+        if not opts.memory_bytes:
+            return
+        self.memory = MemoryTier(opts.memory_bytes, self.index.pinned)
+        self._cleanups.append(self.memory.close)
+        # Zero its pages now, off the get path (the first fill of a fresh region ran
+        # at page-zeroing speed): it is a cache, it fills anyway.
+        self.memory.region.prefault_all()
+        # page-locked like the arena, so a GPU load from memory goes by DMA
+        memory_lock = pinning.default_pinner()(self.memory.region, opts.pin_staging)
+        self._cleanups.append(memory_lock.close)
+
+    def _open_paths(self, opts: StoreOptions) -> None:
+        # Reads a caller awaits go before background writes and prefetches.
+        schedule = opts.io_schedule()
+        self.scheduler = IoScheduler(self.engine, schedule) if schedule is not None else None
+        self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.fds)
+        self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
+        self.allocator = Allocator(
+            path=self.path, index=self.index, writer=self.writer, extent_bytes=self.extent_bytes,
+            store_uuid=self.store_uuid, extents=self.extents, free_runs=self.index.free_runs(),
+            lost_extents=self.lost_extents,
+            capacity_bytes=opts.capacity_bytes, file_mode=self.file_mode,
+            counters=self.counters, on_new_extent=self.open_extent,
+            on_evicted=self._forget_in_memory,
+            ride_along=self.flush_totals_in)
+
+    def _forget_in_memory(self, keys: list[bytes]) -> None:
+        """Blocks evicted from disk leave the memory tier too (the space comes back now;
+        a lookup would not serve them anyway: their index entries are gone)."""
+        if self.memory is not None:
+            self.memory.discard(keys)
+
+    def open_extent(self, extent_id: int) -> None:
+        self.fds[extent_id] = self.engine.open_file(extent_path(self.path, extent_id),
+                                                    create=False)
+
+    def _close_fds(self) -> None:
+        for fd in self.fds.values():
+            self.engine.close_file(fd)
+        self.fds.clear()
+
+    # ------------------------------------------------------------------ totals
+
+    def flush_totals_in(self, txn: Txn) -> None:
+        """Persisted totals (issue 11) ride along in every transaction that commits puts,
+        evicts or records last use."""
+        self.totals.flush(txn, self.index.meta)
+
+    def with_totals(self, job: Callable[[Txn], None]) -> Callable[[Txn], None]:
+        def with_totals(txn: Txn) -> None:
+            job(txn)
+            self.flush_totals_in(txn)
+
+        return with_totals
+
+    def flush_totals(self) -> None:
+        if self.totals.pending() and not self.health.read_only:
+            self.writer.run_sync(self.flush_totals_in)
+
+    def close(self) -> None:
+        """Release every part, last acquired first (a failing release does not stop
+        the rest)."""
+        while self._cleanups:
+            fn = self._cleanups.pop()
+            with suppress(Exception):
+                fn()

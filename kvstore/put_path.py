@@ -1,0 +1,250 @@
+"""How a put travels (``Store.put_many``; guarantees G1/G3, FORMAT.md "Commit protocol").
+
+1. validate every key, parent and value before any I/O; decide dedup; admit it under
+   the backlog bound (``kvstore/backlog.py``: a background put is dropped whole, a
+   foreground one waits its turn);
+2. wait out other tasks' puts of the same keys, decide again without yielding, and
+   protect the blocks' parents and what they deduplicated against from eviction;
+3. reserve space in the allocator (nothing durable changes);
+4. stage header + payload in the arena, CRC32C over the staged bytes, and write every
+   slot (O_DIRECT), encoding FP8 chunks as they are staged (``kvstore/transfers.py``);
+5. fdatasync every extent written, shared with concurrent puts (``kvstore/group_sync.py``);
+6. one LMDB write transaction: index entries in, their ranges out of the durable free
+   map, sequence counter up; commit (fsync);
+7. acknowledge; then queue the remote upload and cache the blocks in memory.
+
+A crash before 6 leaves no index entry and the space still free in the index: the
+written slots are orphans that fsck reclaims.  A failed write or fdatasync turns the
+store read-only (G5), and no put whose bytes preceded it is acknowledged.  A put
+cancelled at any await is either committed (6 had started: it is waited for) or absent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from kvstore import codecs
+from kvstore.backlog import Backlog
+from kvstore.codecs import CODEC_RAW, CodecSpec
+from kvstore.deletes import DeleteWatch
+from kvstore.errors import BlockTooLargeError, StoreIOError
+from kvstore.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
+from kvstore.index import ChainCut, Txn
+from kvstore.keys import check_key, check_keys
+from kvstore.slots import PlanMismatch, PutItem
+from kvstore.stats import PutResult
+from kvstore.tensors import CODE_DTYPES, host_bytes
+
+if TYPE_CHECKING:
+    from kvstore.opening import StoreParts
+    from kvstore.tiers.memory import MemoryRoom
+
+__all__ = ["PutPath", "check_fits"]
+
+Staged = tuple[torch.Tensor, int]  # a value's bytes and its dtype code
+
+
+def check_fits(parts: StoreParts, slot_len: int) -> None:
+    """A slot of ``slot_len`` bytes fits an extent and the staging arena (or a clear
+    error saying which option to raise)."""
+    if slot_len > parts.extent_bytes - PAGE:
+        raise BlockTooLargeError(
+            f"a {slot_len}-byte slot does not fit a {parts.extent_bytes}-byte extent; "
+            "create the store with a larger extent_bytes")
+    if slot_len > parts.arena.size:
+        raise BlockTooLargeError(
+            f"a {slot_len}-byte slot does not fit the {parts.arena.size}-byte staging "
+            "arena; open the store with a larger staging_bytes")
+
+
+class PutPath:
+    """The puts of one open store (see the module docstring)."""
+
+    def __init__(self, parts: StoreParts, *, codec: CodecSpec | None, durable: bool,
+                 backlog_bytes: int, memory: MemoryRoom | None) -> None:
+        self._parts = parts
+        self._counters = parts.counters
+        self.codec = codec  # the store's default
+        self.durable = durable
+        # puts in flight beyond backlog_bytes drop background puts (kvstore/backlog.py)
+        self.backlog = Backlog(backlog_bytes)
+        self._memory = memory
+        self.inflight: dict[bytes, anyio.Event] = {}  # keys being put -> set when done
+        # remote tier: committed keys queued for upload
+        self.after_commit: Callable[[list[bytes]], None] | None = None
+
+    async def put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor],
+                       parents: Sequence[bytes | None] | None,
+                       codec: CodecSpec | None, background: bool = False,
+                       skip_deleted: DeleteWatch | None = None) -> PutResult:
+        """``Store.put_many``; ``skip_deleted`` (a promotion's): keys deleted since the
+        watch began are not stored (reported as ``dropped``)."""
+        keys = check_keys(keys)
+        values = list(values)
+        if len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if parents is None:
+            parent_list: list[bytes | None] = [None] * len(keys)
+        else:
+            parent_list = [None if p is None else check_key(p) for p in parents]
+            if len(parent_list) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(parent_list)} parents")
+        staged = [host_bytes(v) for v in values]  # every value validated before any I/O
+        for data, _ in staged:
+            check_fits(self._parts, round_up(SLOT_HEADER_BYTES + data.numel()))
+        # Blocks already stored are deduplicated, never dropped nor waited for: only the
+        # rest count against the backlog (_put_once decides again, without yielding).
+        present = self._parts.index.present(keys)
+        dedup = [k in present for k in keys]
+        nbytes = sum(d.numel() for (d, _), p in zip(staged, dedup) if not p)
+        if not nbytes:
+            pass  # nothing to write: no room needed
+        elif background and not self.backlog.try_enter(nbytes):
+            self._count_dedup(sum(dedup), sum(d.numel() for (d, _), p in zip(staged, dedup) if p))
+            self._counters["dropped_puts"] += 1
+            self._counters["dropped_blocks"] += len(keys) - sum(dedup)
+            return PutResult(0, sum(dedup), 0, dropped=len(keys) - sum(dedup))
+        elif not background:
+            await self.backlog.enter(nbytes, self._parts.health.check_writable)
+        self._counters["puts"] += 1
+        spec = codec if codec is not None else self.codec
+        try:
+            while True:
+                try:
+                    return await self._put_once(keys, parent_list, staged, values, spec,
+                                                skip_deleted)
+                except ChainCut:
+                    # An eviction chose blocks this put deduplicated against before the
+                    # put protected them, and committed after the put's decision: decide
+                    # again (now they are absent, so this put writes them).  Rare; bounded
+                    # by the evictions that were in flight when the put decided.
+                    self._counters["put_retries"] += 1
+        finally:
+            self.backlog.leave(nbytes)
+
+    async def _put_once(self, keys: Sequence[bytes], parent_list: Sequence[bytes | None],
+                        staged: Sequence[Staged], values: Sequence[torch.Tensor],
+                        spec: CodecSpec | None, skip_deleted: DeleteWatch | None
+                        ) -> PutResult:
+        # Wait out other tasks' puts of the same keys, then decide without yielding.
+        await self.wait_for_puts_of(keys)
+        present = self._parts.index.present(keys)
+        items: list[PutItem] = []
+        deduplicated: dict[bytes, None] = {}
+        dedup_bytes = 0
+        # A promotion's keys deleted since its fetch began: not stored (from here on, a
+        # delete waits for this put instead: its keys are in ``inflight``).
+        skipped = set() if skip_deleted is None else skip_deleted.deleted & set(keys)
+        for key, parent, (data, code), value in zip(keys, parent_list, staged, values):
+            if key in skipped:
+                continue
+            if key in present or key in self.inflight:
+                dedup_bytes += data.numel()
+                if key in present:
+                    deduplicated[key] = None
+                continue
+            items.append(PutItem(key, parent, data, code, tuple(value.shape)))
+            self.inflight[key] = anyio.Event()
+        # (a key twice in the batch and skipped counts once per occurrence)
+        n_skipped = sum(k in skipped for k in keys)
+        if not items:
+            self._count_dedup(len(keys) - n_skipped, dedup_bytes)
+            return PutResult(0, len(keys) - n_skipped, 0, dropped=n_skipped)
+        # Their parents and what they were deduplicated against stay until they are stored.
+        guarded = [*(i.key for i in items), *(i.parent for i in items if i.parent is not None),
+                   *deduplicated]
+        allocator = self._parts.allocator
+        allocator.protect(guarded)
+        try:
+            if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
+                # FP8 slots are sized from the shapes and each chunk is encoded as it is
+                # staged, overlapped with the writes of the chunks before it; encoded
+                # up front (over the cores, then placed) where the sizes depend on the
+                # values (zstd), or when a block's values made FP8 fall back to raw.
+                if not all([item.plan(spec) for item in items]):
+                    await self._encode(items, spec)
+                try:
+                    await self._put_items(items, list(deduplicated))
+                except PlanMismatch:
+                    self._counters["put_replans"] += 1
+                    await self._encode(items, spec)
+                    await self._put_items(items, list(deduplicated))
+            else:
+                await self._put_items(items, list(deduplicated))
+        finally:
+            for item in items:
+                self.inflight.pop(item.key).set()
+            allocator.unprotect(guarded)  # its blocks are evictable now
+        written = sum(item.payload_len for item in items)
+        self._count_dedup(len(keys) - len(items) - n_skipped, dedup_bytes)
+        self._counters["put_blocks"] += len(items)
+        self._counters["put_bytes"] += sum(item.raw_len for item in items)
+        self._counters["put_payload_bytes"] += written
+        return PutResult(len(items), len(keys) - len(items) - n_skipped, written,
+                         dropped=n_skipped)
+
+    async def _encode(self, items: list[PutItem], spec: CodecSpec) -> None:
+        """Encode every block now (sizes known only then), checking each slot fits."""
+        await self._parts.transfers.encode(items, spec)
+        for item in items:
+            check_fits(self._parts, item.slot_len)
+
+    async def wait_for_puts_of(self, keys: Sequence[bytes]) -> None:
+        """Until no put of any of ``keys`` is in flight (each waited for in turn)."""
+        while (busy := next((self.inflight[k] for k in keys if k in self.inflight),
+                            None)) is not None:
+            await busy.wait()
+            self._parts.health.check_writable()
+
+    def _count_dedup(self, blocks: int, raw_bytes: int) -> None:
+        self._counters["dedup_blocks"] += blocks
+        self._counters["dedup_bytes"] += raw_bytes
+
+    async def _put_items(self, items: list[PutItem], relies_on: list[bytes]) -> None:
+        parts = self._parts
+        health, allocator = parts.health, parts.allocator
+        await allocator.reserve(items)
+        committed = False
+        try:
+            for item in items:
+                parts.seq += 1
+                item.seq = parts.seq
+            await parts.transfers.write(items)
+            if self.durable:
+                await parts.syncs.datasync(sorted({parts.fds[i.extent] for i in items}))
+            now = time.time_ns() // 1000
+            entries = [(item.key, IndexEntry(
+                extent=item.extent, offset=item.offset, slot_len=item.slot_len,
+                payload_len=item.payload_len, raw_len=item.raw_len, codec=item.codec,
+                dtype=item.dtype, payload_crc=item.crc, seq=item.seq, last_use=now,
+                parent=item.parent)) for item in items]
+            # G5: nothing is acknowledged once a write or a sync failed, even a put whose
+            # own sync succeeded later (the kernel may have dropped pages the failed
+            # sync covered); checked again on the writer thread, just before the commit.
+            health.check_still_writable()
+            seq, touched = parts.seq, allocator.take_touched()
+
+            def commit(txn: Txn) -> None:
+                health.check_still_writable()
+                parts.index.commit_puts(txn, entries, touched, seq, relies_on)
+
+            await parts.writer.run(parts.with_totals(commit))
+            committed = True
+            allocator.committed(items)
+            if self.after_commit is not None:  # remote tier: uploaded in the background
+                self.after_commit([item.key for item in items])
+            if self._memory is not None:  # write-through: only what is durable
+                await self._memory.fill([
+                    (item.key, item.parent, item.data, CODE_DTYPES[item.dtype], item.shape,
+                     item.seq) for item in items if codecs.is_lossless(item.codec)])
+        except StoreIOError as e:
+            health.fail_closed(f"I/O error while writing: {e}")
+            raise
+        finally:
+            if not committed:
+                allocator.unreserve(items)

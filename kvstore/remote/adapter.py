@@ -1,0 +1,336 @@
+"""Where the remote tier meets the local store: :class:`RemoteAdapter`, which the
+store's get, match_prefix and prefetch paths call, and which reaches the store only
+through the :class:`~kvstore.tiers.host.TierHost` it was given.
+
+* ``fill_misses`` (get_many), ``extend_prefix`` (match_prefix), ``fetch_missing``
+  (prefetch): fetch what the local store lacks, decode it like a local slot, and
+  promote it: a local durable put (which also fills the memory tier), so the next get
+  is local.  A get or match_prefix does not wait for that put: it runs in the store's
+  background task group (bounded by ``backlog_bytes``, dropped and counted beyond it),
+  and a get meanwhile is served from the fetched copy (``remote.promoting``).  A
+  prefetch waits for it (it is in the background already).  Lossless blocks keep their
+  codec; lossy (FP8) blocks are stored as the tensor the get returned, so a local hit
+  reads back exactly what the remote one did.
+  Promotion is best effort (a read-only or full store still answers from the remote).
+* An upload reads its block back through ``TierHost.read_slot`` (a verified slot, in
+  the upload worker's own reused buffer: :meth:`kvstore.reads.VerifiedReads.read_slot`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from kvstore import codecs
+from kvstore.codecs import CodecSpec
+from kvstore.deletes import DeleteWatch
+from kvstore.errors import CorruptionError, KVStoreError
+from kvstore.format import IndexEntry
+from kvstore.remote import objects
+from kvstore.remote.blocks import RemoteBlock
+from kvstore.remote.tier import InFlight
+from kvstore.tensors import CODE_DTYPES, check_out
+
+if TYPE_CHECKING:
+    from kvstore.remote.tier import RemoteTier
+    from kvstore.tiers.host import TierHost
+
+__all__ = ["Held", "RemoteAdapter"]
+
+_RAW = CodecSpec()
+_ZSTD = CodecSpec(zstd=True)
+
+
+def _spec_for(codec: int) -> CodecSpec:
+    return _ZSTD if codec == codecs.CODEC_RAW | codecs.ZSTD else _RAW
+
+
+def _decode(block: RemoteBlock, out: torch.Tensor | None, *, check: bool = False
+            ) -> torch.Tensor:
+    if out is not None:
+        dtype = CODE_DTYPES[block.header.dtype]
+        check_out(out, block.header.dtype, (block.header.raw_len // dtype.itemsize,))
+    return objects.decode(block.data, block.header, out, check=check)
+
+
+Held = dict[bytes, "RemoteBlock | InFlight"]
+
+
+def _decode_all(blocks: Sequence[tuple[int, RemoteBlock]], outs: Sequence[torch.Tensor | None],
+                values: list[torch.Tensor | None]) -> None:
+    """On a worker thread: blocks fetched already (by another read, or being promoted)
+    decoded again from the verified object, as a fetch delivers them (a raw block is a
+    copy; the promotion keeps its own tensor)."""
+    for i, block in blocks:
+        values[i] = _decode(block, outs[i])
+
+
+class RemoteAdapter:
+    """The remote tier of one open store (see the module docstring)."""
+
+    def __init__(self, tier: RemoteTier, host: TierHost) -> None:
+        self.tier = tier
+        self._host = host
+
+    async def _promote(self, blocks: Sequence[tuple[RemoteBlock, torch.Tensor]], *,
+                       background: bool, watch: DeleteWatch | None = None) -> None:
+        """Store fetched blocks locally (grouped by codec).  Best effort: a block that is
+        not stored (backpressure for a ``background`` put, a full or read-only store) is
+        fetched again next time.  ``watch``: registered before the fetch began; keys
+        deleted since are not stored (the delete returned: the promotion must not undo it)."""
+        remote = self.tier
+        if not blocks:
+            return
+        if not self._host.accepts_writes:
+            remote._stats.promotion_dropped += len(blocks)
+            return
+        groups: dict[int, list[tuple[RemoteBlock, torch.Tensor]]] = {}
+        for block, value in blocks:
+            spec_id = block.header.codec if codecs.is_lossless(block.header.codec) else 0
+            groups.setdefault(spec_id, []).append((block, value))
+        for codec, group in groups.items():
+            try:
+                result = await self._host.promote(
+                    [b.key for b, _ in group], [v for _, v in group],
+                    [b.header.parent for b, _ in group], _spec_for(codec),
+                    background=background, skip_deleted=watch)
+            except KVStoreError:
+                remote._stats.promotion_dropped += len(group)
+                continue
+            remote._stats.promoted_blocks += result.written
+            remote._stats.promotion_dropped += result.dropped
+
+    def _promote_soon(self, blocks: list[tuple[RemoteBlock, torch.Tensor]],
+                      watch: DeleteWatch) -> bool:
+        """Promote in the store's background task group: the caller has its blocks now,
+        the local durable put (staging, fdatasync, index commit) runs behind it.  Until it
+        lands the blocks are served from ``remote.promoting``; under backpressure the put
+        is dropped (counted), never queued without bound.  ``aclose`` waits for it.  True
+        if it started (the task then ends ``watch``)."""
+        remote = self.tier
+        if not blocks:
+            return False
+        fetched = [block for block, _ in blocks]
+
+        async def promote() -> None:
+            try:
+                await self._promote(blocks, background=True, watch=watch)
+            finally:
+                self._host.unwatch_deletes(watch)
+                remote.promotion_done(fetched)
+
+        if not self._host.spawn(promote):  # not opened through kvstore.open()
+            remote._stats.promotion_dropped += len(blocks)
+            return False
+        remote.promotion_started(fetched)  # (before the task runs: it starts soon)
+        return True
+
+    async def _fetch_own(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
+                         inflights: Sequence[InFlight], *, chain: bool, promote_now: bool
+                         ) -> list[torch.Tensor | None]:
+        """GET ``keys`` (registered as ``inflights`` by :func:`_read`), decode them into
+        ``outs`` and promote them; each fetched block is handed to the reads waiting on its
+        ``InFlight`` before the promotion starts."""
+        # Registered before the fetch begins: a delete of these keys from now on is not
+        # undone by their promotion (it skips them).
+        watch = self._host.watch_deletes(keys)
+        try:
+            values, handed = await self._fetch_and_promote(keys, outs, inflights, watch,
+                                                      chain=chain, promote_now=promote_now)
+        except BaseException:
+            self._host.unwatch_deletes(watch)
+            raise
+        if not handed:
+            self._host.unwatch_deletes(watch)
+        return values
+
+    async def _fetch_and_promote(self, keys: Sequence[bytes],
+                                 outs: Sequence[torch.Tensor | None],
+                                 inflights: Sequence[InFlight], watch: DeleteWatch, *,
+                                 chain: bool, promote_now: bool
+                                 ) -> tuple[list[torch.Tensor | None], bool]:
+        """:func:`_fetch_own`'s work; also whether a background promotion took ``watch``."""
+        remote = self.tier
+        values: list[torch.Tensor | None] = [None] * len(keys)
+        own: list[torch.Tensor | None] = [None] * len(keys)
+        errors: list[Exception] = []
+        # A GET abandoned at the read deadline finishes on its thread after fetch returned:
+        # it must not decode into the caller's ``out`` then (the caller reuses it).  Decodes
+        # run in parallel; the end waits for those already started.
+        cond, state = threading.Condition(), {"over": False, "decoding": 0}
+
+        def decode(i: int, block: RemoteBlock) -> None:
+            """On the GET's worker thread, as soon as the block is verified."""
+            with cond:
+                if state["over"]:
+                    return
+                state["decoding"] += 1
+            try:
+                # the fetch left the payload CRC32C to this decode: a CorruptionError goes
+                # back to it (a bad object, a miss)
+                values[i] = value = _decode(block, outs[i], check=True)
+                # The promotion keeps a tensor of its own (the caller may change theirs
+                # before the background put stages it): a raw payload is a view of the
+                # object's bytes, which nothing else holds; a decoded one a copy.
+                payload = objects.raw_payload(block.data, block.header)
+                own[i] = value.clone() if payload is None else payload.view(block.header.shape)
+            except CorruptionError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a bad ``out``: raised to the caller
+                errors.append(e)
+            finally:
+                with cond:
+                    state["decoding"] -= 1
+                    cond.notify_all()
+
+        def decodes_done() -> None:
+            with cond:
+                cond.wait_for(lambda: not state["decoding"])
+
+        try:
+            blocks = await remote.fetch(keys, chain=chain, then=decode)
+        finally:
+            with cond:
+                state["over"] = True
+                busy = state["decoding"] > 0
+            if busy:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(decodes_done)
+        # Verified blocks (and misses) go to the waiters at once (not after this read's
+        # promotion: a lookup waiting on a prefetch's fetch does not wait for its local put),
+        # even if this caller's ``out`` was bad.  A chain walk took nothing after its first
+        # miss: those keys were never asked for, and their waiters ask themselves.
+        answered = len(keys)
+        if chain:
+            answered = next((i + 1 for i, b in enumerate(blocks) if b is None), len(keys))
+        for i, (inflight, block) in enumerate(zip(inflights, blocks)):
+            if i < answered:
+                inflight.finish(block)
+            else:
+                inflight.give_up()
+        if errors:
+            raise errors[0]
+        promote: list[tuple[RemoteBlock, torch.Tensor]] = []
+        for i, block in enumerate(blocks):
+            value = own[i]
+            if block is None:  # a miss, or past the first miss of a chain
+                values[i] = None
+            elif value is not None:
+                promote.append((block, value))
+        if promote_now:
+            await self._promote(promote, background=False, watch=watch)
+            return values, False
+        return values, self._promote_soon(promote, watch)
+
+    def held_blocks(self, keys: Sequence[bytes], entries: Sequence[IndexEntry | None]
+                    ) -> Held:
+        """For get_many, in the same step as its index lookup: the keys it did not find
+        that the tier has already (being promoted) or is fetching for another read.  Taken
+        then, because a promotion may land (and leave ``promoting``) while the local read
+        runs; the get would otherwise fetch the block again."""
+        remote = self.tier
+        held: Held = {}
+        for key, entry in zip(keys, entries):
+            if entry is None and (block := remote.held(key)) is not None:
+                held[key] = block
+        return held
+
+    async def _read(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
+                    values: list[torch.Tensor | None] | None, *, chain: bool,
+                    promote_now: bool = False, held: Held | None = None) -> list[bool]:
+        """Which of ``keys`` the remote tier has; with ``values``, their tensors too
+        (decoded into ``outs``).  A key being promoted is served from its fetched block; a
+        key another read is fetching waits for that read (its request is not sent twice);
+        the rest is fetched here (:func:`_fetch_own`).  A key whose fetching read gave it
+        up unanswered (cancelled, or past its chain walk's first miss) is fetched here
+        after all.  ``held``: get_many's snapshot (:func:`held_blocks`).  ``chain``: only
+        the leading run of found keys counts."""
+        remote = self.tier
+        found = [False] * len(keys)
+        held = dict(held or {})
+        todo = list(range(len(keys)))
+        while todo:
+            own: list[int] = []
+            inflights: list[InFlight] = []
+            joined: list[tuple[int, RemoteBlock | InFlight]] = []
+            mine: set[int] = set()
+            # No await from here to the fetch: a key is registered as ours in the same step
+            # another read could have seen it missing.
+            for i in todo:
+                key = keys[i]
+                block = held.get(key) or remote.held(key)
+                if block is None:
+                    block = remote.start_fetching(key)
+                    own.append(i)
+                    inflights.append(block)
+                    mine.add(id(block))
+                else:  # (a key twice in this read finds its own fetch registered)
+                    joined.append((i, block))
+                    if id(block) not in mine:  # not a duplicate key of this read's own fetch
+                        remote._stats.joined += 1
+            try:
+                got = await self._fetch_own([keys[i] for i in own], [outs[i] for i in own],
+                                       inflights, chain=chain, promote_now=promote_now) \
+                    if own else []
+            finally:
+                for i, inflight in zip(own, inflights):
+                    remote.end_fetching(keys[i], inflight)
+            for i, value in zip(own, got):
+                found[i] = value is not None
+                if values is not None:
+                    values[i] = value
+            todo, ready = [], []
+            for i, block in joined:
+                if isinstance(block, InFlight):
+                    await block.done.wait()
+                    if block.abandoned:  # its read gave the key up: ask ourselves
+                        held.pop(keys[i], None)  # (the snapshot's, if it came from there)
+                        todo.append(i)
+                        continue
+                    block = block.block
+                if block is not None:
+                    found[i] = True
+                    ready.append((i, block))
+            if values is not None and ready:
+                await anyio.to_thread.run_sync(_decode_all, ready, outs, values)
+        if chain:  # only the prefix counts
+            n = next((i for i, f in enumerate(found) if not f), len(found))
+            found[n:] = [False] * (len(found) - n)
+            if values is not None:
+                values[n:] = [None] * (len(values) - n)
+        return found
+
+    async def fill_misses(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
+                          results: list[torch.Tensor | None], held: Held) -> None:
+        """get_many: blocks the local store did not answer, from blocks being promoted or
+        fetched (``held``: :func:`held_blocks`, taken with the index lookup), then from the
+        remote."""
+        miss = [i for i, r in enumerate(results) if r is None]
+        if not miss:
+            return
+        values: list[torch.Tensor | None] = [None] * len(miss)
+        await self._read([keys[i] for i in miss], [outs[i] for i in miss], values, chain=False,
+                    held=held)
+        for i, value in zip(miss, values):
+            results[i] = value
+
+    async def extend_prefix(self, keys: Sequence[bytes]) -> int:
+        """match_prefix: how many of ``keys`` (the chain after the local prefix) the remote
+        has, in order (blocks being promoted or fetched count); they are fetched and
+        promoted."""
+        found = await self._read(keys, [None] * len(keys), None, chain=True)
+        return next((i for i, f in enumerate(found) if not f), len(found))
+
+    async def fetch_missing(self, keys: Sequence[bytes]) -> None:
+        """prefetch: blocks absent locally are fetched and promoted first, and the prefetch
+        waits for that (it then brings them into memory like any stored block).  Blocks
+        already being promoted or fetched by another read are not fetched again."""
+        entries = self._host.lookup(keys)
+        missing = [k for k, e in zip(keys, entries) if e is None]
+        if missing:
+            await self._read(missing, [None] * len(missing), None, chain=False,
+                        promote_now=True)
