@@ -41,7 +41,9 @@ def host_bytes(t: object) -> tuple[torch.Tensor, int]:
     """Validate a value for ``put`` and return (flat uint8 CPU view of its bytes, dtype code).
 
     Non-contiguous tensors are copied once; tensors on an accelerator are copied to
-    host memory (the CUDA staging path in ``cuda_ext`` avoids that copy).
+    host memory here only as a fallback: with kvstore's CUDA library, CUDA values reach
+    the host through ``kvstore.transfers.device_values_to_host`` first (stream-ordered
+    copies into page-locked staging, awaited, no synchronize).
     """
     if not isinstance(t, torch.Tensor):
         raise UnsupportedTensorError(f"values must be torch.Tensor, got {type(t).__name__}")
