@@ -38,6 +38,7 @@ import os
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
@@ -158,6 +159,39 @@ class BlockingStore:
             except StoreClosedError:
                 self._closed_done.wait()  # closing now: read once it is done
         return get()
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` on the store's loop and block for its result: the way
+        in for code that composes several ``Store`` calls into one (an engine
+        connector's lookup that also starts a prefetch).  ``fn`` gets the async
+        :class:`Store` through :attr:`store`.  Admitted like every call: refused once
+        closed and in a forked child; ``close()`` waits for it."""
+        with self._admitted():
+            return self._portal.call(fn, *args)
+
+    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
+        """Start ``fn(*args)`` on the store's loop and return at once with a
+        :class:`concurrent.futures.Future` of its result (a save the caller does not
+        wait for).  Admitted like every call; ``close()`` waits for it to finish."""
+        self._check_process()
+        with self._cond:
+            if self._closed:
+                raise StoreClosedError(f"store {self._store.path} is closed")
+            self._calls += 1
+
+        def done(_: Future[T]) -> None:
+            with self._cond:
+                self._calls -= 1
+                if not self._calls:
+                    self._cond.notify_all()
+
+        try:
+            future = self._portal.start_task_soon(fn, *args)
+        except BaseException:
+            done(Future())
+            raise
+        future.add_done_callback(done)
+        return future
 
     @property
     def store(self) -> Store:

@@ -328,3 +328,34 @@ def test_fork_forgets_the_parents_stores_in_the_child(tmp_path: Path) -> None:
         blocking._OPEN.add(store)  # it is this process's: restore, then close
         store.close()
     assert store not in blocking._OPEN
+
+
+# ---------------------------------------------------------------- the bridge for connectors
+
+def test_call_runs_a_composed_coroutine_on_the_loop(tmp_path: Path) -> None:
+    ks = keys(3, 300)
+    with kvstore.open_blocking(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
+        async def put_then_match(n: int) -> int:
+            await store.store.put_many(ks[:n], [block(i) for i in range(n)])
+            return await store.store.match_prefix(ks)
+
+        assert store.call(put_then_match, 2) == 2
+    with pytest.raises(kvstore.StoreClosedError):
+        store.call(put_then_match, 1)
+
+
+def test_close_waits_for_every_submitted_call(tmp_path: Path) -> None:
+    """A submitted save is a call in flight: ``close()`` returns only once every future
+    is done, and each one that answered a ``PutResult`` is stored."""
+    ks = keys(16, 400)
+    store = kvstore.open_blocking(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT)
+    futures = [store.submit(store.store.put_many, [k], [block(i)]) for i, k in enumerate(ks)]
+    store.close()
+    assert all(f.done() for f in futures)
+    acknowledged = [k for k, f in zip(ks, futures) if f.exception() is None]
+    assert all(isinstance(f.exception(), kvstore.StoreClosedError)
+               for f in futures if f.exception() is not None)
+    with pytest.raises(kvstore.StoreClosedError):
+        store.submit(store.store.put_many, ks[:1], [block(0)])
+    with kvstore.open_blocking(tmp_path, namespace=NS, create=False) as reopened:
+        assert reopened.contains_many(acknowledged) == [True] * len(acknowledged)
