@@ -91,8 +91,9 @@ class MoverStats:
     loads: int = 0
     loaded_blocks: int = 0
     copied_in_bytes: int = 0
-    staging_bytes: int = 0
-    staging_in_use_bytes: int = 0
+    staging_bytes: int = 0         # saves' staging (loads have their own)
+    load_staging_bytes: int = 0
+    staging_in_use_bytes: int = 0  # both
     staging_peak_bytes: int = 0
     pending_leases: int = 0        # leases whose copies have not completed yet
     fp8_lossless_dropped: int = 0  # FP8 saves of blocks the codec stores losslessly
@@ -165,7 +166,8 @@ class LoadBatch(_Batch):
 
 class Mover:
     """Moves blocks of ``layers`` (one cache tensor per layer, all alike, ``layout`` as in
-    :mod:`kvstore.cuda.paged`) through ``staging_bytes`` of page-locked staging.
+    :mod:`kvstore.cuda.paged`) through ``staging_bytes`` of page-locked staging for saves
+    and ``load_staging_bytes`` (default: as many) for loads.
 
     ``codec``: an FP8 ``CodecSpec`` quantises saves on the GPU.  ``lib``: the CUDA
     library (default: the process's, when the layers are on a CUDA device and it is
@@ -174,7 +176,8 @@ class Mover:
     """
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: paged.Layout, *,
-                 staging_bytes: int, codec: CodecSpec | None = None,
+                 staging_bytes: int, load_staging_bytes: int | None = None,
+                 codec: CodecSpec | None = None,
                  max_save_bytes_per_s: float | None = None, lib: Library | None = None,
                  compute_stream: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -213,9 +216,14 @@ class Mover:
         self._streams: list[int] = []
         self._events: list[int] = []
         with self._on_device():
+            # Saves and loads each have their own staging: saves that pile up (a slow
+            # disk) are dropped, and never take the room a load needs.
             self.pool = StagingPool(staging_bytes, lib)
+            self.load_pool = StagingPool(load_staging_bytes or staging_bytes, lib,
+                                         owner="kvstore data mover (loads)")
             self._stats.staging_bytes = self.pool.capacity
             self.max_blocks = self.pool.capacity // self.block_bytes
+            self.max_load_blocks = self.load_pool.capacity // self.block_bytes
             if self.cuda:
                 self._setup_device()
 
@@ -241,7 +249,7 @@ class Mover:
         # One layer of the largest batch, per direction: the gather/scatter's side of the
         # DMA.  Reused by every batch: work on one stream runs in order.
         self._save_scratch = self._malloc(blocks * self.layer_bytes)
-        self._load_scratch = self._malloc(blocks * self.layer_bytes)
+        self._load_scratch = self._malloc(max(self.max_load_blocks, 1) * self.layer_bytes)
         if self._fp8:
             assert self.codec is not None
             sg = gpu_fp8.scale_groups(self.block_shape, self.codec)
@@ -301,9 +309,9 @@ class Mover:
         """Staging one save of ``n`` blocks takes."""
         return n * (self._record_bytes if self._fp8 else self.block_bytes)
 
-    def _take(self, nbytes: int) -> Lease | None:
+    def _take(self, nbytes: int, pool: StagingPool | None = None) -> Lease | None:
         self.reap()
-        return self.pool.try_take(nbytes)
+        return (pool or self.pool).try_take(nbytes)
 
     def _allow_rate(self, nbytes: int) -> bool:
         if self._rate is None:
@@ -468,9 +476,9 @@ class Mover:
 
     def begin_load(self, n: int) -> LoadBatch | None:
         """Staging for ``n`` blocks coming in (``batch.blocks()``), or None (no room)."""
-        if n < 1 or (self.cuda and n > self.max_blocks):
+        if n < 1 or (self.cuda and n > self.max_load_blocks):
             return None
-        lease = self._take(n * self.block_bytes)
+        lease = self._take(n * self.block_bytes, self.load_pool)
         return None if lease is None else LoadBatch(self, lease, n)
 
     def load(self, batch: LoadBatch, block_ids: Sequence[int]) -> None:
@@ -586,11 +594,13 @@ class Mover:
 
     def stats(self) -> MoverStats:
         self.reap()
-        s = self.pool.stats()
+        s, ls = self.pool.stats(), self.load_pool.stats()
         with self._lock:
             out = MoverStats(**vars(self._stats))
             out.pending_leases = len(self._pending)
-        out.staging_in_use_bytes, out.staging_peak_bytes = s.in_use_bytes, s.peak_bytes
+        out.staging_in_use_bytes = s.in_use_bytes + ls.in_use_bytes
+        out.staging_peak_bytes = s.peak_bytes
+        out.load_staging_bytes = ls.capacity_bytes
         return out
 
     def close(self) -> None:
@@ -614,3 +624,4 @@ class Mover:
                 lease.release()
             self._pending = []
         self.pool.close()
+        self.load_pool.close()

@@ -331,3 +331,16 @@ def test_the_cpu_path_round_trips_many_and_few_blocks(layout: str, n: int) -> No
     load.release()
     m.close()
     m2.close()
+
+
+def test_saves_that_fill_their_staging_leave_the_loads_theirs(gpu: StandInGpu) -> None:
+    m = _mover(_layers(), gpu, blocks=2)
+    saving = m.begin_save([0, 1])
+    assert saving is not None and m.begin_save([2]) is None      # saves: full
+    loading = m.begin_load(2)
+    assert loading is not None                                   # loads: their own room
+    saving.release()
+    loading.release()
+    gpu.run()
+    assert m.stats().staging_in_use_bytes == 0
+    m.close()
