@@ -4,10 +4,10 @@
 operator asking "how much has this store deduplicated?" wants the store's history.
 These totals are meta records ``total:<name>`` (u64 LE, FORMAT.md "Meta records") that
 the store raises inside its own write transactions by what its counters grew since the
-previous one: :meth:`Totals.flush` runs in ``Store._apply_touched``, the hook every
-put, eviction and close transaction already calls to persist last-use times, and once
-more at close (``Store._flush_totals``, a cleanup run before the writer thread stops)
-for the counts of the last operations.
+previous one: :meth:`Totals.flush` rides along in every transaction that commits puts,
+evicts or records last use (``StoreParts.flush_totals_in`` / ``with_totals``,
+kvstore/opening.py), and runs once more at close (``StoreParts.flush_totals``, a cleanup
+run before the writer thread stops) for the counts of the last operations.
 
 They are statistics, not state: a crash (or a write transaction that fails) loses at
 most the counts since the last commit, fsck does not check them, and
