@@ -39,6 +39,7 @@ from kvstore.keys import check_key, check_keys
 from kvstore.slots import PlanMismatch, PutItem
 from kvstore.stats import PutResult
 from kvstore.tensors import CODE_DTYPES, host_bytes
+from kvstore.transfers import device_values_to_host
 
 if TYPE_CHECKING:
     from kvstore.opening import StoreParts
@@ -94,6 +95,8 @@ class PutPath:
             parent_list = [None if p is None else check_key(p) for p in parents]
             if len(parent_list) != len(keys):
                 raise ValueError(f"{len(keys)} keys but {len(parent_list)} parents")
+        # CUDA values: stream-ordered copies into page-locked staging, awaited (issue 33)
+        values = list(await device_values_to_host(values))
         staged = [host_bytes(v) for v in values]  # every value validated before any I/O
         for data, _ in staged:
             check_fits(self._parts, round_up(SLOT_HEADER_BYTES + data.numel()))

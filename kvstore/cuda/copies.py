@@ -33,6 +33,7 @@ import torch
 from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.device import Notice, on_device
 from kvstore.cuda.staging import Lease, StagingPool
+from kvstore.tensors import DTYPE_CODES
 
 __all__ = ["DeviceCopies", "close", "enabled_for", "stats", "to_host"]
 
@@ -190,8 +191,9 @@ async def to_host(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     keep = []
     for v in values:
-        if not (isinstance(v, torch.Tensor) and enabled_for(v)):
-            out.append(v)
+        if not (isinstance(v, torch.Tensor) and enabled_for(v)) or v.is_sparse \
+                or v.layout != torch.strided or v.is_quantized or v.dtype not in DTYPE_CODES:
+            out.append(v)   # not ours, or host_bytes refuses it with the right error
             continue
         src = v.detach()
         if not src.is_contiguous():

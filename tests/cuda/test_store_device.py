@@ -83,3 +83,18 @@ async def test_a_puts_device_values_reach_the_host_by_awaited_copies(
 async def test_cpu_values_and_no_library_leave_values_alone(no_library: _lib.Runtime) -> None:
     cpu = _blocks(1, 64)
     assert await device_values_to_host(cpu) is cpu
+
+
+async def test_put_many_of_device_tensors_never_synchronises(
+        tmp_path: Path, gpu_keeping_up: StandInGpu) -> None:
+    blocks = _blocks(3, 8192, seed=2)
+    keys = [bytes([i + 10]) * 16 for i in range(3)]
+    values = [b.clone().as_subclass(OnDevice) for b in blocks]
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+        OnDevice.log.clear()
+        gpu_keeping_up.syncs.clear()
+        result = await store.put_many(keys, values)
+        assert OnDevice.log == [] and gpu_keeping_up.syncs == []   # before: .to("cpu")
+        assert result.written == 3
+        got = await store.get_many(keys)
+    assert all(g is not None and torch.equal(g, b) for g, b in zip(got, blocks))
