@@ -13,66 +13,56 @@ it belongs to, so space is never both free and referenced after a crash.
 
 LMDB allows one write transaction at a time, bound to the thread that began it
 (py-lmdb ChangeLog 2.3.0).  All of kvstore's write transactions run on one dedicated
-thread (:class:`IndexWriter`), which also does group commit: jobs that queue up while
-a commit is being fsynced are applied together in the next transaction, each in a
-nested transaction so one failing job cannot undo the others.  Reads use short
-read-only transactions on the calling thread; LMDB reads never block on the writer.
+thread with group commit (:class:`~kvstore.index_writer.IndexWriter`, re-exported
+here), which translates LMDB's errors and grows the memory map (``set_mapsize``, between
+transactions, while no reader is inside one) up to the store's ``index_map_bytes``.
+Reads use short read-only transactions on the calling thread; LMDB reads never block on
+the writer.
 
 Every transaction the store needs is a method here (``commit_puts``, ``delete_blocks``,
-``evict``, ``quarantine``, ``pin``, ``add_extent``), so no caller builds one over raw
-tables.  LMDB errors are translated per job: a job that fills the memory map is retried
-after the map grows (``set_mapsize``, between transactions, while no reader is inside
-one) up to the store's ``index_map_bytes``; past that it fails with
-:class:`~kvstore.errors.StoreFullError`, other LMDB errors with ``StoreIOError``.  Nothing
-LMDB raises leaves this module untranslated.
+``evict``, ``quarantine``, ``pin``, ``add_extent``), and so is every repair fsck makes,
+so no caller builds one over raw tables.  Two parts have a module of their own: the
+free table's runs (:mod:`kvstore.free_map`, ``take_range`` / ``give_range`` here) and
+the choice of eviction victims (:mod:`kvstore.eviction`, ``evict`` here).
 """
 
 from __future__ import annotations
 
-import heapq
 import json
 import operator
 import os
-import queue
 import struct
-import sys
 import threading
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from itertools import compress, count
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 import lmdb
 
 from kvstore import permissions
-from kvstore.errors import (
-    FormatVersionError,
-    IndexCorruptionError,
-    KVStoreError,
-    StoreClosedError,
-    StoreFullError,
-    StoreIOError,
-)
+from kvstore.errors import FormatVersionError, IndexCorruptionError, StoreIOError
+from kvstore.eviction import ChainTables, lru_leaves
 from kvstore.format import (
     FORMAT_VERSION,
     PAGE,
     IndexEntry,
     decode_extent_key,
-    decode_free_key,
     extent_key,
-    free_key,
     lru_key,
     pack_count,
     pack_u64,
     unpack_count,
     unpack_u64,
 )
+from kvstore.free_map import FreeMap
+from kvstore.index_writer import IndexWriter
 
-T = TypeVar("T")
+__all__ = ["INITIAL_MAP_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
+           "META_NEXT_EXTENT", "META_SEQ", "META_UUID", "ChainCut", "Index", "IndexWriter",
+           "Touched", "Txn", "init_meta", "namespace_key", "record_namespace"]
+
 Txn = Any  # lmdb.Transaction (untyped module)
 Touched = dict[bytes, int]  # key -> last use (us) of recent gets, written lazily
 
@@ -158,6 +148,8 @@ class Index:
         fix_modes()
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
          self.pins, self.lru) = (self.env.open_db(name) for name in _DBS)
+        self.free_map = FreeMap(self.free)
+        self._chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
 
     def close(self) -> None:
         self.env.close()
@@ -228,8 +220,8 @@ class Index:
             return {decode_extent_key(k): unpack_u64(v) for k, v in cur}
 
     def free_runs(self) -> list[tuple[int, int, int]]:
-        with self.begin() as txn, txn.cursor(self.free) as cur:
-            return [(*decode_free_key(k), unpack_u64(v)) for k, v in cur]
+        with self.begin() as txn:
+            return self.free_map.runs(txn)
 
     def meta_get(self, key: bytes) -> bytes | None:
         with self.begin() as txn:
@@ -268,35 +260,13 @@ class Index:
 
     # ------------------------------------------------------------------ writes (writer thread)
 
-    def _neighbours(self, txn: Txn, extent: int, offset: int) -> tuple[
-            tuple[int, int, int] | None, tuple[int, int, int] | None]:
-        """Free runs (extent, offset, length) at-or-after and before ``(extent, offset)``."""
-        cur = txn.cursor(self.free)
-        at_or_after = before = None
-        if cur.set_range(free_key(extent, offset)):
-            at_or_after = (*decode_free_key(cur.key()), unpack_u64(cur.value()))
-            moved = cur.prev()
-        else:
-            moved = cur.last()
-        if moved:
-            before = (*decode_free_key(cur.key()), unpack_u64(cur.value()))
-        return at_or_after, before
-
     def take_range(self, txn: Txn, extent: int, offset: int, length: int) -> None:
         """Remove [offset, offset+length) from the durable free map (it must be free)."""
-        at_or_after, before = self._neighbours(txn, extent, offset)
-        run = at_or_after if at_or_after is not None and at_or_after[:2] == (extent, offset) \
-            else before
-        if run is None or run[0] != extent or not \
-                run[1] <= offset < offset + length <= run[1] + run[2]:
-            raise _drift(extent, offset, length)
-        _, run_offset, run_len = run
-        txn.delete(free_key(extent, run_offset), db=self.free)
-        if run_offset < offset:
-            txn.put(free_key(extent, run_offset), pack_u64(offset - run_offset), db=self.free)
-        end, run_end = offset + length, run_offset + run_len
-        if end < run_end:
-            txn.put(free_key(extent, end), pack_u64(run_end - end), db=self.free)
+        self.free_map.take(txn, extent, offset, length)
+
+    def give_range(self, txn: Txn, extent: int, offset: int, length: int) -> None:
+        """Add [offset, offset+length) to the durable free map, merging neighbours."""
+        self.free_map.give(txn, extent, offset, length)
 
     # ------------------------------------------------------------------ chains, LRU, pins
 
@@ -350,50 +320,11 @@ class Index:
               scan_limit: int = 1 << 20) -> list[tuple[bytes, IndexEntry]]:
         """Unindex least-recently-used blocks that have no stored children and are not
         pinned or protected, until ``need`` bytes are freed (or nothing more qualifies):
-        at most one block more than needed.  Recent gets' last use is applied first.
-
-        Strict LRU order among leaves: evicting a block can make its parent a leaf; if
-        the scan has already passed the parent's LRU row, it joins a heap that is merged
-        with the scan, so a chain is cut from its tail before a newer leaf is taken."""
+        at most one block more than needed (:func:`kvstore.eviction.lru_leaves` chooses
+        them).  Recent gets' last use is applied first."""
         if touched:
             self.apply_touched(txn, touched)
-        chosen: dict[bytes, IndexEntry] = {}
-        freed = 0
-        gone: Counter[bytes] = Counter()  # children of a key chosen in this pass
-        behind: list[tuple[bytes, bytes]] = []  # (lru row, key) of leaves the scan passed
-
-        def is_leaf(key: bytes) -> bool:
-            raw = txn.get(key, db=self.children)
-            return (0 if raw is None else unpack_count(raw)) <= gone[key]
-
-        with txn.cursor(self.lru) as cur:
-            more, scanned = cur.first(), 0
-            while freed < need:
-                ahead = bytes(cur.key()) if more and scanned < scan_limit else None
-                if behind and (ahead is None or behind[0][0] < ahead):
-                    key = heapq.heappop(behind)[1]
-                elif ahead is not None:
-                    key = ahead[8:]
-                    more, scanned = cur.next(), scanned + 1
-                else:
-                    break
-                if key in protect or key in chosen or not is_leaf(key) \
-                        or txn.get(key, db=self.pins) is not None:
-                    continue
-                raw = txn.get(key, db=self.blocks)
-                if raw is None:
-                    continue
-                entry = chosen[key] = IndexEntry.decode(raw)
-                freed += entry.slot_len
-                parent = entry.parent
-                if parent is None:
-                    continue
-                gone[parent] += 1
-                raw = txn.get(parent, db=self.blocks)
-                if raw is not None and is_leaf(parent):
-                    row = lru_key(IndexEntry.decode(raw).last_use, parent)
-                    if not more or row < bytes(cur.key()):  # else the scan still reaches it
-                        heapq.heappush(behind, (row, parent))
+        chosen = lru_leaves(txn, self._chains, need, protect, scan_limit)
         for key, entry in chosen.items():
             self.remove_block(txn, key, entry, quarantine=False)
         return list(chosen.items())
@@ -412,12 +343,7 @@ class Index:
         if gone:
             raise ChainCut(gone)
         self.apply_touched(txn, touched)
-        for extent, offset, length, slots in _adjacent_ranges_merged(entries):
-            try:
-                self.take_range(txn, extent, offset, length)
-            except IndexCorruptionError:  # not one free run (runs are kept maximal, but if not):
-                for slot_offset, slot_len in slots:  # slot by slot, as before
-                    self.take_range(txn, extent, slot_offset, slot_len)
+        self.free_map.take_slots(txn, entries)
         for key, entry in entries:
             self.add_block(txn, key, entry)
         prev = unpack_u64(txn.get(META_SEQ, db=self.meta))
@@ -493,9 +419,7 @@ class Index:
             doomed = [k for k, v in txn.cursor(table) if IndexEntry.decode(v).extent == extent_id]
             for k in doomed:
                 txn.delete(k, db=table)
-        doomed = [k for k, _ in txn.cursor(self.free) if k[:4] == extent_key(extent_id)]
-        for k in doomed:
-            txn.delete(k, db=self.free)
+        self.free_map.drop_extent(txn, extent_key(extent_id))
 
     def chain_tables(self) -> tuple[dict[bytes, int], set[bytes]]:
         """The derived tables as stored: parent -> child count, and the LRU rows."""
@@ -523,47 +447,10 @@ class Index:
         (offset, length), as they are: no merging, no next-extent counter."""
         txn.put(extent_key(extent_id), pack_u64(extent_bytes), db=self.extents)
         for offset, length in free:
-            txn.put(free_key(extent_id, offset), pack_u64(length), db=self.free)
+            self.free_map.put_run(txn, extent_id, offset, length)
 
     def delete_free_run(self, txn: Txn, extent: int, offset: int) -> None:
-        txn.delete(free_key(extent, offset), db=self.free)
-
-    def give_range(self, txn: Txn, extent: int, offset: int, length: int) -> None:
-        """Add [offset, offset+length) to the durable free map, merging neighbours."""
-        nxt, prev = self._neighbours(txn, extent, offset)
-        end = offset + length
-        if nxt is not None and nxt[0] == extent:
-            if nxt[1] < end:
-                raise _drift(extent, offset, length)
-            if nxt[1] == end:
-                txn.delete(free_key(extent, end), db=self.free)
-                length += nxt[2]
-        if prev is not None and prev[0] == extent:
-            if prev[1] + prev[2] > offset:
-                raise _drift(extent, offset, length)
-            if prev[1] + prev[2] == offset:
-                txn.delete(free_key(extent, prev[1]), db=self.free)
-                offset, length = prev[1], length + prev[2]
-        txn.put(free_key(extent, offset), pack_u64(length), db=self.free)
-
-
-def _adjacent_ranges_merged(entries: Sequence[tuple[bytes, IndexEntry]]
-                            ) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
-    """The entries' slots as runs (extent, offset, length, its slots), touching slots joined.
-
-    A batch's slots are usually allocated back to back: one ``take_range`` for the run
-    instead of one free-map update per slot (a cursor seek, a delete and a put each).
-    Only slots that exactly touch are joined; overlapping ones stay apart, so
-    ``take_range`` still refuses the second as drift."""
-    runs: list[tuple[int, int, int, list[tuple[int, int]]]] = []
-    for entry in sorted((e for _, e in entries), key=lambda e: (e.extent, e.offset)):
-        if runs and runs[-1][0] == entry.extent and runs[-1][1] + runs[-1][2] == entry.offset:
-            extent, offset, length, slots = runs[-1]
-            runs[-1] = (extent, offset, length + entry.slot_len, slots)
-        else:
-            runs.append((entry.extent, entry.offset, entry.slot_len, []))
-        runs[-1][3].append((entry.offset, entry.slot_len))
-    return runs
+        self.free_map.delete_run(txn, extent, offset)
 
 
 class ChainCut(Exception):
@@ -573,150 +460,6 @@ class ChainCut(Exception):
     def __init__(self, keys: Sequence[bytes]) -> None:
         super().__init__(f"{len(keys)} deduplicated block(s) were unindexed before the commit")
         self.keys = list(keys)
-
-
-def _drift(extent: int, offset: int, length: int) -> KVStoreError:
-    return IndexCorruptionError(
-        f"allocation map disagrees with the index at extent {extent} offset {offset} "
-        f"length {length}; run `python -m kvstore fsck` on the store")
-
-
-class IndexWriter:
-    """The one thread that runs LMDB write transactions, with group commit."""
-
-    def __init__(self, index: Index) -> None:
-        self._index = index
-        self._jobs: queue.SimpleQueue[tuple[Callable[[Txn], Any], Future[Any]] | None] = \
-            queue.SimpleQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvstore-lmdb-writer", daemon=True)
-        self._thread.start()
-        self.commits = 0
-
-    def _run(self) -> None:
-        retry: list[tuple[Callable[[Txn], Any], Future[Any]]] = []
-        while True:
-            if retry:
-                batch, retry = retry, []
-            else:
-                first = self._jobs.get()
-                if first is None:
-                    return
-                batch = [first]
-            while True:  # group commit: take everything that queued meanwhile
-                try:
-                    nxt = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._jobs.put(None)
-                    break
-                batch.append(nxt)
-            done, full = self._commit(batch)
-            if full:
-                if self._index.grow_map():
-                    retry = full  # applied first in the next transaction, on a larger map
-                else:
-                    err = StoreFullError(
-                        28, f"the LMDB index reached its limit, index_map_bytes="
-                        f"{self._index.map_limit}; reopen the store with a larger "
-                        "index_map_bytes (it is address space: the index file only grows "
-                        "as it fills), or delete blocks")
-                    done += [(fut, None, err) for _, fut in full]
-            for fut, value, exc in done:
-                if exc is not None:
-                    fut.set_exception(exc)
-                else:
-                    fut.set_result(value)
-
-    def _commit(self, batch: list[tuple[Callable[[Txn], Any], Future[Any]]]) -> tuple[
-            list[tuple[Future[Any], Any, BaseException | None]],
-            list[tuple[Callable[[Txn], Any], Future[Any]]]]:
-        """Apply every job in one transaction, each in a nested one; returns the results
-        and the jobs that found the map full (to run again after it grows)."""
-        env = self._index.env
-        results: list[tuple[Future[Any], Any, BaseException | None]] = []
-        full: list[tuple[Callable[[Txn], Any], Future[Any]]] = []
-        try:
-            with env.begin(write=True) as txn:
-                for fn, fut in batch:
-                    child = env.begin(write=True, parent=txn)
-                    try:
-                        value = fn(child)
-                    except lmdb.MapFullError:
-                        child.abort()
-                        full.append((fn, fut))
-                    except BaseException as e:  # noqa: BLE001 - handed to the caller
-                        child.abort()
-                        results.append((fut, None, _translate(e)))
-                    else:
-                        child.commit()
-                        results.append((fut, value, None))
-            self.commits += 1
-        except lmdb.MapFullError:  # the commit itself needed pages: run the whole batch again
-            return [], batch
-        except lmdb.Error as e:
-            err = StoreIOError(5, f"LMDB commit failed: {e}")
-            return [(fut, None, err) for _, fut in batch], []
-        return results, full
-
-    def submit(self, fn: Callable[[Txn], T]) -> Future[T]:
-        if self._closed:
-            raise StoreClosedError("the index writer is closed (the store was closed)")
-        fut: Future[T] = Future()
-        self._jobs.put((fn, fut))
-        return fut
-
-    def queued(self) -> int:
-        """Jobs waiting for the writer thread (not counting the batch being committed)."""
-        return self._jobs.qsize()
-
-    def run_sync(self, fn: Callable[[Txn], T]) -> T:
-        """Run ``fn`` in a write transaction and wait (for use off the event loop)."""
-        return self.submit(fn).result()
-
-    async def run(self, fn: Callable[[Txn], T]) -> T:
-        """Run ``fn`` in a write transaction; returns after it is durably committed.
-
-        Not cancellable midway: a commit that has started is waited for, so the caller
-        never mistakes an applied change for an absent one.  The result comes back through
-        the event loop's thread-safe callback, so no worker thread waits per job.
-        """
-        fut = self.submit(fn)
-        done = anyio.Event()
-        call_soon = _loop_callback()
-        fut.add_done_callback(lambda _: call_soon(done.set))
-        with anyio.CancelScope(shield=True):
-            await done.wait()
-        return fut.result()
-
-    def close(self) -> None:
-        self._closed = True
-        self._jobs.put(None)
-        self._thread.join()
-
-
-def _translate(e: BaseException) -> BaseException:
-    """What a job raised, as the caller should see it: LMDB's errors become KVStoreErrors."""
-    if isinstance(e, lmdb.Error) and not isinstance(e, KVStoreError):
-        if isinstance(e, (lmdb.CorruptedError, lmdb.PageNotFoundError)):
-            return IndexCorruptionError(f"the LMDB index is damaged ({e}); run "
-                                        "`python -m kvstore fsck` on the store")
-        return StoreIOError(getattr(e, "errno", 5) or 5, f"LMDB write failed: {e}")
-    return e
-
-
-def _loop_callback() -> Callable[[Callable[[], object]], object]:
-    """The running event loop's thread-safe "call this soon" (asyncio or trio)."""
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            return trio.lowlevel.current_trio_token().run_sync_soon  # type: ignore[no-any-return]
-        except RuntimeError:  # not inside trio: asyncio runs this task
-            pass
-    import asyncio
-
-    return asyncio.get_running_loop().call_soon_threadsafe
 
 
 def namespace_key(digest: bytes) -> bytes:
