@@ -26,6 +26,17 @@ capacity it
    ends or gives its reservation back) when one can come, and otherwise raises
    :class:`~kvstore.errors.CapacityError`.
 
+Reserves that cannot be placed at once are served in arrival order (issue 31): every
+``reserve`` draws a ticket as it starts; once one has to wait, or its first attempt (an
+eviction, a new extent) did not place it, it is *in line*, and no reserve with a later
+ticket tries until it is done (placed, refused or cancelled).  So a put waits at most for
+the puts that reserved before it or during its first eviction (bounded overtaking: a put
+that fits may still go while an eviction it did not need is being committed).  Without
+this, a large batch was overtaken by every smaller put that fitted the space coming
+back, for as long as they kept coming (and its eviction retried for ever, each pass
+seeing other puts' changes).  Waiting reserves hold no space, so the puts they wait for
+can always finish.
+
 Protection is counted: every put in flight protects its own keys, its blocks' parents
 and the stored blocks it deduplicated against, so eviction never cuts a chain under a
 child that is being written.  An eviction that chose its blocks *before* a put protected
@@ -45,6 +56,7 @@ import bisect
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from itertools import count
 from typing import Protocol
 
 import anyio
@@ -195,6 +207,8 @@ class Allocator:
         self._touched: dict[bytes, int] = {}
         self._changed: anyio.Event | None = None
         self._generation = 0  # bumped by every change a waiting reserve could use
+        self._tickets = count()  # reserves in arrival order
+        self._waiting: list[int] = []  # sorted tickets of reserves that had to wait
         self._grow_lock: anyio.Lock | None = None  # made on the event loop, in start()
         self.capacity_bytes = self.default_capacity() if capacity_bytes is None \
             else int(capacity_bytes)
@@ -271,7 +285,25 @@ class Allocator:
         """Give every item a slot within capacity, all or none, evicting and adding extents
         as needed; see the module docstring for the order of resorts."""
         total = sum(item.slot_len for item in items)
+        ticket = next(self._tickets)
+        try:
+            await self._reserve(items, total, ticket)
+        finally:
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+                self._notify()  # the next in line tries now
+
+    async def _reserve(self, items: Sequence[Slot], total: int, ticket: int) -> None:
+        first = True
         while True:
+            if not first:  # its first look (and eviction) did not place it: in line
+                self._wait_in_line(ticket)
+            first = False
+            if self._waiting and self._waiting[0] < ticket:
+                # An earlier reserve waits for space: after it, not around it.
+                self._wait_in_line(ticket)
+                await self._wait_for_change()
+                continue
             short = self.used_bytes + total - self.capacity_bytes
             if short <= 0:
                 if self._place(items):
@@ -289,6 +321,7 @@ class Allocator:
             if self.pending_free_bytes or self.reserved_bytes:
                 # Space comes back when a reader ends its epoch or another put ends.  We
                 # hold none, so the puts we wait for can always finish.
+                self._wait_in_line(ticket)
                 await self._wait_for_change()
                 continue
             raise CapacityError(
@@ -333,6 +366,15 @@ class Allocator:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+    @property
+    def waiting_reserves(self) -> int:
+        """Reserves in line (see the module docstring)."""
+        return len(self._waiting)
+
+    def _wait_in_line(self, ticket: int) -> None:
+        if ticket not in self._waiting:
+            bisect.insort(self._waiting, ticket)
 
     async def _wait_for_change(self) -> None:
         if self._changed is None:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.allocator import FreeSpace, ReadEpochs
+from kvstore.allocator import Allocator, FreeSpace, ReadEpochs
 from kvstore.errors import IndexCorruptionError
 from kvstore.format import PAGE, IndexEntry, free_key, pack_u64
-from kvstore.index import META_SEQ, Index, IndexWriter
+from kvstore.index import META_SEQ, Index, IndexWriter, init_meta
+from tests.concurrency import run_within, until
 
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 8)), min_size=1, max_size=60)
 
@@ -170,3 +172,132 @@ def test_freed_space_waits_for_earlier_readers() -> None:
     epochs.end(early)
     assert epochs.held_bytes == 0
     assert space.allocate(PAGE) == (1, PAGE)
+
+
+# ------------------------------------------------------------------ waiting in order
+
+class _Slot:
+    """One block of a put, as the allocator sees it."""
+
+    def __init__(self, key: bytes, slot_len: int) -> None:
+        self.key = key
+        self.parent: bytes | None = None
+        self.slot_len = slot_len
+        self.extent = self.offset = 0
+
+
+ROUNDS = 100  # reservations per competing task once the waiter is in line
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_waiting_reserve_is_not_overtaken_by_a_stream_of_smaller_ones(
+        tmp_path: Path, backend: str) -> None:
+    """Four tasks keep reserving one page each and giving it back (a put that failed:
+    the space is free again at once), so some space is always reserved; a batch of the
+    whole capacity starts in the middle and has to wait for it.  Before: every small
+    reserve that found room went ahead of it, so it waited for the whole stream (its
+    eviction retried for ever, each pass seeing their changes).  Now it waits only for
+    the reservations made before it was in line, i.e. before it waited or its first
+    eviction ended (issue 31).  Counted, not timed: the stream runs ROUNDS more per task
+    once it is in line, and the test counts small reserves *started after* that and
+    *placed before* it."""
+    index = Index(str(tmp_path / "index"), map_size=1 << 24, sync=False)
+    writer = IndexWriter(index)
+    writer.run_sync(lambda txn: init_meta(txn, index, store_uuid=b"u" * 16,
+                                          extent_bytes=17 * PAGE))
+    allocator = Allocator(path=str(tmp_path), index=index, writer=writer,
+                          extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
+                          free_runs=[], capacity_bytes=16 * PAGE, file_mode=0o600,
+                          counters={"evicted_blocks": 0, "evicted_bytes": 0},
+                          on_new_extent=lambda extent: None)
+    state = {"waiting": False, "placed": False}
+    counts = {"overtook": 0, "placed": 0}
+
+    async def stream(task: int) -> None:
+        i = later = 0
+        while later < ROUNDS:  # ROUNDS more once the big one is in line
+            i += 1
+            slot = _Slot(b"%d-%d" % (task, i), PAGE)
+            after = state["waiting"]
+            later += after
+            await allocator.reserve([slot])
+            counts["placed"] += 1
+            if after and not state["placed"]:
+                counts["overtook"] += 1
+            await anyio.lowlevel.checkpoint()  # held across a scheduling point
+            allocator.unreserve([slot])
+
+    async def whole() -> None:
+        await until(lambda: counts["placed"] >= 8)
+        big = _Slot(b"big", 16 * PAGE)
+        await allocator.reserve([big])
+        state["placed"] = True
+        await anyio.lowlevel.checkpoint()
+        allocator.unreserve([big])
+
+    async def in_line() -> None:
+        # From its first wait (or once its first eviction did not place it): counted
+        # from there.  (An allocator without a line: from the start.)
+        await until(lambda: counts["placed"] >= 8)
+        await until(lambda: getattr(allocator, "waiting_reserves", 1) >= 1)
+        state["waiting"] = True
+
+    async def scenario() -> None:
+        allocator.start()
+        async with anyio.create_task_group() as tg:
+            for task in range(4):
+                tg.start_soon(stream, task)
+            tg.start_soon(whole)
+            tg.start_soon(in_line)
+
+    try:
+        run_within(scenario, backend)
+    finally:
+        writer.close()
+        index.close()
+    assert counts["overtook"] == 0, \
+        f"{counts['overtook']} later reserves went ahead of the waiting one"
+    assert allocator.reserved_bytes == 0 and allocator.used_bytes == 0
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_reserve_that_leaves_the_line_lets_the_next_one_try(
+        tmp_path: Path, backend: str) -> None:
+    """A waiting reserve that is cancelled (or refused) hands its turn on: the smaller one
+    queued behind it, which fits, is placed without waiting for another change."""
+    index = Index(str(tmp_path / "index"), map_size=1 << 24, sync=False)
+    writer = IndexWriter(index)
+    writer.run_sync(lambda txn: init_meta(txn, index, store_uuid=b"u" * 16,
+                                          extent_bytes=17 * PAGE))
+    allocator = Allocator(path=str(tmp_path), index=index, writer=writer,
+                          extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
+                          free_runs=[], capacity_bytes=16 * PAGE, file_mode=0o600,
+                          counters={"evicted_blocks": 0, "evicted_bytes": 0},
+                          on_new_extent=lambda extent: None)
+    placed: list[bytes] = []
+
+    async def reserve(slot: _Slot, scope: anyio.CancelScope) -> None:
+        with scope:
+            await allocator.reserve([slot])
+            placed.append(slot.key)
+
+    async def scenario() -> None:
+        allocator.start()
+        held = _Slot(b"held", 8 * PAGE)
+        await allocator.reserve([held])
+        head = anyio.CancelScope()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reserve, _Slot(b"big", 16 * PAGE), head)
+            await until(lambda: allocator.waiting_reserves == 1)
+            tg.start_soon(reserve, _Slot(b"small", PAGE), anyio.CancelScope())
+            await until(lambda: allocator.waiting_reserves == 2)
+            assert placed == []  # it fits, but the big one waits before it
+            head.cancel()
+        assert placed == [b"small"]
+        allocator.unreserve([held])
+
+    try:
+        run_within(scenario, backend)
+    finally:
+        writer.close()
+        index.close()
