@@ -68,8 +68,9 @@ def main() -> None:
         cache_config=SimpleNamespace(block_size=4),
         model_config=SimpleNamespace(model="probe-model"),
         parallel_config=SimpleNamespace(rank=0, world_size=1))
-    config = ConnectorConfig(path=path, extent_bytes=4 << 20, async_loads=False,
-                             max_pending_save_bytes=1 << 20)
+    config = ConnectorConfig.from_extra({"path": path, "extent_bytes": 4 << 20,
+                                         "async_loads": False,
+                                         "max_pending_save_bytes": 1 << 20})
     conn = Conn()
     ws = WorkerSide(conn, vllm_config, SimpleNamespace(num_blocks=NUM_BLOCKS),  # type: ignore[arg-type]
                     config, (("weights", "w"),), b"\0" * 16, "probe")
