@@ -78,7 +78,8 @@ def main() -> None:
     if gpu is not None:
         run_gpu()
         gpu.syncs.clear()
-    out: dict[str, Any] = {"mover_cuda": ws.mover is not None and ws.mover.cuda}
+    mover = getattr(ws, "mover", None)  # (a worker without the mover: none)
+    out: dict[str, Any] = {"mover_cuda": mover is not None and mover.cuda}
 
     # ---- a save step: the forward writes each layer, then save_kv_layer
     hashes = [bytes([i]) * 16 for i in (1, 2)]
