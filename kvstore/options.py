@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import permissions
 from kvstore.format import PAGE
+from kvstore.io.probe import ENGINES
 from kvstore.io.scheduler import IoSchedule
 
 if TYPE_CHECKING:
@@ -123,6 +124,15 @@ class StoreOptions:
     remote: RemoteConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.engine, str) and self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)} (or an IOEngine), "
+                             f"got {self.engine!r}")
+        for name in ("staging_bytes", "queue_depth", "index_map_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.capacity_bytes is not None and self.capacity_bytes < PAGE:
+            raise ValueError(f"capacity_bytes must be at least {PAGE} (None: what the store "
+                             f"holds plus 90% of the free disk space), got {self.capacity_bytes}")
         if self.extent_bytes % PAGE or self.extent_bytes < 4 * PAGE:
             raise ValueError(f"extent_bytes must be a multiple of {PAGE} and >= {4 * PAGE}, "
                              f"got {self.extent_bytes}")

@@ -64,15 +64,16 @@ def rank_config(config: ConnectorConfig, rank: int, world_size: int) -> Connecto
     if world_size == 1:
         rank_dir(config.path, rank, world_size)  # validates
         return config
-    permissions.make_dirs(config.path, config.file_mode or permissions.FILE_MODE)
+    store = config.store
+    permissions.make_dirs(config.path, store.file_mode or permissions.FILE_MODE)
     own = rank_dir(config.path, rank, world_size)
-    if config.capacity_bytes is not None:
-        capacity = config.capacity_bytes // world_size
+    if store.capacity_bytes is not None:
+        capacity = store.capacity_bytes // world_size
     else:
         st = os.statvfs(config.path)
         capacity = _dir_bytes(own) + int(0.9 * st.f_bavail * st.f_frsize) // world_size
     if capacity < 4096:
-        raise ValueError(f"kvstore connector: capacity_bytes={config.capacity_bytes} split "
+        raise ValueError(f"kvstore connector: capacity_bytes={store.capacity_bytes} split "
                          f"between {world_size} ranks leaves each less than 4 KiB")
-    return dataclasses.replace(config, path=own, capacity_bytes=capacity,
-                               memory_bytes=config.memory_bytes // world_size)
+    return dataclasses.replace(config, path=own, store=dataclasses.replace(
+        store, capacity_bytes=capacity, memory_bytes=store.memory_bytes // world_size))

@@ -234,7 +234,7 @@ def test_factory_loads_the_backend_dynamically(tmp_path: Path) -> None:
     backend = make_backend(tmp_path, pool)
     try:
         assert isinstance(backend, HiCacheStorage)
-        assert backend.path == str(tmp_path) and backend.config.staging_bytes == 4 << 20
+        assert backend.path == str(tmp_path) and backend.config.store.staging_bytes == 4 << 20
     finally:
         backend.close()
     bad = storage_config({**DYNAMIC, "path": str(tmp_path), "codec": "fp4"})

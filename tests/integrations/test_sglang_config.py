@@ -14,7 +14,7 @@ BASE = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
 
 def test_minimal_config_and_sglang_keys_are_accepted() -> None:
     cfg = BackendConfig.from_extra({**BASE, "path": "/nvme/kv", "prefetch_threshold": 256})
-    assert cfg.path == "/nvme/kv" and cfg.codec == "raw" and cfg.sync
+    assert cfg.path == "/nvme/kv" and cfg.codec == "raw" and cfg.store.sync
     assert cfg.open_options()["allow_new_namespace"] is True
 
 
@@ -26,17 +26,19 @@ def test_every_option_parses() -> None:
         "model": "llama-3-8b@abc", "cache_salt": "tenant-a", "file_mode": "0660",
         "remote": {"bucket": "kv", "endpoint": "http://127.0.0.1:1"}})
     assert cfg.codec_spec is not None and cfg.codec_spec.fp8 == "e4m3"
-    assert cfg.file_mode == 0o660 and cfg.remote is not None and cfg.remote.bucket == "kv"
+    assert cfg.store.file_mode == 0o660 and cfg.remote is not None and cfg.remote.bucket == "kv"
 
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({}, 'needs "path"'),
     ({"path": ""}, 'needs "path"'),
     ({"path": "/p", "capacity": 1}, "unknown extra config keys ['capacity']"),
-    ({"path": "/p", "capacity_bytes": 0}, "capacity_bytes must be a positive int"),
-    ({"path": "/p", "capacity_bytes": True}, "capacity_bytes must be a positive int"),
-    ({"path": "/p", "staging_bytes": "1G"}, "staging_bytes must be a positive int"),
-    ({"path": "/p", "memory_bytes": -1}, "memory_bytes must be an int >= 0"),
+    ({"path": "/p", "capacity_bytes": 0}, "capacity_bytes must be at least 4096"),
+    ({"path": "/p", "capacity_bytes": True}, "capacity_bytes must be an int or null"),
+    ({"path": "/p", "staging_bytes": "1G"}, "staging_bytes must be an int"),
+    ({"path": "/p", "memory_bytes": -1}, "memory_bytes must be >= 0"),
+    ({"path": "/p", "background_saves": 1}, "background_saves must be true or false"),
+    ({"path": "/p", "allow_new_namespace": False}, "allow_new_namespace is not an option"),
     ({"path": "/p", "sync": "yes"}, "sync must be true or false"),
     ({"path": "/p", "codec": "fp4"}, "codec must be one of"),
     ({"path": "/p", "io_engine": "aio"}, "io_engine must be"),

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvstore.codecs import CodecSpec
+from kvstore.integrations.extra_config import INTEGRATION_SETS, STORE_KEYS
+from kvstore.integrations.sglang_config import BackendConfig
 from kvstore.integrations.vllm_config import CODECS, ConnectorConfig
+from kvstore.io.scheduler import IoSchedule
+from kvstore.options import StoreOptions
+from kvstore.remote.config import RemoteConfig
 
 
 def test_only_path_is_required(tmp_path: Path) -> None:
@@ -37,7 +44,7 @@ def test_tier_and_backpressure_options_reach_the_store(tmp_path: Path) -> None:
     assert config.prefetch is False and config.background_saves is False
     assert config.async_loads is False
     default = ConnectorConfig.from_extra({"path": str(tmp_path)})
-    assert (default.memory_bytes, default.prefetch, default.background_saves,
+    assert (default.store.memory_bytes, default.prefetch, default.background_saves,
             default.async_loads) == (0, True, True, True)
 
 
@@ -47,21 +54,29 @@ def test_tier_and_backpressure_options_reach_the_store(tmp_path: Path) -> None:
     ({"path": ""}, 'needs "path"'),
     ({"path": 3}, 'needs "path"'),
     ({"path": "/x", "capacity": 10}, "unknown kv_connector_extra_config keys ['capacity']"),
-    ({"path": "/x", "capacity_bytes": 0}, "capacity_bytes must be a positive int"),
-    ({"path": "/x", "extent_bytes": True}, "extent_bytes must be a positive int"),
-    ({"path": "/x", "staging_bytes": "1G"}, "staging_bytes must be a positive int"),
+    ({"path": "/x", "capacity_bytes": 0}, "capacity_bytes must be at least 4096"),
+    ({"path": "/x", "extent_bytes": True}, "extent_bytes must be an int, got True"),
+    ({"path": "/x", "staging_bytes": "1G"}, "staging_bytes must be an int, got '1G'"),
+    ({"path": "/x", "staging_bytes": 0}, "staging_bytes must be > 0"),
     ({"path": "/x", "sync": "yes"}, "sync must be true or false"),
     ({"path": "/x", "codec": "fp8"}, "codec must be one of"),
     ({"path": "/x", "io_engine": "aio"}, "io_engine must be"),
     ({"path": "/x", "weights_fingerprint": "fast"}, "weights_fingerprint must be"),
     ({"path": "/x", "model_id": ""}, "model_id must be a non-empty string"),
     ({"path": "/x", "model_id": 7}, "model_id must be a non-empty string"),
-    ({"path": "/x", "memory_bytes": -1}, "memory_bytes must be an int >= 0"),
-    ({"path": "/x", "memory_bytes": 1.5}, "memory_bytes must be an int >= 0"),
+    ({"path": "/x", "memory_bytes": -1}, "memory_bytes must be >= 0"),
+    ({"path": "/x", "memory_bytes": 1.5}, "memory_bytes must be an int, got 1.5"),
     ({"path": "/x", "prefetch": 1}, "prefetch must be true or false"),
     ({"path": "/x", "background_saves": "no"}, "background_saves must be true or false"),
     ({"path": "/x", "async_loads": "false"}, "async_loads must be true or false"),
-    ({"path": "/x", "backlog_bytes": 0}, "backlog_bytes must be a positive int"),
+    ({"path": "/x", "backlog_bytes": 0}, "backlog_bytes must be > 0"),
+    ({"path": "/x", "max_pending_save_bytes": 0}, "max_pending_save_bytes must be a positive int"),
+    ({"path": "/x", "prefetch_share": 2}, "prefetch_share must be in (0, 1]"),
+    ({"path": "/x", "page_lock_staging": "yes"}, "page_lock_staging must be true or false or null"),
+    ({"path": "/x", "io_scheduling": {"write_byte": 1}}, "unknown io_scheduling options"),
+    ({"path": "/x", "io_scheduling": 1}, "io_scheduling must be true or false or an object"),
+    ({"path": "/x", "namespace": "m"}, "namespace is not an option of kv_connector_extra_config: the integration derives it"),
+    ({"path": "/x", "engine": "threads"}, "unknown kv_connector_extra_config keys ['engine']"),
     ({"path": "/x", "remote": "s3://kv"}, "remote must be an object of remote-tier options"),
     ({"path": "/x", "remote": {"bucket": "kv", "secret_access_key": "s"}},
      "remote.secret_access_key does not belong in kv_connector_extra_config"),
@@ -99,3 +114,45 @@ def test_the_remote_option_becomes_a_remote_config(tmp_path: Path) -> None:
 def test_every_codec_name_is_a_valid_spec() -> None:
     assert CODECS["raw"] is None
     assert all(isinstance(spec, CodecSpec) for name, spec in CODECS.items() if name != "raw")
+
+
+# A value other than the default for each store option, as an extra config spells it, and
+# what the store gets.  A store option missing here is still checked with its default.
+_SAMPLES: dict[str, tuple[object, object]] = {
+    "engine": ("threads", "threads"), "sync": (False, False),
+    "extent_bytes": (4 << 20, 4 << 20), "staging_bytes": (8 << 20, 8 << 20),
+    "queue_depth": (8, 8), "index_map_bytes": (1 << 30, 1 << 30), "create": (False, False),
+    "capacity_bytes": (1 << 30, 1 << 30), "codec": ("zstd", CodecSpec(zstd=True)),
+    "page_lock_staging": (False, False), "file_mode": ("0660", 0o660),
+    "strict_permissions": (True, True), "memory_bytes": (1 << 20, 1 << 20),
+    "prefetch_share": (0.25, 0.25),
+    "io_scheduling": ({"write_bytes": 1 << 20}, IoSchedule(write_bytes=1 << 20)),
+    "backlog_bytes": (1 << 20, 1 << 20),
+    "remote": ({"bucket": "kv", "endpoint": "http://127.0.0.1:1"},
+               RemoteConfig(bucket="kv", endpoint="http://127.0.0.1:1")),
+}
+
+
+@pytest.mark.parametrize("config", [ConnectorConfig, BackendConfig])
+@pytest.mark.parametrize("name", [f.name for f in fields(StoreOptions)])
+def test_every_store_option_is_an_extra_config_key(config: Any, name: str) -> None:
+    """A new store option reaches both engines' configs without being restated there
+    (or is one the integrations set, with the reason)."""
+    if name in INTEGRATION_SETS:
+        assert name not in STORE_KEYS.values()
+        return
+    key = next(k for k, field in STORE_KEYS.items() if field == name)
+    default = getattr(StoreOptions(), name)
+    given, expected = _SAMPLES.get(name, (default, default))
+    made = config.from_extra({"path": "/p", key: given})
+    assert getattr(made.store, name) == expected
+    assert getattr(config.from_extra({"path": "/p"}).store, name) == default  # its default
+    if name not in ("remote", "namespace"):
+        assert made.open_options()[name] == expected
+
+
+def test_defaults_are_the_stores() -> None:
+    for config in (ConnectorConfig, BackendConfig):
+        made = config.from_extra({"path": "/p"})
+        assert made.store == StoreOptions(allow_new_namespace=True)
+        assert made.codec == "raw" and made.remote is None

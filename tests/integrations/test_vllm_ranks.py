@@ -24,7 +24,7 @@ def test_each_rank_gets_its_directory_and_share(tmp_path: Path) -> None:
     ranks = [rank_config(config, r, 4) for r in range(4)]
     assert [r.path for r in ranks] == rank_dirs(config.path, 4) == [
         str(tmp_path / "s" / f"rank-{r}-of-4") for r in range(4)]
-    assert {(r.capacity_bytes, r.memory_bytes) for r in ranks} == {(1 << 28, 16 << 20)}
+    assert {(r.store.capacity_bytes, r.store.memory_bytes) for r in ranks} == {(1 << 28, 16 << 20)}
     assert (tmp_path / "s").is_dir() and os.stat(tmp_path / "s").st_mode & 0o077 == 0
 
 
@@ -32,7 +32,7 @@ def test_default_capacity_is_a_share_of_the_free_space(tmp_path: Path) -> None:
     config = ConnectorConfig.from_extra({"path": str(tmp_path / "s")})
     st = os.statvfs(tmp_path)
     free = st.f_bavail * st.f_frsize
-    one, two = (rank_config(config, 0, n).capacity_bytes for n in (2, 4))
+    one, two = (rank_config(config, 0, n).store.capacity_bytes for n in (2, 4))
     assert one is not None and two is not None
     # each rank: 90% of the free space divided by the world size (the test's own files
     # may change free space a little between the calls)
