@@ -1,13 +1,12 @@
 """The remote tier: a bounded upload queue behind local durable puts, verified reads on
 local misses under a deadline, and a circuit breaker in front of both.
 
-* Writes: ``enqueue(keys)`` after a put committed locally.  The queue holds keys, not
-  bytes (at most ``upload_queue_blocks``; beyond it keys are dropped and counted).  A
-  worker reads the block back from the local store (verified, under a read epoch so the
-  slot cannot be reused meanwhile) and writes it with a conditional PUT
-  (``If-None-Match: *``): an object already there is left alone, so concurrent stores
-  never overwrite each other.  Keys known to be in the bucket (uploaded, found, or
-  fetched) are not queued again.  Local eviction and delete never touch the bucket.
+* Writes (:mod:`kvstore.remote.uploads`, :class:`~kvstore.remote.uploads.Uploads`):
+  ``enqueue(keys)`` after a put committed locally queues the keys (not the bytes); a
+  worker reads each block back from the local store, verified, and writes it with a
+  conditional PUT (``If-None-Match: *``), so concurrent stores never overwrite each
+  other.  Keys known to be in the bucket are not queued again.  Local eviction and
+  delete never touch the bucket.
 * Reads: ``fetch(keys, chain=...)`` GETs objects on ``concurrency`` worker threads that
   each take the next key (``kvstore.remote.fetch``), verify it
   (``kvstore.remote.objects.verify``) and decode it there, and gives up at
@@ -38,17 +37,12 @@ access check at open.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from kvstore.errors import RemoteAuthError, RemoteError
-from kvstore.format import SlotHeader
-from kvstore.io.aligned import AlignedBuffer
+from kvstore.errors import RemoteError
 from kvstore.remote import objects
 from kvstore.remote.blocks import Finish, RemoteBlock
 from kvstore.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
@@ -57,13 +51,9 @@ from kvstore.remote.config import RemoteConfig
 from kvstore.remote.fetch import FetchRun
 from kvstore.remote.slots import RequestSlots, Slot
 from kvstore.remote.stats import RemoteStats
+from kvstore.remote.uploads import BreakerOpen, KnownKeys, SlotReader, Uploads, breaker_open
 
-T = TypeVar("T")
-_KNOWN_KEYS = 1 << 16  # keys remembered as present in the bucket
-_UPLOAD_ATTEMPTS = 3
-
-# (key, the upload worker's buffer) -> the verified slot bytes in that buffer, or None
-SlotReader = Callable[[bytes, AlignedBuffer], Awaitable[tuple[memoryview, SlotHeader] | None]]
+__all__ = ["BreakerOpen", "InFlight", "RemoteTier", "SlotReader"]
 
 
 class InFlight:
@@ -90,26 +80,21 @@ class InFlight:
         self.done.set()
 
 
-class BreakerOpen(Unavailable):
-    """No request was sent: the circuit breaker is open."""
-
-
 class RemoteTier:
     def __init__(self, config: RemoteConfig, namespace_digest: bytes,
                  read_slot: SlotReader) -> None:
         self.config = config
         self.namespace_digest = namespace_digest
-        self._read_slot = read_slot
         self.client = ObjectClient(config)
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
         self._slots = RequestSlots(config.concurrency)
         self._stats = RemoteStats()
         self.disabled_reason: str | None = None
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known = KnownKeys()
         self._limiter: anyio.CapacityLimiter | None = None
-        self._send: MemoryObjectSendStream[tuple[bytes, int]] | None = None
-        self._receive: MemoryObjectReceiveStream[tuple[bytes, int]] | None = None
-        self._pending = 0  # queued + being uploaded
+        self._uploads = Uploads(config, namespace_digest, self.client, self.breaker,
+                                self._slots, self._stats, self._known, read_slot,
+                                self._wake_if_idle)
         # Fetched blocks whose local put (promotion) runs in the background: served from
         # here meanwhile (kvstore/remote/adapter.py), so a get right after a match_prefix
         # does not fetch them again.
@@ -120,8 +105,6 @@ class RemoteTier:
         # request per block, not one each.
         self.fetching: dict[bytes, InFlight] = {}
         self._idle: anyio.Event | None = None
-        self._scope: anyio.CancelScope | None = None
-        self._stopped: anyio.Event | None = None
 
     # ------------------------------------------------------------------ open, close
 
@@ -172,41 +155,21 @@ class RemoteTier:
                   ) -> None:
         """The upload workers, until ``aclose``; started in the store's task group."""
         self._limiter = anyio.CapacityLimiter(self.config.concurrency)
-        self._send, self._receive = anyio.create_memory_object_stream[tuple[bytes, int]](
-            self.config.upload_queue_blocks)
-        self._stopped = anyio.Event()
-        try:
-            with anyio.CancelScope() as self._scope:
-                async with anyio.create_task_group() as tg:
-                    for _ in range(self.config.upload_workers):
-                        tg.start_soon(self._upload_worker, self._receive)
-                    task_status.started()
-        finally:
-            self._stopped.set()
+        await self._uploads.run(self._limiter, task_status)
 
     async def aclose(self) -> None:
         """Wait up to ``close_drain_s`` for queued uploads, then stop; what is still
         queued is dropped (counted)."""
-        if self._stopped is None:
+        if not self._uploads.started:
             return
         with anyio.move_on_after(self.config.close_drain_s):
             await self.flush()
-        if self._scope is not None:
-            self._scope.cancel()
-        await self._stopped.wait()
-        if self._receive is not None:
-            while True:
-                try:
-                    self._receive.receive_nowait()
-                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                    break
-                self._stats.upload_dropped += 1
-        self._pending = 0
+        await self._uploads.stop()
 
     async def flush(self) -> None:
         """Wait until every queued upload is done (uploaded, found, or given up) and
         every fetched block's promotion has landed (stored locally, or dropped)."""
-        while self._pending or self._promotions:
+        while self._uploads.pending or self._promotions:
             self._idle = anyio.Event()
             await self._idle.wait()
 
@@ -247,7 +210,7 @@ class RemoteTier:
         inflight.give_up()  # if not answered: its waiters ask themselves
 
     def _wake_if_idle(self) -> None:
-        if not self._pending and not self._promotions and self._idle is not None:
+        if not self._uploads.pending and not self._promotions and self._idle is not None:
             self._idle.set()
 
     # ------------------------------------------------------------------ stats
@@ -264,8 +227,7 @@ class RemoteTier:
             s.state, s.reason = "probing", b.last_error
         s.promoting_blocks = len(self.promoting)
         s.requests_in_flight = self._slots.in_flight
-        s.upload_queue_blocks = (self._receive.statistics().current_buffer_used
-                                 if self._receive is not None else 0)
+        s.upload_queue_blocks = self._uploads.queued()
         return s
 
     @property
@@ -273,50 +235,6 @@ class RemoteTier:
         return self.disabled_reason is None
 
     # ------------------------------------------------------------------ requests
-
-    async def _call(self, fn: Callable[[], T]) -> T:
-        """One upload request on a worker thread, in an upload slot (waited for: uploads
-        have no deadline), through the breaker: ``Unavailable`` if the breaker is open
-        or the request got no answer.  Cancelled (at close), the request finishes alone
-        on its thread and gives its slot back when it returns."""
-        assert self._limiter is not None, "RemoteTier.run() was not started"
-        slot = await self._slots.take(upload=True)
-        if not self.breaker.allow():
-            slot.drop()
-            raise BreakerOpen(f"circuit breaker open: {self.breaker.last_error}")
-        self._stats.requests += 1
-
-        def in_slot() -> T:
-            if not slot.claim():
-                raise Unavailable("given up before it was sent")  # (result discarded)
-            try:
-                return fn()
-            finally:
-                slot.release()
-
-        try:
-            # abandon_on_cancel: close returns at once; the thread finishes alone.  The
-            # limiter never makes it wait (every thread holds a slot first); it keeps
-            # these threads off anyio's default one, which the store's I/O uses.
-            result = await anyio.to_thread.run_sync(in_slot, limiter=self._limiter,
-                                                    abandon_on_cancel=True)
-        except Unavailable as e:
-            self._stats.request_errors += 1
-            self.breaker.failure(str(e))
-            raise
-        except RemoteAuthError as e:  # credentials revoked while open: stop asking
-            self._stats.request_errors += 1
-            self.breaker.failure(str(e))
-            raise Unavailable(str(e)) from None
-        except BaseException:
-            # cancelled (close) or another error: a half-open probe must not stay
-            # claimed forever
-            self.breaker.release_probe()
-            raise
-        finally:
-            slot.drop()  # gives it back only if its thread never started
-        self.breaker.success()
-        return result
 
     async def _fetch_thread(self, run: FetchRun, slot: Slot) -> None:
         try:
@@ -326,17 +244,6 @@ class RemoteTier:
                                            abandon_on_cancel=True)
         finally:
             slot.drop()  # gives it back only if its thread never started
-
-    def _breaker_open(self) -> bool:
-        """Open and not yet due for a probe: answer without a request."""
-        return self.breaker.state == OPEN and self.breaker.retry_in() > 0
-
-    def _remember(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._known[key] = None
-            self._known.move_to_end(key)
-        while len(self._known) > _KNOWN_KEYS:
-            self._known.popitem(last=False)
 
     # ------------------------------------------------------------------ reads
 
@@ -352,7 +259,7 @@ class RemoteTier:
         if not keys or not self.usable:
             return [None] * len(keys)
         self._stats.gets += len(keys)
-        if self._breaker_open():
+        if breaker_open(self.breaker):
             self._stats.fast_misses += len(keys)
             self._stats.misses += len(keys)
             return [None] * len(keys)
@@ -419,83 +326,13 @@ class RemoteTier:
         st.hits += got
         st.misses += len(keys) - got
         st.read_bytes += sum(len(r.data) for r in results if r is not None)
-        self._remember([r.key for r in results if r is not None])
+        self._known.remember(r.key for r in results if r is not None)
         return results
 
     # ------------------------------------------------------------------ writes
 
     def enqueue(self, keys: Sequence[bytes]) -> None:
-        """Queue locally durable blocks for upload (never waits; drops when full)."""
-        if not self.usable or self._send is None:
-            return
-        for key in keys:
-            if key in self._known:
-                continue
-            try:
-                self._send.send_nowait((key, 0))
-            except anyio.WouldBlock:
-                self._stats.upload_dropped += 1
-                continue
-            self._pending += 1
-            self._stats.uploads_queued += 1
-
-    def _done_one(self) -> None:
-        self._pending -= 1
-        self._wake_if_idle()
-
-    async def _upload_worker(self, receive: MemoryObjectReceiveStream[tuple[bytes, int]]
-                             ) -> None:
-        # One buffer per worker, reused for every block it uploads: an unsigned PUT sends
-        # from it without a copy (a signed one from a copy with the tag), and the next
-        # read-back waits for that PUT to return.  This relies on the S3 store being
-        # done with the body when ``put`` returns, which obstore's S3Store is (its
-        # in-memory store is not: it keeps the buffer).  A PUT abandoned by
-        # cancellation ends the worker, so its buffer is never reused then.
-        buffer = AlignedBuffer()
-        async for key, attempts in receive:
-            try:
-                retry = await self._upload_one(key, buffer)
-            except Unavailable:
-                retry = True
-            if retry and attempts + 1 < _UPLOAD_ATTEMPTS and self._send is not None:
-                # wait for the breaker, then go to the back of the queue
-                await anyio.sleep(min(self.breaker.retry_in(), self.config.breaker_reset_s))
-                try:
-                    self._send.send_nowait((key, attempts + 1))
-                    continue  # still pending
-                except anyio.WouldBlock:
-                    self._stats.upload_dropped += 1
-            elif retry:
-                self._stats.upload_failed += 1
-            self._done_one()
-
-    async def _upload_one(self, key: bytes, buffer: AlignedBuffer) -> bool:
-        """Upload one block (read back into ``buffer``); True to retry later."""
-        if self._breaker_open():
-            return True
-        slot = await self._read_slot(key, buffer)
-        if slot is None:
-            self._stats.upload_vanished += 1
-            return False
-        raw, header = slot
-        name = objects.object_name(self.config.prefix, self.namespace_digest, key)
-
-        def upload() -> int:
-            """On a worker thread: the object's bytes (HMAC over MBs off the event loop)
-            and a conditional PUT.  No HEAD first: ``If-None-Match: *`` already leaves
-            an existing object alone, and a HEAD per block cost a round trip on every
-            upload to save bandwidth only on the rare block another node uploaded
-            first.  The object's length if written, 0 if it existed."""
-            body = objects.encode(raw, header, namespace_digest=self.namespace_digest,
-                                  hmac_key=self.config.hmac_key)
-            return len(body) if self.client.put_if_absent(name, body) else 0
-
-        written = await self._call(upload)
-        if written:
-            self._stats.uploaded_blocks += 1
-            self._stats.uploaded_bytes += written
-        else:
-            self._stats.upload_existing += 1
-        self._remember([key])
-        return False
-
+        """Queue locally durable blocks for upload (never waits; drops when full;
+        :mod:`kvstore.remote.uploads`)."""
+        if self.usable:
+            self._uploads.enqueue(keys)
