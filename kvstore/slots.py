@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from kvstore import codecs, native_slots, result_buffers
 from kvstore.codecs import CODEC_RAW, CodecSpec
-from kvstore.errors import CorruptionError, FormatVersionError
+from kvstore.errors import CorruptionError, FormatVersionError, UnsupportedTensorError
 from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, round_up
 from kvstore.io.arena import ArenaRun
-from kvstore.tensors import CODE_DTYPES
+from kvstore.tensors import CODE_DTYPES, encoded_payload
 
 # Enqueues a host -> device copy without waiting for it: (contiguous CUDA ``out``, host
 # address, bytes, an object to keep alive until the copy completes).  Handed in by
@@ -50,6 +51,15 @@ class PutItem:
 
     def _prepare(self, spec: CodecSpec) -> codecs.Encoded | None:
         """The block's encoding under ``spec``, or None where it stays raw."""
+        pre = encoded_payload(self.data)
+        if pre is not None:   # encoded already (on the GPU): its payload, if it fits
+            codec, payload = pre
+            if codec & 0x0F != codecs.codec_id(spec) & 0x0F:
+                raise UnsupportedTensorError(
+                    f"block {self.key.hex()[:16]} is encoded with codec {codec:#x}; this "
+                    f"put's codec is {codecs.codec_id(spec):#x}")
+            assert isinstance(payload, np.ndarray)
+            return codecs.Encoded(codec, payload)
         value = self.data.view(CODE_DTYPES[self.dtype]).reshape(self.shape)
         encoded = codecs.prepare(value, spec)
         return None if encoded.codec == CODEC_RAW else encoded
@@ -93,6 +103,17 @@ def encode_planned(items: Iterable[PutItem]) -> None:
                                    f"{got[1]} bytes; planned {item.codec}, "
                                    f"{item.payload_len}")
             item._take(encoded)
+
+
+def check_values_held(items: Iterable[PutItem]) -> None:
+    """Refuse, before anything is staged, a block that would be stored raw but holds no
+    values (an ``EncodedBlock`` put without its codec): never zeros on disk."""
+    for item in items:
+        if item.encoded is None and item.planned is None and \
+                encoded_payload(item.data) is not None:
+            raise UnsupportedTensorError(
+                f"block {item.key.hex()[:16]} is encoded already (codec "
+                f"{item.data.codec_id:#x}); put it with that codec, not raw")  # type: ignore[attr-defined]
 
 
 def stage(run: ArenaRun, item: PutItem) -> None:

@@ -37,6 +37,35 @@ def dtype_code(t: torch.Tensor) -> int:
             f"cannot store dtype {t.dtype}; supported: {names}") from None
 
 
+class EncodedBlock(torch.Tensor):
+    """A block whose payload is already made by kvstore's codec (FP8 quantised on the
+    GPU by ``kvstore.cuda.mover``): it stands for a tensor of its ``dtype`` and
+    ``shape`` without holding its values (zero strides, no memory), and carries
+    ``codec_id`` and ``payload``.  ``put_many`` stores ``payload`` as the block's payload
+    when the put's codec has the payload's base codec (the payload describes its own
+    scales and layout); any other put of it raises :class:`UnsupportedTensorError`
+    before a byte is written.  Made by :func:`encoded_block`."""
+
+    codec_id: int
+    payload: object  # a uint8 numpy array
+
+
+def encoded_block(codec_id: int, payload: object, dtype: torch.dtype,
+                  shape: tuple[int, ...]) -> EncodedBlock:
+    block = torch.zeros((), dtype=dtype).expand(shape).as_subclass(EncodedBlock)
+    assert isinstance(block, EncodedBlock)
+    block.codec_id, block.payload = codec_id, payload
+    return block
+
+
+def encoded_payload(data: torch.Tensor) -> tuple[int, object] | None:
+    """``(codec id, payload)`` of an :class:`EncodedBlock` (or of ``host_bytes``' view of
+    one), else None."""
+    if isinstance(data, EncodedBlock):
+        return data.codec_id, data.payload
+    return None
+
+
 def host_bytes(t: object) -> tuple[torch.Tensor, int]:
     """Validate a value for ``put`` and return (flat uint8 CPU view of its bytes, dtype code).
 
@@ -56,6 +85,9 @@ def host_bytes(t: object) -> tuple[torch.Tensor, int]:
     if t.dim() > MAX_NDIM:
         raise UnsupportedTensorError(f"at most {MAX_NDIM} dimensions, got {t.dim()}")
     code = dtype_code(t)
+    if isinstance(t, EncodedBlock):   # no values to copy: a placeholder of their size
+        return encoded_block(t.codec_id, t.payload, torch.uint8,
+                             (t.numel() * t.element_size(),)), code
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")

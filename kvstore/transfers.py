@@ -26,6 +26,7 @@ from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.slots import (
     PutItem,
     ToDevice,
+    check_values_held,
     encode_all,
     stage_all,
     stage_header,
@@ -174,6 +175,7 @@ class Transfers:
     async def write(self, items: list[PutItem]) -> None:
         """Stage and write slots a chunk (a few MiB) at a time: while the device writes one
         chunk, the next is copied and checksummed (on a worker thread when it is large)."""
+        check_values_held(items)
         errors: list[BaseException] = []
 
         async def write_chunk(whole: ArenaRun, chunk: list[tuple[PutItem, ArenaRun]]) -> None:

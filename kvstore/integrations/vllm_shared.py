@@ -31,6 +31,7 @@ from kvstore.integrations.vllm_metrics import SCHEDULER_COUNTERS
 from kvstore.keys import Namespace
 from kvstore.store import PutResult, Store
 from kvstore.store import open as open_store
+from kvstore.tensors import encoded_block
 
 __all__ = ["SharedStore", "acquire", "all_connector_stats", "connector_stats", "find",
            "load_buffer", "release", "store_stats", "warn_once"]
@@ -386,7 +387,10 @@ class SharedStore:
                 await batch.wait()
                 start = time.perf_counter_ns()
                 try:
-                    return await self.store.put_many(keys, batch.blocks(), parents=parents,
+                    put_keys, values, put_parents = _values(batch, keys, parents)
+                    if len(put_keys) < len(keys):
+                        self.count(save_dropped_blocks=len(keys) - len(put_keys))
+                    return await self.store.put_many(put_keys, values, parents=put_parents,
                                                      background=background)
                 finally:
                     self.count(save_io_ns=time.perf_counter_ns() - start)
@@ -446,6 +450,27 @@ class SharedStore:
             self._store_cm.__exit__(None, None, None)
         finally:
             self._portal_cm.__exit__(None, None, None)
+
+
+def _values(batch: SaveBatch, keys: list[bytes], parents: list[bytes | None]
+            ) -> tuple[list[bytes], list[torch.Tensor], list[bytes | None]]:
+    """A finished save's keys, values and parents: its staged blocks, or, quantised on
+    the GPU, their FP8 payloads (``EncodedBlock``: stored as they are, byte-identical to
+    the store's own encoder); a block FP8 cannot take (the codec would store it raw) is
+    left out, and so are the blocks after it in its chain."""
+    mover = batch.mover
+    if not (mover.cuda and mover.codec is not None):
+        return keys, batch.blocks(), parents
+    out_keys: list[bytes] = []
+    values: list[torch.Tensor] = []
+    out_parents: list[bytes | None] = []
+    for key, parent, payload in zip(keys, parents, batch.payloads()):
+        if payload is None:
+            break
+        out_keys.append(key)
+        out_parents.append(parent)
+        values.append(encoded_block(payload[0], payload[1], mover.dtype, mover.block_shape))
+    return out_keys, values, out_parents
 
 
 _STORES: dict[str, SharedStore] = {}

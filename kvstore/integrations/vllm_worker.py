@@ -139,7 +139,11 @@ class WorkerSide:
         if self.mover is not None:  # registered again: the old caches are gone
             self.mover.close()
         budget = self._config.max_pending_save_bytes
-        self.mover = Mover(list(kv_caches.values()), layout, staging_bytes=budget)
+        # On a GPU with an FP8 codec, saves are quantised there (half the bytes over
+        # PCIe), stored as the codec's payload; a CPU engine's store encodes as before.
+        codec = self._store.store.codec if first.device.type == "cuda" else None
+        self.mover = Mover(list(kv_caches.values()), layout, staging_bytes=budget,
+                           codec=codec)
         self._store.load_staging = self.mover.begin_load
         if first.device.type == "cuda" and not self.mover.cuda:
             warn_once("no-cuda-lib", "kvstore connector: the KV cache is on %s but kvstore's "

@@ -20,8 +20,12 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.codecs import CodecSpec
-from kvstore.cuda import _lib, copies
+from kvstore import codecs
+from kvstore.codecs import CodecSpec, KVLayout
+from kvstore.cuda import _lib, copies, paged
+from kvstore.cuda.mover import Mover
+from kvstore.errors import UnsupportedTensorError
+from kvstore.tensors import encoded_block
 from kvstore.transfers import device_values_to_host
 from tests.cuda.standin import OnDevice, StandInGpu
 
@@ -98,3 +102,55 @@ async def test_put_many_of_device_tensors_never_synchronises(
         assert result.written == 3
         got = await store.get_many(keys)
     assert all(g is not None and torch.equal(g, b) for g, b in zip(got, blocks))
+
+
+SPEC = CodecSpec(fp8="e4m3", layout=KVLayout(kv_axis=1, token_axis=2, head_axis=3))
+
+
+async def test_fp8_quantised_on_the_gpu_is_stored_as_the_codecs_payload(
+        tmp_path: Path, gpu_keeping_up: StandInGpu, host_lib: _lib.Library) -> None:
+    # The mover's GPU FP8 payloads, put as EncodedBlocks: the store writes them as they
+    # are, and a get returns exactly what the CPU codec's payload decodes to.
+    gpu_keeping_up.host = host_lib
+    g = torch.Generator().manual_seed(4)
+    layers = [torch.randn((2, 6, 4, 2, 16), generator=g).to(torch.bfloat16)
+              for _ in range(3)]
+    mover = Mover(layers, "kv_first", staging_bytes=1 << 20, codec=SPEC,
+                  lib=gpu_keeping_up, compute_stream=lambda: 7)  # type: ignore[arg-type]
+    batch = mover.begin_save([1, 4])
+    assert batch is not None
+    mover.end_save(batch)
+    await batch.wait()
+    payloads = batch.payloads()
+    values = [encoded_block(p[0], p[1], mover.dtype, mover.block_shape)
+              for p in payloads if p is not None]
+    blocks = paged.gather_reference(layers, [1, 4], "kv_first")
+    keys = [b"\x21" * 16, b"\x22" * 16]
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20, codec=SPEC) as store:
+        result = await store.put_many(keys, values)
+        assert result.written == 2
+        got = await store.get_many(keys)
+    for g_, b in zip(got, blocks):
+        codec, payload = codecs.encode(b, SPEC)
+        assert g_ is not None and torch.equal(
+            g_.view(torch.int16), codecs.decode(codec, payload, b.dtype, tuple(b.shape))
+            .view(torch.int16))
+    batch.release()
+    mover.close()
+
+
+async def test_an_encoded_block_put_without_its_codec_is_refused_not_stored_as_zeros(
+        tmp_path: Path) -> None:
+    b = torch.randn(2, 4, 16).to(torch.float16)
+    codec, payload = codecs.encode(b, CodecSpec(fp8="e4m3"))
+    value = encoded_block(codec, payload, b.dtype, tuple(b.shape))
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+        with pytest.raises(UnsupportedTensorError, match="put it with that codec"):
+            await store.put_many([b"\x31" * 16], [value])              # raw
+        with pytest.raises(UnsupportedTensorError, match="is encoded with codec"):
+            await store.put_many([b"\x31" * 16], [value], codec=CodecSpec(fp8="e5m2"))
+        assert await store.get_many([b"\x31" * 16]) == [None]
+        await store.put_many([b"\x31" * 16], [value], codec=CodecSpec(fp8="e4m3"))
+        (got,) = await store.get_many([b"\x31" * 16])
+    assert got is not None and torch.equal(got, codecs.decode(codec, payload, b.dtype,
+                                                                tuple(b.shape)))
