@@ -214,7 +214,8 @@ def test_import_kvstore_leaves_the_optional_parts_unloaded() -> None:
     """CUDA (with the first store that page-locks), the remote tier's machinery (with
     the first store opened with ``remote=``), metrics (prometheus_client) and the engine
     integrations load only for those who use them.  The remote tier's options and stats
-    (plain values, ``kvstore.remote.config`` / ``.stats``) may load."""
+    (plain values, ``kvstore.remote.config`` / ``.stats``) may load: ``kvstore.blocking``
+    imports ``RemoteConfig`` at run time (for ``attach_remote``'s annotation only)."""
     code = ("import sys, kvstore; print(' '.join(sorted(m for m in sys.modules if "
             "m.startswith(('kvstore.cuda', 'kvstore.remote.', 'kvstore.metrics', "
             "'kvstore.integrations', 'obstore', 'prometheus_client', 'vllm', 'sglang'"
