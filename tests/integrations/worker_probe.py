@@ -2,25 +2,30 @@
 step without an engine, and print what happened as JSON.  Run with the vLLM venv's
 python (tests/integrations/test_vllm_mover.py does)::
 
-    python tests/integrations/worker_probe.py gpu|cpu STORE_DIR
+    python tests/integrations/worker_probe.py gpu|cpu|gpu-fp8 STORE_DIR [LIBKVCUDA]
 
 ``gpu``: the KV cache is "on a GPU" that is the recording stand-in
 (tests/cuda/standin.py, ``StandInGpu``: streams run only when told, in CUDA's order,
 host-blocking calls recorded), the cache tensors are host memory that says it is on
 ``cuda:0`` and records every call that would copy device memory to the host (``.to``,
 ``.cpu``, ``.item``, ``.tolist``, ``.numpy``): the worker's save and load paths must
-make none of either.  ``cpu``: a CPU engine, the same calls, plain copies.
+make none of either.  ``cpu``: a CPU engine, the same calls, plain copies.  ``gpu-fp8``:
+``gpu`` with the store's codec ``fp8_e4m3``: saves quantised on the (stand-in) GPU by
+the built library's kernel code (LIBKVCUDA, its host twins), stored as the payload, read
+back exactly as the CPU codec's payload decodes.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from kvstore import codecs
 from kvstore.cuda import _lib, paged
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.integrations.vllm_metadata import KVStoreConnectorMetadata, Load, Save
@@ -45,7 +50,10 @@ class Conn:
 
 def main() -> None:
     mode, path = sys.argv[1], sys.argv[2]
-    gpu = StandInGpu() if mode == "gpu" else None
+    gpu = StandInGpu() if mode.startswith("gpu") else None
+    if mode == "gpu-fp8":
+        assert gpu is not None
+        gpu.host = _lib.Library(Path(sys.argv[3]))
     if gpu is not None:
         _lib.reset_for_tests(gpu.runtime(devices=1, device=0))
 
@@ -68,9 +76,11 @@ def main() -> None:
         cache_config=SimpleNamespace(block_size=4),
         model_config=SimpleNamespace(model="probe-model"),
         parallel_config=SimpleNamespace(rank=0, world_size=1))
-    config = ConnectorConfig.from_extra({"path": path, "extent_bytes": 4 << 20,
-                                         "async_loads": False,
-                                         "max_pending_save_bytes": 1 << 20})
+    extra: dict[str, Any] = {"path": path, "extent_bytes": 4 << 20, "async_loads": False,
+                             "max_pending_save_bytes": 1 << 20}
+    if mode == "gpu-fp8":
+        extra["codec"] = "fp8_e4m3"
+    config = ConnectorConfig.from_extra(extra)
     conn = Conn()
     ws = WorkerSide(conn, vllm_config, SimpleNamespace(num_blocks=NUM_BLOCKS),  # type: ignore[arg-type]
                     config, (("weights", "w"),), b"\0" * 16, "probe")
@@ -98,6 +108,12 @@ def main() -> None:
     assert keys is not None
     got = ws.store.get_many(keys, [None, None])  # type: ignore[list-item]
     want = paged.gather_reference(fresh, ids, "kv_first")
+    spec = ws.store.store.codec
+    if spec is not None:   # what the CPU codec's payload of the same values decodes to
+        want = torch.stack([codecs.decode(*codecs.encode(w, spec), w.dtype, tuple(w.shape))
+                            for w in want])
+        out["fp8_copied_out_bytes"] = ws.mover.stats().copied_out_bytes if ws.mover else 0
+        out["raw_bytes"] = len(ids) * want[0].numel() * want.element_size()
     out["saved_ok"] = all(g is not None and torch.equal(g.reshape(want[i].shape), want[i])
                           for i, g in enumerate(got))
 
