@@ -19,6 +19,7 @@ from kvstore import codecs, cuda
 from kvstore.codecs import CodecSpec, KVLayout
 from kvstore.cuda import paged
 from kvstore.cuda.mover import Mover
+from kvstore.tensors import encoded_block
 from kvstore.transfers import device_values_to_host
 
 pytestmark = [
@@ -94,6 +95,29 @@ async def test_fp8_saves_are_the_codecs_bytes() -> None:
     assert m.stats().copied_out_bytes < 0.6 * len(ids) * m.block_bytes
     batch.release()
     m.close()
+
+
+@pytest.mark.anyio
+async def test_fp8_payloads_from_the_gpu_are_stored_as_they_are(tmp_path: Path) -> None:
+    spec = CodecSpec(fp8="e4m3", layout=KVLayout(kv_axis=1, token_axis=2, head_axis=3))
+    layers = _layers(seed=3)
+    m = Mover(layers, "kv_first", staging_bytes=64 << 20, codec=spec)
+    with no_sync():
+        batch = m.begin_save([2, 3])
+        assert batch is not None
+        m.end_save(batch)
+    await batch.wait()
+    values = [encoded_block(p[0], p[1], m.dtype, m.block_shape)
+              for p in batch.payloads() if p is not None]
+    keys = [b"\x41" * 16, b"\x42" * 16]
+    async with kvstore.open(tmp_path, extent_bytes=64 << 20, codec=spec) as store:
+        assert (await store.put_many(keys, values)).written == 2
+        got = await store.get_many(keys)
+    batch.release()
+    m.close()
+    for g, b in zip(got, paged.gather_reference(layers, [2, 3], "kv_first").cpu()):
+        want = codecs.decode(*codecs.encode(b, spec), b.dtype, tuple(b.shape))
+        assert g is not None and torch.equal(g.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.anyio
