@@ -18,7 +18,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from kvstore import permissions, pinning
+from kvstore import page_locking, permissions
 from kvstore.allocator import Allocator
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError
 from kvstore.extents import extent_path
@@ -167,7 +167,7 @@ class StoreParts:
         # takes ~20 ms for 256 MiB of huge pages).
         self.arena.populate()
         # Page-locked for DMA; unregistered by the cleanup below, which runs before the unmap.
-        self.arena_lock = pinning.default_pinner()(self.arena, opts.pin_staging)
+        self.arena_lock = page_locking.default_page_locker()(self.arena, opts.page_lock_staging)
         self._cleanups.append(self.arena_lock.close)
 
     def _open_memory(self, opts: StoreOptions) -> None:
@@ -180,7 +180,7 @@ class StoreParts:
         # at page-zeroing speed): it is a cache, it fills anyway.
         self.memory.region.prefault_all()
         # page-locked like the arena, so a GPU load from memory goes by DMA
-        memory_lock = pinning.default_pinner()(self.memory.region, opts.pin_staging)
+        memory_lock = page_locking.default_page_locker()(self.memory.region, opts.page_lock_staging)
         self._cleanups.append(memory_lock.close)
 
     def _open_paths(self, opts: StoreOptions) -> None:

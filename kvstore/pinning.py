@@ -9,9 +9,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 from kvstore.page_locking import ArenaPageLock as ArenaPin
 from kvstore.page_locking import PageLocker as ArenaPinner
 from kvstore.page_locking import default_page_locker as default_pinner
 from kvstore.page_locking import set_default_page_locker as set_default_pinner
+
+warnings.warn("kvstore.pinning is renamed kvstore.page_locking (\"pin\" now means only "
+              "never-evict, Store.pin); the old names go in the next release",
+              DeprecationWarning, stacklevel=2)
 
 __all__ = ["ArenaPin", "ArenaPinner", "default_pinner", "set_default_pinner"]

@@ -5,6 +5,7 @@ deprecated old name of ``page_lock_staging``."""
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 
 import kvstore
 import kvstore.store
-from kvstore import page_locking, pinning
+from kvstore import page_locking
 from kvstore.io.arena import Arena
 from kvstore.options import StoreOptions
 from tests.conformance import NS
@@ -102,6 +103,9 @@ def test_pin_staging_is_a_deprecated_alias(tmp_path: Path, recorder: _Recorder) 
 
 
 def test_the_old_module_names_still_work(recorder: _Recorder) -> None:
+    sys.modules.pop("kvstore.pinning", None)
+    with pytest.warns(DeprecationWarning, match="kvstore.page_locking"):
+        pinning = importlib.import_module("kvstore.pinning")
     assert pinning.default_pinner() is recorder
     pinning.set_default_pinner(None)
     assert pinning.default_pinner() is page_locking.page_lock_arena
@@ -115,3 +119,4 @@ def test_the_store_does_not_import_the_cuda_package() -> None:
                     if isinstance(node, ast.ImportFrom) and node.module
                     and node.col_offset == 0}  # module level: deferred ones load on use
         assert not {m for m in imported if m.startswith("kvstore.cuda")}, module
+
