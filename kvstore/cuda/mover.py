@@ -65,7 +65,7 @@ from kvstore import codecs
 from kvstore.codecs import CodecSpec
 from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.cuda import paged
-from kvstore.cuda._lib import Library, runtime
+from kvstore.cuda._lib import CudaError, Library, runtime
 from kvstore.cuda.device import DeviceBuffer, Notice, on_device
 from kvstore.cuda.staging import Lease, StagingPool
 
@@ -97,6 +97,15 @@ class MoverStats:
     staging_peak_bytes: int = 0
     pending_leases: int = 0        # leases whose copies have not completed yet
     fp8_lossless_dropped: int = 0  # FP8 saves of blocks the codec stores losslessly
+
+
+def _fired(notice: Notice) -> bool:
+    """Whether the copies before ``notice`` are over (done, or their stream failed: the
+    callback ran either way, nothing uses the staging any more)."""
+    try:
+        return notice.poll()
+    except CudaError:
+        return True
 
 
 class _Batch:
@@ -331,7 +340,7 @@ class Mover:
 
     def _retire(self, lease: Lease, notice: Notice | None) -> None:
         with self._lock:
-            if notice is None or notice.poll():
+            if notice is None or _fired(notice):
                 lease.release()
             else:
                 self._pending.append((notice, lease))
@@ -341,11 +350,7 @@ class Mover:
         with self._lock:
             keep, done = [], 0
             for notice, lease in self._pending:
-                try:
-                    fired = notice.poll()
-                except Exception:  # noqa: BLE001 - a failed stream: its lease is still reused
-                    fired = True    # only after the callback ran (poll saw it)
-                if fired:
+                if _fired(notice):
                     lease.release()
                     done += 1
                 else:

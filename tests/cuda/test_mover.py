@@ -15,9 +15,9 @@ import torch
 
 from kvstore import codecs
 from kvstore.codecs import CodecSpec, KVLayout
-from kvstore.cuda import _lib, paged
+from kvstore.cuda import CudaError, _lib, paged
 from kvstore.cuda.mover import Mover
-from tests.cuda.standin import StandInGpu
+from tests.cuda.standin import ILLEGAL_ADDRESS, StandInGpu
 
 COMPUTE = 7        # the engine's stream, as the stand-in knows it
 LAYERS = 3
@@ -343,4 +343,20 @@ def test_saves_that_fill_their_staging_leave_the_loads_theirs(gpu: StandInGpu) -
     loading.release()
     gpu.run()
     assert m.stats().staging_in_use_bytes == 0
+    m.close()
+
+
+async def test_a_failed_stream_raises_at_the_wait_and_still_frees_the_staging(
+        gpu: StandInGpu) -> None:
+    m = _mover(_layers(), gpu, blocks=2)
+    batch = m.begin_save([1])
+    assert batch is not None
+    m.end_save(batch)
+    gpu.stream_status = ILLEGAL_ADDRESS      # a sticky error: the callback reports it
+    gpu.run()
+    with anyio.fail_after(10), pytest.raises(CudaError):
+        await batch.wait()
+    batch.release()
+    assert m.stats().staging_in_use_bytes == 0
+    gpu.stream_status = 0
     m.close()
