@@ -8,7 +8,7 @@ machine only (``--cpu-smoke``: the same code on CPU tensors, tiny shapes, for th
 
 An emulated engine step: per layer, a matmul on the compute stream (``[new_tokens, 4096]
 @ [4096, 14336]``), then the step's new KV written into the layer's new blocks
-(``index_copy_``); with saves on, ``Mover.save_layer`` after each layer and
+(a copy into their slice of the cache); with saves on, ``Mover.save_layer`` after each layer and
 ``end_save`` at the end, the put of the step's blocks started on the store's event loop
 (a portal thread) when their copy-done event fires.  The engine-side calls run under
 ``torch.cuda.set_sync_debug_mode("error")``: any synchronising torch call raises and is
@@ -131,8 +131,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     w = torch.randn((hidden, ffn), generator=g, device=dev).to(torch.bfloat16)
     kv_new = torch.randn((2, new_blocks, bs, heads, head_dim), generator=g, device=dev) \
         .to(torch.bfloat16)
-    block_ids = [torch.arange(s * new_blocks, (s + 1) * new_blocks, device=dev)
-                 for s in range(3 * steps + 2)]
     lib = CountingLib(_lib.runtime().lib) if cuda else None
     layer_bytes = 2 * bs * heads * head_dim * 2
     block_bytes = layer_bytes * layers_n
@@ -151,8 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             work / "store", extent_bytes=1 << 30, staging_bytes=256 << 20))
         store = cm.__enter__()
         try:
-            out.update(_measure(args, portal, store, mover, layers, x, w, kv_new, block_ids,
-                                guard, lib, cuda, new_blocks, prefix_blocks, block_bytes))
+            out.update(_measure(args, portal, store, mover, layers, x, w, kv_new, guard,
+                                lib, cuda, new_blocks, prefix_blocks, block_bytes))
         finally:
             cm.__exit__(None, None, None)
     mover.close()
@@ -165,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _measure(args: argparse.Namespace, portal: Any, store: kvstore.Store, mover: Mover,
              layers: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor,
-             kv_new: torch.Tensor, block_ids: list[torch.Tensor], guard: SyncGuard,
+             kv_new: torch.Tensor, guard: SyncGuard,
              lib: CountingLib | None, cuda: bool, new_blocks: int, prefix_blocks: int,
              block_bytes: int) -> dict[str, Any]:
     futures: list[Any] = []
@@ -180,13 +178,13 @@ def _measure(args: argparse.Namespace, portal: Any, store: kvstore.Store, mover:
             batch.release()
 
     def step(s: int, save: bool) -> None:
-        ids = block_ids[s]
-        ids_host = list(range(s * new_blocks, (s + 1) * new_blocks))
+        lo, hi = s * new_blocks, (s + 1) * new_blocks
+        ids_host = list(range(lo, hi))
         with guard:
             batch = mover.begin_save(ids_host) if save else None
             for li, layer in enumerate(layers):
                 torch.matmul(x, w)
-                layer.index_copy_(1, ids, kv_new)
+                layer[:, lo:hi].copy_(kv_new)   # the step's KV into its new blocks
                 if batch is not None:
                     mover.save_layer(batch, li)
             if batch is not None:
