@@ -40,9 +40,11 @@ __all__ = ["DeviceCopies", "close", "enabled_for", "stats", "to_host"]
 PUT_STAGING_BYTES = 256 << 20   # the put path's page-locked staging, made on first use
 
 _lock = threading.Lock()
-_streams: dict[int, int] = {}       # device index -> kvstore's copy stream there
-_events: dict[int, int] = {}        # device index -> the event it orders by
-_pool: StagingPool | None = None
+# Per library (the process's, or another a test or tool loaded), by id: device index ->
+# kvstore's copy stream there and the event it orders by, and the put staging.
+_streams: dict[tuple[int, int], int] = {}
+_events: dict[tuple[int, int], int] = {}
+_pools: dict[int, StagingPool] = {}
 
 
 @dataclass
@@ -77,34 +79,33 @@ def _caller_stream(device: torch.device) -> int:
 
 
 def close() -> None:
-    """Release the copy streams and the put staging (the process's CUDA library is about
-    to change, or the process ends; copies are awaited by their callers, none is in
-    flight then)."""
-    global _pool
+    """Release the process's CUDA library's copy streams and put staging (it is about to
+    change, or the process ends; copies are awaited by their callers, none is in flight
+    then)."""
+    lib = runtime().lib
+    if lib is None:
+        return
     with _lock:
-        pool, _pool = _pool, None
-        lib = runtime().lib
-        if lib is not None:
-            for device, s in _streams.items():
-                with on_device(device, lib):
-                    lib.try_call("kvc_event_destroy", _events[device])
-                    lib.try_call("kvc_stream_destroy", s)
-        _streams.clear()
-        _events.clear()
+        pool = _pools.pop(id(lib), None)
+        for key in [k for k in _streams if k[0] == id(lib)]:
+            with on_device(key[1], lib):
+                lib.try_call("kvc_event_destroy", _events.pop(key))
+                lib.try_call("kvc_stream_destroy", _streams.pop(key))
     if pool is not None:
         pool.close()
 
 
 def _stream(lib: Library, device: int) -> tuple[int, int]:
     """kvstore's copy stream on ``device`` and its ordering event (made once)."""
+    key = (id(lib), device)
     with _lock:
-        if device not in _streams:
+        if key not in _streams:
             s, e = ctypes.c_uint64(0), ctypes.c_uint64(0)
             with on_device(device, lib):
                 lib.call("kvc_stream_create", ctypes.byref(s))
                 lib.call("kvc_event_create", ctypes.byref(e))
-            _streams[device], _events[device] = int(s.value), int(e.value)
-        return _streams[device], _events[device]
+            _streams[key], _events[key] = int(s.value), int(e.value)
+        return _streams[key], _events[key]
 
 
 class DeviceCopies:
@@ -167,12 +168,13 @@ class DeviceCopies:
 
 
 def _staging() -> StagingPool:
-    global _pool
+    lib = runtime().lib
     with _lock:
-        if _pool is None:
-            _pool = StagingPool(PUT_STAGING_BYTES, runtime().lib,
-                                owner="kvstore put staging")
-        return _pool
+        pool = _pools.get(id(lib))
+        if pool is None:
+            pool = _pools[id(lib)] = StagingPool(PUT_STAGING_BYTES, lib,
+                                                 owner="kvstore put staging")
+        return pool
 
 
 def _leased(lease: Lease, nbytes: int) -> torch.Tensor:

@@ -77,8 +77,8 @@ async def test_a_puts_device_values_reach_the_host_by_awaited_copies(
     assert [type(t) for t in staged] == [torch.Tensor, torch.Tensor]
     assert all(s.device.type == "cpu" and torch.equal(s, b) for s, b in zip(staged, blocks))
     assert gpu_keeping_up.syncs == [] and OnDevice.log == []
-    pool = copies._pool
-    assert pool is not None and pool.stats().in_use_bytes > 0
+    pool = copies._staging()
+    assert pool.stats().in_use_bytes > 0
     del staged
     gc.collect()
     assert pool.stats().in_use_bytes == 0   # the staging came back with its tensors
