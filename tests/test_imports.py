@@ -113,7 +113,7 @@ FLOORS: dict[int, str] = {
     2: "allocator transfers memory_tier prefetch backlog deletes operations stats options "
        "page_locking pinning cuda remote",
     # 3: the store: the coordinator, its call paths, and the tiers it hands a port to
-    3: "store opening put_path get_path reads tiers remote.adapter remote.local",
+    3: "store opening put_path get_path reads tiers remote.adapter",
     # 4: users of the store: the package's front, the blocking bridge, tools, engines
     4: "__init__ __main__ blocking metrics fsck cli integrations",
 }
