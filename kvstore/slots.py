@@ -9,9 +9,11 @@ Python code here is the reference they are tested against and the fallback witho
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvstore import codecs, native_slots, result_buffers
@@ -21,11 +23,20 @@ from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, ro
 from kvstore.io.arena import ArenaRun
 from kvstore.tensors import CODE_DTYPES, encoded_payload
 
-# Enqueues a host -> device copy without waiting for it: (contiguous CUDA ``out``, host
-# address, bytes, an object to keep alive until the copy completes).  Handed in by
-# ``kvstore.transfers`` (kvstore.cuda's stream-ordered copies); this module stays below
-# the GPU path and never imports it.
-ToDevice = Callable[[torch.Tensor, int, int, object], None]
+
+class ToDevice(Protocol):
+    """Fills contiguous CUDA outputs by enqueued work, waited for by its owner before the
+    arena runs are reused (``kvstore.cuda.copies.DeviceCopies``, handed in by
+    ``kvstore.transfers``; this module stays below the GPU path and never imports it)."""
+
+    def copy(self, out: torch.Tensor, address: int, nbytes: int, keep: object) -> None:
+        """Enqueue ``nbytes`` from host ``address`` into ``out`` (``keep``: alive until
+        the copy completes)."""
+
+    def decode(self, out: torch.Tensor, codec: int, payload: npt.NDArray[np.uint8],
+               dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+        """Enqueue the payload's copy in and its decoding on the GPU into ``out``;
+        False where it cannot (the caller decodes on the host and copies)."""
 
 
 class PutItem:
@@ -292,17 +303,18 @@ def deliver(run: ArenaRun, codec: int, dtype_code: int, shape: tuple[int, ...], 
             out: torch.Tensor | None, to_device: ToDevice | None = None) -> torch.Tensor:
     """Decode or copy a verified payload out of the arena run.  A contiguous CUDA
     ``out`` with ``to_device``: one copy enqueued straight from the arena run (a DMA when
-    the arena is page-locked), nothing waited for here; an encoded payload is decoded on
-    the host first and that copy enqueued from it."""
+    the arena is page-locked), nothing waited for here; an FP8 payload is copied in the
+    same way and dequantised on the GPU, other encoded payloads are decoded on the host
+    and that copy enqueued from it."""
     dtype = CODE_DTYPES[dtype_code]
     src = run.array[SLOT_HEADER_BYTES:SLOT_HEADER_BYTES + n]
     if to_device is not None and out is not None and out.device.type == "cuda" \
             and out.is_contiguous():
         if codec == CODEC_RAW:
-            to_device(out, run.arena.address + run.offset + SLOT_HEADER_BYTES, n, None)
-        else:
+            to_device.copy(out, run.arena.address + run.offset + SLOT_HEADER_BYTES, n, None)
+        elif not to_device.decode(out, codec, src, dtype, shape):
             host = codecs.decode(codec, src, dtype, shape)
-            to_device(out, host.data_ptr(), host.numel() * host.element_size(), host)
+            to_device.copy(out, host.data_ptr(), host.numel() * host.element_size(), host)
         return out
     if codec != CODEC_RAW:
         return codecs.decode(codec, src, dtype, shape, out)

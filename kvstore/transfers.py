@@ -55,7 +55,7 @@ PIECE_BYTES = 8 << 20
 class _HostCopies:
     """No CUDA library: ``deliver`` copies (and waits) itself."""
 
-    to_device_from = None
+    sink = None
 
     def __bool__(self) -> bool:
         return False
@@ -333,8 +333,7 @@ class Transfers:
                 res = await self.engine.read([IoOp(self._fds[e.extent], e.offset, run)
                                               for _, e, run in batch])
                 errors, nbytes = await offloaded(
-                    whole.length, finish, batch, res,
-                    None if copies is None else copies.to_device_from,
+                    whole.length, finish, batch, res, None if copies is None else copies.sink,
                     alone=self._chunks_active == 1)
                 if copies is not None:
                     await copies.wait()

@@ -28,10 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
+from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.cuda._lib import Library, runtime
-from kvstore.cuda.device import Notice, on_device
+from kvstore.cuda.device import DeviceBuffer, Notice, on_device
 from kvstore.cuda.staging import Lease, StagingPool
 from kvstore.tensors import DTYPE_CODES
 
@@ -45,6 +47,7 @@ _lock = threading.Lock()
 _streams: dict[tuple[int, int], int] = {}
 _events: dict[tuple[int, int], int] = {}
 _pools: dict[int, StagingPool] = {}
+_row_group_cache: dict[tuple[object, ...], tuple[object, int]] = {}
 
 
 @dataclass
@@ -52,6 +55,7 @@ class CopyStats:
     to_device: int = 0        # host -> device copies enqueued
     to_host: int = 0          # device -> host copies into page-locked staging
     to_host_unstaged: int = 0  # device -> host copies that found no staging
+    fp8_decoded: int = 0      # FP8 blocks dequantised on the GPU
 
 
 _stats = CopyStats()
@@ -87,6 +91,10 @@ def close() -> None:
         return
     with _lock:
         pool = _pools.pop(id(lib), None)
+        for key in [k for k in _row_group_cache if k[0] == id(lib)]:
+            holder, _ = _row_group_cache.pop(key)
+            if isinstance(holder, DeviceBuffer):
+                holder.close()
         for key in [k for k in _streams if k[0] == id(lib)]:
             with on_device(key[1], lib):
                 lib.try_call("kvc_event_destroy", _events.pop(key))
@@ -115,6 +123,8 @@ class DeviceCopies:
         self._streams: dict[int, int] = {}   # stream -> device
         self._lib: Library | None = None
         self._keep: list[object] = []
+        self._buffers: list[DeviceBuffer] = []
+        self._leases: list[Lease] = []
 
     def _enqueue(self, t: torch.Tensor, dst: int, src: int, nbytes: int) -> None:
         rt = runtime()
@@ -134,13 +144,90 @@ class DeviceCopies:
         _stats.to_device += 1
         self._enqueue(dst, dst.data_ptr(), src_address, nbytes)
 
-    def to_device_from(self, dst: torch.Tensor, src_address: int, nbytes: int,
-                       keep: object) -> None:
+    def copy(self, dst: torch.Tensor, src_address: int, nbytes: int, keep: object) -> None:
         """``to_device``, keeping ``keep`` (the host source) alive until :meth:`wait`
         (``kvstore.slots.ToDevice``)."""
         if keep is not None:
             self._keep.append(keep)
         self.to_device(dst, src_address, nbytes)
+
+    def decode(self, out: torch.Tensor, codec: int, payload: npt.NDArray[np.uint8],
+               dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+        """An FP8 payload (no zstd stage) in the page-locked arena: its scales and codes
+        copied to the GPU and dequantised there into ``out`` (``kvstore/cuda/fp8.py``'s
+        kernel, bytes identical to ``kvstore.codecs.decode``), all enqueued on the copy
+        stream: half the bytes over the bus of a decoded block.  False for other codecs
+        (the caller decodes on the host)."""
+        if codec & 0x10 or not gpu_fp8._is_fp8(codec, dtype):
+            return False
+        sg, scales, codes = gpu_fp8._parse(codec, payload, dtype, shape)
+        rt = runtime()
+        assert rt.lib is not None
+        lib = self._lib = rt.lib
+        device = _index(out)
+        stream, event = _stream(lib, device)
+        rg = self._row_groups(lib, out, device, stream, sg)
+        if not rg:
+            return False
+        # device scratch for the scales and codes, alive until wait()
+        scratch = self._scratch(out, lib, device, scales.size + codes.size)
+        with _lock, on_device(device, lib):
+            lib.call("kvc_event_record", event, _caller_stream(out.device))
+            lib.call("kvc_stream_wait_event", stream, event)
+            if scales.size:
+                lib.call("kvc_memcpy_async", scratch, scales.ctypes.data, scales.size, stream)
+            lib.call("kvc_memcpy_async", scratch + scales.size, codes.ctypes.data,
+                     codes.size, stream)
+            lib.call("kvc_fp8_decode", scratch + scales.size, scratch, rg, sg.rows,
+                     sg.head_dim, codec & 0x0F, gpu_fp8._DTYPE_CODE[dtype], out.data_ptr(),
+                     stream)
+        self._streams[stream] = device
+        _stats.fp8_decoded += 1
+        return True
+
+    def _scratch(self, like: torch.Tensor, lib: Library, device: int, nbytes: int) -> int:
+        """Device memory for one decode: torch's caching allocator where torch has CUDA
+        (no synchronising cudaMalloc), else the library's."""
+        if torch.cuda.is_available():
+            t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=like.device)
+            self._keep.append(t)
+            return int(t.data_ptr())
+        with on_device(device, lib):
+            buf = DeviceBuffer(max(nbytes, 1), lib)
+        self._buffers.append(buf)
+        return buf.ptr
+
+    def _row_groups(self, lib: Library, out: torch.Tensor, device: int, stream: int,
+                    sg: gpu_fp8.ScaleGroups) -> int:
+        """The kernel's row -> scale-group map on ``device``, made once per block geometry:
+        device memory from torch's caching allocator where torch has CUDA (else the
+        library's), filled by a copy on ``stream`` from page-locked staging (ordered
+        before the decodes that use it, nothing waited for); 0 when there is no staging
+        for it now."""
+        key = (id(lib), device, sg.fields, sg.rows, sg.head_dim, sg.n)
+        with _lock:
+            cached = _row_group_cache.get(key)
+        if cached is not None:
+            return cached[1]
+        nbytes = sg.row_group.nbytes
+        lease = _staging().try_take(nbytes)
+        if lease is None:
+            return 0
+        holder: object
+        if torch.cuda.is_available():
+            t = torch.empty(nbytes, dtype=torch.uint8, device=out.device)
+            holder, ptr = t, int(t.data_ptr())
+        else:
+            with on_device(device, lib):
+                buf = DeviceBuffer(nbytes, lib)
+            holder, ptr = buf, buf.ptr
+        arena = lease.pool.arena
+        arena.array[lease.run.offset:lease.run.offset + nbytes] = sg.row_group.view(np.uint8)
+        with _lock, on_device(device, lib):
+            lib.call("kvc_memcpy_async", ptr, lease.address, nbytes, stream)
+            _row_group_cache[key] = (holder, ptr)
+        self._leases.append(lease)
+        return ptr
 
     def to_host(self, dst_address: int, src: torch.Tensor, nbytes: int) -> None:
         """Enqueue ``nbytes`` of contiguous CUDA ``src`` into host ``dst_address``."""
@@ -149,9 +236,14 @@ class DeviceCopies:
     def __bool__(self) -> bool:
         return bool(self._streams)
 
+    @property
+    def sink(self) -> DeviceCopies:
+        """What ``kvstore.slots.deliver`` enqueues through (``kvstore.slots.ToDevice``)."""
+        return self
+
     async def wait(self) -> None:
         """Until every copy enqueued so far has completed (the eventfd; a cancelled
-        wait still lets them finish first)."""
+        wait still lets them finish first); then what they used is let go."""
         if not self._streams:
             return
         assert self._lib is not None
@@ -165,6 +257,13 @@ class DeviceCopies:
                 await n.wait()
         finally:
             self._keep = []
+            for buf in self._buffers:
+                buf.close()
+            self._buffers = []
+            for lease in self._leases:
+                lease.release()
+            self._leases = []
+
 
 
 def _staging() -> StagingPool:

@@ -294,6 +294,13 @@ class StandInGpu(StandInLibrary):
         self.enqueue(args[-1], lambda: host.call("kvc_fp8_encode_host", *args[:-1]), "fp8")
         return 0
 
+    def _kvc_fp8_decode(self, *args: Any) -> int:
+        assert self.host is not None
+        host = self.host
+        self.enqueue(args[-1], lambda: host.call("kvc_fp8_decode_host", *args[:-1]),
+                     "fp8 decode")
+        return 0
+
 
 class OnDevice(torch.Tensor):
     """Host memory that says it is on ``cuda:0`` (for the stand-in GPU, whose "device

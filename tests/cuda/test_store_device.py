@@ -154,3 +154,30 @@ async def test_an_encoded_block_put_without_its_codec_is_refused_not_stored_as_z
         (got,) = await store.get_many([b"\x31" * 16])
     assert got is not None and torch.equal(got, codecs.decode(codec, payload, b.dtype,
                                                                 tuple(b.shape)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+async def test_fp8_blocks_read_into_device_tensors_are_dequantised_on_the_gpu(
+        tmp_path: Path, gpu_keeping_up: StandInGpu, host_lib: _lib.Library,
+        dtype: torch.dtype) -> None:
+    # The payload (half the bytes) goes to the GPU from the arena; the kernel (its host
+    # twin behind the stand-in) writes exactly what the CPU codec decodes.
+    gpu_keeping_up.host = host_lib
+    g = torch.Generator().manual_seed(5)
+    blocks = [torch.randn((3, 2, 4, 2, 16), generator=g).to(dtype) for _ in range(3)]
+    keys = [bytes([i + 0x50]) * 16 for i in range(3)]
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20, codec=SPEC) as store:
+        await store.put_many(keys, blocks)
+        plain = [torch.zeros_like(b) for b in blocks]
+        outs = [p.as_subclass(OnDevice) for p in plain]
+        before = copies.stats().fp8_decoded
+        gpu_keeping_up.syncs.clear()
+        OnDevice.log.clear()
+        got = await store.get_many(keys, outs)
+    assert all(o is r for o, r in zip(outs, got))
+    assert copies.stats().fp8_decoded - before == 3
+    assert gpu_keeping_up.syncs == [] and OnDevice.log == []
+    assert [n for n, _ in gpu_keeping_up.calls].count("kvc_fp8_decode") == 3
+    for p, b in zip(plain, blocks):
+        want = codecs.decode(*codecs.encode(b, SPEC), b.dtype, tuple(b.shape))
+        assert torch.equal(p.view(torch.int16), want.view(torch.int16))

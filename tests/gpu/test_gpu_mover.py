@@ -133,3 +133,19 @@ async def test_store_device_paths_never_synchronise(tmp_path: Path) -> None:
             got = await store.get_many(keys, outs)
     assert all(g is o for g, o in zip(got, outs))
     assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+
+
+@pytest.mark.anyio
+async def test_fp8_blocks_read_into_cuda_tensors_are_dequantised_there(tmp_path: Path) -> None:
+    spec = CodecSpec(fp8="e4m3", layout=KVLayout(kv_axis=1, token_axis=2, head_axis=3))
+    blocks = [b.cpu() for b in paged.gather_reference(_layers(seed=5), [0, 1], "kv_first")]
+    keys = [b"\x51" * 16, b"\x52" * 16]
+    async with kvstore.open(tmp_path, extent_bytes=64 << 20, codec=spec) as store:
+        await store.put_many(keys, blocks)
+        outs = [torch.empty(b.shape, dtype=b.dtype, device="cuda") for b in blocks]
+        with no_sync():
+            got = await store.get_many(keys, outs)
+    assert all(g is o for g, o in zip(got, outs))
+    for o, b in zip(outs, blocks):
+        want = codecs.decode(*codecs.encode(b, spec), b.dtype, tuple(b.shape))
+        assert torch.equal(o.cpu().view(torch.int16), want.view(torch.int16))
