@@ -135,12 +135,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layer_bytes = 2 * bs * heads * head_dim * 2
     block_bytes = layer_bytes * layers_n
     staging = max(args.staging_mib << 20, 2 * new_blocks * block_bytes)
-    mover = Mover(layers, "kv_first", staging_bytes=staging, lib=lib)  # type: ignore[arg-type]
+    mover = Mover(layers, "kv_first", staging_bytes=staging, lib=lib,  # type: ignore[arg-type]
+                  device_loads=args.device_loads)
     guard = SyncGuard(cuda, lib)
     out: dict[str, Any] = {"cuda": cuda, "layers": layers_n, "kv_heads": heads,
                            "head_dim": head_dim, "block_tokens": bs,
                            "block_bytes": block_bytes, "new_blocks_per_step": new_blocks,
                            "prefix_blocks": prefix_blocks, "steps": steps,
+                           "device_loads": args.device_loads,
                            "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
     work = Path(args.dir or tempfile.mkdtemp(prefix="kvstore-mover-"))
     shutil.rmtree(work / "store", ignore_errors=True)
@@ -326,7 +328,8 @@ def markdown(d: dict[str, Any]) -> str:
         f"head dim {d['head_dim']}, {d['block_tokens']}-token blocks, bf16 "
         f"({d['block_bytes'] / (1 << 20):.1f} MiB per block); {d['new_blocks_per_step']} new "
         f"blocks per step, a {d['prefix_blocks']}-block prefix loaded; median of "
-        f"{d['steps']} steps.", "",
+        f"{d['steps']} steps; loads staged in "
+        f"{'device' if d['device_loads'] else 'page-locked host'} memory.", "",
         "| measure | value | target |", "|---|---|---|",
         f"| step time, saves off | {d['step_s_saves_off'] * 1e3:.2f} ms | |",
         f"| step time, saves on | {d['step_s_saves_on'] * 1e3:.2f} ms | |",
@@ -358,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=2048)
     p.add_argument("--prefix-tokens", type=int, default=4096)
     p.add_argument("--staging-mib", type=int, default=1024)
+    p.add_argument("--device-loads", action=argparse.BooleanOptionalAction, default=True,
+                   help="loads stage in device memory (default) or page-locked host memory")
     p.add_argument("--dir", default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cuda_mover.md"))
     p.add_argument("--cpu-smoke", action="store_true",

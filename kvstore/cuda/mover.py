@@ -67,7 +67,7 @@ from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.cuda import paged
 from kvstore.cuda._lib import CudaError, Library, runtime
 from kvstore.cuda.device import DeviceBuffer, Notice, on_device
-from kvstore.cuda.staging import Lease, StagingPool
+from kvstore.cuda.staging import DeviceLease, DeviceStagingPool, Lease, StagingPool
 
 __all__ = ["LoadBatch", "Mover", "MoverStats", "SaveBatch"]
 
@@ -109,7 +109,7 @@ def _fired(notice: Notice) -> bool:
 
 
 class _Batch:
-    def __init__(self, mover: Mover, lease: Lease, n: int) -> None:
+    def __init__(self, mover: Mover, lease: Lease | DeviceLease, n: int) -> None:
         self.mover, self.lease, self.n = mover, lease, n
         self.notice: Notice | None = None
         self.released = False
@@ -154,7 +154,7 @@ class _Batch:
 class SaveBatch(_Batch):
     """One step's blocks on their way out (see the module docstring)."""
 
-    def __init__(self, mover: Mover, lease: Lease, block_ids: list[int]) -> None:
+    def __init__(self, mover: Mover, lease: Lease | DeviceLease, block_ids: list[int]) -> None:
         super().__init__(mover, lease, len(block_ids))
         self.block_ids = self.host_ids = block_ids
         self.layers_done: set[int] = set()
@@ -170,7 +170,8 @@ class SaveBatch(_Batch):
 
 
 class LoadBatch(_Batch):
-    """Staging for ``n`` blocks coming in: ``blocks()`` is where the store reads them."""
+    """Staging for ``n`` blocks coming in: ``blocks()`` is where the store reads them
+    (device memory on the GPU path: the reads land there straight from the arena)."""
 
 
 class Mover:
@@ -178,7 +179,9 @@ class Mover:
     :mod:`kvstore.cuda.paged`) through ``staging_bytes`` of page-locked staging for saves
     and ``load_staging_bytes`` (default: as many) for loads.
 
-    ``codec``: an FP8 ``CodecSpec`` quantises saves on the GPU.  ``lib``: the CUDA
+    ``device_loads``: on the GPU path, loads stage in device memory (reads land there from
+    the store's arena with no host copy; it takes ``load_staging_bytes`` of the GPU's
+    memory).  ``codec``: an FP8 ``CodecSpec`` quantises saves on the GPU.  ``lib``: the CUDA
     library (default: the process's, when the layers are on a CUDA device and it is
     usable; else the CPU path).  ``compute_stream``: the engine's stream as an int
     (default: torch's current stream of the layers' device).
@@ -186,7 +189,7 @@ class Mover:
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: paged.Layout, *,
                  staging_bytes: int, load_staging_bytes: int | None = None,
-                 codec: CodecSpec | None = None,
+                 device_loads: bool = False, codec: CodecSpec | None = None,
                  max_save_bytes_per_s: float | None = None, lib: Library | None = None,
                  compute_stream: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -213,7 +216,7 @@ class Mover:
         self._fp8 = self.codec is not None and self.cuda and gpu_fp8._fp8_applies(
             self.dtype, self.block_shape, self.codec)
         self._lock = threading.Lock()
-        self._pending: list[tuple[Notice, Lease]] = []
+        self._pending: list[tuple[Notice, Lease | DeviceLease]] = []
         self._stats = MoverStats()
         self._rate = max_save_bytes_per_s
         self._compute_stream = compute_stream
@@ -228,8 +231,15 @@ class Mover:
             # Saves and loads each have their own staging: saves that pile up (a slow
             # disk) are dropped, and never take the room a load needs.
             self.pool = StagingPool(staging_bytes, lib)
-            self.load_pool = StagingPool(load_staging_bytes or staging_bytes, lib,
-                                         owner="kvstore data mover (loads)")
+            # device_loads (GPU path): loads stage in device memory, the store's reads go
+            # there straight from its page-locked arena (one DMA, an FP8 block
+            # dequantised there), no host copy, at the price of that much device memory;
+            # else page-locked host memory, like the saves'.
+            self.load_pool: StagingPool | DeviceStagingPool = \
+                DeviceStagingPool(load_staging_bytes or staging_bytes, first) \
+                if lib is not None and device_loads else \
+                StagingPool(load_staging_bytes or staging_bytes, lib,
+                            owner="kvstore data mover (loads)")
             self._stats.staging_bytes = self.pool.capacity
             self.max_blocks = self.pool.capacity // self.block_bytes
             self.max_load_blocks = self.load_pool.capacity // self.block_bytes
@@ -318,7 +328,8 @@ class Mover:
         """Staging one save of ``n`` blocks takes."""
         return n * (self._record_bytes if self._fp8 else self.block_bytes)
 
-    def _take(self, nbytes: int, pool: StagingPool | None = None) -> Lease | None:
+    def _take(self, nbytes: int, pool: StagingPool | DeviceStagingPool | None = None
+              ) -> Lease | DeviceLease | None:
         self.reap()
         return (pool or self.pool).try_take(nbytes)
 
@@ -338,7 +349,7 @@ class Mover:
         with self._lock, self._on_device():
             return Notice(stream, self._lib)
 
-    def _retire(self, lease: Lease, notice: Notice | None) -> None:
+    def _retire(self, lease: Lease | DeviceLease, notice: Notice | None) -> None:
         with self._lock:
             if notice is None or _fired(notice):
                 lease.release()

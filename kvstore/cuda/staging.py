@@ -23,7 +23,7 @@ import torch
 from kvstore.cuda._lib import Library
 from kvstore.io.arena import Arena, ArenaRun
 
-__all__ = ["Lease", "StagingPool", "StagingStats"]
+__all__ = ["DeviceLease", "DeviceStagingPool", "Lease", "StagingPool", "StagingStats"]
 
 
 @dataclass
@@ -133,3 +133,95 @@ class StagingPool:
             self._registered = False
             pool().unregister(self.arena.address)
         self.arena.close()
+
+
+class DeviceLease:
+    """A run of a :class:`DeviceStagingPool`, owned by one batch until :meth:`release`."""
+
+    __slots__ = ("pool", "offset", "nbytes", "length", "released")
+
+    def __init__(self, pool: DeviceStagingPool, offset: int, nbytes: int, length: int) -> None:
+        self.pool, self.offset, self.nbytes, self.length = pool, offset, nbytes, length
+        self.released = False
+
+    @property
+    def address(self) -> int:
+        return self.pool.address + self.offset
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The lease's first bytes as a tensor of ``dtype`` and ``shape`` on the device."""
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if n > self.nbytes:
+            raise ValueError(f"{n} bytes do not fit a {self.nbytes}-byte lease")
+        with torch.inference_mode(False):
+            return self.pool.backing[self.offset:self.offset + n].view(dtype).view(shape)
+
+    def release(self) -> None:
+        self.pool._give_back(self)
+
+
+class DeviceStagingPool:
+    """Bounded staging in the device's memory, for loads: the store's reads land there
+    straight from its page-locked arena (one DMA, no host copy), and the mover scatters
+    from there.  One allocation (``like.new_empty``: torch's allocator, made once), handed
+    out first-fit in 256-byte-aligned runs; :meth:`try_take` never waits.  Same interface
+    as :class:`StagingPool`."""
+
+    ALIGN = 256
+
+    def __init__(self, capacity: int, like: torch.Tensor) -> None:
+        if capacity < 1:
+            raise ValueError(f"staging capacity must be >= 1 byte, got {capacity}")
+        self.capacity = -(-capacity // self.ALIGN) * self.ALIGN
+        with torch.inference_mode(False):
+            self.backing = like.new_empty((self.capacity,), dtype=torch.uint8)
+        self.address = int(self.backing.data_ptr())
+        self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (start, length), sorted
+        self._lock = threading.Lock()
+        self._stats = StagingStats(capacity_bytes=self.capacity)
+        self.closed = False
+
+    def try_take(self, nbytes: int) -> DeviceLease | None:
+        need = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        with self._lock:
+            for i, (start, length) in enumerate([] if self.closed else self._free):
+                if length >= need:
+                    if length == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (start + need, length - need)
+                    s = self._stats
+                    s.leases += 1
+                    s.in_use_bytes += need
+                    s.peak_bytes = max(s.peak_bytes, s.in_use_bytes)
+                    return DeviceLease(self, start, nbytes, need)
+            self._stats.refused += 1
+            return None
+
+    def _give_back(self, lease: DeviceLease) -> None:
+        with self._lock:
+            if lease.released:
+                return
+            lease.released = True
+            self._stats.in_use_bytes -= lease.length
+            free = sorted([*self._free, (lease.offset, lease.length)])
+            merged: list[tuple[int, int]] = []
+            for start, length in free:
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + length)
+                else:
+                    merged.append((start, length))
+            self._free = merged
+
+    def stats(self) -> StagingStats:
+        with self._lock:
+            s = self._stats
+            return StagingStats(s.capacity_bytes, s.in_use_bytes, s.peak_bytes, s.leases,
+                                s.refused, False)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+        del self.backing

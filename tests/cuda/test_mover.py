@@ -17,6 +17,7 @@ from kvstore import codecs
 from kvstore.codecs import CodecSpec, KVLayout
 from kvstore.cuda import CudaError, _lib, paged
 from kvstore.cuda.mover import Mover
+from kvstore.cuda.staging import DeviceStagingPool
 from tests.cuda.standin import ILLEGAL_ADDRESS, StandInGpu
 
 COMPUTE = 7        # the engine's stream, as the stand-in knows it
@@ -359,4 +360,24 @@ async def test_a_failed_stream_raises_at_the_wait_and_still_frees_the_staging(
     batch.release()
     assert m.stats().staging_in_use_bytes == 0
     gpu.stream_status = 0
+    m.close()
+
+
+async def test_device_load_staging_is_bounded_reused_and_scattered_from(
+        gpu: StandInGpu) -> None:
+    layers = _layers()
+    m = _mover(layers, gpu, blocks=2, device_loads=True)
+    assert isinstance(m.load_pool, DeviceStagingPool)
+    a = m.begin_load(2)
+    assert a is not None and m.begin_load(1) is None        # full: refused, not waited
+    stored = _expected(_layers(seed=9), [0, 1])
+    a.staged().copy_(stored)
+    m.load(a, [4, 8])
+    a.release()                                             # copies still queued
+    assert m.begin_load(1) is None
+    gpu.run()
+    b = m.begin_load(2)
+    assert b is not None and b.lease.address == a.lease.address   # coalesced, reused
+    assert torch.equal(_expected(layers, [4, 8]), stored)
+    b.release()
     m.close()
