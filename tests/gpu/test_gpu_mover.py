@@ -149,3 +149,27 @@ async def test_fp8_blocks_read_into_cuda_tensors_are_dequantised_there(tmp_path:
     for o, b in zip(outs, blocks):
         want = codecs.decode(*codecs.encode(b, spec), b.dtype, tuple(b.shape))
         assert torch.equal(o.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.anyio
+async def test_device_loads_land_from_the_arena_and_scatter_without_a_sync(
+        tmp_path: Path) -> None:
+    layers = _layers()
+    m = Mover(layers, "kv_first", staging_bytes=64 << 20, device_loads=True)
+    blocks = [b.cpu() for b in paged.gather_reference(_layers(seed=7), [0, 1, 2], "kv_first")]
+    keys = [bytes([0x60 + i]) * 16 for i in range(3)]
+    async with kvstore.open(tmp_path, extent_bytes=64 << 20) as store:
+        await store.put_many(keys, blocks)
+        with no_sync():
+            batch = m.begin_load(3)
+            assert batch is not None and batch.staged().device.type == "cuda"
+            got = await store.get_many(keys, batch.blocks())
+            assert all(g is not None for g in got)
+            m.load(batch, [10, 20, 30])
+            for li in range(len(layers)):
+                m.wait_layer(li)
+        await batch.wait()
+    batch.release()
+    want = torch.stack(blocks)
+    assert torch.equal(paged.gather_reference(layers, [10, 20, 30], "kv_first").cpu(), want)
+    m.close()
