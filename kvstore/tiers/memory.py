@@ -27,7 +27,7 @@ from kvstore import result_buffers
 from kvstore.format import IndexEntry
 from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.prefetch import Prefetch
-from kvstore.transfers import offloaded
+from kvstore.transfers import device_copies, offloaded
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -43,6 +43,10 @@ __all__ = ["Block", "Hits", "MemoryRoom"]
 # key, parent, bytes (uint8, CPU), dtype, shape, index seq
 Block = tuple[bytes, "bytes | None", torch.Tensor, torch.dtype, tuple[int, ...], int]
 Hits = list[tuple[int, Cached]]  # position in the get, the cached copy (marked as read)
+
+
+def _device_out(out: torch.Tensor | None) -> bool:
+    return out is not None and out.device.type == "cuda" and out.is_contiguous()
 
 
 class MemoryRoom:
@@ -86,16 +90,36 @@ class MemoryRoom:
     async def copy_out(self, hits: Hits, outs: Sequence[torch.Tensor | None],
                        results: list[torch.Tensor | None]) -> None:
         """Copy taken hits into ``out`` tensors or new ones (recycled memory, as every
-        get's new tensors); on a worker thread when large."""
+        get's new tensors); on a worker thread when large.  A contiguous CUDA ``out``
+        gets one copy enqueued from the (page-locked) region on kvstore's copy stream,
+        awaited through the eventfd (:func:`kvstore.transfers.device_copies`), never a
+        synchronize; the hits stay marked as read until it completed."""
+        copies = device_copies() if any(_device_out(outs[i]) for i, _ in hits) else None
+        sink = None if copies is None else copies.sink
+        on_host: Hits = []
+        for i, cached in hits:
+            o = outs[i]
+            if sink is not None and o is not None and _device_out(o):
+                src = cached.view()
+                sink.copy(o, src.data_ptr(), cached.nbytes, None)
+                results[i] = o
+            else:
+                on_host.append((i, cached))
+
         def copy_all() -> None:
-            for i, cached in hits:
+            for i, cached in on_host:
                 src, o = cached.view(), outs[i]
                 if o is None:
                     results[i] = result_buffers.empty(tuple(src.shape), src.dtype).copy_(src)
                 else:
                     results[i] = o.copy_(src.reshape(o.shape))
 
-        await offloaded(sum(c.nbytes for _, c in hits), copy_all)
+        try:
+            await offloaded(sum(c.nbytes for _, c in on_host), copy_all)
+        finally:
+            if copies:  # (also when cancelled: the GPU reads the region until then)
+                with anyio.CancelScope(shield=True):
+                    await copies.wait()
         self._counters["memory_hits"] += len(hits)
         self._counters["memory_read_bytes"] += sum(c.nbytes for _, c in hits)
 

@@ -68,6 +68,29 @@ async def test_get_many_into_device_tensors_never_synchronises(
     assert copies.stats().to_device >= 3
 
 
+async def test_memory_tier_hits_into_device_tensors_are_enqueued_copies(
+        tmp_path: Path, gpu_keeping_up: StandInGpu) -> None:
+    """A memory-tier hit into a CUDA ``out`` is one copy from the page-locked region on
+    kvstore's copy stream, awaited through the eventfd (before: ``out.copy_(...)`` on
+    the caller's stream, which waits for the GPU on a real device)."""
+    blocks = _blocks(3, 8192, seed=5)
+    keys = [bytes([i + 40]) * 16 for i in range(3)]
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20, memory_bytes=1 << 20) as store:
+        await store.put_many(keys, blocks)   # write-through: now in memory
+        plain = [torch.zeros(8192, dtype=torch.float16) for _ in blocks]
+        outs = [t.as_subclass(OnDevice) for t in plain]
+        OnDevice.log.clear()
+        gpu_keeping_up.syncs.clear()
+        before = copies.stats().to_device
+        got = await store.get_many(keys, outs)
+        assert store.stats().memory_hits == 3
+    assert all(g is o for g, o in zip(got, outs))
+    assert all(torch.equal(p, b) for p, b in zip(plain, blocks))
+    assert gpu_keeping_up.syncs == [] and OnDevice.log == []
+    assert copies.stats().to_device - before == 3
+    assert "kvc_notify_eventfd" in [n for n, _ in gpu_keeping_up.calls]
+
+
 async def test_a_puts_device_values_reach_the_host_by_awaited_copies(
         gpu_keeping_up: StandInGpu) -> None:
     blocks = _blocks(2, 4096, seed=1)
