@@ -7,7 +7,11 @@ as long as it ran.  The child closes every copy at fork (``_after_fork_in_child`
 fork waits for a thread that is opening or releasing a lock (``_FORK_GUARD``): the store
 opens and closes on worker threads, and a child forked between the ``open`` of the
 descriptor and its registration, or between its unregistration and its ``close``, got a
-copy nobody closed (issue 31).  Only ``os.fork`` (and ``multiprocessing``'s fork start
+copy nobody closed (issue 31).  And ``release`` unlocks (``LOCK_UN``) before it closes:
+a child closes its copy only when it runs its at-fork hook, which may come after the
+parent closed and reopened the store (a child not scheduled yet: the reopen got
+``StoreLockedError``), and a process forked by native code runs no hook at all; the
+unlock drops the lock whatever copies other processes still hold.  Only ``os.fork`` (and ``multiprocessing``'s fork start
 method, which calls it) runs these hooks; ``subprocess`` children exec at once and the
 descriptor is ``O_CLOEXEC``.
 """
@@ -61,7 +65,10 @@ class StoreLock:
             if self.fd >= 0:
                 fd, self.fd = self.fd, -1
                 _HELD.discard(self)
-                os.close(fd)  # closing the descriptor drops the flock
+                try:  # the lock, not only this descriptor: a child may hold a copy
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                finally:
+                    os.close(fd)
 
     def _forget_in_child(self) -> None:
         """A forked child's copy of the descriptor: closed, not unlocked.  A flock

@@ -220,3 +220,54 @@ def test_a_child_forked_while_the_store_closes_on_its_worker_thread_does_not_kee
             break
         step += 1
     assert step > 3
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not sys.platform.startswith("linux"),
+                    reason="needs fork (libc)")
+def test_a_child_that_has_not_run_its_fork_hook_does_not_keep_the_store_locked(
+        tmp_path: Path) -> None:
+    """A child closes its copy of the descriptor in its at-fork hook, which runs when the
+    child is scheduled: until then (or for ever, for a process forked by native code,
+    which runs no Python hook) it shares the parent's lock.  Before, a parent that
+    closed and reopened the store first got ``StoreLockedError`` (seen as a flaky
+    reopen in the concurrent state machine).  Here the child is forked by libc's
+    ``fork`` itself, so it never runs the hook: it blocks in ``read`` until the parent
+    has reopened.  The parent's release unlocks, whatever copies remain."""
+    import ctypes
+
+    libc = ctypes.PyDLL(None)  # holds the GIL: the child runs no other thread's code
+    libc.fork.restype = ctypes.c_int
+    held_r, held_w = os.pipe()
+
+    async def scenario() -> int:
+        async with kvstore.open(tmp_path):
+            pid = libc.fork()
+            if pid == 0:  # the child: no hook ran; only libc from here on
+                buf = ctypes.create_string_buffer(1)
+                libc.read(held_r, buf, 1)
+                libc._exit(0)
+            assert pid > 0
+            assert _child_has_lock_descriptor(pid)  # it shares the parent's lock
+        return int(pid)
+
+    pid = anyio.run(scenario)
+    try:
+        async def reopen() -> None:
+            async with kvstore.open(tmp_path) as again:
+                assert again.stats().blocks == 0
+
+        anyio.run(reopen)  # while the child still holds its copy
+        assert _child_has_lock_descriptor(pid)
+    finally:
+        os.write(held_w, b"x")
+        os.waitpid(pid, 0)
+        os.close(held_r)
+        os.close(held_w)
+
+
+def _child_has_lock_descriptor(pid: int) -> bool:
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").endswith(f"/{lock.LOCK_FILE}"):
+                return True
+    return False
