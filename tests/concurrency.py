@@ -177,7 +177,8 @@ def lock_descriptors(store_path: Path) -> int:
 
 class LiveChild:
     """A child forked from the calling thread (an event loop's, mid-round): it reports what
-    ``probe`` returns (a small count) and then runs on until :meth:`end`, as a worker
+    ``probe`` returns (a small count; read by :meth:`end`, so nothing here waits for the
+    child to be scheduled) and then runs on until :meth:`end`, as a worker
     process an engine forks would.  It never returns into the caller's code (it leaves by
     ``os._exit``: no atexit handler, no buffer flushed), so it cannot run the parent's
     event loop or store; a probe that raises is its exit status 1."""
@@ -198,16 +199,20 @@ class LiveChild:
                 os._exit(status)
         os.close(report_w)
         os.close(hold_r)
-        try:
-            got = os.read(report_r, 1)  # written at once by the child
-        finally:
-            os.close(report_r)
-        self.report: int | None = got[0] if got else None
+        # Read at the end, not now: the parent runs on while the child may not even
+        # have run its at-fork hooks yet (the window that kept the store locked).
+        self._report_r = report_r
+        self.report: int | None = None
         self.status: int | None = None
 
     def end(self) -> int:
-        """Let it exit; its exit status."""
+        """Let it exit; its exit status (and ``report``, what its probe returned)."""
         if self.status is None:
+            try:
+                got = os.read(self._report_r, 1)  # written at once by the child
+            finally:
+                os.close(self._report_r)
+            self.report = got[0] if got else None
             os.close(self._hold_w)
             _, raw = os.waitpid(self.pid, 0)
             self.status = os.waitstatus_to_exitcode(raw)
