@@ -7,7 +7,7 @@ object exists) and the first page of a ListObjectsV2.  Requests of the methods i
 ``hold`` ("GET", "PUT", "HEAD", "LIST") wait, at the server, until ``release()``; a held
 request whose client closes the connection first is counted in ``abandoned`` and gets
 no answer.  ``in_flight`` / ``max_in_flight`` count requests being served at once (from
-the request line until the answer is written, or the client left): what the cluster
+the request line until its answer starts, or the client left): what the cluster
 sees.  Every server thread is named ``slow-s3...``, so a test can count the client's
 threads apart (:func:`client_threads`).
 """
@@ -169,18 +169,26 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, kind: str, answer: Any) -> None:
         s3 = self.server.owner
         gate = s3._enter(kind)
-        answered = False
+        self._left = False
         try:
             if gate is not None and not _wait(gate, self.connection):
                 self.close_connection = True
                 return
             answer()
-            answered = True
         finally:
-            s3._leave(abandoned=gate is not None and not answered)
+            if not self._left:  # (held, and its client left before the release)
+                self._left = True
+                s3._leave(abandoned=gate is not None)
 
     def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
               *, head: bool = False) -> None:
+        # Out of ``in_flight`` before the first byte of the answer leaves: once the client
+        # has it, it may give its slot back and send the next request, which this server
+        # could otherwise see while still counting the answered one (a count of
+        # concurrency + 1 with the client within its bound).
+        if not getattr(self, "_left", True):
+            self._left = True
+            self.server.owner._leave(abandoned=False)
         self.send_response(status)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
