@@ -38,7 +38,7 @@ import os
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
@@ -51,6 +51,7 @@ from anyio.from_thread import BlockingPortal
 from kvstore.codecs import CodecSpec
 from kvstore.errors import StoreClosedError, StoreForkedError
 from kvstore.keys import Namespace
+from kvstore.options import StoreOptions
 from kvstore.prefetch import Prefetch
 from kvstore.remote.config import RemoteConfig
 from kvstore.store import PutResult, Store, StoreStats
@@ -63,15 +64,17 @@ class BlockingStore:
     """Synchronous twin of :class:`~kvstore.store.Store`: the same methods with the same
     parameters and semantics (see the module doc for ``close`` and ``prefetch``)."""
 
-    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(self, path: str | os.PathLike[str], options: StoreOptions | None = None,
+                 **fields: Any) -> None:
         self._pid = os.getpid()  # the process whose thread runs the loop
-        self._cond = threading.Condition()  # guards _closed and _calls
+        self._cond = threading.Condition()  # guards _closed, _calls and _submitted
         self._closed = False
         self._calls = 0  # calls that passed the closed check and may use the portal
+        self._submitted: set[Future[Any]] = set()  # submit()'s, until done
         self._closed_done = threading.Event()
         self._portal, self._thread = _start_portal()
         try:
-            self._store_cm = self._portal.wrap_async_context_manager(open_async(path, **options))
+            self._store_cm = self._portal.wrap_async_context_manager(open_async(path, options, **fields))
             self._store: Store = self._store_cm.__enter__()
         except BaseException:
             self._stop_portal()
@@ -86,8 +89,9 @@ class BlockingStore:
 
     def close(self) -> None:
         """Close the store, as ``Store.aclose``: new calls raise ``StoreClosedError``,
-        calls in flight are waited for, then the files and the lock are released and the
-        loop thread ends.  Idempotent; a second caller returns once the store is closed.
+        calls in flight are waited for (:meth:`submit`'s first, before the store closes:
+        a submitted save still waiting for its data is finished, not refused), then the
+        files and the lock are released and the loop thread ends.  Idempotent; a second caller returns once the store is closed.
         In a forked child it returns at once: the store is the parent's to close."""
         if os.getpid() != self._pid:
             return
@@ -98,6 +102,9 @@ class BlockingStore:
             self._closed_done.wait()
             return
         _OPEN.discard(self)
+        with self._cond:
+            submitted = list(self._submitted)
+        wait(submitted)
         try:
             self._store_cm.__exit__(None, None, None)
         finally:
@@ -172,15 +179,17 @@ class BlockingStore:
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Start ``fn(*args)`` on the store's loop and return at once with a
         :class:`concurrent.futures.Future` of its result (a save the caller does not
-        wait for).  Admitted like every call; ``close()`` waits for it to finish."""
+        wait for).  Admitted like every call; ``close()`` waits for it to finish before
+        it closes the store."""
         self._check_process()
         with self._cond:
             if self._closed:
                 raise StoreClosedError(f"store {self._store.path} is closed")
             self._calls += 1
 
-        def done(_: Future[T]) -> None:
+        def done(future: Future[T]) -> None:
             with self._cond:
+                self._submitted.discard(future)
                 self._calls -= 1
                 if not self._calls:
                     self._cond.notify_all()
@@ -190,7 +199,9 @@ class BlockingStore:
         except BaseException:
             done(Future())
             raise
-        future.add_done_callback(done)
+        with self._cond:
+            self._submitted.add(future)
+        future.add_done_callback(done)  # (runs at once if it is done already)
         return future
 
     @property
@@ -393,8 +404,11 @@ def _close_at_exit() -> None:
             store.close()
 
 
-def open_blocking(path: str | os.PathLike[str], **options: Any) -> BlockingStore:
-    """Open a store for synchronous code; same options as :func:`kvstore.open`.
-    Use as ``with open_blocking(path) as store:`` or call ``close()``; a store still
-    open when the interpreter exits is closed then."""
-    return BlockingStore(path, **options)
+def open_blocking(path: str | os.PathLike[str], options: StoreOptions | None = None,
+                  **fields: Any) -> BlockingStore:
+    """Open a store for synchronous code; same options as :func:`kvstore.open`: the
+    fields of :class:`~kvstore.options.StoreOptions` as keywords, or one
+    ``StoreOptions`` (keywords beside it replace its fields).  Use as
+    ``with open_blocking(path) as store:`` or call ``close()``; a store still open when
+    the interpreter exits is closed then."""
+    return BlockingStore(path, options, **fields)

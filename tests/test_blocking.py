@@ -359,3 +359,52 @@ def test_close_waits_for_every_submitted_call(tmp_path: Path) -> None:
         store.submit(store.store.put_many, ks[:1], [block(0)])
     with kvstore.open_blocking(tmp_path, namespace=NS, create=False) as reopened:
         assert reopened.contains_many(acknowledged) == [True] * len(acknowledged)
+
+
+def test_open_blocking_takes_store_options_as_open_does(tmp_path: Path) -> None:
+    """``open_blocking(path, options, **fields)`` has ``kvstore.open``'s parameters: one
+    ``StoreOptions``, keywords beside it replacing its fields (an engine connector's
+    config holds a ``StoreOptions``)."""
+    want = [(p.name, p.kind, p.default)
+            for p in inspect.signature(kvstore.open).parameters.values()]
+    got = [(p.name, p.kind, p.default)
+           for p in inspect.signature(kvstore.open_blocking).parameters.values()]
+    assert got == want
+    options = kvstore.StoreOptions(namespace=NS, extent_bytes=SMALL_EXTENT, sync=False)
+    with kvstore.open_blocking(tmp_path, options, sync=True) as store:
+        assert store.store.options == kvstore.StoreOptions.of(options, sync=True)
+        assert store.put(keys(1, 500)[0], block(0))
+    with pytest.raises(TypeError, match="unknown store option"):
+        kvstore.open_blocking(tmp_path, options, no_such_option=1)
+
+
+def test_close_finishes_a_submitted_call_before_closing_the_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A submitted save that is still waiting for its data when ``close()`` starts (the
+    vLLM connector's waits for the copy out of the KV cache) is finished, not refused:
+    ``close()`` waits for submitted calls before it closes the store.  Deterministic: the
+    save is let go from inside ``close()``'s wait for it."""
+    import anyio
+
+    ks = keys(1, 600)
+    gate = threading.Event()
+    real_wait = blocking.wait
+
+    def wait_then_let_go(futures: Any) -> Any:
+        gate.set()  # close() has begun and waits for the submitted save
+        return real_wait(futures)
+
+    monkeypatch.setattr(blocking, "wait", wait_then_let_go)
+    store = kvstore.open_blocking(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT)
+
+    async def save_when_let_go() -> kvstore.PutResult:
+        # (the timeout only keeps a regression from hanging the suite)
+        await anyio.to_thread.run_sync(lambda: gate.wait(timeout=60))
+        return await store.store.put_many(ks, [block(0)])
+
+    future = store.submit(save_when_let_go)
+    store.close()
+    assert gate.is_set()
+    assert future.result().written == 1
+    with kvstore.open_blocking(tmp_path, namespace=NS, create=False) as reopened:
+        assert reopened.contains_many(ks) == [True]

@@ -126,7 +126,7 @@ from kvstore.integrations.vllm_metrics import (
 )
 from kvstore.integrations.vllm_scheduler import SchedulerSide
 from kvstore.integrations.vllm_scope import model_scope, scope_digest
-from kvstore.integrations.vllm_shared import all_connector_stats, connector_stats, store_stats
+from kvstore.integrations.vllm_shared import all_connector_stats, connector_stats
 from kvstore.integrations.vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -281,7 +281,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         stats.add(rank, delta, load_seconds=samples)
         if self._worker is not None:  # the store's own numbers, sampled when something changed
             shared = self._worker.store
-            store = shared.portal.call(store_stats, shared.store)
+            store = shared.stats()
             stats.set_gauges(rank, {g: store[g] for g in STORE_GAUGES})
             totals = {c: int(store[c]) for c in STORE_COUNTERS}
             stats.add(rank, {f"store_{c}": n - self._reported_store.get(c, 0)

@@ -1,40 +1,38 @@
 """The vLLM connector's open store, shared by every connector of one process that uses
 the same directory (the scheduler side finds the worker's when they share a process):
-the store on its event-loop thread, lookups and loads as blocking calls into it, saves
-as tasks whose futures are kept until they finish, the connector's counters, and the
-registry behind :func:`connector_stats`.  Role-free: both
+the store on its event-loop thread (:func:`kvstore.open_blocking`), lookups and loads as
+blocking calls into it, saves as tasks whose futures are kept until they finish
+(:mod:`.vllm_background_saves`), the connector's counters, and the registry behind
+:func:`connector_stats`.  Role-free: both
 :mod:`kvstore.integrations.vllm_scheduler` and :mod:`kvstore.integrations.vllm_worker`
 use it.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from kvstore.blocking import open_blocking
 from kvstore.cuda.mover import LoadBatch, SaveBatch
 from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm_background_saves import BackgroundSaves
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.integrations.vllm_lookup import LookupServer, socket_name
 from kvstore.integrations.vllm_metrics import SCHEDULER_COUNTERS
 from kvstore.keys import Namespace
-from kvstore.store import PutResult, Store
-from kvstore.store import open as open_store
-from kvstore.tensors import encoded_block
+from kvstore.store import Store
 
 __all__ = ["SharedStore", "acquire", "all_connector_stats", "connector_stats", "find",
-           "load_buffer", "release", "store_stats", "warn_once"]
+           "load_buffer", "release", "warn_once"]
 
 logger = logging.getLogger("kvstore.integrations.vllm")
 
@@ -83,22 +81,20 @@ _MAX_FAILED_KEYS = 1 << 16  # keys whose load raised, answered as misses
 class SharedStore:
     """One open store for every connector of this process using that directory.
 
-    The store runs on an event loop in a portal thread; lookups and loads are blocking
-    calls into it, saves are tasks whose futures are kept until they finish.
+    The store runs on an event loop in a thread of its own (:func:`kvstore.open_blocking`);
+    lookups and loads are blocking calls into it, saves are tasks whose futures are kept
+    until they finish (:class:`~.vllm_background_saves.BackgroundSaves`).
     """
 
     def __init__(self, config: ConnectorConfig, engine_id: str) -> None:
         self.config = config
         self.engine_id = engine_id
-        self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal()
-        self.portal = self._portal_cm.__enter__()
-        try:
-            self._store_cm = self.portal.wrap_async_context_manager(
-                open_store(config.path, **config.open_options()))
-            self.store: Store = self._store_cm.__enter__()
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            raise
+        # The store on its loop thread (kvstore.blocking: closed at interpreter exit,
+        # saves in flight finished first, should vLLM not call shutdown()); ``store``
+        # is the async Store behind it, for what runs on that loop.  The remote tier is
+        # attached once the key scope is known (attach_remote).
+        self.blocking = open_blocking(config.path, config.store, namespace=None, remote=None)
+        self.store: Store = self.blocking.store
         self.namespace: Namespace | None = None
         # (layers, block shape, dtype) of a stored block, set with the namespace: the
         # lookup of a synchronous load reads into a buffer of that shape.
@@ -118,9 +114,8 @@ class SharedStore:
         self.users = 0
         self.closed = False
         self._lock = threading.Lock()
-        self._pending: list[tuple[Future[PutResult], int]] = []
-        self._pending_bytes = 0
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.saves = BackgroundSaves(self.blocking, config, self.count, warn_once)
         self.load_seconds: list[float] = []  # drained into vLLM's stats each step
         self.server: LookupServer | None = None
 
@@ -192,8 +187,8 @@ class SharedStore:
         if not self.config.async_loads:
             return self._read_ahead(keys)
         if self.store.memory is None or not self.config.prefetch:
-            return self.portal.call(self.store.match_prefix, keys)
-        return self.portal.call(self._match_and_prefetch, keys)
+            return self.blocking.match_prefix(keys)
+        return self.blocking.call(self._match_and_prefetch, keys)
 
     def _read_ahead(self, keys: list[bytes]) -> int:
         """Synchronous loads: read and verify the stored leading blocks now and keep
@@ -215,7 +210,7 @@ class SharedStore:
                 held.generation = self._generation
                 return len(held.keys)
         start = time.perf_counter_ns()
-        hit = self.portal.call(self.store.match_prefix, keys)
+        hit = self.blocking.match_prefix(keys)
         if not hit:
             return 0
         target = self.load_target(hit)
@@ -223,7 +218,7 @@ class SharedStore:
             return 0
         buffer, staging = target
         try:
-            got = self.portal.call(self.store.get_many, keys[:hit], list(buffer.unbind(0)))
+            got = self.blocking.get_many(keys[:hit], list(buffer.unbind(0)))
         except Exception as e:  # a failed read is a miss: vLLM computes
             if staging is not None:
                 staging.release()
@@ -261,7 +256,7 @@ class SharedStore:
         cannot quarantine), it is answered as a miss for this engine life, so that
         vLLM recomputes it once instead of loading it again and again."""
         try:
-            still = self.portal.call(self.store.contains_many, [key])[0]
+            still = self.blocking.contains_many([key])[0]
         except Exception:  # noqa: BLE001 - a store that cannot answer: keep it out
             still = True
         if still:
@@ -316,7 +311,7 @@ class SharedStore:
         if remote is None or self.store.remote is not None:
             return
         try:
-            self.portal.call(self.store.attach_remote, remote, namespace)
+            self.blocking.attach_remote(remote, namespace)
         except ImportError as e:
             raise RuntimeError("kvstore connector: the remote option needs obstore: "
                                "pip install 'kvstore[remote]'") from e
@@ -344,98 +339,28 @@ class SharedStore:
     def start_get(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]
                   ) -> Future[list[torch.Tensor | None]]:
         """Read blocks in the background; the future's result is ``get_many``'s."""
-        return self.portal.start_task_soon(self.store.get_many, keys, out)
+        return self.blocking.submit(self.store.get_many, keys, out)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.portal.call(self.store.contains_many, keys)
+        return self.blocking.contains_many(keys)
 
     def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]
                  ) -> list[torch.Tensor | None]:
-        return self.portal.call(self.store.get_many, keys, out)
-
-    def submit_put(self, keys: list[bytes], values: list[torch.Tensor],
-                   parents: list[bytes | None], nbytes: int) -> None:
-        """Start a put in the background; wait only if too much is already pending."""
-        self._reap(block_until=self.config.max_pending_save_bytes - nbytes)
-
-        background = self.config.background_saves
-
-        async def put() -> PutResult:
-            start = time.perf_counter_ns()
-            try:
-                return await self.store.put_many(keys, values, parents=parents,
-                                                 background=background)
-            finally:
-                self.count(save_io_ns=time.perf_counter_ns() - start)
-
-        future = self.portal.start_task_soon(put)
-        future.add_done_callback(lambda f: self._done(f, len(keys)))
-        with self._lock:
-            self._pending.append((future, nbytes))
-            self._pending_bytes += nbytes
+        return self.blocking.get_many(keys, out)
 
     def submit_save(self, batch: SaveBatch, keys: list[bytes], parents: list[bytes | None],
                     nbytes: int) -> None:
-        """Put a step's blocks once the mover's copy-out of ``batch`` is done (awaited on
-        the store's loop through the copy-done eventfd); never waits itself: the staging
-        bound is the backpressure (a save that found none was dropped at its start).
-        The staging goes back when the put is over, whatever became of it."""
-        background = self.config.background_saves
-
-        async def put() -> PutResult:
-            try:
-                await batch.wait()
-                start = time.perf_counter_ns()
-                try:
-                    put_keys, values, put_parents = _values(batch, keys, parents)
-                    if len(put_keys) < len(keys):
-                        self.count(save_dropped_blocks=len(keys) - len(put_keys))
-                    return await self.store.put_many(put_keys, values, parents=put_parents,
-                                                     background=background)
-                finally:
-                    self.count(save_io_ns=time.perf_counter_ns() - start)
-            finally:
-                batch.release()
-
-        future = self.portal.start_task_soon(put)
-        future.add_done_callback(lambda f: self._done(f, len(keys)))
-        with self._lock:
-            self._pending.append((future, nbytes))
-            self._pending_bytes += nbytes
-
-    def _done(self, future: Future[PutResult], n: int) -> None:
-        if future.cancelled():
-            self.count(save_failed_blocks=n)
-            return
-        error = future.exception()
-        if error is None:
-            result = future.result()
-            # A droppable save the store refused under backpressure: a later miss.
-            self.count(saved_blocks=result.written, save_dedup_blocks=result.deduplicated,
-                       saved_bytes=result.bytes_written, save_dropped_blocks=result.dropped)
-        else:
-            # A full or read-only store loses a cache fill, never correctness.
-            self.count(save_failed_blocks=n)
-            warn_once(type(error).__name__, "kvstore connector: saving %d blocks failed "
-                       "(%s: %s); later saves may fail the same way",
-                       n, type(error).__name__, error)
-
-    def _reap(self, block_until: int | None = None) -> None:
-        """Drop finished saves; with ``block_until``, wait for the oldest until at most
-        that many bytes are pending (None: wait for all)."""
-        while True:
-            with self._lock:
-                self._pending = [(f, b) for f, b in self._pending if not f.done()]
-                self._pending_bytes = sum(b for _, b in self._pending)
-                if not self._pending or (block_until is not None
-                                         and self._pending_bytes <= max(block_until, 0)):
-                    return
-                oldest = self._pending[0][0]
-            with suppress(Exception):  # a failed save is counted and logged by _done
-                oldest.result()
+        """Put a step's blocks once the mover's copy-out of ``batch`` is done
+        (:meth:`BackgroundSaves.submit_save`)."""
+        self.saves.submit_save(batch, keys, parents, nbytes)
 
     def flush(self) -> None:
-        self._reap(block_until=None)
+        """Wait for every save in flight."""
+        self.saves.flush()
+
+    def stats(self) -> dict[str, Any]:
+        """The store's own ``stats()``, as a dict."""
+        return self.blocking.stats().as_dict()
 
     def close(self) -> None:
         if self.closed:
@@ -447,30 +372,8 @@ class SharedStore:
             self._drop_prepared()
         try:
             self.flush()
-            self._store_cm.__exit__(None, None, None)
         finally:
-            self._portal_cm.__exit__(None, None, None)
-
-
-def _values(batch: SaveBatch, keys: list[bytes], parents: list[bytes | None]
-            ) -> tuple[list[bytes], list[torch.Tensor], list[bytes | None]]:
-    """A finished save's keys, values and parents: its staged blocks, or, quantised on
-    the GPU, their FP8 payloads (``EncodedBlock``: stored as they are, byte-identical to
-    the store's own encoder); a block FP8 cannot take (the codec would store it raw) is
-    left out, and so are the blocks after it in its chain."""
-    mover = batch.mover
-    if not (mover.cuda and mover.codec is not None):
-        return keys, batch.blocks(), parents
-    out_keys: list[bytes] = []
-    values: list[torch.Tensor] = []
-    out_parents: list[bytes | None] = []
-    for key, parent, payload in zip(keys, parents, batch.payloads()):
-        if payload is None:
-            break
-        out_keys.append(key)
-        out_parents.append(parent)
-        values.append(encoded_block(payload[0], payload[1], mover.dtype, mover.block_shape))
-    return out_keys, values, out_parents
+            self.blocking.close()
 
 
 _STORES: dict[str, SharedStore] = {}
@@ -533,20 +436,6 @@ def release(shared: SharedStore) -> None:
     shared.close()
 
 
-@atexit.register
-def _close_all() -> None:
-    """Finish pending saves and close the stores when the interpreter exits, in case
-    vLLM did not call ``shutdown()`` (e.g. an ``LLM`` that was never deleted)."""
-    with _STORES_LOCK:
-        stores = list(_STORES.values())
-        _STORES.clear()
-    for shared in stores:
-        try:
-            shared.close()
-        except Exception as e:  # exiting anyway; say why the last saves may be missing
-            logger.warning("kvstore connector: closing %s failed: %s", shared.config.path, e)
-
-
 def connector_stats(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Counters of the connector(s) using the store at ``path`` in this process, and the
     store's own ``stats()``; waits for pending saves first so the numbers are final.
@@ -565,7 +454,7 @@ def connector_stats(path: str | os.PathLike[str]) -> dict[str, Any]:
         counters: dict[str, Any] = dict(shared.counters)
     counters["namespace"] = None if shared.namespace is None else \
         shared.namespace.canonical_json()
-    counters["store"] = shared.portal.call(store_stats, shared.store)
+    counters["store"] = shared.stats()
     return counters
 
 
@@ -576,9 +465,3 @@ def all_connector_stats() -> list[dict[str, Any]]:
     with _STORES_LOCK:
         paths = [shared.config.path for shared in _STORES.values()]
     return [connector_stats(p) for p in paths]
-
-
-async def store_stats(store: Store) -> dict[str, Any]:
-    return store.stats().as_dict()
-
-

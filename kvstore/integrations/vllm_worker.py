@@ -31,14 +31,14 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvstore.cuda import reason as cuda_reason
-from kvstore.cuda.mover import LoadBatch, Mover, SaveBatch
+from kvstore.cuda.mover import LoadBatch, Mover
 from kvstore.cuda.paged import Layout
-from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm_config import ConnectorConfig
-from kvstore.integrations.vllm_metadata import KVStoreConnectorMetadata, Load, Save
+from kvstore.integrations.vllm_metadata import KVStoreConnectorMetadata, Load
 from kvstore.integrations.vllm_ranks import rank_config
 from kvstore.integrations.vllm_scope import Scope
 from kvstore.integrations.vllm_shared import SharedStore, acquire, load_buffer, release, warn_once
+from kvstore.integrations.vllm_worker_saves import StepSaves, engine_keys
 from kvstore.keys import Namespace
 
 if TYPE_CHECKING:
@@ -93,10 +93,7 @@ class WorkerSide:
         self._block_shape: tuple[int, ...] = ()
         self._dtype = torch.float32
         self.mover: Mover | None = None
-        self._staging: SaveBatch | None = None
-        self._staging_meta: KVStoreConnectorMetadata | None = None
-        self._saves: list[Save] = []
-        self._staged_layers: set[int] = set()
+        self.saves = StepSaves(self.store)  # save_kv_layer and wait_for_save
         self._loading: dict[str, _InFlightLoad] = {}
         self._load_errors: set[int] = set()
         # A synchronous load failed in this step: its forward read unloaded blocks.
@@ -107,8 +104,7 @@ class WorkerSide:
         return self.store
 
     def _keys(self, hashes: Sequence[bytes]) -> list[bytes] | None:
-        ns = self._store.namespace
-        return None if ns is None else ns.engine_keys(hashes)
+        return engine_keys(self._store, hashes)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not kv_caches:
@@ -145,6 +141,7 @@ class WorkerSide:
         self.mover = Mover(list(kv_caches.values()), layout, staging_bytes=budget,
                            codec=codec)
         self._store.load_staging = self.mover.begin_load
+        self.saves.mover = self.mover
         if first.device.type == "cuda" and not self.mover.cuda:
             warn_once("no-cuda-lib", "kvstore connector: the KV cache is on %s but kvstore's "
                       "CUDA library is not usable (%s): copies to and from it are "
@@ -201,13 +198,10 @@ class WorkerSide:
         self._weights_source = str(self._vllm_config.model_config.model)
         names = list(self._layers)
         namespace = self._namespace(self._layers[names[0]], self._block_axis, names)
-        self._drop_staging()
+        self.saves.drop()
         self._store.rescope(meta.scope_epoch, namespace)
         logger.info("kvstore connector: worker moved to key scope epoch %d (%s)",
                     meta.scope_epoch, namespace.digest.hex()[:16])
-
-    def _block_index(self, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.long, device=device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads in the background (each into a buffer of its own),
@@ -309,7 +303,7 @@ class WorkerSide:
 
     def _note_failed(self, load: Load, ok: int) -> None:
         """The load's block ``ok`` failed (a miss, unreadable, quarantined): make sure
-        no lookup promises it again (:meth:`_SharedStore.load_failed`)."""
+        no lookup promises it again (:meth:`SharedStore.load_failed`)."""
         keys = self._keys(load.hashes)
         if keys is not None and ok < len(keys) and self._store.suspended is None:
             self._store.load_failed(keys[ok])
@@ -353,58 +347,13 @@ class WorkerSide:
             self._finish_load(self._loading.pop(req_id))
         return None, done or None
 
-    def _step_saves(self, meta: KVStoreConnectorMetadata) -> list[Save]:
-        """This step's saves less blocks the store already has (or that two requests
-        fill in one step): copying those out of the KV cache would be wasted."""
-        if self._staging_meta is meta:
-            return self._saves
-        first: dict[bytes, Save] = {}
-        for save in meta.saves:
-            first.setdefault(save.hash, save)
-        saves = list(first.values())
-        keys = self._keys([s.hash for s in saves])
-        if keys is None:
-            saves = []
-        elif keys:
-            try:
-                present = self._store.contains_many(keys)
-            except KVStoreError:
-                present = [False] * len(keys)
-            saves = [s for s, p in zip(saves, present) if not p]
-        self._drop_staging()
-        self._staging_meta, self._saves = meta, saves
-        if saves:
-            assert self.mover is not None
-            # Staging for the step's blocks, or None: no room, the save is dropped
-            # (counted), the step does not wait.
-            self._staging = self.mover.begin_save([s.block_id for s in saves])
-            if self._staging is None:
-                self._store.count(save_blocks=len(saves), save_dropped_blocks=len(saves))
-                self._saves = []
-        return self._saves
-
-    def _drop_staging(self) -> None:
-        """Forget the step's save; its staging goes back once its copies are done."""
-        if self._staging is not None:
-            self._staging.release()
-        self._staging_meta = self._staging = None
-
-    def _stage(self, meta: KVStoreConnectorMetadata, layer_index: int) -> None:
-        """Enqueue the copy-out of this step's blocks of one layer (returns at once)."""
-        self._step_saves(meta)
-        if self._staging is not None:
-            assert self.mover is not None
-            self.mover.save_layer(self._staging, layer_index)
-
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         meta = self._conn._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         if meta.saves and layer_name in self._layer_index and not self._step_load_failed \
                 and self._store.suspended is None:
-            start = time.perf_counter_ns()
-            self._stage(meta, self._layer_index[layer_name])
-            self._store.count(save_stall_ns=time.perf_counter_ns() - start)
+            self.saves.save_layer(meta, self._layer_index[layer_name])
 
     def wait_for_save(self) -> None:
         if not self._conn.has_connector_metadata():
@@ -419,38 +368,12 @@ class WorkerSide:
         # (Or) a synchronous load of this step failed: its forward read unloaded
         # blocks, so blocks computed in it may hold KV derived from garbage; vLLM
         # discards the step's output, and the recompute plans them again.
-        if sys.exc_info()[1] is not None or self._step_load_failed or \
-                self._store.suspended is not None:
-            self._store.count(save_dropped_blocks=len(meta.saves))
-            self._drop_staging()
-            return
-        start = time.perf_counter_ns()
-        saves = self._step_saves(meta)
-        self._store.count(save_steps=1)
-        staging = self._staging
-        ns = self._store.namespace
-        if staging is not None and ns is not None:
-            assert self.mover is not None
-            self.mover.end_save(staging)  # layers not saved yet, then the copy-done event
-            self._staging_meta = self._staging = None
-            keys = ns.engine_keys([s.hash for s in saves])
-            parents = [None if s.parent_hash is None else ns.engine_key(s.parent_hash)
-                       for s in saves]
-            self._store.count(save_blocks=len(keys))
-            try:
-                self._store.submit_save(staging, keys, parents,
-                                        len(keys) * self.mover.block_bytes)
-            except (KVStoreError, RuntimeError) as e:
-                staging.release()
-                warn_once("save", "kvstore connector: save failed: %s", e)
-        else:
-            self._drop_staging()
-        self._store.count(save_stall_ns=time.perf_counter_ns() - start)
+        self.saves.end_step(meta, discard=sys.exc_info()[1] is not None
+                            or self._step_load_failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
-
 
     def shutdown(self) -> None:
         for inflight in self._loading.values():  # their buffers, not vLLM's blocks
@@ -459,10 +382,10 @@ class WorkerSide:
             if inflight.staging is not None:
                 inflight.staging.release()
         self._loading.clear()
-        self._drop_staging()
+        self.saves.drop()
         self._store.load_staging = None
         self._store.flush()  # the saves still hold the mover's staging
         release(self.store)
         if self.mover is not None:
             self.mover.close()
-            self.mover = None
+            self.mover = self.saves.mover = None
