@@ -10,7 +10,7 @@ Paths, interleaved per repetition, cold O_DIRECT reads of the same blocks of one
 * ``arena->gpu``   the store's read path (engine reads whole slots into the arena, CRC32C
                    verified as the store does) and ``cudaMemcpyAsync`` from the arena run
                    to device memory, completion awaited through the eventfd; the arena is
-                   registered (``pin_staging=True``): no host copy at all;
+                   registered (``page_lock_staging=True``): no host copy at all;
 * ``get_many(out=cuda)``  the public API with CUDA output tensors (torch CUDA only): the
                    same DMA from the arena run, one stream sync per block;
 * ``baseline``     ``store.get_many()`` into pageable tensors, then
@@ -54,7 +54,7 @@ def _keys(n: int) -> list[bytes]:
 async def write(path: Path, n: int, block: int) -> None:
     shutil.rmtree(path, ignore_errors=True)
     g = torch.Generator().manual_seed(0)
-    async with kvstore.open(path, extent_bytes=1 << 30, pin_staging=False) as store:
+    async with kvstore.open(path, extent_bytes=1 << 30, page_lock_staging=False) as store:
         keys = _keys(n)
         for i in range(0, n, 16):
             blocks = [torch.randint(0, 256, (block,), generator=g, dtype=torch.uint8)
@@ -140,7 +140,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     times: dict[str, list[float]] = {"arena->gpu": [], "baseline": [], "h2d ceiling": []}
     if torch_cuda:
         times["get_many(out=cuda)"] = []
-    async with kvstore.open(path, pin_staging=True) as store:
+    async with kvstore.open(path, page_lock_staging=True) as store:
         info = store.stats()
         with Stream() as stream, DeviceBuffer(n * block) as dev:
             outs = [torch.empty(block, dtype=torch.uint8, device="cuda") for _ in keys] \

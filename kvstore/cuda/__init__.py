@@ -11,7 +11,7 @@ Everything works without it.  :func:`available` says whether the GPU path is use
 when it is not, every function here runs its CPU path with identical results:
 
 * :mod:`kvstore.cuda.pinned`  -- the store's staging arena registered as pinned memory
-  (``kvstore.open(..., pin_staging=None|True|False)``), bounded, released at close and
+  (``kvstore.open(..., page_lock_staging=None|True|False)``), bounded, released at close and
   at exit;
 * :mod:`kvstore.cuda.device`  -- streams, device buffers, async copies whose completion
   is awaited through an eventfd (no blocked thread, no polling);

@@ -141,11 +141,11 @@ class ArenaPin:
 def pin_arena(arena: Arena, mode: bool | None) -> ArenaPin:
     """Register ``arena`` as pinned memory per ``mode`` (module docstring)."""
     if mode is False:
-        return ArenaPin(arena, "cuda: not used (pin_staging=False)", False)
+        return ArenaPin(arena, "cuda: not used (page_lock_staging=False)", False)
     rt = runtime()
     if not rt.usable:
         if mode:
-            raise CudaError("pin_staging=True", -1, rt.reason)
+            raise CudaError("page_lock_staging=True", -1, rt.reason)
         return ArenaPin(arena, f"cuda: unavailable ({rt.reason})", False)
     try:
         pool().register(arena.address, arena.size, f"staging arena at {arena.address:#x}")

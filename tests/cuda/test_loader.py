@@ -101,7 +101,7 @@ async def test_store_requiring_pinned_staging_refuses_to_open(
         tmp_path: Path, use_built_runtime: _lib.Runtime) -> None:
     if _has_device(use_built_runtime):
         pytest.skip("this machine has a CUDA device")
-    with pytest.raises(cuda.CudaError, match="pin_staging=True failed: no usable CUDA device"):
+    with pytest.raises(cuda.CudaError, match="page_lock_staging=True failed: no usable CUDA device"):
         async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT, page_lock_staging=True):
             pass
     # nothing was left behind: the store opens again (lock released, arena unmapped)

@@ -264,7 +264,7 @@ async def test_pinned_arena_get_then_h2d(tmp_path: Path) -> None:
     block = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)  # 4 MiB of known bytes
     key = bytes(range(16))
     async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT * 4, staging_bytes=16 << 20,
-                            pin_staging=True) as store:
+                            page_lock_staging=True) as store:
         assert store.stats().cuda.startswith("cuda: pinned arena (16777216 bytes) on device")
         assert pool().registered_bytes == before + store.arena.size
         await store.put(key, block)
@@ -324,7 +324,7 @@ async def test_open_close_cycles_release_every_registration(tmp_path: Path) -> N
     async def cycles(n: int) -> None:
         for _ in range(n):
             async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT, staging_bytes=32 << 20,
-                                    index_map_bytes=64 << 20, pin_staging=True) as store:
+                                    index_map_bytes=64 << 20, page_lock_staging=True) as store:
                 assert pool().regions == 1
                 store.stats()
 
