@@ -50,16 +50,7 @@ class Lease:
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The lease's first bytes as a CPU tensor of ``dtype`` and ``shape``."""
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
-        if n > self.nbytes:
-            raise ValueError(f"{n} bytes do not fit a {self.nbytes}-byte lease")
-        # Not an inference tensor, also when made under torch.inference_mode (vLLM's
-        # hooks): the store writes loads into it from its own thread.
-        with torch.inference_mode(False):
-            return self.pool.arena.tensor[self.run.offset:self.run.offset + n].view(dtype) \
-                .view(shape)
+        return _view(self.pool.arena.tensor, self.run.offset, self.nbytes, dtype, shape)
 
     def release(self) -> None:
         self.pool._give_back(self)
@@ -150,13 +141,7 @@ class DeviceLease:
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The lease's first bytes as a tensor of ``dtype`` and ``shape`` on the device."""
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
-        if n > self.nbytes:
-            raise ValueError(f"{n} bytes do not fit a {self.nbytes}-byte lease")
-        with torch.inference_mode(False):
-            return self.pool.backing[self.offset:self.offset + n].view(dtype).view(shape)
+        return _view(self.pool.backing, self.offset, self.nbytes, dtype, shape)
 
     def release(self) -> None:
         self.pool._give_back(self)
@@ -225,3 +210,18 @@ class DeviceStagingPool:
         with self._lock:
             self.closed = True
         del self.backing
+
+
+def _view(backing: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype,
+          shape: tuple[int, ...]) -> torch.Tensor:
+    """A lease's first bytes (``nbytes`` of ``backing`` from ``offset``) as a tensor of
+    ``dtype`` and ``shape``.  Not an inference tensor, also when made under
+    ``torch.inference_mode`` (vLLM's hooks): the store writes loads into it from its own
+    thread."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    if n > nbytes:
+        raise ValueError(f"{n} bytes do not fit a {nbytes}-byte lease")
+    with torch.inference_mode(False):
+        return backing[offset:offset + n].view(dtype).view(shape)
