@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -189,6 +191,24 @@ class _Slot:
 ROUNDS = 100  # reservations per competing task once the waiter is in line
 
 
+@contextmanager
+def _sixteen_page_allocator(tmp_path: Path) -> Iterator[Allocator]:
+    """An allocator of 16 pages of capacity in one 17-page extent, over a fresh index."""
+    index = Index(str(tmp_path / "index"), map_size=1 << 24, sync=False)
+    writer = IndexWriter(index)
+    try:
+        writer.run_sync(lambda txn: init_meta(txn, index, store_uuid=b"u" * 16,
+                                              extent_bytes=17 * PAGE))
+        yield Allocator(path=str(tmp_path), index=index, writer=writer,
+                        extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
+                        free_runs=[], capacity_bytes=16 * PAGE, file_mode=0o600,
+                        counters={"evicted_blocks": 0, "evicted_bytes": 0},
+                        on_new_extent=lambda extent: None)
+    finally:
+        writer.close()
+        index.close()
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_a_waiting_reserve_is_not_overtaken_by_a_stream_of_smaller_ones(
         tmp_path: Path, backend: str) -> None:
@@ -201,15 +221,6 @@ def test_a_waiting_reserve_is_not_overtaken_by_a_stream_of_smaller_ones(
     eviction ended (issue 31).  Counted, not timed: the stream runs ROUNDS more per task
     once it is in line, and the test counts small reserves *started after* that and
     *placed before* it."""
-    index = Index(str(tmp_path / "index"), map_size=1 << 24, sync=False)
-    writer = IndexWriter(index)
-    writer.run_sync(lambda txn: init_meta(txn, index, store_uuid=b"u" * 16,
-                                          extent_bytes=17 * PAGE))
-    allocator = Allocator(path=str(tmp_path), index=index, writer=writer,
-                          extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
-                          free_runs=[], capacity_bytes=16 * PAGE, file_mode=0o600,
-                          counters={"evicted_blocks": 0, "evicted_bytes": 0},
-                          on_new_extent=lambda extent: None)
     state = {"waiting": False, "placed": False}
     counts = {"overtook": 0, "placed": 0}
 
@@ -250,11 +261,8 @@ def test_a_waiting_reserve_is_not_overtaken_by_a_stream_of_smaller_ones(
             tg.start_soon(whole)
             tg.start_soon(in_line)
 
-    try:
+    with _sixteen_page_allocator(tmp_path) as allocator:
         run_within(scenario, backend)
-    finally:
-        writer.close()
-        index.close()
     assert counts["overtook"] == 0, \
         f"{counts['overtook']} later reserves went ahead of the waiting one"
     assert allocator.reserved_bytes == 0 and allocator.used_bytes == 0
@@ -265,15 +273,6 @@ def test_a_reserve_that_leaves_the_line_lets_the_next_one_try(
         tmp_path: Path, backend: str) -> None:
     """A waiting reserve that is cancelled (or refused) hands its turn on: the smaller one
     queued behind it, which fits, is placed without waiting for another change."""
-    index = Index(str(tmp_path / "index"), map_size=1 << 24, sync=False)
-    writer = IndexWriter(index)
-    writer.run_sync(lambda txn: init_meta(txn, index, store_uuid=b"u" * 16,
-                                          extent_bytes=17 * PAGE))
-    allocator = Allocator(path=str(tmp_path), index=index, writer=writer,
-                          extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
-                          free_runs=[], capacity_bytes=16 * PAGE, file_mode=0o600,
-                          counters={"evicted_blocks": 0, "evicted_bytes": 0},
-                          on_new_extent=lambda extent: None)
     placed: list[bytes] = []
 
     async def reserve(slot: _Slot, scope: anyio.CancelScope) -> None:
@@ -296,8 +295,5 @@ def test_a_reserve_that_leaves_the_line_lets_the_next_one_try(
         assert placed == [b"small"]
         allocator.unreserve([held])
 
-    try:
+    with _sixteen_page_allocator(tmp_path) as allocator:
         run_within(scenario, backend)
-    finally:
-        writer.close()
-        index.close()
