@@ -72,6 +72,9 @@ class SaveBatch(_Batch):
         self.block_ids = self.host_ids = block_ids
         self.layers_done: set[int] = set()
         self.ended = False
+        # Not (wholly) copied out: the compute stream was capturing a CUDA graph at one
+        # of its calls; the caller drops it (counted in MoverStats.capture_skipped_*).
+        self.skipped = False
         self._encode = encode
 
     def payloads(self) -> list[tuple[int, U8] | None]:

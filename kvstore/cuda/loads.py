@@ -12,7 +12,7 @@ import torch
 from kvstore.cuda import paged
 from kvstore.cuda.batches import LoadBatch
 from kvstore.cuda.device import Notice
-from kvstore.cuda.mover_core import MoverCore
+from kvstore.cuda.mover_core import CaptureError, MoverCore
 from kvstore.cuda.staging import DeviceStagingPool, StagingPool
 
 __all__ = ["Loads"]
@@ -32,8 +32,17 @@ class Loads:
             # One layer of the largest batch: the scatter's side of the DMA.
             self._scratch = core.malloc(max(self.max_blocks, 1) * core.layer_bytes)
 
+    def _refuse_in_capture(self, what: str) -> None:
+        if self.core.capturing():
+            raise CaptureError(
+                f"kvstore data mover: {what} while the compute stream is capturing a CUDA "
+                "graph; its copies and events would be captured into the graph. Load "
+                "outside graph capture (the step is run eagerly or the load waits a step)")
+
     def begin(self, n: int) -> LoadBatch | None:
-        """Staging for ``n`` blocks coming in (``batch.blocks()``), or None (no room)."""
+        """Staging for ``n`` blocks coming in (``batch.blocks()``), or None (no room).
+        Raises :class:`CaptureError` while the compute stream captures a CUDA graph."""
+        self._refuse_in_capture("a load began")
         if n < 1 or (self.core.cuda and n > self.max_blocks):
             return None
         lease = self.core.take(self.pool, n * self.core.block_bytes)
@@ -52,6 +61,7 @@ class Loads:
         :meth:`wait_layer`; then the batch's copy-done notice.  Returns at once (CPU:
         done)."""
         core = self.core
+        self._refuse_in_capture("a load was enqueued")
         ids = [int(b) for b in block_ids]
         n = len(ids)
         if n > batch.n:
@@ -102,12 +112,19 @@ class Loads:
 
     def wait_layer(self, layer: int) -> None:
         """Make the compute stream wait (on the GPU) for the loads into ``layer``
-        enqueued so far; the host does not wait."""
+        enqueued so far; the host does not wait.  While the compute stream captures a
+        CUDA graph this enqueues nothing (a wait on an event recorded outside the
+        capture cannot be captured) and raises :class:`CaptureError` if loads into the
+        layer are still unwaited; with none, it returns."""
         core = self.core
         if not core.cuda:
             return
         lib = core.lib
         assert lib is not None
+        with core.lock:
+            if layer not in self._unwaited:
+                return
+        self._refuse_in_capture(f"layer {layer} was to wait for its loads")
         with core.lock:
             if layer not in self._unwaited:
                 return

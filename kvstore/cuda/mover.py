@@ -40,9 +40,14 @@ writing an eventfd), never by a host thread blocking in CUDA.  Staging is bounde
 (:class:`kvstore.cuda.staging.StagingPool`): a save that finds no room is dropped and
 counted, and ``max_save_bytes_per_s`` caps the copy-out rate (token bucket, one second
 of burst) so that saves leave PCIe bandwidth to loads; a save over the cap is dropped
-too.  A lease is never reused before its copy-done notice fired, whatever the caller
+too, and ``max_save_bytes_per_batch`` caps one save (a step's) the same way.  A lease is never reused before its copy-done notice fired, whatever the caller
 does (``release`` early, a cancelled wait, an abort): :meth:`Mover.reap` hands it back
 then.
+
+CUDA graphs: while the compute stream captures one (torch's
+``is_current_stream_capturing``; kvstore's library has no capture query), the mover
+enqueues nothing into it: a save is skipped and counted (``capture_skipped_saves``,
+``SaveBatch.skipped``), a load is refused with :class:`CaptureError`.
 
 On CPU tensors (a CPU engine) the same calls run plain copies (torch's
 ``index_select``/``index_copy_``), with no stream or event; everything is done when the
@@ -67,11 +72,11 @@ from kvstore.cuda import paged
 from kvstore.cuda._lib import Library
 from kvstore.cuda.batches import LoadBatch, SaveBatch
 from kvstore.cuda.loads import Loads
-from kvstore.cuda.mover_core import MoverCore, MoverStats
+from kvstore.cuda.mover_core import CaptureError, MoverCore, MoverStats
 from kvstore.cuda.saves import Saves
 from kvstore.cuda.staging import DeviceStagingPool, StagingPool
 
-__all__ = ["LoadBatch", "Mover", "MoverStats", "SaveBatch"]
+__all__ = ["CaptureError", "LoadBatch", "Mover", "MoverStats", "SaveBatch"]
 
 
 class Mover:
@@ -84,7 +89,10 @@ class Mover:
     memory).  ``codec``: an FP8 ``CodecSpec`` quantises saves on the GPU.  ``lib``: the CUDA
     library (default: the process's, when the layers are on a CUDA device and it is
     usable; else the CPU path).  ``compute_stream``: the engine's stream as an int
-    (default: torch's current stream of the layers' device).
+    (default: torch's current stream of the layers' device); ``capturing``: whether it
+    captures a CUDA graph now (default: torch's query of its current stream).
+    ``max_save_bytes_per_s`` / ``max_save_bytes_per_batch``: caps on the copy-out
+    (bytes moved device -> host; a save over either is dropped whole, counted).
 
     A facade: :attr:`saves` (:class:`kvstore.cuda.saves.Saves`) and :attr:`loads`
     (:class:`kvstore.cuda.loads.Loads`) do the work, on one shared
@@ -94,35 +102,50 @@ class Mover:
     def __init__(self, layers: Sequence[torch.Tensor], layout: paged.Layout, *,
                  staging_bytes: int, load_staging_bytes: int | None = None,
                  device_loads: bool = False, codec: CodecSpec | None = None,
-                 max_save_bytes_per_s: float | None = None, lib: Library | None = None,
+                 max_save_bytes_per_s: float | None = None,
+                 max_save_bytes_per_batch: int | None = None, lib: Library | None = None,
                  compute_stream: Callable[[], int] | None = None,
+                 capturing: Callable[[], bool] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         core = self._core = MoverCore(layers, layout, codec=codec, lib=lib,
-                                      compute_stream=compute_stream)
+                                      compute_stream=compute_stream, capturing=capturing)
         self.layers, self.layout, self.dtype = core.layers, core.layout, core.dtype
         self.num_layers, self.num_blocks = core.num_layers, core.num_blocks
         self.block_shape, self.layer_bytes = core.block_shape, core.layer_bytes
         self.block_bytes, self.cuda, self.codec = core.block_bytes, core.cuda, core.codec
         self.closed = False
-        with core.on_device():
-            # Saves and loads each have their own staging: saves that pile up (a slow
-            # disk) are dropped, and never take the room a load needs.
-            self.pool = StagingPool(staging_bytes, core.lib)
-            # device_loads (GPU path): loads stage in device memory, the store's reads go
-            # there straight from its page-locked arena (one DMA, an FP8 block
-            # dequantised there), no host copy, at the price of that much device memory;
-            # else page-locked host memory, like the saves'.
-            self.load_pool: StagingPool | DeviceStagingPool = \
-                DeviceStagingPool(load_staging_bytes or staging_bytes, core.layers[0]) \
-                if core.lib is not None and device_loads else \
-                StagingPool(load_staging_bytes or staging_bytes, core.lib,
-                            owner="kvstore data mover (loads)")
-            if core.cuda:
-                core.setup_device()
-                self.save_stream, self.load_stream = core.save_stream, core.load_stream
-            self.saves = Saves(core, self.pool, max_save_bytes_per_s=max_save_bytes_per_s,
-                               clock=clock)
-            self.loads = Loads(core, self.load_pool)
+        pools: list[StagingPool | DeviceStagingPool] = []
+        try:
+            with core.on_device():
+                # Saves and loads each have their own staging: saves that pile up (a
+                # slow disk) are dropped, and never take the room a load needs.
+                self.pool = StagingPool(staging_bytes, core.lib)
+                pools.append(self.pool)
+                # device_loads (GPU path): loads stage in device memory, the store's
+                # reads go there straight from its page-locked arena (one DMA, an FP8
+                # block dequantised there), no host copy, at the price of that much
+                # device memory; else page-locked host memory, like the saves'.
+                self.load_pool: StagingPool | DeviceStagingPool = \
+                    DeviceStagingPool(load_staging_bytes or staging_bytes, core.layers[0]) \
+                    if core.lib is not None and device_loads else \
+                    StagingPool(load_staging_bytes or staging_bytes, core.lib,
+                                owner="kvstore data mover (loads)")
+                pools.append(self.load_pool)
+                if core.cuda:
+                    core.setup_device()
+                    self.save_stream, self.load_stream = core.save_stream, core.load_stream
+                self.saves = Saves(core, self.pool, max_save_bytes_per_s=max_save_bytes_per_s,
+                                   max_save_bytes_per_batch=max_save_bytes_per_batch,
+                                   clock=clock)
+                self.loads = Loads(core, self.load_pool)
+        except BaseException:
+            # (e.g. no device memory for the load staging) nothing stays registered or
+            # allocated: the caller may retry with other options
+            core.close()
+            for p in pools:
+                p.close()
+            raise
+        self.device_loads = isinstance(self.load_pool, DeviceStagingPool)
         self.max_blocks, self.max_load_blocks = self.saves.max_blocks, self.loads.max_blocks
 
     # ------------------------------------------------------------------ save
@@ -130,6 +153,14 @@ class Mover:
     def stored_bytes(self, n: int) -> int:
         """Staging one save of ``n`` blocks takes."""
         return self.saves.stored_bytes(n)
+
+    def copied_bytes(self, n: int) -> int:
+        """Bytes one save of ``n`` blocks moves device -> host (what the caps count)."""
+        return self.saves.copied_bytes(n)
+
+    def capturing(self) -> bool:
+        """Whether the compute stream captures a CUDA graph now (GPU path only)."""
+        return self._core.capturing()
 
     def begin_save(self, block_ids: Sequence[int]) -> SaveBatch | None:
         """Staging for a save of ``block_ids`` (cache block numbers), or None: dropped

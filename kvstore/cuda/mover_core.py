@@ -24,7 +24,21 @@ from kvstore.cuda.backpressure import PendingLeases
 from kvstore.cuda.device import DeviceBuffer, Notice, on_device
 from kvstore.cuda.staging import DeviceLease, DeviceStagingPool, Lease, StagingPool
 
-__all__ = ["MoverCore", "MoverStats"]
+__all__ = ["CaptureError", "MoverCore", "MoverStats", "torch_capturing"]
+
+
+class CaptureError(RuntimeError):
+    """A load asked of the mover while the engine's stream captures a CUDA graph: its
+    copies and events would become nodes of the graph (replayed at every launch) or
+    pull kvstore's stream into the capture; refused, nothing enqueued."""
+
+
+def torch_capturing() -> bool:
+    """Whether torch's current CUDA stream (the engine's compute stream) is capturing a
+    CUDA graph.  kvstore's CUDA library has no capture query of its own
+    (``cudaStreamIsCapturing`` is not in ``cuda_ext``), so this asks torch; a torch
+    without CUDA captures nothing."""
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 @dataclass
@@ -33,8 +47,10 @@ class MoverStats:
     saved_blocks: int = 0
     dropped_saves: int = 0         # refused for want of staging (never waited for)
     dropped_blocks: int = 0
-    rate_dropped_saves: int = 0    # refused by the copy-out rate cap
+    rate_dropped_saves: int = 0    # refused by a copy-out cap (bytes/s, bytes per save)
     rate_dropped_blocks: int = 0
+    capture_skipped_saves: int = 0  # not enqueued: the compute stream was capturing a
+    capture_skipped_blocks: int = 0  # CUDA graph (never copied into a graph)
     copied_out_bytes: int = 0      # bytes DMA'd device -> staging (FP8: payloads)
     loads: int = 0
     loaded_blocks: int = 0
@@ -58,7 +74,8 @@ class MoverCore:
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: paged.Layout, *,
                  codec: CodecSpec | None, lib: Library | None,
-                 compute_stream: Callable[[], int] | None) -> None:
+                 compute_stream: Callable[[], int] | None,
+                 capturing: Callable[[], bool] | None = None) -> None:
         self.layers = list(layers)
         self.layout = layout
         axis = paged._check_layers(self.layers, layout)
@@ -85,6 +102,7 @@ class MoverCore:
         self.leases = PendingLeases(self.lock)
         self.counts = MoverStats()
         self._compute_stream = compute_stream
+        self._capturing = capturing or torch_capturing
         self._buffers: list[DeviceBuffer] = []
         self._streams: list[int] = []
         self._events: list[int] = []
@@ -135,6 +153,11 @@ class MoverCore:
         if dev.type == "cuda" and torch.cuda.is_available():
             return int(torch.cuda.current_stream(dev).cuda_stream)
         return 0  # the legacy default stream (a torch without CUDA: the stand-in's)
+
+    def capturing(self) -> bool:
+        """Whether the compute stream is capturing a CUDA graph now (the GPU path only:
+        nothing a CPU engine does is captured)."""
+        return self.cuda and self._capturing()
 
     def check_ids(self, ids: Sequence[int]) -> None:
         for b in ids:

@@ -32,14 +32,17 @@ def _up(n: int, a: int = _ALIGN) -> int:
 
 class Saves:
     """Saves of ``core``'s blocks through ``pool``; ``max_save_bytes_per_s`` caps the
-    copy-out (a save over it is dropped).  Construct it on the core's device."""
+    copy-out rate and ``max_save_bytes_per_batch`` one save's copy-out (a save over
+    either is dropped whole).  Construct it on the core's device."""
 
     def __init__(self, core: MoverCore, pool: StagingPool, *,
                  max_save_bytes_per_s: float | None = None,
+                 max_save_bytes_per_batch: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
         self.pool = pool
         self.rate = RateCap(max_save_bytes_per_s, clock)
+        self.max_batch_bytes = max_save_bytes_per_batch
         core.counts.staging_bytes = pool.capacity
         self.max_blocks = pool.capacity // core.block_bytes
         if core.cuda:
@@ -76,18 +79,35 @@ class Saves:
         """Staging one save of ``n`` blocks takes."""
         return n * (self._record_bytes if self.core.fp8 else self.core.block_bytes)
 
+    def copied_bytes(self, n: int) -> int:
+        """The bytes a save of ``n`` blocks moves device -> host (FP8: status words and
+        payloads; what the caps count)."""
+        if self.core.fp8:
+            return n * (4 + self._payload_bytes)
+        return n * self.core.block_bytes
+
     def begin(self, block_ids: Sequence[int]) -> SaveBatch | None:
         """Staging for a save of ``block_ids`` (cache block numbers), or None: dropped
-        (no room now, or over the rate cap) and counted; never waits."""
+        (no room now, over a copy-out cap, or the compute stream capturing a CUDA
+        graph) and counted; never waits."""
         core = self.core
         ids = [int(b) for b in block_ids]
         core.check_ids(ids)
         n = len(ids)
+        if n and core.capturing():
+            self._count_capture_skip(n)
+            return None
         nbytes = self.stored_bytes(n)
+        if n and self.max_batch_bytes is not None and \
+                self.copied_bytes(n) > self.max_batch_bytes:
+            with core.lock:
+                core.counts.rate_dropped_saves += 1
+                core.counts.rate_dropped_blocks += n
+            return None
         fits_device = not core.cuda or n <= (self.max_fp8_blocks if core.fp8 else
                                              self.max_blocks)
         lease = core.take(self.pool, nbytes) if fits_device and n else None
-        if lease is None or not self.rate.allow(nbytes):
+        if lease is None or not self.rate.allow(self.copied_bytes(n)):
             with core.lock:
                 if lease is not None:
                     core.counts.rate_dropped_saves += 1
@@ -103,10 +123,29 @@ class Saves:
             core.counts.saved_blocks += n
         return SaveBatch(core, lease, ids, self.payloads)
 
+    def _count_capture_skip(self, n: int) -> None:
+        with self.core.lock:
+            self.core.counts.capture_skipped_saves += 1
+            self.core.counts.capture_skipped_blocks += n
+
+    def _skip_in_capture(self, batch: SaveBatch) -> bool:
+        """True (and the batch marked skipped, counted once) if the compute stream is
+        capturing a CUDA graph: nothing of the batch may be enqueued then (a copy-out in
+        a graph would run at every replay, into staging long handed back); the batch
+        ends incomplete and its caller drops it."""
+        if batch.skipped:
+            return True
+        if not self.core.capturing():
+            return False
+        batch.skipped = True
+        self._count_capture_skip(batch.n)
+        return True
+
     def save_layer(self, batch: SaveBatch, layer: int) -> None:
         """Enqueue the copy-out of ``layer``'s blocks, ordered after the work the compute
-        stream has queued so far (the layer's KV write).  Returns at once."""
-        if batch.ended or layer in batch.layers_done:
+        stream has queued so far (the layer's KV write).  Returns at once.  Nothing is
+        enqueued while the compute stream captures a CUDA graph (``batch.skipped``)."""
+        if batch.ended or layer in batch.layers_done or self._skip_in_capture(batch):
             return
         batch.layers_done.add(layer)
         core = self.core
@@ -135,10 +174,15 @@ class Saves:
 
     def end(self, batch: SaveBatch) -> None:
         """Enqueue what is left (layers not saved yet, FP8 quantisation and its copy-out)
-        and arm the batch's copy-done notice.  Returns at once."""
+        and arm the batch's copy-done notice.  Returns at once.  A batch skipped for a
+        CUDA graph capture (``batch.skipped``, now or at an earlier layer) enqueues
+        nothing more: the caller drops it (``release``)."""
         if batch.ended:
             return
         core = self.core
+        if self._skip_in_capture(batch):
+            batch.ended = True
+            return
         for layer in range(core.num_layers):
             self.save_layer(batch, layer)
         batch.ended = True

@@ -150,20 +150,44 @@ class StandInGpu(StandInLibrary):
                  auto: bool = False) -> None:
         super().__init__(host, current)
         self.auto = auto  # run whatever can run after every call (a GPU that keeps up)
+        # Streams ``auto`` leaves alone (their work runs only when a test says so): a GPU
+        # that keeps up with the store's copies while the mover's stream is held back.
+        self.held: set[int] = set()
         self.queues: dict[int, list[tuple[str, Any]]] = {}
         self.events: dict[int, _Event] = {}
         self.syncs: list[str] = []
+        # Bytes each enqueued copy moves: (call, stream, bytes).
+        self.copied: list[tuple[str, int, int]] = []
+        # CUDA graph capture: streams capturing now (a test starts one with
+        # begin_capture), and every operation enqueued into a capture -- which on a GPU
+        # would become a node of the engine's graph, replayed at every graph launch,
+        # or pull kvstore's stream into the capture (a wait on a captured event).
+        self.capturing: set[int] = set()
+        self.captured: list[str] = []
+        self._captured_events: set[int] = set()
         self._next = 1000
 
     def try_call(self, name: str, *args: Any) -> int:
         code = super().try_call(name, *args)
         if self.auto:
-            self.run()
+            self.run([s for s in self.queues if s not in self.held])
         return code
+
+    def begin_capture(self, stream: int) -> None:
+        """``stream`` starts capturing a CUDA graph (``torch.cuda.graph``'s begin)."""
+        self.capturing.add(stream)
+
+    def end_capture(self, stream: int) -> None:
+        self.capturing.discard(stream)
+
+    def is_capturing(self, stream: int) -> bool:
+        return stream in self.capturing
 
     # ---- the queue
     def enqueue(self, stream: int, fn: Any, what: str = "engine work") -> None:
         """Queue ``fn()`` on ``stream`` (the engine's kernels in a test)."""
+        if stream in self.capturing and what != "engine work":
+            self.captured.append(f"{what} on stream {stream}")
         self.queues.setdefault(stream, []).append((what, fn))
 
     def _runnable(self, op: tuple[str, Any]) -> bool:
@@ -221,6 +245,10 @@ class StandInGpu(StandInLibrary):
         return 0
 
     def _kvc_event_record(self, event: int, stream: int) -> int:
+        if stream in self.capturing:
+            self._captured_events.add(event)
+        else:
+            self._captured_events.discard(event)
         ev = self.events[event]
         ev.recorded += 1
         target = ev.recorded
@@ -231,6 +259,10 @@ class StandInGpu(StandInLibrary):
         return 0
 
     def _kvc_stream_wait_event(self, stream: int, event: int) -> int:
+        if event in self._captured_events and stream not in self.capturing:
+            # CUDA: waiting on an event recorded in a capture joins the capture.
+            self.captured.append(f"stream {stream} joined the capture")
+            self.capturing.add(stream)
         self.enqueue(stream, (event, self.events[event].recorded), "wait")
         return 0
 
@@ -250,6 +282,7 @@ class StandInGpu(StandInLibrary):
         if stream == 0:   # the legacy stream as DeviceBuffer.upload uses it: then synced
             ctypes.memmove(dst, src, nbytes)
             return 0
+        self.copied.append(("kvc_memcpy_async", stream, nbytes))
         self.enqueue(stream, lambda: ctypes.memmove(dst, src, nbytes), "memcpy")
         return 0
 
@@ -258,6 +291,7 @@ class StandInGpu(StandInLibrary):
         def copy() -> None:
             for r in range(rows):
                 ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        self.copied.append(("kvc_memcpy2d_async", stream, rows * width))
         self.enqueue(stream, copy, "memcpy2d")
         return 0
 
@@ -302,11 +336,30 @@ class StandInGpu(StandInLibrary):
         return 0
 
 
+# What stays on the device: memory allocated "like" a device tensor, and views of it
+# (they alias its memory).  Everything else an OnDevice computes is a plain CPU tensor.
+_STAYS_ON_DEVICE = frozenset((
+    "new_empty", "new_zeros", "new_ones", "new_full", "view", "view_as", "reshape",
+    "__getitem__", "unbind", "narrow", "select", "detach", "as_strided", "flatten",
+    "unflatten", "transpose", "permute", "movedim", "squeeze", "unsqueeze", "split",
+    "chunk", "expand"))
+
+
+def _on_device(result: Any) -> Any:
+    if type(result) is torch.Tensor:
+        return result.as_subclass(OnDevice)
+    if isinstance(result, (tuple, list)):
+        return type(result)(_on_device(r) for r in result)
+    return result
+
+
 class OnDevice(torch.Tensor):
     """Host memory that says it is on ``cuda:0`` (for the stand-in GPU, whose "device
     memory" is host memory), recording every call that would copy device memory to the
-    host and so wait for the GPU (``.to``, ``.cpu``, ``.item``, ``.tolist``, ``.numpy``);
-    what it computes, it computes as the CPU tensor it is (results are plain tensors)."""
+    host and so wait for the GPU (``.to``, ``.cpu``, ``.item``, ``.tolist``, ``.numpy``).
+    Memory allocated like it (``new_empty``, ``new_zeros``, ...) and its views
+    (``view``, slices, ``unbind``, ...) are on the device too, as a CUDA tensor's are;
+    anything else it computes, it computes as the CPU tensor it is (a plain tensor)."""
 
     log: list[str] = []
 
@@ -322,4 +375,5 @@ class OnDevice(torch.Tensor):
         if name in ("to", "cpu", "item", "tolist", "numpy", "__array__", "synchronize"):
             cls.log.append(name)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+            result = func(*args, **(kwargs or {}))
+        return _on_device(result) if name in _STAYS_ON_DEVICE else result

@@ -8,17 +8,21 @@ calls with plain copies.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import numpy as np
 import pytest
 import torch
 
+import kvstore
 from kvstore import codecs
 from kvstore.codecs import CodecSpec, KVLayout
-from kvstore.cuda import CudaError, _lib, paged
-from kvstore.cuda.mover import Mover
+from kvstore.cuda import CudaError, _lib, copies, paged
+from kvstore.cuda import fp8 as gpu_fp8
+from kvstore.cuda.mover import CaptureError, Mover
 from kvstore.cuda.staging import DeviceStagingPool
-from tests.cuda.standin import ILLEGAL_ADDRESS, StandInGpu
+from tests.cuda.standin import ILLEGAL_ADDRESS, OnDevice, StandInGpu
 
 COMPUTE = 7        # the engine's stream, as the stand-in knows it
 LAYERS = 3
@@ -381,3 +385,149 @@ async def test_device_load_staging_is_bounded_reused_and_scattered_from(
     assert torch.equal(_expected(layers, [4, 8]), stored)
     b.release()
     m.close()
+
+
+def _capture_mover(layers: list[torch.Tensor], gpu: StandInGpu, **kw: object) -> Mover:
+    # The compute stream's capture status as the engine's torch would report it.
+    return _mover(layers, gpu, capturing=lambda: gpu.is_capturing(COMPUTE), **kw)
+
+
+async def test_saves_during_cuda_graph_capture_are_skipped_counted_never_captured(
+        gpu: StandInGpu) -> None:
+    layers = _layers()
+    m = _capture_mover(layers, gpu)
+    gpu.begin_capture(COMPUTE)
+    assert m.capturing() and m.begin_save([1, 2]) is None     # skipped at the start
+    gpu.end_capture(COMPUTE)
+    batch = m.begin_save([3, 4])                              # capture starts mid-step
+    assert batch is not None
+    m.save_layer(batch, 0)
+    gpu.begin_capture(COMPUTE)
+    m.save_layer(batch, 1)
+    m.end_save(batch)
+    gpu.end_capture(COMPUTE)
+    assert batch.skipped and batch.ended
+    assert gpu.captured == []            # nothing of kvstore's went into the graph
+    s = m.stats()
+    assert (s.capture_skipped_saves, s.capture_skipped_blocks) == (2, 4)
+    batch.release()                      # its layer-0 copy still queued: held till done
+    assert m.stats().staging_in_use_bytes > 0
+    gpu.run()
+    assert m.stats().staging_in_use_bytes == 0 and gpu.syncs == []
+    m.close()
+
+
+def test_without_the_guard_the_stand_in_catches_a_captured_save(gpu: StandInGpu) -> None:
+    # The check above could fail: a mover that ignores the capture records its event
+    # on the capturing stream and its save stream joins the capture.
+    m = _mover(_layers(), gpu, capturing=lambda: False)
+    batch = m.begin_save([1])
+    assert batch is not None
+    gpu.begin_capture(COMPUTE)
+    m.save_layer(batch, 0)
+    gpu.end_capture(COMPUTE)
+    assert any("joined the capture" in c for c in gpu.captured)
+    batch.release()
+    gpu.capturing.clear()
+    gpu.run()
+    m.close()
+
+
+def test_loads_during_cuda_graph_capture_are_refused_clearly(gpu: StandInGpu) -> None:
+    layers = _layers()
+    m = _capture_mover(layers, gpu)
+    before = m.begin_load(1)
+    assert before is not None
+    before.staged().copy_(_expected(_layers(seed=2), [0]))
+    m.load(before, [5])                  # enqueued before the capture, not waited yet
+    gpu.begin_capture(COMPUTE)
+    with pytest.raises(CaptureError, match="capturing a CUDA graph"):
+        m.begin_load(1)
+    with pytest.raises(CaptureError, match="capturing a CUDA graph"):
+        m.load(before, [6])
+    with pytest.raises(CaptureError, match="layer 0"):
+        m.wait_layer(0)                  # its event cannot be waited on in the graph
+    gpu.end_capture(COMPUTE)
+    assert gpu.captured == []
+    m.wait_all_layers()                  # after the capture: waited as usual
+    before.release()
+    gpu.run()
+    assert torch.equal(_expected(layers, [5]), _expected(_layers(seed=2), [0]))
+    m.close()
+
+
+def test_the_default_capture_query_is_torchs(gpu: StandInGpu,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # kvstore's library has no capture query: the mover asks torch about its current
+    # stream (this torch has no CUDA, so its answer is set here).
+    m = _mover(_layers(), gpu)
+    assert m.begin_save([0]) is not None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert m.capturing() and m.begin_save([1]) is None
+    assert m.stats().capture_skipped_saves == 1
+    monkeypatch.undo()
+    gpu.run()
+    m.close()
+
+
+def test_a_save_over_the_per_save_cap_is_dropped_whole(gpu: StandInGpu) -> None:
+    layers = _layers()
+    block = LAYERS * 2 * 4 * 2 * 8 * 4
+    m = _mover(layers, gpu, blocks=8, max_save_bytes_per_batch=2 * block)
+    assert m.copied_bytes(3) == 3 * block
+    assert m.begin_save([0, 1, 2]) is None
+    s = m.stats()
+    assert (s.rate_dropped_saves, s.rate_dropped_blocks, s.staging_in_use_bytes) == (1, 3, 0)
+    assert gpu.pending() == 0            # nothing enqueued for it
+    ok = m.begin_save([0, 1])
+    assert ok is not None
+    ok.release()
+    m.close()
+
+
+async def test_device_loads_of_fp8_blocks_land_dequantised_with_no_host_copy(
+        tmp_path: Path, gpu: StandInGpu, host_lib: _lib.Library) -> None:
+    """A load staged in device memory: get_many copies the FP8 payload (about half the
+    bytes) from the store's arena into it and dequantises it there; the mover scatters
+    from it; no synchronising call, no device -> host copy; the cache gets exactly what
+    the CPU codec decodes."""
+    gpu.host = host_lib
+    gpu.auto = True
+    spec = CodecSpec(fp8="e4m3", layout=KVLayout(kv_axis=1, token_axis=2, head_axis=3))
+    plain = _layers(dtype=torch.float16)
+    layers = [t.as_subclass(OnDevice) for t in plain]
+    m = _mover(layers, gpu, device_loads=True)
+    gpu.held = {m.load_stream}
+    blocks = _expected(_layers(seed=7, dtype=torch.float16), [0, 1])
+    keys = [b"\x61" * 16, b"\x62" * 16]
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20, codec=spec) as store:
+        await store.put_many(keys, list(blocks))
+        batch = m.begin_load(2)
+        assert batch is not None
+        staged = batch.blocks()
+        assert all(isinstance(b, OnDevice) for b in staged)   # device staging
+        OnDevice.log.clear()
+        gpu.syncs.clear()
+        gpu.copied.clear()
+        decoded = copies.stats().fp8_decoded
+        got = await store.get_many(keys, staged)
+    assert all(g is s for g, s in zip(got, staged))
+    assert copies.stats().fp8_decoded - decoded == 2
+    # In: each block's scales and codes (its payload less the header), and the
+    # kernel's row -> scale-group map once per geometry; fewer bytes than the block.
+    copied_in = sum(n for call, s, n in gpu.copied if s != m.load_stream)
+    payloads = sum(len(codecs.encode(b, spec)[1]) - gpu_fp8._HDR.size for b in blocks)
+    row_group = gpu_fp8.scale_groups(m.block_shape, spec).row_group.nbytes
+    assert payloads <= copied_in <= payloads + row_group
+    assert payloads < 0.6 * blocks.numel() * blocks.element_size()
+    m.load(batch, [9, 2])
+    batch.release()
+    gpu.held.clear()
+    gpu.run()
+    assert gpu.syncs == [] and OnDevice.log == []
+    want = torch.stack([codecs.decode(*codecs.encode(b, spec), b.dtype, tuple(b.shape))
+                        for b in blocks])
+    assert torch.equal(_expected(plain, [9, 2]).view(torch.int16), want.view(torch.int16))
+    m.close()
+    copies.close()

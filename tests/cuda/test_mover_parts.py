@@ -34,7 +34,9 @@ class _Lease:
 def test_the_facade_re_exports_the_names_that_moved() -> None:
     assert mover.SaveBatch is batches.SaveBatch and mover.LoadBatch is batches.LoadBatch
     assert mover.MoverStats is mover_core.MoverStats
-    assert sorted(mover.__all__) == ["LoadBatch", "Mover", "MoverStats", "SaveBatch"]
+    assert mover.CaptureError is mover_core.CaptureError
+    assert sorted(mover.__all__) == ["CaptureError", "LoadBatch", "Mover", "MoverStats",
+                                     "SaveBatch"]
 
 
 def test_a_lease_goes_back_only_once_its_notice_fired() -> None:
