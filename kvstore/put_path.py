@@ -4,7 +4,9 @@
    the backlog bound (``kvstore/backlog.py``: a background put is dropped whole, a
    foreground one waits its turn);
 2. wait out other tasks' puts of the same keys, decide again without yielding, and
-   protect the blocks' parents and what they deduplicated against from eviction;
+   protect the blocks' parents and what they deduplicated against from eviction; copy
+   the values of the blocks it writes that lie on a GPU into page-locked host memory
+   (stream-ordered, awaited: ``kvstore.transfers.device_values_to_host``);
 3. reserve space in the allocator (nothing durable changes);
 4. stage header + payload in the arena, CRC32C over the staged bytes, and write every
    slot (O_DIRECT), encoding FP8 chunks as they are staged (``kvstore/transfers.py``);
@@ -38,7 +40,7 @@ from kvstore.index import ChainCut, Txn
 from kvstore.keys import check_key, check_keys
 from kvstore.slots import PlanMismatch, PutItem
 from kvstore.stats import PutResult
-from kvstore.tensors import CODE_DTYPES, host_bytes
+from kvstore.tensors import CODE_DTYPES, check_value, host_bytes
 from kvstore.transfers import device_values_to_host
 
 if TYPE_CHECKING:
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PutPath", "check_fits"]
 
-Staged = tuple[torch.Tensor, int]  # a value's bytes and its dtype code
+Sized = tuple[int, int]  # a value's bytes and its dtype code
 
 
 def check_fits(parts: StoreParts, slot_len: int) -> None:
@@ -95,20 +97,20 @@ class PutPath:
             parent_list = [None if p is None else check_key(p) for p in parents]
             if len(parent_list) != len(keys):
                 raise ValueError(f"{len(keys)} keys but {len(parent_list)} parents")
-        # CUDA values: stream-ordered copies into page-locked staging, awaited (issue 33)
-        values = list(await device_values_to_host(values))
-        staged = [host_bytes(v) for v in values]  # every value validated before any I/O
-        for data, _ in staged:
-            check_fits(self._parts, round_up(SLOT_HEADER_BYTES + data.numel()))
+        # Every value validated before any I/O; a value on a GPU is not copied yet: only
+        # the blocks this put writes are (in _put_once), never a deduplicated one.
+        sized = [check_value(v) for v in values]
+        for n, _ in sized:
+            check_fits(self._parts, round_up(SLOT_HEADER_BYTES + n))
         # Blocks already stored are deduplicated, never dropped nor waited for: only the
         # rest count against the backlog (_put_once decides again, without yielding).
         present = self._parts.index.present(keys)
         dedup = [k in present for k in keys]
-        nbytes = sum(d.numel() for (d, _), p in zip(staged, dedup) if not p)
+        nbytes = sum(n for (n, _), p in zip(sized, dedup) if not p)
         if not nbytes:
             pass  # nothing to write: no room needed
         elif background and not self.backlog.try_enter(nbytes):
-            self._count_dedup(sum(dedup), sum(d.numel() for (d, _), p in zip(staged, dedup) if p))
+            self._count_dedup(sum(dedup), sum(n for (n, _), p in zip(sized, dedup) if p))
             self._counters["dropped_puts"] += 1
             self._counters["dropped_blocks"] += len(keys) - sum(dedup)
             return PutResult(0, sum(dedup), 0, dropped=len(keys) - sum(dedup))
@@ -119,7 +121,7 @@ class PutPath:
         try:
             while True:
                 try:
-                    return await self._put_once(keys, parent_list, staged, values, spec,
+                    return await self._put_once(keys, parent_list, sized, values, spec,
                                                 skip_deleted)
                 except ChainCut:
                     # An eviction chose blocks this put deduplicated against before the
@@ -131,39 +133,41 @@ class PutPath:
             self.backlog.leave(nbytes)
 
     async def _put_once(self, keys: Sequence[bytes], parent_list: Sequence[bytes | None],
-                        staged: Sequence[Staged], values: Sequence[torch.Tensor],
+                        sized: Sequence[Sized], values: Sequence[torch.Tensor],
                         spec: CodecSpec | None, skip_deleted: DeleteWatch | None
                         ) -> PutResult:
         # Wait out other tasks' puts of the same keys, then decide without yielding.
         await self.wait_for_puts_of(keys)
         present = self._parts.index.present(keys)
-        items: list[PutItem] = []
+        chosen: list[tuple[bytes, bytes | None, torch.Tensor]] = []
         deduplicated: dict[bytes, None] = {}
         dedup_bytes = 0
         # A promotion's keys deleted since its fetch began: not stored (from here on, a
         # delete waits for this put instead: its keys are in ``inflight``).
         skipped = set() if skip_deleted is None else skip_deleted.deleted & set(keys)
-        for key, parent, (data, code), value in zip(keys, parent_list, staged, values):
+        for key, parent, (nbytes, _), value in zip(keys, parent_list, sized, values):
             if key in skipped:
                 continue
             if key in present or key in self.inflight:
-                dedup_bytes += data.numel()
+                dedup_bytes += nbytes
                 if key in present:
                     deduplicated[key] = None
                 continue
-            items.append(PutItem(key, parent, data, code, tuple(value.shape)))
+            chosen.append((key, parent, value))
             self.inflight[key] = anyio.Event()
         # (a key twice in the batch and skipped counts once per occurrence)
         n_skipped = sum(k in skipped for k in keys)
-        if not items:
+        if not chosen:
             self._count_dedup(len(keys) - n_skipped, dedup_bytes)
             return PutResult(0, len(keys) - n_skipped, 0, dropped=n_skipped)
         # Their parents and what they were deduplicated against stay until they are stored.
-        guarded = [*(i.key for i in items), *(i.parent for i in items if i.parent is not None),
+        guarded = [*(k for k, _, _ in chosen), *(p for _, p, _ in chosen if p is not None),
                    *deduplicated]
         allocator = self._parts.allocator
         allocator.protect(guarded)
+        items: list[PutItem] = []
         try:
+            items = await self._items(chosen)
             if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
                 # FP8 slots are sized from the shapes and each chunk is encoded as it is
                 # staged, overlapped with the writes of the chunks before it; encoded
@@ -180,8 +184,8 @@ class PutPath:
             else:
                 await self._put_items(items, list(deduplicated))
         finally:
-            for item in items:
-                self.inflight.pop(item.key).set()
+            for key, _, _ in chosen:
+                self.inflight.pop(key).set()
             allocator.unprotect(guarded)  # its blocks are evictable now
         written = sum(item.payload_len for item in items)
         self._count_dedup(len(keys) - len(items) - n_skipped, dedup_bytes)
@@ -190,6 +194,19 @@ class PutPath:
         self._counters["put_payload_bytes"] += written
         return PutResult(len(items), len(keys) - len(items) - n_skipped, written,
                          dropped=n_skipped)
+
+    @staticmethod
+    async def _items(chosen: Sequence[tuple[bytes, bytes | None, torch.Tensor]]
+                     ) -> list[PutItem]:
+        """The blocks to write, their values on the host: a value on a GPU is copied now
+        (stream-ordered into page-locked memory, awaited, no synchronize: issue 33), once
+        the put knows it writes it."""
+        values = await device_values_to_host([v for _, _, v in chosen])
+        items = []
+        for (key, parent, value), host in zip(chosen, values):
+            data, code = host_bytes(host)
+            items.append(PutItem(key, parent, data, code, tuple(value.shape)))
+        return items
 
     async def _encode(self, items: list[PutItem], spec: CodecSpec) -> None:
         """Encode every block now (sizes known only then), checking each slot fits."""

@@ -66,14 +66,11 @@ def encoded_payload(data: torch.Tensor) -> tuple[int, object] | None:
     return None
 
 
-def host_bytes(t: object) -> tuple[torch.Tensor, int]:
-    """Validate a value for ``put`` and return (flat uint8 CPU view of its bytes, dtype code).
-
-    Non-contiguous tensors are copied once; tensors on an accelerator are copied to
-    host memory here only as a fallback: with kvstore's CUDA library, CUDA values reach
-    the host through ``kvstore.transfers.device_values_to_host`` first (stream-ordered
-    copies into page-locked staging, awaited, no synchronize).
-    """
+def check_value(t: object) -> tuple[int, int]:
+    """Validate a value for ``put`` without touching its data: (bytes, dtype code).
+    Values on a device are not copied here: the put path copies only the blocks it
+    writes (deduplicated blocks never leave the device), see
+    :func:`kvstore.transfers.device_values_to_host`."""
     if not isinstance(t, torch.Tensor):
         raise UnsupportedTensorError(f"values must be torch.Tensor, got {type(t).__name__}")
     if t.is_sparse or t.layout != torch.strided:
@@ -84,14 +81,27 @@ def host_bytes(t: object) -> tuple[torch.Tensor, int]:
         raise UnsupportedTensorError("cannot store a meta tensor: it has no data")
     if t.dim() > MAX_NDIM:
         raise UnsupportedTensorError(f"at most {MAX_NDIM} dimensions, got {t.dim()}")
-    code = dtype_code(t)
+    return t.numel() * t.element_size(), dtype_code(t)
+
+
+def host_bytes(t: object) -> tuple[torch.Tensor, int]:
+    """Validate a value for ``put`` and return (flat uint8 CPU view of its bytes, dtype code).
+
+    Non-contiguous tensors are copied once.  A value on a device must have reached the
+    host first (:func:`kvstore.transfers.device_values_to_host`: stream-ordered copies,
+    awaited, never a synchronize): refused here rather than copied by a call that waits
+    for the whole device.
+    """
+    _, code = check_value(t)
+    assert isinstance(t, torch.Tensor)
     if isinstance(t, EncodedBlock):   # no values to copy: a placeholder of their size
         return encoded_block(t.codec_id, t.payload, torch.uint8,
                              (t.numel() * t.element_size(),)), code
-    t = t.detach()
     if t.device.type != "cpu":
-        t = t.to("cpu")
-    flat = t.contiguous().reshape(-1)
+        raise UnsupportedTensorError(
+            f"a value on {t.device} reached the host path uncopied; pass it through "
+            "kvstore.transfers.device_values_to_host first")
+    flat = t.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8), code
 
 

@@ -53,7 +53,8 @@ PIECE_BYTES = 8 << 20
 
 
 class _HostCopies:
-    """No CUDA library: ``deliver`` copies (and waits) itself."""
+    """Neither kvstore's CUDA library nor torch can drive a device: ``deliver`` copies
+    itself (a tensor that only says it is on a device, e.g. a test's stand-in)."""
 
     sink = None
 
@@ -65,26 +66,42 @@ class _HostCopies:
 
 
 def device_copies() -> Any:
-    """The collector of a read chunk's copies into CUDA outputs
-    (:class:`kvstore.cuda.copies.DeviceCopies`), when kvstore's CUDA library is usable.
-    Imported here, on first use: a store without CUDA outputs never loads kvstore.cuda."""
+    """The collector of a read chunk's copies into CUDA outputs: kvstore's CUDA library's
+    (:class:`kvstore.cuda.copies.DeviceCopies`: eventfd completion, FP8 decoded on the
+    GPU) when it is usable, else torch's (:class:`kvstore.cuda.torch_copies.TorchCopies`:
+    a side stream, an event waited for on a worker thread).  Imported here, on first
+    use: a store without CUDA outputs never loads kvstore.cuda."""
     from kvstore.cuda import available
-    from kvstore.cuda.copies import DeviceCopies
 
-    return DeviceCopies() if available() else _HostCopies()
+    if available():
+        from kvstore.cuda.copies import DeviceCopies
+
+        return DeviceCopies()
+    from kvstore.cuda import torch_copies
+
+    return torch_copies.TorchCopies() if torch_copies.usable() else _HostCopies()
 
 
 async def device_values_to_host(values: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-    """A put's values with CUDA tensors copied into page-locked staging by
-    stream-ordered copies, awaited through the eventfd (no synchronize; see
-    :func:`kvstore.cuda.copies.to_host`); ``values`` itself when none is on a CUDA device
-    or kvstore's CUDA library is not usable (``tensors.host_bytes`` copies them then)."""
-    if not any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values):
+    """A put's values with tensors on a device copied to page-locked host memory by
+    stream-ordered copies, awaited, never a synchronize: kvstore's CUDA library's
+    (:func:`kvstore.cuda.copies.to_host`, eventfd) or, without it, torch's
+    (:func:`kvstore.cuda.torch_copies.to_host`).  Host values are returned as they are
+    (``values`` itself when none is on a device).  A value on a device neither can
+    drive (only a stand-in) is copied by torch as it can."""
+    if not any(isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")
+               for v in values):
         return values
-    from kvstore.cuda import available
-    from kvstore.cuda.copies import to_host
+    from kvstore.cuda import available, torch_copies
 
-    return await to_host(values) if available() else values
+    if available():
+        from kvstore.cuda.copies import to_host
+
+        values = await to_host(values)
+    elif torch_copies.usable():
+        values = await torch_copies.to_host(values)
+    return [v.detach().to("cpu") if isinstance(v, torch.Tensor)
+            and v.device.type not in ("cpu", "meta") else v for v in values]
 
 
 async def offloaded(nbytes: int, fn: Callable[..., T], *args: Any, alone: bool = False,

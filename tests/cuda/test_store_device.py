@@ -16,6 +16,7 @@ import gc
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -126,6 +127,108 @@ async def test_put_many_of_device_tensors_never_synchronises(
         got = await store.get_many(keys)
     assert all(g is not None and torch.equal(g, b) for g, b in zip(got, blocks))
 
+
+
+async def test_a_put_copies_only_the_device_values_it_writes(
+        tmp_path: Path, gpu_keeping_up: StandInGpu) -> None:
+    """Deduplicated blocks never leave the GPU: the put decides first, then copies the
+    values of the blocks it writes (before, every value was copied, then most of a
+    prefix's blocks thrown away as already stored)."""
+    blocks = _blocks(5, 4096, seed=3)
+    keys = [bytes([i + 40]) * 16 for i in range(5)]
+    values = [b.clone().as_subclass(OnDevice) for b in blocks]
+
+    def copies_out() -> int:
+        return sum(n == "kvc_memcpy_async" for n, _ in gpu_keeping_up.calls)
+
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+        await store.put_many(keys[:3], values[:3])
+        before, before_memcpy = copies.stats().to_host, copies_out()
+        result = await store.put_many(keys, values)
+        assert (result.written, result.deduplicated) == (2, 3)
+        assert copies.stats().to_host - before == 2 and copies_out() - before_memcpy == 2
+        again = await store.put_many(keys, values)
+        assert (again.written, again.deduplicated) == (0, 5)
+        assert copies.stats().to_host - before == 2 and copies_out() - before_memcpy == 2
+        got = await store.get_many(keys)
+    assert all(g is not None and torch.equal(g, b) for g, b in zip(got, blocks))
+    assert OnDevice.log == [] and gpu_keeping_up.syncs == []
+
+
+async def test_without_the_library_a_deduplicated_put_touches_no_device_memory(
+        tmp_path: Path, no_library: _lib.Runtime) -> None:
+    blocks = _blocks(2, 1024, seed=4)
+    keys = [bytes([i + 50]) * 16 for i in range(2)]
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+        await store.put_many(keys, blocks)
+        OnDevice.log.clear()
+        result = await store.put_many(keys, [b.clone().as_subclass(OnDevice) for b in blocks])
+        assert (result.written, result.deduplicated) == (0, 2)
+        assert OnDevice.log == []   # before: host_bytes copied each value with .to("cpu")
+
+
+
+async def test_without_the_library_gets_into_device_tensors_never_synchronise(
+        tmp_path: Path, no_library: _lib.Runtime) -> None:
+    """No library: the reads hand torch's copy collector in where torch drives the
+    device; here (torch without CUDA, a stand-in tensor) the copy is torch's own. Before,
+    every such read ended in ``torch.cuda.current_stream().synchronize()``, which waits
+    for all the caller's queued work (and raises on this CUDA-less torch)."""
+    blocks = _blocks(2, 2048, seed=6)
+    keys = [bytes([i + 70]) * 16 for i in range(2)]
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+        await store.put_many(keys, blocks)
+        outs = [torch.zeros(2048, dtype=torch.float16).as_subclass(OnDevice) for _ in keys]
+        OnDevice.log.clear()
+        got = await store.get_many(keys, outs)
+        assert OnDevice.log == []
+    assert all(g is o for g, o in zip(got, outs))
+    assert all(torch.equal(o.as_subclass(torch.Tensor), b) for o, b in zip(outs, blocks))
+
+async def test_a_put_cancelled_with_its_copies_in_flight_writes_nothing_and_leaks_nothing(
+        tmp_path: Path) -> None:
+    """The put's device -> host copies are queued on a GPU that has not run them when the
+    put is cancelled: the put waits for them (their staging is not handed out while the
+    GPU writes it), then ends without a block stored; the staging all comes back and
+    the keys can be put again."""
+    gpu = StandInGpu()   # streams run only when the test says so
+    old = _lib.reset_for_tests(gpu.runtime(devices=1, device=0))
+    try:
+        blocks = _blocks(3, 8192, seed=5)
+        keys = [bytes([i + 60]) * 16 for i in range(3)]
+        values = [b.clone().as_subclass(OnDevice) for b in blocks]
+        async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+            put_scope = anyio.CancelScope()
+            ended = []
+
+            async def put() -> None:
+                with put_scope:
+                    await store.put_many(keys, values)
+                ended.append(put_scope.cancelled_caught)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(put)
+                while not gpu.pending():        # until the put's copies are enqueued
+                    await anyio.lowlevel.checkpoint()
+                pool = copies._staging()
+                assert pool.stats().in_use_bytes > 0
+                put_scope.cancel()
+                for _ in range(20):             # the cancelled put is still waiting
+                    await anyio.lowlevel.checkpoint()
+                assert ended == [] and pool.stats().in_use_bytes > 0
+                gpu.run()                       # the GPU gets there: copies, callback
+            assert ended == [True]
+            assert await store.contains_many(keys) == [False] * 3
+            gc.collect()
+            assert pool.stats().in_use_bytes == 0
+            gpu.auto = True
+            assert (await store.put_many(keys, values)).written == 3
+            got = await store.get_many(keys)
+        assert all(g is not None and torch.equal(g, b) for g, b in zip(got, blocks))
+        assert gpu.syncs == []
+    finally:
+        copies.close()
+        _lib.reset_for_tests(old)
 
 SPEC = CodecSpec(fp8="e4m3", layout=KVLayout(kv_axis=1, token_axis=2, head_axis=3))
 

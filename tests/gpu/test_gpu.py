@@ -291,6 +291,41 @@ async def test_pinned_arena_get_then_h2d(tmp_path: Path) -> None:
     assert pool().registered_bytes == before
 
 
+
+@pytest.mark.skipif(not TORCH_CUDA, reason="torch has no CUDA build")
+@pytest.mark.anyio
+@pytest.mark.parametrize("memory_bytes", [0, 64 << 20], ids=["disk", "memory-tier"])
+async def test_without_the_library_cuda_puts_and_gets_never_synchronise(
+        tmp_path: Path, memory_bytes: int) -> None:
+    """kvstore's CUDA library not built (the common case after ``pip install``): puts of
+    CUDA tensors and gets into them go through torch's side stream (kvstore/cuda/
+    torch_copies.py) under ``set_sync_debug_mode("error")``: no call that waits for the
+    device on this thread, and every byte back as put."""
+    from kvstore.cuda import _lib as cuda_lib
+
+    old = cuda_lib.reset_for_tests(cuda_lib.load(tmp_path / "absent" / "libkvcuda.so"))
+    try:
+        assert not cuda.available()
+        g = torch.Generator(device="cuda").manual_seed(7)
+        blocks = [torch.randn(1 << 18, device="cuda", generator=g).to(torch.bfloat16)
+                  for _ in range(6)]
+        keys = [bytes([i + 1]) * 16 for i in range(6)]
+        outs = [torch.empty_like(b) for b in blocks]
+        async with kvstore.open(tmp_path / "store", extent_bytes=SMALL_EXTENT * 8,
+                                memory_bytes=memory_bytes) as store:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                first = await store.put_many(keys[:4], blocks[:4])
+                second = await store.put_many(keys, blocks)   # four deduplicated
+                got = await store.get_many(keys, out=outs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        assert (first.written, second.written, second.deduplicated) == (4, 2, 4)
+        assert all(r is o for r, o in zip(got, outs))
+        assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+    finally:
+        cuda_lib.reset_for_tests(old)
+
 @pytest.mark.anyio
 async def test_async_copy_completion_does_not_block_the_loop() -> None:
     import anyio
