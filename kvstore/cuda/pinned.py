@@ -15,7 +15,10 @@ the GPU can DMA it with no extra host copy.  Hygiene, the recurring leak in peer
 
 ``pin_arena(arena, mode)`` is the store's hook: ``mode=None`` pins when CUDA is usable
 and otherwise just records why not; ``True`` requires it (raises :class:`CudaError`);
-``False`` never pins.
+``False`` never pins.  Registration goes through kvstore's CUDA library, or, where it
+is not built but torch drives a GPU, through torch's binding of the same runtime call
+(``torch.cuda.cudart().cudaHostRegister``): the arena is then still page-locked for the
+copies :mod:`kvstore.cuda.torch_copies` makes from it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,26 @@ class _Region:
     address: int
     nbytes: int
     owner: str
+    via_torch: bool = False   # registered through torch's cudart, not kvstore's library
+
+
+def _torch_cudart() -> object | None:
+    """torch's CUDA runtime binding when torch drives a GPU here (and kvstore's library is
+    not usable), else None."""
+    from kvstore.cuda import torch_copies
+
+    if not torch_copies.usable():
+        return None
+    import torch
+
+    cudart: object = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    return cudart
+
+
+def _torch_call(name: str, *args: int) -> None:
+    code = int(getattr(_torch_cudart(), name)(*args))
+    if code:
+        raise CudaError(name, code, f"CUDA error {code} (through torch's cudart)")
 
 
 class PinnedPool:
@@ -76,7 +99,8 @@ class PinnedPool:
 
     def register(self, address: int, nbytes: int, owner: str) -> None:
         rt = runtime()
-        if not rt.usable or rt.lib is None:
+        via_torch = not rt.usable or rt.lib is None
+        if via_torch and _torch_cudart() is None:
             raise CudaError("cudaHostRegister", -1, rt.reason)
         with self._lock:
             if address in self._regions:
@@ -87,11 +111,15 @@ class PinnedPool:
                                 f"pinned-memory limit of {self.limit_bytes} bytes "
                                 f"({self.registered_bytes} in use); raise "
                                 "KVSTORE_CUDA_PINNED_LIMIT or use a smaller staging_bytes")
-            # On kvstore's device, and the thread's current device back afterwards: the
-            # engine's own CUDA work on this thread must not move to another GPU.
-            with on_device(rt.device, rt.lib):
-                rt.lib.call("kvc_host_register", address, nbytes)
-            self._regions[address] = _Region(address, nbytes, owner)
+            if via_torch:   # torch's current device; it keeps the thread's as it was
+                _torch_call("cudaHostRegister", address, nbytes, 0)
+            else:
+                assert rt.lib is not None
+                # On kvstore's device, and the thread's current device back afterwards:
+                # the engine's own CUDA work on this thread must not move to another GPU.
+                with on_device(rt.device, rt.lib):
+                    rt.lib.call("kvc_host_register", address, nbytes)
+            self._regions[address] = _Region(address, nbytes, owner, via_torch)
             if not self._atexit:
                 # Registered after CUDA initialised, so it runs before the runtime's own
                 # teardown (atexit is LIFO).
@@ -102,6 +130,9 @@ class PinnedPool:
         with self._lock:
             region = self._regions.pop(address, None)
         if region is None:
+            return
+        if region.via_torch:
+            _torch_call("cudaHostUnregister", address)
             return
         lib = runtime().lib
         if lib is not None:
@@ -143,7 +174,8 @@ def pin_arena(arena: Arena, mode: bool | None) -> ArenaPin:
     if mode is False:
         return ArenaPin(arena, "cuda: not used (page_lock_staging=False)", False)
     rt = runtime()
-    if not rt.usable:
+    via_torch = not rt.usable and _torch_cudart() is not None
+    if not rt.usable and not via_torch:
         if mode:
             raise CudaError("page_lock_staging=True", -1, rt.reason)
         return ArenaPin(arena, f"cuda: unavailable ({rt.reason})", False)
@@ -153,5 +185,11 @@ def pin_arena(arena: Arena, mode: bool | None) -> ArenaPin:
         if mode:
             raise
         return ArenaPin(arena, f"cuda: arena not pinned ({e})", False)
+    if via_torch:
+        import torch
+
+        return ArenaPin(arena, f"cuda: pinned arena ({arena.size} bytes) on device "
+                               f"{torch.cuda.current_device()} through torch (kvstore's "
+                               f"CUDA library: {rt.reason})", True)
     return ArenaPin(arena, f"cuda: pinned arena ({arena.size} bytes) on device {rt.device} "
                            f"({rt.device_name})", True)

@@ -311,8 +311,12 @@ async def test_without_the_library_cuda_puts_and_gets_never_synchronise(
                   for _ in range(6)]
         keys = [bytes([i + 1]) * 16 for i in range(6)]
         outs = [torch.empty_like(b) for b in blocks]
+        before = pool().registered_bytes
         async with kvstore.open(tmp_path / "store", extent_bytes=SMALL_EXTENT * 8,
                                 memory_bytes=memory_bytes) as store:
+            # page-locked through torch's cudart: the copies from it are DMAs
+            assert "through torch" in store.stats().cuda, store.stats().cuda
+            assert pool().registered_bytes >= before + store.arena.size
             torch.cuda.set_sync_debug_mode("error")
             try:
                 first = await store.put_many(keys[:4], blocks[:4])
@@ -320,6 +324,7 @@ async def test_without_the_library_cuda_puts_and_gets_never_synchronise(
                 got = await store.get_many(keys, out=outs)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
+        assert pool().registered_bytes == before   # unregistered at close
         assert (first.written, second.written, second.deduplicated) == (4, 2, 4)
         assert all(r is o for r, o in zip(got, outs))
         assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
