@@ -230,6 +230,50 @@ async def test_a_put_cancelled_with_its_copies_in_flight_writes_nothing_and_leak
         copies.close()
         _lib.reset_for_tests(old)
 
+
+async def test_a_get_cancelled_with_its_copies_in_flight_keeps_the_arena_until_they_ran(
+        tmp_path: Path) -> None:
+    """The copies of a read into CUDA outputs are queued on a GPU that has not run them
+    when the get is cancelled: the arena runs they copy from stay taken (no other read
+    may land there) until the GPU ran them, then all of the arena comes back."""
+    gpu = StandInGpu()   # streams run only when the test says so
+    old = _lib.reset_for_tests(gpu.runtime(devices=1, device=0))
+    try:
+        blocks = _blocks(3, 8192, seed=8)
+        keys = [bytes([i + 80]) * 16 for i in range(3)]
+        async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+            await store.put_many(keys, blocks)
+            arena = store.arena
+            idle = arena.free_bytes
+            outs = [torch.zeros(8192, dtype=torch.float16).as_subclass(OnDevice) for _ in keys]
+            get_scope = anyio.CancelScope()
+            ended = []
+
+            async def get() -> None:
+                with get_scope:
+                    await store.get_many(keys, outs)
+                ended.append(get_scope.cancelled_caught)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(get)
+                while not gpu.pending():        # until the read's copies are enqueued
+                    await anyio.lowlevel.checkpoint()
+                get_scope.cancel()
+                for _ in range(20):             # the cancelled get is still waiting
+                    await anyio.lowlevel.checkpoint()
+                assert ended == [] and arena.free_bytes < idle
+                gpu.run()                       # the GPU gets there: copies, callback
+            assert ended == [True] and arena.free_bytes == idle
+            # the copies that were enqueued did land whole (not half-written)
+            assert all(torch.equal(o.as_subclass(torch.Tensor), b) for o, b in zip(outs, blocks))
+            gpu.auto = True
+            again = await store.get_many(keys)
+        assert all(g is not None and torch.equal(g, b) for g, b in zip(again, blocks))
+        assert gpu.syncs == []
+    finally:
+        copies.close()
+        _lib.reset_for_tests(old)
+
 SPEC = CodecSpec(fp8="e4m3", layout=KVLayout(kv_axis=1, token_axis=2, head_axis=3))
 
 
