@@ -49,8 +49,22 @@ class ConnectorConfig:
     name, an octal string for ``file_mode``); they make ``store``.  The connector's own:
 
     ``path``            store directory (created if missing).
-    ``max_pending_save_bytes``  saves in flight before a step waits for the oldest
-                        (default 1 GiB of staged KV).
+    ``max_pending_save_bytes``  the data mover's staging for saves in flight (default
+                        1 GiB, page-locked on a GPU): a step whose save finds no room
+                        drops it.
+    ``load_staging_bytes``  the data mover's staging for loads in flight (default
+                        512 MiB: a 4k-token prefix of Llama-3-8B in bf16): page-locked
+                        host memory, or with ``device_loads`` the GPU's memory (taken
+                        from the headroom vLLM's ``gpu_memory_utilization`` leaves).
+    ``device_loads``    ``"auto"`` (default: on for an FP8 ``codec`` on a CUDA KV cache),
+                        ``true`` or ``false``: loads land in device staging straight from
+                        the store's arena (an FP8 block dequantised on the GPU), no host
+                        copy.
+    ``max_save_bytes_per_s``  cap on the saves' copy-out in bytes/s over PCIe (token
+                        bucket, one second of burst; default none); a step's save over
+                        it is dropped whole, counted.
+    ``max_save_bytes_per_step``  cap on one step's copy-out in bytes (default none);
+                        a step's save over it is dropped whole, counted.
     ``weights_fingerprint``  how the model's weight files enter the key scope:
                         ``"sample"`` (default: names, sizes, headers and sampled
                         blocks, milliseconds at start) or ``"full"`` (every byte).
@@ -88,6 +102,10 @@ class ConnectorConfig:
     path: str
     store: StoreOptions = field(default_factory=_default_store)
     max_pending_save_bytes: int = 1 << 30
+    load_staging_bytes: int = 512 << 20
+    device_loads: bool | str = "auto"
+    max_save_bytes_per_s: float | None = None
+    max_save_bytes_per_step: int | None = None
     weights_fingerprint: str = "sample"
     model_id: str | None = None
     prefetch: bool = True
@@ -109,11 +127,7 @@ class ConnectorConfig:
                              'store directory (e.g. {"path": "/nvme/kvstore"})')
         extra["path"] = os.fspath(extra["path"])
         store = store_options(extra, _WHO, _WHERE)
-        value = extra.get("max_pending_save_bytes")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value <= 0):
-            raise ValueError(f"{_WHO}: max_pending_save_bytes must be a positive int, "
-                             f"got {value!r}")
+        _check_mover_options(extra)
         for name in ("prefetch", "background_saves", "async_loads"):
             if name in extra and not isinstance(extra[name], bool):
                 raise ValueError(f"{_WHO}: {name} must be true or false, got {extra[name]!r}")
@@ -130,6 +144,12 @@ class ConnectorConfig:
             raise ValueError(f"{_WHO}: model_id must be a non-empty string naming "
                              f"these exact weights, got {model_id!r}")
         return cls(store=store, **extra)
+
+    def wants_device_loads(self, fp8: bool) -> bool:
+        """Whether loads stage in device memory, on a CUDA KV cache with kvstore's CUDA
+        library (``"auto"``: with an FP8 codec, whose blocks are then dequantised on
+        the GPU and cross PCIe at about half their size)."""
+        return fp8 if self.device_loads == "auto" else bool(self.device_loads)
 
     @property
     def codec(self) -> str:
@@ -150,3 +170,26 @@ class ConnectorConfig:
         """Keyword arguments of :func:`kvstore.open` (the remote tier is attached once
         the key scope is known)."""
         return store_open_options(self.store)
+
+
+def _check_mover_options(extra: Mapping[str, Any]) -> None:
+    """The data mover's options: sizes and caps, each with what it must be."""
+    for name in ("max_pending_save_bytes", "load_staging_bytes"):
+        value = extra.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value <= 0):
+            raise ValueError(f"{_WHO}: {name} must be a positive int (bytes), got {value!r}")
+    value = extra.get("max_save_bytes_per_step")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value <= 0):
+        raise ValueError(f"{_WHO}: max_save_bytes_per_step must be a positive int "
+                         f"(bytes) or null (no cap), got {value!r}")
+    value = extra.get("max_save_bytes_per_s")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value < float("inf")):
+        raise ValueError(f"{_WHO}: max_save_bytes_per_s must be a positive number of "
+                         f"bytes per second or null (no cap), got {value!r}")
+    loads = extra.get("device_loads", "auto")
+    if not (loads == "auto" or isinstance(loads, bool)):
+        raise ValueError(f'{_WHO}: device_loads must be "auto", true or false, got '
+                         f"{loads!r}")

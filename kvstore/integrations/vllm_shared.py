@@ -15,14 +15,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvstore.blocking import open_blocking
-from kvstore.cuda.mover import LoadBatch, SaveBatch
+from kvstore.cuda.mover import CaptureError, LoadBatch, SaveBatch
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm_background_saves import BackgroundSaves
 from kvstore.integrations.vllm_config import ConnectorConfig
@@ -73,7 +73,10 @@ _COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes"
              # forward's wait for saves per such step)
              "save_steps",
              # loads refused for want of page-locked staging (the data mover's)
-             "load_no_staging_blocks")
+             "load_no_staging_blocks",
+             # steps whose presence lookup had not answered by their first save_kv_layer
+             # (all their blocks copied out; the put deduplicates)
+             "save_lookup_late_steps")
 _MAX_LOAD_SAMPLES = 4096  # load durations kept for vLLM's histogram between two steps
 _MAX_FAILED_KEYS = 1 << 16  # keys whose load raised, answered as misses
 
@@ -118,6 +121,11 @@ class SharedStore:
         self.saves = BackgroundSaves(self.blocking, config, self.count, warn_once)
         self.load_seconds: list[float] = []  # drained into vLLM's stats each step
         self.server: LookupServer | None = None
+        # The worker's presence lookups (StepSaves.look_up), each a blocking call into
+        # the store's loop made on this thread: handing a call to the loop itself
+        # (BlockingStore.submit) waits until the loop thread takes it, so a busy loop
+        # would hold the engine's thread.
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
 
     def count(self, **deltas: int) -> None:
         with self._lock:
@@ -151,15 +159,20 @@ class SharedStore:
 
     def load_target(self, n: int) -> tuple[torch.Tensor, LoadBatch | None] | None:
         """Where a load of ``n`` blocks is read (``[n, layers, *block shape]``): the
-        worker's page-locked staging, or a plain buffer before the worker has a mover;
-        None when the staging has no room now (the load fails: vLLM computes)."""
+        worker's mover's load staging (page-locked, or device memory with
+        ``device_loads``: the store's reads land there from its arena, FP8 blocks
+        dequantised on the GPU), or a plain buffer before the worker has a mover; None
+        when the staging has no room now (the load fails: vLLM computes)."""
         layout = self.layout
         assert layout is not None
         layers, shape, dtype = layout
         make = self.load_staging
         if make is None:
             return load_buffer((n, layers, *shape), dtype), None
-        batch = make(n)
+        try:
+            batch = make(n)
+        except CaptureError:  # the engine captures a CUDA graph: load later (vLLM asks)
+            return None
         if batch is None:
             self.count(load_no_staging_blocks=n)
             return None
@@ -344,6 +357,10 @@ class SharedStore:
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.blocking.contains_many(keys)
 
+    def submit_contains(self, keys: Sequence[bytes]) -> Future[list[bool]]:
+        """``contains_many(keys)`` on the lookup thread; returns at once."""
+        return self._lookups.submit(self.blocking.contains_many, list(keys))
+
     def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]
                  ) -> list[torch.Tensor | None]:
         return self.blocking.get_many(keys, out)
@@ -370,6 +387,7 @@ class SharedStore:
             self.server.close()
         with self._lock:
             self._drop_prepared()
+        self._lookups.shutdown(wait=True, cancel_futures=True)
         try:
             self.flush()
         finally:

@@ -9,10 +9,16 @@ Every copy between the KV cache and host memory goes through the data mover
 the layer's copy-out (after the compute stream's write of that layer, on the mover's
 own stream), ``wait_for_save`` hands the step's blocks to a background put that starts
 when their copy-done event fires, and waits for nothing; loads are read into the
-mover's page-locked staging and scattered layer by layer, the compute stream waiting
-for a layer's event in ``wait_for_layer_load`` (a GPU-side wait).  The staging is
-bounded by ``max_pending_save_bytes``: a step whose save finds no room drops it
-(``save_dropped_blocks``) instead of waiting for the disk.
+mover's load staging and scattered layer by layer, the compute stream waiting for a
+layer's event in ``wait_for_layer_load`` (a GPU-side wait).  The load staging is
+page-locked host memory, or with ``device_loads`` (by default with an FP8 codec on a
+GPU) device memory: the store's reads copy each block there from its page-locked arena
+and an FP8 block is dequantised there, no host copy.  The save staging is bounded by
+``max_pending_save_bytes``: a step whose save finds no room drops it
+(``save_dropped_blocks``) instead of waiting for the disk; so does a save over
+``max_save_bytes_per_s`` or ``max_save_bytes_per_step``.  While the engine captures a
+CUDA graph nothing is enqueued: saves are dropped (counted), loads wait or fail
+(recomputed).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from kvstore.integrations.vllm_metadata import KVStoreConnectorMetadata, Load
 from kvstore.integrations.vllm_ranks import rank_config
 from kvstore.integrations.vllm_scope import Scope
 from kvstore.integrations.vllm_shared import SharedStore, acquire, load_buffer, release, warn_once
+from kvstore.integrations.vllm_worker_mover import make_mover
 from kvstore.integrations.vllm_worker_saves import StepSaves, engine_keys
 from kvstore.keys import Namespace
 
@@ -134,12 +141,8 @@ class WorkerSide:
                              "and [num_blocks, ...]")
         if self.mover is not None:  # registered again: the old caches are gone
             self.mover.close()
-        budget = self._config.max_pending_save_bytes
-        # On a GPU with an FP8 codec, saves are quantised there (half the bytes over
-        # PCIe), stored as the codec's payload; a CPU engine's store encodes as before.
-        codec = self._store.store.codec if first.device.type == "cuda" else None
-        self.mover = Mover(list(kv_caches.values()), layout, staging_bytes=budget,
-                           codec=codec)
+        self.mover = make_mover(list(kv_caches.values()), layout, self._config,
+                                self._store.store.codec)
         self._store.load_staging = self.mover.begin_load
         self.saves.mover = self.mover
         if first.device.type == "cuda" and not self.mover.cuda:
@@ -175,8 +178,10 @@ class WorkerSide:
             extra=(*self._scope, ("layers", ",".join(names))))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """A step's metadata arrived (the connector bound it): move with the scheduler's
-        key scope, or notice weights reloaded without a reset."""
+        """A step's metadata arrived (the connector bound it, before the forward): move
+        with the scheduler's key scope, or notice weights reloaded without a reset;
+        then start asking the store which of the step's blocks to save it holds (the
+        first ``save_kv_layer`` uses the answer if it came, never waits for it)."""
         if not isinstance(connector_metadata, KVStoreConnectorMetadata) or not self._layers:
             return
         shared = self._store
@@ -191,6 +196,7 @@ class WorkerSide:
                 "reset_prefix_cache(reset_connector=True); the stored KV cannot be told "
                 "apart, so the connector loads and saves nothing until that reset",
                 self._vllm_config.model_config.model)
+        self.saves.look_up(connector_metadata)
 
     def _rescope(self, meta: KVStoreConnectorMetadata) -> None:
         """Move to the scheduler's new key scope (see :meth:`reset_cache`)."""
@@ -208,6 +214,9 @@ class WorkerSide:
         or with ``async_loads`` off copy them into the KV cache before the forward."""
         meta = self._conn._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
+        if self._capturing():
+            self._refuse_in_capture(meta)
+            return
         if self._config.async_loads:
             for load in meta.loads:
                 self._start_load(load)
@@ -216,6 +225,25 @@ class WorkerSide:
         self._store.next_step()
         for load in meta.loads:
             self._load_now(load)
+
+    def _capturing(self) -> bool:
+        """The engine is capturing a CUDA graph: the mover may enqueue nothing (its
+        copies and events would become nodes of the graph)."""
+        return self.mover is not None and self.mover.capturing()
+
+    def _refuse_in_capture(self, meta: KVStoreConnectorMetadata) -> None:
+        """Loads asked for during a graph capture (vLLM's own dummy steps bring none)
+        fail: vLLM recomputes their blocks."""
+        if not meta.loads:
+            return
+        warn_once("capture-loads", "kvstore connector: %d loads asked for while the "
+                  "engine captures a CUDA graph; their blocks are recomputed",
+                  len(meta.loads))
+        self._step_load_failed = not self._config.async_loads
+        for load in meta.loads:
+            n = len(load.block_ids)
+            self._store.count(load_blocks=n, load_failed_blocks=n)
+            self._load_errors.update(load.block_ids)
 
     def _load_now(self, load: Load) -> None:
         """A synchronous load: the blocks its lookup read and verified, copied into
@@ -328,14 +356,16 @@ class WorkerSide:
         this layer enqueued so far; async loads are enqueued before their request is
         scheduled, sync loads in ``start_load_kv``: a stored block holds all layers."""
         index = self._layer_index.get(layer_name)
-        if index is not None and self.mover is not None:
+        # (In a graph capture the wait cannot be captured: loads stay unwaited until
+        # this layer's next wait outside one.)
+        if index is not None and self.mover is not None and not self._capturing():
             self.mover.wait_layer(index)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose background load is done, their blocks copied into the KV
         cache (the failed ones reported by ``get_block_ids_with_load_errors``, which
         vLLM calls right after this, in the same step)."""
-        if not self._loading:
+        if not self._loading or self._capturing():  # (scattered after the capture)
             return None, None
         idle = self._conn.has_connector_metadata() and getattr(
             self._conn._get_connector_metadata(), "idle", False)

@@ -1,15 +1,25 @@
-"""The vLLM connector's worker-side saves, step by step: in a step's first
-``save_kv_layer`` the blocks the store lacks get the data mover's staging, each layer's
-copy out of the KV cache is enqueued as the forward reaches it, and ``wait_for_save``
-hands the step's blocks to a background put that starts once their copies are done
+"""The vLLM connector's worker-side saves, step by step: when the step's metadata is
+bound (before the forward) the store is asked, off the worker's thread, which of the
+step's blocks it holds already; in the step's first ``save_kv_layer`` the blocks it
+lacks get the data mover's staging, each layer's copy out of the KV cache is enqueued
+as the forward reaches it, and ``wait_for_save`` hands the step's blocks to a
+background put that starts once their copies are done
 (:class:`~kvstore.integrations.vllm_background_saves.BackgroundSaves`).  Part of
 :class:`~kvstore.integrations.vllm_worker.WorkerSide`; kept apart from the loads.
+
+The forward never waits for that lookup: should it not have answered by the first
+``save_kv_layer`` (the store's loop busy), every block of the step is copied out
+(counted in ``save_lookup_late_steps``) and the put deduplicates the ones stored
+already (``save_dedup_blocks``).  Copying a stored block out again costs PCIe bytes and
+staging for one step; skipping the step's blocks instead would lose the new ones,
+which the engine would then recompute on their next use.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 from kvstore.cuda.mover import Mover, SaveBatch
 from kvstore.errors import KVStoreError
@@ -25,6 +35,14 @@ def engine_keys(shared: SharedStore, hashes: Sequence[bytes]) -> list[bytes] | N
     return None if ns is None else ns.engine_keys(hashes)
 
 
+def _distinct(saves: Sequence[Save]) -> list[Save]:
+    """The first save of each hash (two requests may fill the same block in a step)."""
+    first: dict[bytes, Save] = {}
+    for save in saves:
+        first.setdefault(save.hash, save)
+    return list(first.values())
+
+
 class StepSaves:
     """One worker's saves.  ``mover`` is the worker's data mover, set once vLLM
     registered the KV caches."""
@@ -35,24 +53,43 @@ class StepSaves:
         self._staging: SaveBatch | None = None
         self._staging_meta: KVStoreConnectorMetadata | None = None
         self._saves: list[Save] = []
+        # The presence lookup of a step's blocks, started when its metadata was bound.
+        self._lookup: tuple[KVStoreConnectorMetadata, Future[list[bool]]] | None = None
+
+    def look_up(self, meta: KVStoreConnectorMetadata) -> None:
+        """The step's metadata was bound (before its forward): start asking the store
+        which of its blocks it holds, on the lookup thread; nothing waits for it."""
+        self._lookup = None
+        if not meta.saves or self._store.suspended is not None:
+            return
+        keys = engine_keys(self._store, [s.hash for s in _distinct(meta.saves)])
+        if keys:
+            self._lookup = (meta, self._store.submit_contains(keys))
+
+    def _present(self, meta: KVStoreConnectorMetadata, n: int) -> list[bool]:
+        """Which of the step's ``n`` distinct blocks the store holds, as far as the
+        lookup answered by now (module docstring: never waited for)."""
+        lookup, self._lookup = self._lookup, None
+        if lookup is None or lookup[0] is not meta or not lookup[1].done():
+            self._store.count(save_lookup_late_steps=1)
+            return [False] * n
+        try:
+            present = lookup[1].result()
+        except (KVStoreError, RuntimeError):  # a store that cannot answer: the put dedups
+            return [False] * n
+        return present if len(present) == n else [False] * n
 
     def _step_saves(self, meta: KVStoreConnectorMetadata) -> list[Save]:
         """This step's saves less blocks the store already has (or that two requests
         fill in one step): copying those out of the KV cache would be wasted."""
         if self._staging_meta is meta:
             return self._saves
-        first: dict[bytes, Save] = {}
-        for save in meta.saves:
-            first.setdefault(save.hash, save)
-        saves = list(first.values())
+        saves = _distinct(meta.saves)
         keys = engine_keys(self._store, [s.hash for s in saves])
         if keys is None:
             saves = []
         elif keys:
-            try:
-                present = self._store.contains_many(keys)
-            except KVStoreError:
-                present = [False] * len(keys)
+            present = self._present(meta, len(keys))
             saves = [s for s, p in zip(saves, present) if not p]
         self.drop()
         self._staging_meta, self._saves = meta, saves
@@ -97,6 +134,11 @@ class StepSaves:
             assert self.mover is not None
             self.mover.end_save(staging)  # layers not saved yet, then the copy-done event
             self._staging_meta = self._staging = None
+            if staging.skipped:  # the compute stream was capturing a CUDA graph
+                self._store.count(save_blocks=len(saves), save_dropped_blocks=len(saves))
+                staging.release()
+                self._store.count(save_stall_ns=time.perf_counter_ns() - start)
+                return
             keys = ns.engine_keys([s.hash for s in saves])
             parents = [None if s.parent_hash is None else ns.engine_key(s.parent_hash)
                        for s in saves]

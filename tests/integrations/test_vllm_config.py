@@ -71,6 +71,16 @@ def test_tier_and_backpressure_options_reach_the_store(tmp_path: Path) -> None:
     ({"path": "/x", "async_loads": "false"}, "async_loads must be true or false"),
     ({"path": "/x", "backlog_bytes": 0}, "backlog_bytes must be > 0"),
     ({"path": "/x", "max_pending_save_bytes": 0}, "max_pending_save_bytes must be a positive int"),
+    ({"path": "/x", "load_staging_bytes": 0}, "load_staging_bytes must be a positive int"),
+    ({"path": "/x", "load_staging_bytes": True}, "load_staging_bytes must be a positive int"),
+    ({"path": "/x", "load_staging_bytes": 1.5e9}, "load_staging_bytes must be a positive int"),
+    ({"path": "/x", "device_loads": "yes"}, 'device_loads must be "auto", true or false'),
+    ({"path": "/x", "device_loads": 1}, 'device_loads must be "auto", true or false'),
+    ({"path": "/x", "max_save_bytes_per_s": 0}, "max_save_bytes_per_s must be a positive number"),
+    ({"path": "/x", "max_save_bytes_per_s": "1G"}, "max_save_bytes_per_s must be a positive"),
+    ({"path": "/x", "max_save_bytes_per_s": float("inf")}, "max_save_bytes_per_s must be"),
+    ({"path": "/x", "max_save_bytes_per_step": -1}, "max_save_bytes_per_step must be a positive int"),
+    ({"path": "/x", "max_save_bytes_per_step": False}, "max_save_bytes_per_step must be"),
     ({"path": "/x", "prefetch_share": 2}, "prefetch_share must be in (0, 1]"),
     ({"path": "/x", "page_lock_staging": "yes"}, "page_lock_staging must be true or false or null"),
     ({"path": "/x", "io_scheduling": {"write_byte": 1}}, "unknown io_scheduling options"),
@@ -156,3 +166,20 @@ def test_defaults_are_the_stores() -> None:
         made = config.from_extra({"path": "/p"})
         assert made.store == StoreOptions(allow_new_namespace=True)
         assert made.codec == "raw" and made.remote is None
+
+
+def test_the_data_movers_options_and_their_defaults(tmp_path: Path) -> None:
+    default = ConnectorConfig.from_extra({"path": str(tmp_path)})
+    # Loads have their own, smaller page-locked staging (a rank pins 1.5 GiB, not 2).
+    assert (default.max_pending_save_bytes, default.load_staging_bytes) == (1 << 30, 512 << 20)
+    assert default.device_loads == "auto"
+    assert default.max_save_bytes_per_s is None and default.max_save_bytes_per_step is None
+    assert default.wants_device_loads(fp8=True) and not default.wants_device_loads(fp8=False)
+    made = ConnectorConfig.from_extra({
+        "path": str(tmp_path), "load_staging_bytes": 64 << 20, "device_loads": False,
+        "max_save_bytes_per_s": 2e9, "max_save_bytes_per_step": 32 << 20})
+    assert (made.load_staging_bytes, made.max_save_bytes_per_s,
+            made.max_save_bytes_per_step) == (64 << 20, 2e9, 32 << 20)
+    assert not made.wants_device_loads(fp8=True)
+    forced = ConnectorConfig.from_extra({"path": str(tmp_path), "device_loads": True})
+    assert forced.wants_device_loads(fp8=False)

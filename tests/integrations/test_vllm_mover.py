@@ -1,6 +1,8 @@
 """The connector's worker moves KV through the data mover (kvstore/cuda/mover.py): no
 host synchronisation and no device -> host copy on its save and load paths, saves
-copied out only after the layer's write, loads read only after their layer's event.
+copied out only after the layer's write, loads read only after their layer's event;
+FP8 loads dequantised on the GPU from device staging; the step's presence lookup never
+waited for in the forward; nothing enqueued during a CUDA graph capture.
 
 Each case is one run of ``worker_probe.py`` in the vLLM venv (vLLM is not installed in
 the test venv): ``gpu`` puts the KV cache on the recording stand-in GPU
@@ -15,6 +17,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,50 +27,95 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}")
 
 
-def probe(tmp_path: Path, mode: str, *extra: str) -> dict[str, object]:
+def probe(tmp_path: Path, mode: str, *extra: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run([str(VLLM_PYTHON), str(HERE / "worker_probe.py"), mode,
                            str(tmp_path / "store"), *extra], env=env, capture_output=True,
                           text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
 
-def test_worker_on_a_gpu_never_synchronises_and_orders_copies_by_events(
-        tmp_path: Path) -> None:
-    r = probe(tmp_path, "gpu")
-    assert r["mover_cuda"] is True
-    assert r["save_syncs"] == [] and r["save_host_copies"] == []
-    assert r["load_syncs"] == [] and r["load_host_copies"] == []
-    assert r["saved_ok"] is True          # the copy-out ran after each layer's write
-    assert r["read_before_load_event"] == 0   # attention waited for the load's event
-    assert r["load_ok"] is True
-    assert r["counters"] == {"save_blocks": 2, "saved_blocks": 2, "save_dropped_blocks": 0,
-                             "loaded_blocks": 2, "load_failed_blocks": 0}
-
-
-def test_worker_on_a_cpu_engine_runs_the_same_calls(tmp_path: Path) -> None:
-    r = probe(tmp_path, "cpu")
-    assert r["mover_cuda"] is False
-    assert r["saved_ok"] is True and r["load_ok"] is True
-    assert r["counters"] == {"save_blocks": 2, "saved_blocks": 2, "save_dropped_blocks": 0,
-                             "loaded_blocks": 2, "load_failed_blocks": 0}
-
-
-def test_worker_on_a_gpu_with_fp8_stores_the_payload_quantised_there(tmp_path: Path) -> None:
-    """With the store's codec fp8_e4m3, the worker's saves are quantised on the GPU (the
-    kernels' own element code: the built library's host twins behind the stand-in), half
-    the bytes copied out, stored as the payload: read back, each block is exactly what
-    the CPU codec's payload of the same values decodes to."""
+@pytest.fixture(scope="module")
+def library(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The kernels' host code, built once (the stand-in's FP8 "kernels")."""
     from kvstore.cuda.build import build, find_nvcc
 
     if find_nvcc() is None:
         pytest.skip("nvcc not installed: the kernels' host code cannot be built")
-    lib = build(tmp_path / "libkvcuda.so").path
-    r = probe(tmp_path, "gpu-fp8", str(lib))
-    assert r["mover_cuda"] is True
+    return str(build(tmp_path_factory.mktemp("kvcuda") / "libkvcuda.so").path)
+
+
+@pytest.fixture(scope="module")
+def on_a_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return probe(tmp_path_factory.mktemp("gpu"), "gpu", "--capture")
+
+
+def test_worker_on_a_gpu_never_synchronises_and_orders_copies_by_events(
+        on_a_gpu: dict[str, Any]) -> None:
+    r = on_a_gpu
+    assert r["mover_cuda"] is True and r["device_loads"] is False   # raw: host staging
+    assert r["save_syncs"] == [] and r["save_host_copies"] == []
+    assert r["load_syncs"] == [] and r["load_host_copies"] == []
+    assert r["saved_ok"] is True          # the copy-out ran after each layer's write
+    assert r["read_ahead_hit"] == 2
+    assert r["read_before_load_event"] == 0   # attention waited for the load's event
+    assert r["load_ok"] is True and r["load_errors"] == []
+
+
+def test_the_forward_never_waits_for_the_steps_presence_lookup(
+        on_a_gpu: dict[str, Any]) -> None:
+    """Step 1 ran with the store's event loop blocked: the forward (every save_kv_layer)
+    still finished, its blocks all copied out (the lookup counted late).  Step 2's
+    lookup had answered: of its three blocks, the two stored ones were not copied."""
+    r = on_a_gpu
+    assert r["forward_while_store_busy"] is True
+    assert r["dedup_step_copied_blocks"] == 1
+    assert r["counters"]["save_lookup_late_steps"] == 1
+
+
+def test_nothing_is_enqueued_into_a_cuda_graph_capture(on_a_gpu: dict[str, Any]) -> None:
+    """A save step and a load step while the engine's stream captures: no copy, event
+    or wait of kvstore's reached the capture (the stand-in records any), the save was
+    skipped and counted as dropped, the load reported failed (vLLM recomputes)."""
+    r = on_a_gpu
+    assert r["captured"] == [] and r["capture_syncs"] == []
+    assert r["capture_skipped_saves"] == 1
+    assert r["capture_load_errors"] == [11]
+    assert r["counters"] == {"save_blocks": 4, "saved_blocks": 3, "save_dropped_blocks": 1,
+                             "save_dedup_blocks": 0, "save_lookup_late_steps": 1,
+                             "loaded_blocks": 2, "load_failed_blocks": 1}
+
+
+@pytest.mark.parametrize("loads", ["sync", "async"])
+def test_worker_on_a_cpu_engine_runs_the_same_calls(tmp_path: Path, loads: str) -> None:
+    r = probe(tmp_path, "cpu", *(["--async"] if loads == "async" else []))
+    assert r["mover_cuda"] is False
+    assert r["saved_ok"] is True and r["load_ok"] is True
+    assert r["forward_while_store_busy"] is True and r["dedup_step_copied_blocks"] == 1
+    assert r["counters"] == {"save_blocks": 3, "saved_blocks": 3, "save_dropped_blocks": 0,
+                             "save_dedup_blocks": 0, "save_lookup_late_steps": 1,
+                             "loaded_blocks": 2, "load_failed_blocks": 0}
+
+
+@pytest.mark.parametrize("loads", ["sync", "async"])
+def test_worker_on_a_gpu_with_fp8_quantises_saves_and_dequantises_loads_there(
+        tmp_path: Path, library: str, loads: str) -> None:
+    """With the store's codec fp8_e4m3, the worker's saves are quantised on the GPU (the
+    kernels' own element code: the built library's host twins behind the stand-in), half
+    the bytes copied out, stored as the payload.  Its loads (read ahead by the lookup,
+    or in the background) stage in device memory: each payload goes there from the
+    store's arena (its scales and codes: the bytes copied in) and is dequantised there;
+    no sync, no host copy; the cache then holds exactly what the CPU codec decodes."""
+    r = probe(tmp_path, "gpu-fp8", library, *(["--async"] if loads == "async" else []))
+    assert r["mover_cuda"] is True and r["device_loads"] is True
     assert r["save_syncs"] == [] and r["save_host_copies"] == []
     assert r["saved_ok"] is True
-    assert 0 < r["fp8_copied_out_bytes"] < 0.7 * r["raw_bytes"]  # type: ignore[operator]
+    assert 0 < r["fp8_copied_out_bytes"] < 0.7 * r["raw_bytes"]
+    assert r["load_syncs"] == [] and r["load_host_copies"] == []
+    assert r["fp8_decoded"] == 2
+    low, high = r["load_copied_in_expected"]
+    assert low <= r["load_copied_in_bytes"] <= high and low < 0.7 * r["raw_bytes"]
     assert r["read_before_load_event"] == 0 and r["load_ok"] is True   # decoded, loaded
+    assert r["counters"]["loaded_blocks"] == 2 and r["counters"]["load_failed_blocks"] == 0

@@ -1,8 +1,8 @@
-"""Drive the vLLM connector's worker (``WorkerSide``) through a save step and a load
-step without an engine, and print what happened as JSON.  Run with the vLLM venv's
-python (tests/integrations/test_vllm_mover.py does)::
+"""Drive the vLLM connector's worker (``WorkerSide``) through save steps and a load step
+without an engine, in vLLM's order of calls, and print what happened as JSON.  Run with
+the vLLM venv's python (tests/integrations/test_vllm_mover.py does)::
 
-    python tests/integrations/worker_probe.py gpu|cpu|gpu-fp8 STORE_DIR [LIBKVCUDA]
+    python tests/integrations/worker_probe.py MODE STORE_DIR [LIBKVCUDA] [--async] [--capture]
 
 ``gpu``: the KV cache is "on a GPU" that is the recording stand-in
 (tests/cuda/standin.py, ``StandInGpu``: streams run only when told, in CUDA's order,
@@ -11,14 +11,24 @@ host-blocking calls recorded), the cache tensors are host memory that says it is
 ``.cpu``, ``.item``, ``.tolist``, ``.numpy``): the worker's save and load paths must
 make none of either.  ``cpu``: a CPU engine, the same calls, plain copies.  ``gpu-fp8``:
 ``gpu`` with the store's codec ``fp8_e4m3``: saves quantised on the (stand-in) GPU by
-the built library's kernel code (LIBKVCUDA, its host twins), stored as the payload, read
-back exactly as the CPU codec's payload decodes.
+the built library's kernel code (LIBKVCUDA, its host twins), stored as the payload;
+loads staged in device memory (``device_loads`` "auto"), the payload copied there from
+the store's arena and dequantised there, read back exactly as the CPU codec decodes.
+
+Loads are synchronous (the scheduler's lookup reads them ahead, ``start_load_kv``
+scatters them) or, with ``--async``, background reads finished in ``get_finished``.
+The first save step runs with the store's event loop blocked (the step's presence
+lookup cannot answer: the forward must not wait for it); the second after its lookup
+answered (blocks stored already are not copied out).  ``--capture``: one more step
+while the engine's stream "captures a CUDA graph" (the stand-in's; this torch has no
+CUDA, so torch's capture query is answered from it).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +36,8 @@ from typing import Any
 import torch
 
 from kvstore import codecs
-from kvstore.cuda import _lib, paged
+from kvstore.cuda import _lib, copies, mover_core, paged
+from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.integrations.vllm_metadata import KVStoreConnectorMetadata, Load, Save
 from kvstore.integrations.vllm_worker import WorkerSide
@@ -35,6 +46,8 @@ from tests.cuda.standin import OnDevice, StandInGpu
 NUM_BLOCKS, LAYERS = 12, 3
 SHAPE = (2, NUM_BLOCKS, 4, 2, 8)   # [2, blocks, block_size, heads, head_dim]
 COMPUTE = 0                        # the engine's stream (torch without CUDA: stream 0)
+# Only bounds a failure: a forward that waits for the blocked store would hang the probe.
+HANG_S = 120
 
 
 class Conn:
@@ -48,100 +61,224 @@ class Conn:
         return self.meta is not None
 
 
-def main() -> None:
-    mode, path = sys.argv[1], sys.argv[2]
-    gpu = StandInGpu() if mode.startswith("gpu") else None
-    if mode == "gpu-fp8":
-        assert gpu is not None
-        gpu.host = _lib.Library(Path(sys.argv[3]))
-    if gpu is not None:
-        _lib.reset_for_tests(gpu.runtime(devices=1, device=0))
+class Probe:
+    def __init__(self, mode: str, path: str, lib: str | None, async_loads: bool) -> None:
+        self.gpu = StandInGpu() if mode.startswith("gpu") else None
+        if self.gpu is not None:
+            if mode == "gpu-fp8":
+                assert lib is not None
+                self.gpu.host = _lib.Library(Path(lib))
+            _lib.reset_for_tests(self.gpu.runtime(devices=1, device=0))
+            # torch's answer to "is the current stream capturing?" (no CUDA here)
+            gpu = self.gpu
+            mover_core.torch_capturing = lambda: gpu.is_capturing(COMPUTE)
+        g = torch.Generator().manual_seed(0)
+        self.plain = [torch.zeros(SHAPE, dtype=torch.float16) for _ in range(LAYERS)]
+        self.layers = [t.as_subclass(OnDevice) if self.gpu is not None else t
+                       for t in self.plain]
+        self.fresh = [torch.randn(SHAPE, generator=g).to(torch.float16)
+                      for _ in range(LAYERS)]
+        self.names = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
+        vllm_config = SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=4),
+            model_config=SimpleNamespace(model="probe-model"),
+            parallel_config=SimpleNamespace(rank=0, world_size=1))
+        extra: dict[str, Any] = {"path": path, "extent_bytes": 4 << 20,
+                                 "async_loads": async_loads,
+                                 "max_pending_save_bytes": 1 << 20,
+                                 "load_staging_bytes": 1 << 20}
+        if mode == "gpu-fp8":
+            extra["codec"] = "fp8_e4m3"
+        self.conn = Conn()
+        self.ws = WorkerSide(self.conn, vllm_config,  # type: ignore[arg-type]
+                             SimpleNamespace(num_blocks=NUM_BLOCKS),
+                             ConnectorConfig.from_extra(extra), (("weights", "w"),),
+                             b"\0" * 16, "probe")
+        self.ws.register_kv_caches(dict(zip(self.names, self.layers)))
+        self.run_gpu()
+        self.clear()
 
-    def run_gpu(streams: list[int] | None = None) -> None:
-        if gpu is not None:
-            gpu.run(streams)
+    def run_gpu(self, streams: list[int] | None = None) -> None:
+        if self.gpu is not None:
+            self.gpu.run(streams)
 
-    def device_work(fn: Any) -> None:  # the engine's own kernel on its stream
-        if gpu is not None:
-            gpu.enqueue(COMPUTE, fn)
+    def clear(self) -> None:
+        OnDevice.log.clear()
+        if self.gpu is not None:
+            self.gpu.syncs.clear()
+            self.gpu.copied.clear()
+
+    def syncs(self) -> list[str]:
+        return list(self.gpu.syncs) if self.gpu is not None else []
+
+    def device_work(self, fn: Any) -> None:  # the engine's own kernel on its stream
+        if self.gpu is not None:
+            self.gpu.enqueue(COMPUTE, fn)
         else:
             fn()
 
-    g = torch.Generator().manual_seed(0)
-    plain = [torch.zeros(SHAPE, dtype=torch.float16) for _ in range(LAYERS)]
-    layers = [t.as_subclass(OnDevice) if gpu is not None else t for t in plain]
-    fresh = [torch.randn(SHAPE, generator=g).to(torch.float16) for _ in range(LAYERS)]
-    names = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
-    vllm_config = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=4),
-        model_config=SimpleNamespace(model="probe-model"),
-        parallel_config=SimpleNamespace(rank=0, world_size=1))
-    extra: dict[str, Any] = {"path": path, "extent_bytes": 4 << 20, "async_loads": False,
-                             "max_pending_save_bytes": 1 << 20}
-    if mode == "gpu-fp8":
-        extra["codec"] = "fp8_e4m3"
-    config = ConnectorConfig.from_extra(extra)
-    conn = Conn()
-    ws = WorkerSide(conn, vllm_config, SimpleNamespace(num_blocks=NUM_BLOCKS),  # type: ignore[arg-type]
-                    config, (("weights", "w"),), b"\0" * 16, "probe")
-    ws.register_kv_caches(dict(zip(names, layers)))
-    if gpu is not None:
-        run_gpu()
-        gpu.syncs.clear()
-    mover = getattr(ws, "mover", None)  # (a worker without the mover: none)
-    out: dict[str, Any] = {"mover_cuda": mover is not None and mover.cuda}
+    def step(self, meta: KVStoreConnectorMetadata) -> None:
+        """vLLM's order: bind, start_load_kv, per layer: wait for its load, the forward
+        writes it, save_kv_layer; then wait_for_save.  The step's presence lookup has
+        answered by the first save_kv_layer (the store is idle here: made certain)."""
+        self.conn.meta = meta
+        self.ws.bind_connector_metadata(meta)
+        lookup = self.ws.saves._lookup
+        if lookup is not None:
+            lookup[1].result()
+        self.forward(meta)
+        self.ws.wait_for_save()
 
-    # ---- a save step: the forward writes each layer, then save_kv_layer
+    def forward(self, meta: KVStoreConnectorMetadata) -> None:
+        self.ws.start_load_kv(None)  # type: ignore[arg-type]
+        for li, name in enumerate(self.names):
+            self.ws.wait_for_layer_load(name)
+            self.device_work(lambda li=li: self.plain[li].copy_(self.fresh[li]))
+            self.ws.save_kv_layer(name, self.layers[li], None)  # type: ignore[arg-type]
+
+    def mover_stats(self) -> dict[str, int]:
+        assert self.ws.mover is not None
+        return {k: v for k, v in vars(self.ws.mover.stats()).items() if isinstance(v, int)}
+
+
+def save_with_the_store_busy(p: Probe, meta: KVStoreConnectorMetadata,
+                             out: dict[str, Any]) -> None:
+    """The step's lookup cannot answer (the store's loop is held): the forward still
+    runs to its end, and the step's blocks are all copied out."""
+    gate, entered = threading.Event(), threading.Event()
+
+    async def hold_the_loop() -> None:
+        entered.set()
+        gate.wait()   # blocks the store's event-loop thread itself
+
+    held = p.ws.store.blocking.submit(hold_the_loop)
+    entered.wait()
+    forward_done = threading.Event()
+
+    def watchdog() -> None:   # frees the loop only if the forward hung on it
+        if not forward_done.wait(HANG_S):
+            gate.set()
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    p.conn.meta = meta
+    p.ws.bind_connector_metadata(meta)
+    p.forward(meta)
+    out["forward_while_store_busy"] = not gate.is_set()
+    forward_done.set()
+    gate.set()
+    held.result()
+    p.ws.wait_for_save()
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    flags = {a for a in sys.argv[1:] if a.startswith("--")}
+    mode, path = args[0], args[1]
+    p = Probe(mode, path, args[2] if len(args) > 2 else None, "--async" in flags)
+    ws, gpu = p.ws, p.gpu
+    assert ws.mover is not None
+    out: dict[str, Any] = {"mover_cuda": ws.mover.cuda, "device_loads": ws.mover.device_loads}
+
+    # ---- save step 1, the store's loop busy: the forward writes each layer, saves it
     hashes = [bytes([i]) * 16 for i in (1, 2)]
     ids = [3, 7]
-    conn.meta = KVStoreConnectorMetadata(saves=[Save(3, hashes[0], None),
-                                                Save(7, hashes[1], hashes[0])])
-    for li, name in enumerate(names):
-        device_work(lambda li=li: plain[li].copy_(fresh[li]))
-        ws.save_kv_layer(name, layers[li], None)  # type: ignore[arg-type]
-    ws.wait_for_save()
-    out["save_syncs"] = list(gpu.syncs) if gpu is not None else []
+    save_with_the_store_busy(p, KVStoreConnectorMetadata(saves=[
+        Save(3, hashes[0], None), Save(7, hashes[1], hashes[0])]), out)
+    out["save_syncs"] = p.syncs()
     out["save_host_copies"] = list(OnDevice.log)
-    run_gpu()                      # the GPU gets there: copies, copy-done callback
+    p.run_gpu()                      # the GPU gets there: copies, copy-done callback
     ws.store.flush()
     keys = ws._keys(hashes)
     assert keys is not None
     got = ws.store.get_many(keys, [None, None])  # type: ignore[list-item]
-    want = paged.gather_reference(fresh, ids, "kv_first")
+    want = paged.gather_reference(p.fresh, ids, "kv_first")
     spec = ws.store.store.codec
     if spec is not None:   # what the CPU codec's payload of the same values decodes to
         want = torch.stack([codecs.decode(*codecs.encode(w, spec), w.dtype, tuple(w.shape))
                             for w in want])
-        out["fp8_copied_out_bytes"] = ws.mover.stats().copied_out_bytes if ws.mover else 0
+        out["fp8_copied_out_bytes"] = ws.mover.stats().copied_out_bytes
         out["raw_bytes"] = len(ids) * want[0].numel() * want.element_size()
     out["saved_ok"] = all(g is not None and torch.equal(g.reshape(want[i].shape), want[i])
                           for i, g in enumerate(got))
 
+    # ---- save step 2, its lookup answered: the stored blocks are not copied out again
+    before = p.mover_stats()
+    p.step(KVStoreConnectorMetadata(saves=[Save(3, hashes[0], None),
+                                           Save(7, hashes[1], hashes[0]),
+                                           Save(5, b"\x03" * 16, hashes[1])]))
+    p.run_gpu()
+    ws.store.flush()
+    after = p.mover_stats()
+    out["dedup_step_copied_blocks"] = after["saved_blocks"] - before["saved_blocks"]
+
     # ---- a load step into other blocks; attention reads each layer after its wait
-    OnDevice.log.clear()
+    p.clear()
+    decoded = copies.stats().fp8_decoded
+    load = Load("r1", [9, 10], hashes)
+    if gpu is not None:              # the GPU keeps up with the store's copies; the
+        gpu.auto = True              # mover's load stream runs only when told
+        gpu.held = {ws.mover.load_stream}
+    if "--async" in flags:
+        p.conn.meta = KVStoreConnectorMetadata(loads=[load])
+        ws.bind_connector_metadata(p.conn.meta)
+        ws.start_load_kv(None)  # type: ignore[arg-type]
+        ws._loading["r1"].future.result()   # the background read is done
+        finished = ws.get_finished(set())[1]
+        out["async_finished"] = sorted(finished or ())
+        p.conn.meta = KVStoreConnectorMetadata()   # the request's next step
+        ws.bind_connector_metadata(p.conn.meta)
+    else:
+        # vLLM's scheduler looks the request up first: the hit is read (and verified)
+        # ahead, then start_load_kv of the step that scheduled it scatters it.
+        out["read_ahead_hit"] = ws.store.match_hashes(hashes)
+        p.conn.meta = KVStoreConnectorMetadata(loads=[load])
+        ws.bind_connector_metadata(p.conn.meta)
+        ws.start_load_kv(None)  # type: ignore[arg-type]
     if gpu is not None:
-        gpu.syncs.clear()
-    conn.meta = KVStoreConnectorMetadata(loads=[Load("r1", [9, 10], hashes)])
-    ws.bind_connector_metadata(conn.meta)
-    ws.start_load_kv(None)  # type: ignore[arg-type]
+        gpu.auto = False
     seen: list[torch.Tensor] = []
-    for li, name in enumerate(names):
+    for li, name in enumerate(p.names):
         ws.wait_for_layer_load(name)
-        device_work(lambda li=li: seen.append(
-            paged.gather_reference([plain[li]], [9, 10], "kv_first")[:, 0].clone()))
-    out["load_syncs"] = list(gpu.syncs) if gpu is not None else []
+        p.device_work(lambda li=li: seen.append(
+            paged.gather_reference([p.plain[li]], [9, 10], "kv_first")[:, 0].clone()))
+    out["load_syncs"] = p.syncs()
     out["load_host_copies"] = list(OnDevice.log)
-    run_gpu([COMPUTE])
+    out["fp8_decoded"] = copies.stats().fp8_decoded - decoded
+    out["load_copied_in_bytes"] = 0 if gpu is None else \
+        sum(n for _, s, n in gpu.copied if s not in (ws.mover.load_stream, COMPUTE))
+    if spec is not None:   # in: each block's scales and codes (its payload less the
+        # header), and the decode kernel's row -> scale-group map once per geometry
+        payloads = sum(len(codecs.encode(w, spec)[1]) - gpu_fp8._HDR.size for w in
+                       paged.gather_reference(p.fresh, ids, "kv_first"))
+        row_group = gpu_fp8.scale_groups(ws.mover.block_shape, spec).row_group.nbytes
+        out["load_copied_in_expected"] = [payloads, payloads + row_group]
+    p.run_gpu([COMPUTE])
     out["read_before_load_event"] = len(seen)
-    run_gpu()
+    if gpu is not None:
+        gpu.held.clear()
+    p.run_gpu()
     out["load_ok"] = len(seen) == LAYERS and all(
         torch.equal(seen[li], want[:, li]) for li in range(LAYERS))
-    conn.meta = None
+    out["load_errors"] = sorted(ws.get_block_ids_with_load_errors())
+
+    if "--capture" in flags:
+        assert gpu is not None
+        p.clear()
+        gpu.begin_capture(COMPUTE)
+        p.step(KVStoreConnectorMetadata(saves=[Save(8, b"\x04" * 16, None)]))
+        p.step(KVStoreConnectorMetadata(loads=[Load("r2", [11], [b"\x05" * 16])]))
+        gpu.end_capture(COMPUTE)
+        out["captured"] = list(gpu.captured)
+        out["capture_syncs"] = p.syncs()
+        out["capture_load_errors"] = sorted(ws.get_block_ids_with_load_errors())
+        out["capture_skipped_saves"] = ws.mover.stats().capture_skipped_saves
+
+    p.conn.meta = None
     ws.shutdown()
     stats = ws.store.counters
-    out["counters"] = {k: stats[k] for k in ("save_blocks", "saved_blocks",
-                                             "save_dropped_blocks", "loaded_blocks",
-                                             "load_failed_blocks")}
+    out["counters"] = {k: stats[k] for k in (
+        "save_blocks", "saved_blocks", "save_dropped_blocks", "save_dedup_blocks",
+        "save_lookup_late_steps", "loaded_blocks", "load_failed_blocks")}
     print(json.dumps(out))
 
 
