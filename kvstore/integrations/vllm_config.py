@@ -75,9 +75,10 @@ class ConnectorConfig:
                         bringing them into memory at once, before vLLM schedules the
                         load (default True).
     ``background_saves``  True (default): saves are droppable (``put_many(background=
-                        True)``): under backpressure a save is dropped whole and counted,
-                        the step never waits for the disk.  False: every save is written;
-                        past ``max_pending_save_bytes`` a step waits for the oldest.
+                        True)``): under the store's backpressure a save is dropped whole
+                        and counted.  False: the store writes every save it gets.  Either
+                        way a step never waits for the disk: a save that finds no staging
+                        (``max_pending_save_bytes``) is dropped.
     ``async_loads``     True (default): a request with a hit waits in vLLM's
                         ``WAITING_FOR_REMOTE_KVS`` while its blocks are read in the
                         background and other requests keep running.  False: the lookup
