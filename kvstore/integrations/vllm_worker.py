@@ -100,6 +100,7 @@ class WorkerSide:
         self._block_shape: tuple[int, ...] = ()
         self._dtype = torch.float32
         self.mover: Mover | None = None
+        self.clock = time.monotonic  # the copy-out rate cap's (a test sets its own)
         self.saves = StepSaves(self.store)  # save_kv_layer and wait_for_save
         self._loading: dict[str, _InFlightLoad] = {}
         self._load_errors: set[int] = set()
@@ -142,7 +143,7 @@ class WorkerSide:
         if self.mover is not None:  # registered again: the old caches are gone
             self.mover.close()
         self.mover = make_mover(list(kv_caches.values()), layout, self._config,
-                                self._store.store.codec)
+                                self._store.store.codec, clock=self.clock)
         self._store.load_staging = self.mover.begin_load
         self.saves.mover = self.mover
         if first.device.type == "cuda" and not self.mover.cuda:

@@ -6,6 +6,8 @@ stage (device memory with ``device_loads``).  Part of
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,9 +23,10 @@ __all__ = ["make_mover"]
 
 
 def make_mover(layers: list[torch.Tensor], layout: Layout, config: ConnectorConfig,
-               store_codec: CodecSpec | None) -> Mover:
-    """The data mover for the engine's ``layers``, sized and capped by ``config``.  On a
-    GPU with an FP8 codec, saves are quantised there (half the bytes over PCIe), stored
+               store_codec: CodecSpec | None,
+               clock: Callable[[], float] = time.monotonic) -> Mover:
+    """The data mover for the engine's ``layers``, sized and capped by ``config``
+    (``clock``: the rate cap's, in seconds).  On a GPU with an FP8 codec, saves are quantised there (half the bytes over PCIe), stored
     as the codec's payload, and (``device_loads``) loads are dequantised there; a CPU
     engine's store encodes and decodes as before."""
     cuda = layers[0].device.type == "cuda"
@@ -35,7 +38,7 @@ def make_mover(layers: list[torch.Tensor], layout: Layout, config: ConnectorConf
         staging_bytes=config.max_pending_save_bytes,
         load_staging_bytes=config.load_staging_bytes, codec=spec,
         max_save_bytes_per_s=config.max_save_bytes_per_s,
-        max_save_bytes_per_batch=config.max_save_bytes_per_step)
+        max_save_bytes_per_batch=config.max_save_bytes_per_step, clock=clock)
     try:
         mover = Mover(layers, layout, device_loads=device_loads, **kw)
     except torch.OutOfMemoryError as e:

@@ -49,7 +49,7 @@ def library(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def on_a_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return probe(tmp_path_factory.mktemp("gpu"), "gpu", "--capture")
+    return probe(tmp_path_factory.mktemp("gpu"), "gpu", "--capture", "--caps")
 
 
 def test_worker_on_a_gpu_never_synchronises_and_orders_copies_by_events(
@@ -83,7 +83,21 @@ def test_nothing_is_enqueued_into_a_cuda_graph_capture(on_a_gpu: dict[str, Any])
     assert r["captured"] == [] and r["capture_syncs"] == []
     assert r["capture_skipped_saves"] == 1
     assert r["capture_load_errors"] == [11]
-    assert r["counters"] == {"save_blocks": 4, "saved_blocks": 3, "save_dropped_blocks": 1,
+    assert r["counters"]["loaded_blocks"] == 2 and r["counters"]["load_failed_blocks"] == 1
+
+
+def test_the_copy_out_caps_drop_a_steps_save_whole_and_count_it(
+        on_a_gpu: dict[str, Any]) -> None:
+    """max_save_bytes_per_s 2.5 blocks, max_save_bytes_per_step 3 blocks, on the
+    worker's clock (moved by the probe, never slept on): per step, [blocks copied out,
+    blocks dropped]."""
+    r = on_a_gpu
+    assert r["caps"] == [[2, 0],    # a full bucket: taken, half a block left
+                         [0, 1],    # no time passed: over the rate, dropped
+                         [0, 4],    # a second later, but over the step's cap
+                         [1, 0]]    # the refilled bucket: taken
+    # every step's blocks counted once: 3 + 1 before, 1 in the capture, 8 here
+    assert r["counters"] == {"save_blocks": 12, "saved_blocks": 6, "save_dropped_blocks": 6,
                              "save_dedup_blocks": 0, "save_lookup_late_steps": 1,
                              "loaded_blocks": 2, "load_failed_blocks": 1}
 
@@ -119,3 +133,9 @@ def test_worker_on_a_gpu_with_fp8_quantises_saves_and_dequantises_loads_there(
     assert low <= r["load_copied_in_bytes"] <= high and low < 0.7 * r["raw_bytes"]
     assert r["read_before_load_event"] == 0 and r["load_ok"] is True   # decoded, loaded
     assert r["counters"]["loaded_blocks"] == 2 and r["counters"]["load_failed_blocks"] == 0
+
+
+def test_caps_and_staging_that_cannot_hold_one_block_stop_the_start(tmp_path: Path) -> None:
+    r = probe(tmp_path, "gpu", "--too-small")
+    assert r["error"] == ("kvstore connector: max_save_bytes_per_step=767 cannot hold one "
+                          "block (768 bytes: one vLLM block of all 3 layers)")

@@ -2,7 +2,7 @@
 without an engine, in vLLM's order of calls, and print what happened as JSON.  Run with
 the vLLM venv's python (tests/integrations/test_vllm_mover.py does)::
 
-    python tests/integrations/worker_probe.py MODE STORE_DIR [LIBKVCUDA] [--async] [--capture]
+    python tests/integrations/worker_probe.py MODE STORE_DIR [LIBKVCUDA] [--async] [--capture] [--caps]
 
 ``gpu``: the KV cache is "on a GPU" that is the recording stand-in
 (tests/cuda/standin.py, ``StandInGpu``: streams run only when told, in CUDA's order,
@@ -21,7 +21,10 @@ The first save step runs with the store's event loop blocked (the step's presenc
 lookup cannot answer: the forward must not wait for it); the second after its lookup
 answered (blocks stored already are not copied out).  ``--capture``: one more step
 while the engine's stream "captures a CUDA graph" (the stand-in's; this torch has no
-CUDA, so torch's capture query is answered from it).
+CUDA, so torch's capture query is answered from it).  ``--caps``: the copy-out caps
+(``max_save_bytes_per_step`` three blocks, ``max_save_bytes_per_s`` 2.5 blocks) and a
+few more save steps on the worker's rate-cap clock, which the probe moves (10 s before
+each step of the flow above, so that the caps do not bite there).
 """
 
 from __future__ import annotations
@@ -61,8 +64,12 @@ class Conn:
         return self.meta is not None
 
 
+BLOCK_BYTES = LAYERS * 2 * 4 * 2 * 8 * 2   # one block of every layer, float16
+
+
 class Probe:
-    def __init__(self, mode: str, path: str, lib: str | None, async_loads: bool) -> None:
+    def __init__(self, mode: str, path: str, lib: str | None, async_loads: bool,
+                 caps: bool = False, **options: Any) -> None:
         self.gpu = StandInGpu() if mode.startswith("gpu") else None
         if self.gpu is not None:
             if mode == "gpu-fp8":
@@ -89,11 +96,17 @@ class Probe:
                                  "load_staging_bytes": 1 << 20}
         if mode == "gpu-fp8":
             extra["codec"] = "fp8_e4m3"
+        if caps:
+            extra.update(max_save_bytes_per_step=3 * BLOCK_BYTES,
+                         max_save_bytes_per_s=2.5 * BLOCK_BYTES)
+        extra.update(options)
+        self.now = 0.0   # the rate cap's clock, in seconds
         self.conn = Conn()
         self.ws = WorkerSide(self.conn, vllm_config,  # type: ignore[arg-type]
                              SimpleNamespace(num_blocks=NUM_BLOCKS),
                              ConnectorConfig.from_extra(extra), (("weights", "w"),),
                              b"\0" * 16, "probe")
+        self.ws.clock = lambda: self.now
         self.ws.register_kv_caches(dict(zip(self.names, self.layers)))
         self.run_gpu()
         self.clear()
@@ -121,6 +134,7 @@ class Probe:
         """vLLM's order: bind, start_load_kv, per layer: wait for its load, the forward
         writes it, save_kv_layer; then wait_for_save.  The step's presence lookup has
         answered by the first save_kv_layer (the store is idle here: made certain)."""
+        self.now += 10
         self.conn.meta = meta
         self.ws.bind_connector_metadata(meta)
         lookup = self.ws.saves._lookup
@@ -151,6 +165,7 @@ def save_with_the_store_busy(p: Probe, meta: KVStoreConnectorMetadata,
         entered.set()
         gate.wait()   # blocks the store's event-loop thread itself
 
+    p.now += 10
     held = p.ws.store.blocking.submit(hold_the_loop)
     entered.wait()
     forward_done = threading.Event()
@@ -170,11 +185,42 @@ def save_with_the_store_busy(p: Probe, meta: KVStoreConnectorMetadata,
     p.ws.wait_for_save()
 
 
+def copy_out_caps(p: Probe) -> list[list[int]]:
+    """Save steps against the caps, the clock moved only where said: per step, the
+    blocks the mover copied out and the connector's dropped blocks."""
+    seen: list[list[int]] = []
+    stats = p.ws.store.counters
+    fresh = iter(range(0x10, 0x40))
+
+    def step(ids: list[int], advance: float) -> None:
+        p.now += advance - 10   # (step() moves the clock 10 s on its own)
+        before, dropped = p.mover_stats()["saved_blocks"], stats["save_dropped_blocks"]
+        p.step(KVStoreConnectorMetadata(saves=[Save(b, bytes([next(fresh)]) * 16, None)
+                                               for b in ids]))
+        p.run_gpu()
+        p.ws.store.flush()
+        seen.append([p.mover_stats()["saved_blocks"] - before,
+                     stats["save_dropped_blocks"] - dropped])
+
+    step([0, 1], 10)       # a full bucket (2.5 blocks): taken, 0.5 left
+    step([2], 0)           # no time passed: 1 block is over the rate: dropped
+    step([4, 6, 8, 11], 1)  # refilled, but 4 blocks are over the step's cap of 3
+    step([0], 0)           # the 2.5 blocks of that second: taken
+    return seen
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     flags = {a for a in sys.argv[1:] if a.startswith("--")}
     mode, path = args[0], args[1]
-    p = Probe(mode, path, args[2] if len(args) > 2 else None, "--async" in flags)
+    if "--too-small" in flags:   # sizes that cannot hold one block stop the start
+        try:
+            Probe(mode, path, None, False, max_save_bytes_per_step=BLOCK_BYTES - 1)
+        except ValueError as e:
+            print(json.dumps({"error": str(e)}))
+            return
+    p = Probe(mode, path, args[2] if len(args) > 2 else None, "--async" in flags,
+              caps="--caps" in flags)
     ws, gpu = p.ws, p.gpu
     assert ws.mover is not None
     out: dict[str, Any] = {"mover_cuda": ws.mover.cuda, "device_loads": ws.mover.device_loads}
@@ -272,6 +318,9 @@ def main() -> None:
         out["capture_syncs"] = p.syncs()
         out["capture_load_errors"] = sorted(ws.get_block_ids_with_load_errors())
         out["capture_skipped_saves"] = ws.mover.stats().capture_skipped_saves
+
+    if "--caps" in flags:
+        out["caps"] = copy_out_caps(p)
 
     p.conn.meta = None
     ws.shutdown()
