@@ -64,7 +64,10 @@ class StepSaves:
             return
         keys = engine_keys(self._store, [s.hash for s in _distinct(meta.saves)])
         if keys:
-            self._lookup = (meta, self._store.submit_contains(keys))
+            try:
+                self._lookup = (meta, self._store.submit_contains(keys))
+            except RuntimeError:  # the store is closing: its saves are refused anyway
+                return
 
     def _present(self, meta: KVStoreConnectorMetadata, n: int) -> list[bool]:
         """Which of the step's ``n`` distinct blocks the store holds, as far as the

@@ -72,7 +72,11 @@ def test_the_forward_never_waits_for_the_steps_presence_lookup(
     r = on_a_gpu
     assert r["forward_while_store_busy"] is True
     assert r["dedup_step_copied_blocks"] == 1
-    assert r["counters"]["save_lookup_late_steps"] == 1
+    # Step 3, late again, with two stored blocks and a new one: all three copied out,
+    # the put wrote one and deduplicated two; every block counted once.
+    assert r["late_step_copied_blocks"] == 3
+    assert r["late_step_counters"] == {"save_blocks": 3, "saved_blocks": 1,
+                                       "save_dedup_blocks": 2, "save_lookup_late_steps": 1}
 
 
 def test_nothing_is_enqueued_into_a_cuda_graph_capture(on_a_gpu: dict[str, Any]) -> None:
@@ -88,17 +92,17 @@ def test_nothing_is_enqueued_into_a_cuda_graph_capture(on_a_gpu: dict[str, Any])
 
 def test_the_copy_out_caps_drop_a_steps_save_whole_and_count_it(
         on_a_gpu: dict[str, Any]) -> None:
-    """max_save_bytes_per_s 2.5 blocks, max_save_bytes_per_step 3 blocks, on the
+    """max_save_bytes_per_s 3.5 blocks, max_save_bytes_per_step 3 blocks, on the
     worker's clock (moved by the probe, never slept on): per step, [blocks copied out,
     blocks dropped]."""
     r = on_a_gpu
-    assert r["caps"] == [[2, 0],    # a full bucket: taken, half a block left
+    assert r["caps"] == [[3, 0],    # a full bucket: taken, half a block left
                          [0, 1],    # no time passed: over the rate, dropped
                          [0, 4],    # a second later, but over the step's cap
                          [1, 0]]    # the refilled bucket: taken
-    # every step's blocks counted once: 3 + 1 before, 1 in the capture, 8 here
-    assert r["counters"] == {"save_blocks": 12, "saved_blocks": 6, "save_dropped_blocks": 6,
-                             "save_dedup_blocks": 0, "save_lookup_late_steps": 1,
+    # every step's blocks counted once: 3 + 1 + 3 before, 1 in the capture, 9 here
+    assert r["counters"] == {"save_blocks": 16, "saved_blocks": 8, "save_dropped_blocks": 6,
+                             "save_dedup_blocks": 2, "save_lookup_late_steps": 2,
                              "loaded_blocks": 2, "load_failed_blocks": 1}
 
 
@@ -108,8 +112,9 @@ def test_worker_on_a_cpu_engine_runs_the_same_calls(tmp_path: Path, loads: str) 
     assert r["mover_cuda"] is False
     assert r["saved_ok"] is True and r["load_ok"] is True
     assert r["forward_while_store_busy"] is True and r["dedup_step_copied_blocks"] == 1
-    assert r["counters"] == {"save_blocks": 3, "saved_blocks": 3, "save_dropped_blocks": 0,
-                             "save_dedup_blocks": 0, "save_lookup_late_steps": 1,
+    assert r["late_step_copied_blocks"] == 3
+    assert r["counters"] == {"save_blocks": 6, "saved_blocks": 4, "save_dropped_blocks": 0,
+                             "save_dedup_blocks": 2, "save_lookup_late_steps": 2,
                              "loaded_blocks": 2, "load_failed_blocks": 0}
 
 

@@ -22,7 +22,7 @@ lookup cannot answer: the forward must not wait for it); the second after its lo
 answered (blocks stored already are not copied out).  ``--capture``: one more step
 while the engine's stream "captures a CUDA graph" (the stand-in's; this torch has no
 CUDA, so torch's capture query is answered from it).  ``--caps``: the copy-out caps
-(``max_save_bytes_per_step`` three blocks, ``max_save_bytes_per_s`` 2.5 blocks) and a
+(``max_save_bytes_per_step`` three blocks, ``max_save_bytes_per_s`` 3.5 blocks) and a
 few more save steps on the worker's rate-cap clock, which the probe moves (10 s before
 each step of the flow above, so that the caps do not bite there).
 """
@@ -98,7 +98,7 @@ class Probe:
             extra["codec"] = "fp8_e4m3"
         if caps:
             extra.update(max_save_bytes_per_step=3 * BLOCK_BYTES,
-                         max_save_bytes_per_s=2.5 * BLOCK_BYTES)
+                         max_save_bytes_per_s=3.5 * BLOCK_BYTES)
         extra.update(options)
         self.now = 0.0   # the rate cap's clock, in seconds
         self.conn = Conn()
@@ -202,10 +202,10 @@ def copy_out_caps(p: Probe) -> list[list[int]]:
         seen.append([p.mover_stats()["saved_blocks"] - before,
                      stats["save_dropped_blocks"] - dropped])
 
-    step([0, 1], 10)       # a full bucket (2.5 blocks): taken, 0.5 left
-    step([2], 0)           # no time passed: 1 block is over the rate: dropped
+    step([0, 1, 2], 10)    # a full bucket (3.5 blocks): taken, 0.5 left
+    step([4], 0)           # no time passed: 1 block is over the rate: dropped
     step([4, 6, 8, 11], 1)  # refilled, but 4 blocks are over the step's cap of 3
-    step([0], 0)           # the 2.5 blocks of that second: taken
+    step([0], 0)           # the 3.5 blocks of that second: taken
     return seen
 
 
@@ -256,6 +256,18 @@ def main() -> None:
     ws.store.flush()
     after = p.mover_stats()
     out["dedup_step_copied_blocks"] = after["saved_blocks"] - before["saved_blocks"]
+
+    # ---- save step 3, two stored blocks and a new one, the store's loop busy again:
+    # all three copied out, the put writes one and deduplicates two (counted so)
+    counters = dict(ws.store.counters)
+    save_with_the_store_busy(p, KVStoreConnectorMetadata(saves=[
+        Save(3, hashes[0], None), Save(7, hashes[1], hashes[0]),
+        Save(6, b"\x06" * 16, hashes[1])]), {})
+    p.run_gpu()
+    ws.store.flush()
+    out["late_step_copied_blocks"] = p.mover_stats()["saved_blocks"] - after["saved_blocks"]
+    out["late_step_counters"] = {k: ws.store.counters[k] - counters[k] for k in (
+        "save_blocks", "saved_blocks", "save_dedup_blocks", "save_lookup_late_steps")}
 
     # ---- a load step into other blocks; attention reads each layer after its wait
     p.clear()
