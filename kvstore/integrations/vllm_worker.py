@@ -215,14 +215,16 @@ class WorkerSide:
         or with ``async_loads`` off copy them into the KV cache before the forward."""
         meta = self._conn._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        if self._capturing():
-            self._refuse_in_capture(meta)
-            return
         if self._config.async_loads:
+            # (In a CUDA graph capture the mover gives no staging: such a load fails,
+            # reported in get_finished after the capture, and is recomputed.)
             for load in meta.loads:
                 self._start_load(load)
             return
         self._step_load_failed = False
+        if self._capturing():
+            self._refuse_in_capture(meta)
+            return
         self._store.next_step()
         for load in meta.loads:
             self._load_now(load)
@@ -233,14 +235,14 @@ class WorkerSide:
         return self.mover is not None and self.mover.capturing()
 
     def _refuse_in_capture(self, meta: KVStoreConnectorMetadata) -> None:
-        """Loads asked for during a graph capture (vLLM's own dummy steps bring none)
-        fail: vLLM recomputes their blocks."""
+        """Synchronous loads asked for during a graph capture (vLLM's own dummy steps
+        bring none) fail: vLLM recomputes their blocks."""
         if not meta.loads:
             return
         warn_once("capture-loads", "kvstore connector: %d loads asked for while the "
                   "engine captures a CUDA graph; their blocks are recomputed",
                   len(meta.loads))
-        self._step_load_failed = not self._config.async_loads
+        self._step_load_failed = True
         for load in meta.loads:
             n = len(load.block_ids)
             self._store.count(load_blocks=n, load_failed_blocks=n)

@@ -325,9 +325,13 @@ def main() -> None:
         gpu.begin_capture(COMPUTE)
         p.step(KVStoreConnectorMetadata(saves=[Save(8, b"\x04" * 16, None)]))
         p.step(KVStoreConnectorMetadata(loads=[Load("r2", [11], [b"\x05" * 16])]))
+        out["capture_finished"] = ws.get_finished(set())[1]   # (none in a capture)
         gpu.end_capture(COMPUTE)
         out["captured"] = list(gpu.captured)
         out["capture_syncs"] = p.syncs()
+        if "--async" in flags:   # the refused load is reported once the capture ended
+            ws._loading["r2"].future.result()
+            out["capture_finished"] = sorted(ws.get_finished(set())[1] or ())
         out["capture_load_errors"] = sorted(ws.get_block_ids_with_load_errors())
         out["capture_skipped_saves"] = ws.mover.stats().capture_skipped_saves
 
