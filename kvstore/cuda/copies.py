@@ -40,13 +40,18 @@ from kvstore.tensors import DTYPE_CODES
 __all__ = ["DeviceCopies", "close", "enabled_for", "stats", "to_host"]
 
 PUT_STAGING_BYTES = 256 << 20   # the put path's page-locked staging, made on first use
+# The FP8 decoder's row -> scale-group maps go up through staging of their own, made on
+# first use: a few KiB per block geometry, uploaded once.  Taken from the put staging,
+# the first FP8 read page-locked 256 MiB per process for them.
+ROW_GROUP_STAGING_BYTES = 1 << 20
+_STAGING_BYTES = {"put": PUT_STAGING_BYTES, "row groups": ROW_GROUP_STAGING_BYTES}
 
 _lock = threading.Lock()
 # Per library (the process's, or another a test or tool loaded), by id: device index ->
 # kvstore's copy stream there and the event it orders by, and the put staging.
 _streams: dict[tuple[int, int], int] = {}
 _events: dict[tuple[int, int], int] = {}
-_pools: dict[int, StagingPool] = {}
+_pools: dict[tuple[int, str], StagingPool] = {}   # (library, purpose) -> staging
 _row_group_cache: dict[tuple[object, ...], tuple[object, int]] = {}
 
 
@@ -90,7 +95,7 @@ def close() -> None:
     if lib is None:
         return
     with _lock:
-        pool = _pools.pop(id(lib), None)
+        pools = [_pools.pop(k) for k in [k for k in _pools if k[0] == id(lib)]]
         for key in [k for k in _row_group_cache if k[0] == id(lib)]:
             holder, _ = _row_group_cache.pop(key)
             if isinstance(holder, DeviceBuffer):
@@ -99,7 +104,7 @@ def close() -> None:
             with on_device(key[1], lib):
                 lib.try_call("kvc_event_destroy", _events.pop(key))
                 lib.try_call("kvc_stream_destroy", _streams.pop(key))
-    if pool is not None:
+    for pool in pools:
         pool.close()
 
 
@@ -210,7 +215,7 @@ class DeviceCopies:
         if cached is not None:
             return cached[1]
         nbytes = sg.row_group.nbytes
-        lease = _staging().try_take(nbytes)
+        lease = _staging("row groups").try_take(nbytes)
         if lease is None:
             return 0
         holder: object
@@ -266,13 +271,15 @@ class DeviceCopies:
 
 
 
-def _staging() -> StagingPool:
+def _staging(purpose: str = "put") -> StagingPool:
+    """The page-locked staging for ``purpose`` (``_STAGING_BYTES``), made on first use."""
     lib = runtime().lib
+    key = (id(lib), purpose)
     with _lock:
-        pool = _pools.get(id(lib))
+        pool = _pools.get(key)
         if pool is None:
-            pool = _pools[id(lib)] = StagingPool(PUT_STAGING_BYTES, lib,
-                                                 owner="kvstore put staging")
+            pool = _pools[key] = StagingPool(_STAGING_BYTES[purpose], lib,
+                                             owner=f"kvstore {purpose} staging")
         return pool
 
 

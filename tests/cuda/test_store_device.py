@@ -348,6 +348,11 @@ async def test_fp8_blocks_read_into_device_tensors_are_dequantised_on_the_gpu(
     assert copies.stats().fp8_decoded - before == 3
     assert gpu_keeping_up.syncs == [] and OnDevice.log == []
     assert [n for n, _ in gpu_keeping_up.calls].count("kvc_fp8_decode") == 3
+    # The decoder's row-group map went up through 1 MiB of staging of its own: a read
+    # page-locks no put staging (256 MiB) for a few KiB.
+    staged = {purpose: pool.capacity for (lib, purpose), pool in copies._pools.items()
+              if lib == id(gpu_keeping_up)}
+    assert staged == {"row groups": copies.ROW_GROUP_STAGING_BYTES}
     for p, b in zip(plain, blocks):
         want = codecs.decode(*codecs.encode(b, SPEC), b.dtype, tuple(b.shape))
         assert torch.equal(p.view(torch.int16), want.view(torch.int16))
