@@ -38,7 +38,7 @@ import os
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, InvalidStateError, wait
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
@@ -71,6 +71,10 @@ class BlockingStore:
         self._closed = False
         self._calls = 0  # calls that passed the closed check and may use the portal
         self._submitted: set[Future[Any]] = set()  # submit()'s, until done
+        # submit()'s calls on their way to the loop, started by a thread of their own
+        self._starts: queue.SimpleQueue[tuple[Any, tuple[Any, ...], Future[Any]] | None] = \
+            queue.SimpleQueue()
+        self._starter: threading.Thread | None = None
         self._closed_done = threading.Event()
         self._portal, self._thread = _start_portal()
         try:
@@ -105,6 +109,9 @@ class BlockingStore:
         with self._cond:
             submitted = list(self._submitted)
         wait(submitted)
+        if self._starter is not None:  # every submitted call has started and ended
+            self._starts.put(None)
+            self._starter.join()
         try:
             self._store_cm.__exit__(None, None, None)
         finally:
@@ -179,30 +186,47 @@ class BlockingStore:
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Start ``fn(*args)`` on the store's loop and return at once with a
         :class:`concurrent.futures.Future` of its result (a save the caller does not
-        wait for).  Admitted like every call; ``close()`` waits for it to finish before
-        it closes the store."""
+        wait for).  At once also while the loop is busy: the call is handed to the loop
+        by a thread of the store's, in the order submitted (the portal's own hand-over
+        waits until the loop takes the call, which held an engine's step).  Cancelling
+        the future cancels the call (one not started yet never runs).  Admitted like
+        every call; ``close()`` waits for it to finish before it closes the store."""
         self._check_process()
         with self._cond:
             if self._closed:
                 raise StoreClosedError(f"store {self._store.path} is closed")
             self._calls += 1
+            future: Future[T] = Future()
+            self._submitted.add(future)
+            if self._starter is None:
+                self._starter = threading.Thread(target=self._start_submitted, daemon=True,
+                                                 name="kvstore-blocking-submit")
+                self._starter.start()
 
-        def done(future: Future[T]) -> None:
+        def done(f: Future[T]) -> None:
             with self._cond:
-                self._submitted.discard(future)
+                self._submitted.discard(f)
                 self._calls -= 1
                 if not self._calls:
                     self._cond.notify_all()
 
-        try:
-            future = self._portal.start_task_soon(fn, *args)
-        except BaseException:
-            done(Future())
-            raise
-        with self._cond:
-            self._submitted.add(future)
-        future.add_done_callback(done)  # (runs at once if it is done already)
+        future.add_done_callback(done)
+        self._starts.put((fn, args, future))
         return future
+
+    def _start_submitted(self) -> None:
+        """The submit thread: hands each submitted call to the loop, its outcome to the
+        caller's future."""
+        while (item := self._starts.get()) is not None:
+            fn, args, future = item
+            if future.cancelled():
+                continue
+            try:
+                started = self._portal.start_task_soon(fn, *args)
+            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+                _settle(future, e)
+                continue
+            _chain(started, future)
 
     @property
     def store(self) -> Store:
@@ -354,6 +378,32 @@ class BlockingPrefetch:
 
     def __repr__(self) -> str:
         return repr(self._handle).replace("<Prefetch", "<BlockingPrefetch", 1)
+
+
+def _chain(started: Future[Any], future: Future[Any]) -> None:
+    """``future`` gets ``started``'s outcome; cancelling ``future`` cancels ``started``."""
+    def settle(f: Future[Any]) -> None:
+        _settle(future, f)
+
+    def cancel(f: Future[Any]) -> None:
+        if f.cancelled():
+            started.cancel()
+
+    started.add_done_callback(settle)
+    future.add_done_callback(cancel)
+
+
+def _settle(future: Future[Any], outcome: Future[Any] | BaseException) -> None:
+    """Give ``future`` the outcome of the call it stands for, unless it was cancelled."""
+    with suppress(InvalidStateError):   # cancelled meanwhile: nobody wants it
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        elif outcome.cancelled():
+            future.cancel()
+        elif (error := outcome.exception()) is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(outcome.result())
 
 
 def _start_portal() -> tuple[BlockingPortal, threading.Thread]:

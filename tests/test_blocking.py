@@ -408,3 +408,44 @@ def test_close_finishes_a_submitted_call_before_closing_the_store(
     assert future.result().written == 1
     with kvstore.open_blocking(tmp_path, namespace=NS, create=False) as reopened:
         assert reopened.contains_many(ks) == [True]
+
+
+def test_submit_returns_while_the_loop_is_busy_and_runs_calls_in_order(tmp_path: Path) -> None:
+    """``submit`` hands the call over without waiting for the loop to take it (an engine
+    step that submits its save must not wait behind the loop): with the loop thread held
+    in a synchronous call, ``submit`` still returns; a call cancelled before the loop
+    took it never runs; the rest run in the order submitted once the loop is free."""
+    ks = keys(3, 700)
+    with kvstore.open_blocking(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
+        held, release = threading.Event(), threading.Event()
+
+        async def hold_the_loop() -> None:
+            held.set()
+            # the loop's thread itself waits: nothing else runs on the loop meanwhile
+            # (the timeout only keeps a regression from hanging the suite)
+            release.wait(timeout=60)
+
+        holder = store.submit(hold_the_loop)
+        assert held.wait(timeout=60)
+        ran: list[int] = []
+
+        async def put(i: int) -> kvstore.PutResult:
+            ran.append(i)
+            return await store.store.put_many([ks[i]], [block(i)])
+
+        submitted = threading.Event()
+        futures: list[Any] = []
+
+        def submit_all() -> None:
+            futures.extend(store.submit(put, i) for i in range(3))
+            submitted.set()
+
+        threading.Thread(target=submit_all, daemon=True).start()
+        assert submitted.wait(timeout=60)   # before: waited for the held loop, forever
+        assert not release.is_set() and ran == []
+        assert futures[1].cancel()          # not taken by the loop yet: never runs
+        release.set()
+        holder.result()
+        assert futures[0].result().written == 1 and futures[2].result().written == 1
+        assert futures[1].cancelled() and ran == [0, 2]
+        assert store.contains_many(ks) == [True, False, True]
