@@ -26,9 +26,10 @@ def make_mover(layers: list[torch.Tensor], layout: Layout, config: ConnectorConf
                store_codec: CodecSpec | None,
                clock: Callable[[], float] = time.monotonic) -> Mover:
     """The data mover for the engine's ``layers``, sized and capped by ``config``
-    (``clock``: the rate cap's, in seconds).  On a GPU with an FP8 codec, saves are quantised there (half the bytes over PCIe), stored
-    as the codec's payload, and (``device_loads``) loads are dequantised there; a CPU
-    engine's store encodes and decodes as before."""
+    (``clock``: the rate cap's, in seconds).  On a GPU with an FP8 codec, saves are
+    quantised there (half the bytes over PCIe), stored as the codec's payload, and
+    (``device_loads``) loads are dequantised there; a CPU engine's store encodes and
+    decodes as before."""
     cuda = layers[0].device.type == "cuda"
     spec = store_codec if cuda else None
     fp8 = spec is not None and \
