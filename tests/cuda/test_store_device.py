@@ -13,7 +13,7 @@ device -> host copies).  Before this path, ``get_many(out=...)`` ended in
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -185,94 +185,88 @@ async def test_without_the_library_gets_into_device_tensors_never_synchronise(
     assert all(g is o for g, o in zip(got, outs))
     assert all(torch.equal(o.as_subclass(torch.Tensor), b) for o, b in zip(outs, blocks))
 
+@pytest.fixture
+def gpu_held() -> Iterator[StandInGpu]:
+    """The stand-in GPU whose streams run only when the test says so."""
+    gpu = StandInGpu()
+    old = _lib.reset_for_tests(gpu.runtime(devices=1, device=0))
+    try:
+        yield gpu
+    finally:
+        copies.close()
+        _lib.reset_for_tests(old)
+
+
+async def _cancel_with_copies_in_flight(gpu: StandInGpu, call: Callable[[], Awaitable[object]],
+                                        held: Callable[[], bool]) -> None:
+    """Run ``call`` until its copies are queued on ``gpu``, cancel it, check that it is
+    still waiting for them (``held()``: what they use is still taken), let the GPU run
+    them, and check that the call then ended cancelled."""
+    scope = anyio.CancelScope()
+    ended = []
+
+    async def run() -> None:
+        with scope:
+            await call()
+        ended.append(scope.cancelled_caught)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        while not gpu.pending():        # until the call's copies are enqueued
+            await anyio.lowlevel.checkpoint()
+        assert held()
+        scope.cancel()
+        for _ in range(20):             # the cancelled call is still waiting
+            await anyio.lowlevel.checkpoint()
+        assert ended == [] and held()
+        gpu.run()                       # the GPU gets there: copies, callback
+    assert ended == [True]
+
+
 async def test_a_put_cancelled_with_its_copies_in_flight_writes_nothing_and_leaks_nothing(
-        tmp_path: Path) -> None:
+        tmp_path: Path, gpu_held: StandInGpu) -> None:
     """The put's device -> host copies are queued on a GPU that has not run them when the
     put is cancelled: the put waits for them (their staging is not handed out while the
     GPU writes it), then ends without a block stored; the staging all comes back and
     the keys can be put again."""
-    gpu = StandInGpu()   # streams run only when the test says so
-    old = _lib.reset_for_tests(gpu.runtime(devices=1, device=0))
-    try:
-        blocks = _blocks(3, 8192, seed=5)
-        keys = [bytes([i + 60]) * 16 for i in range(3)]
-        values = [b.clone().as_subclass(OnDevice) for b in blocks]
-        async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
-            put_scope = anyio.CancelScope()
-            ended = []
-
-            async def put() -> None:
-                with put_scope:
-                    await store.put_many(keys, values)
-                ended.append(put_scope.cancelled_caught)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(put)
-                while not gpu.pending():        # until the put's copies are enqueued
-                    await anyio.lowlevel.checkpoint()
-                pool = copies._staging()
-                assert pool.stats().in_use_bytes > 0
-                put_scope.cancel()
-                for _ in range(20):             # the cancelled put is still waiting
-                    await anyio.lowlevel.checkpoint()
-                assert ended == [] and pool.stats().in_use_bytes > 0
-                gpu.run()                       # the GPU gets there: copies, callback
-            assert ended == [True]
-            assert await store.contains_many(keys) == [False] * 3
-            gc.collect()
-            assert pool.stats().in_use_bytes == 0
-            gpu.auto = True
-            assert (await store.put_many(keys, values)).written == 3
-            got = await store.get_many(keys)
-        assert all(g is not None and torch.equal(g, b) for g, b in zip(got, blocks))
-        assert gpu.syncs == []
-    finally:
-        copies.close()
-        _lib.reset_for_tests(old)
+    blocks = _blocks(3, 8192, seed=5)
+    keys = [bytes([i + 60]) * 16 for i in range(3)]
+    values = [b.clone().as_subclass(OnDevice) for b in blocks]
+    pool = copies._staging()
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+        await _cancel_with_copies_in_flight(gpu_held, lambda: store.put_many(keys, values),
+                                            lambda: pool.stats().in_use_bytes > 0)
+        assert await store.contains_many(keys) == [False] * 3
+        gc.collect()
+        assert pool.stats().in_use_bytes == 0
+        gpu_held.auto = True
+        assert (await store.put_many(keys, values)).written == 3
+        got = await store.get_many(keys)
+    assert all(g is not None and torch.equal(g, b) for g, b in zip(got, blocks))
+    assert gpu_held.syncs == []
 
 
 async def test_a_get_cancelled_with_its_copies_in_flight_keeps_the_arena_until_they_ran(
-        tmp_path: Path) -> None:
+        tmp_path: Path, gpu_held: StandInGpu) -> None:
     """The copies of a read into CUDA outputs are queued on a GPU that has not run them
     when the get is cancelled: the arena runs they copy from stay taken (no other read
     may land there) until the GPU ran them, then all of the arena comes back."""
-    gpu = StandInGpu()   # streams run only when the test says so
-    old = _lib.reset_for_tests(gpu.runtime(devices=1, device=0))
-    try:
-        blocks = _blocks(3, 8192, seed=8)
-        keys = [bytes([i + 80]) * 16 for i in range(3)]
-        async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
-            await store.put_many(keys, blocks)
-            arena = store.arena
-            idle = arena.free_bytes
-            outs = [torch.zeros(8192, dtype=torch.float16).as_subclass(OnDevice) for _ in keys]
-            get_scope = anyio.CancelScope()
-            ended = []
+    blocks = _blocks(3, 8192, seed=8)
+    keys = [bytes([i + 80]) * 16 for i in range(3)]
+    async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
+        await store.put_many(keys, blocks)
+        idle = store.arena.free_bytes
+        outs = [torch.zeros(8192, dtype=torch.float16).as_subclass(OnDevice) for _ in keys]
+        await _cancel_with_copies_in_flight(gpu_held, lambda: store.get_many(keys, outs),
+                                            lambda: store.arena.free_bytes < idle)
+        assert store.arena.free_bytes == idle
+        # the copies that were enqueued did land whole (not half-written)
+        assert all(torch.equal(o.as_subclass(torch.Tensor), b) for o, b in zip(outs, blocks))
+        gpu_held.auto = True
+        again = await store.get_many(keys)
+    assert all(g is not None and torch.equal(g, b) for g, b in zip(again, blocks))
+    assert gpu_held.syncs == []
 
-            async def get() -> None:
-                with get_scope:
-                    await store.get_many(keys, outs)
-                ended.append(get_scope.cancelled_caught)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(get)
-                while not gpu.pending():        # until the read's copies are enqueued
-                    await anyio.lowlevel.checkpoint()
-                get_scope.cancel()
-                for _ in range(20):             # the cancelled get is still waiting
-                    await anyio.lowlevel.checkpoint()
-                assert ended == [] and arena.free_bytes < idle
-                gpu.run()                       # the GPU gets there: copies, callback
-            assert ended == [True] and arena.free_bytes == idle
-            # the copies that were enqueued did land whole (not half-written)
-            assert all(torch.equal(o.as_subclass(torch.Tensor), b) for o, b in zip(outs, blocks))
-            gpu.auto = True
-            again = await store.get_many(keys)
-        assert all(g is not None and torch.equal(g, b) for g, b in zip(again, blocks))
-        assert gpu.syncs == []
-    finally:
-        copies.close()
-        _lib.reset_for_tests(old)
 
 SPEC = CodecSpec(fp8="e4m3", layout=KVLayout(kv_axis=1, token_axis=2, head_axis=3))
 
