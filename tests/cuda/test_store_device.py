@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -33,15 +34,29 @@ from tests.cuda.standin import OnDevice, StandInGpu
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def gpu_keeping_up() -> Iterator[StandInGpu]:
-    lib = StandInGpu(auto=True)
-    old = _lib.reset_for_tests(lib.runtime(devices=1, device=0))
+@contextmanager
+def _the_gpu(gpu: StandInGpu) -> Iterator[StandInGpu]:
+    """kvstore.cuda sees ``gpu`` as its one device for the duration."""
+    old = _lib.reset_for_tests(gpu.runtime(devices=1, device=0))
     try:
-        yield lib
+        yield gpu
     finally:
         copies.close()
         _lib.reset_for_tests(old)
+
+
+@pytest.fixture
+def gpu_keeping_up() -> Iterator[StandInGpu]:
+    """The stand-in GPU running whatever it can after every call."""
+    with _the_gpu(StandInGpu(auto=True)) as gpu:
+        yield gpu
+
+
+@pytest.fixture
+def gpu_held() -> Iterator[StandInGpu]:
+    """The stand-in GPU whose streams run only when the test says so."""
+    with _the_gpu(StandInGpu()) as gpu:
+        yield gpu
 
 
 def _blocks(n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
@@ -184,18 +199,6 @@ async def test_without_the_library_gets_into_device_tensors_never_synchronise(
         assert OnDevice.log == []
     assert all(g is o for g, o in zip(got, outs))
     assert all(torch.equal(o.as_subclass(torch.Tensor), b) for o, b in zip(outs, blocks))
-
-@pytest.fixture
-def gpu_held() -> Iterator[StandInGpu]:
-    """The stand-in GPU whose streams run only when the test says so."""
-    gpu = StandInGpu()
-    old = _lib.reset_for_tests(gpu.runtime(devices=1, device=0))
-    try:
-        yield gpu
-    finally:
-        copies.close()
-        _lib.reset_for_tests(old)
-
 
 async def _cancel_with_copies_in_flight(gpu: StandInGpu, call: Callable[[], Awaitable[object]],
                                         held: Callable[[], bool]) -> None:
