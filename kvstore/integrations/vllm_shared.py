@@ -106,6 +106,7 @@ class SharedStore:
         # The worker's data mover's load staging (Mover.begin_load), once it has one:
         # loads are read into page-locked staging and scattered from there.
         self.load_staging: Callable[[int], LoadBatch | None] | None = None
+        self.load_max_blocks = 0   # the most blocks the load staging holds (0: no limit)
         self.failed_keys: set[bytes] = set()  # loads that raised: misses from now on
         # Moves to a new key scope since start (a weight update: KVStoreConnector
         # .reset_cache); lookups of another epoch are answered 0.
@@ -158,24 +159,29 @@ class SharedStore:
         self._prepared.clear()
 
     def load_target(self, n: int) -> tuple[torch.Tensor, LoadBatch | None] | None:
-        """Where a load of ``n`` blocks is read (``[n, layers, *block shape]``): the
+        """Where a load of ``n`` blocks is read (``[k, layers, *block shape]``): the
         worker's mover's load staging (page-locked, or device memory with
         ``device_loads``: the store's reads land there from its arena, FP8 blocks
         dequantised on the GPU), or a plain buffer before the worker has a mover; None
-        when the staging has no room now (the load fails: vLLM computes)."""
+        when the staging has no room now (the load fails: vLLM computes).  ``k`` is
+        ``n``, or what the staging holds at most when a load is larger: the prefix that
+        fits is loaded, the rest computed (counted in ``load_no_staging_blocks``)."""
         layout = self.layout
         assert layout is not None
         layers, shape, dtype = layout
         make = self.load_staging
         if make is None:
             return load_buffer((n, layers, *shape), dtype), None
+        k = min(n, self.load_max_blocks) if self.load_max_blocks else n
         try:
-            batch = make(n)
+            batch = make(k)
         except CaptureError:  # the engine captures a CUDA graph: load later (vLLM asks)
             return None
         if batch is None:
             self.count(load_no_staging_blocks=n)
             return None
+        if k < n:
+            self.count(load_no_staging_blocks=n - k)
         return batch.staged(), batch
 
     def match_hashes(self, hashes: list[bytes], epoch: int = 0) -> int:
@@ -230,6 +236,7 @@ class SharedStore:
         if target is None:
             return 0
         buffer, staging = target
+        hit = len(buffer)   # (the prefix the load staging holds: the hit claimed)
         try:
             got = self.blocking.get_many(keys[:hit], list(buffer.unbind(0)))
         except Exception as e:  # a failed read is a miss: vLLM computes

@@ -145,6 +145,7 @@ class WorkerSide:
         self.mover = make_mover(list(kv_caches.values()), layout, self._config,
                                 self._store.store.codec, clock=self.clock)
         self._store.load_staging = self.mover.begin_load
+        self._store.load_max_blocks = self.mover.max_load_blocks
         self.saves.mover = self.mover
         if first.device.type == "cuda" and not self.mover.cuda:
             warn_once("no-cuda-lib", "kvstore connector: the KV cache is on %s but kvstore's "
@@ -267,14 +268,17 @@ class WorkerSide:
             target = self._store.load_target(n) if n else None
             blocks, staging = target if target is not None else \
                 (load_buffer((0, len(self._layers), *self._block_shape), self._dtype), None)
+            k = len(blocks)   # (the prefix the load staging holds; the rest computed)
             try:
                 got: list[torch.Tensor | None] = [None] * n if keys is None or not n \
-                    or target is None else self._store.get_many(keys, list(blocks.unbind(0)))
+                    or target is None else self._store.get_many(keys[:k],
+                                                                 list(blocks.unbind(0)))
             except Exception as e:
                 self._store.load_raised(keys or [], e)
                 got = [None] * n
+            got += [None] * (n - len(got))
             ok = next((i for i, g in enumerate(got) if g is None), n)
-            if target is not None:  # (no staging now is no reason to doubt the block)
+            if target is not None and ok < k:  # (no staging is no reason to doubt it)
                 self._note_failed(load, ok)
         if ok:
             self._scatter(blocks, staging, load.block_ids[:ok])
@@ -299,9 +303,9 @@ class WorkerSide:
             future = Future()
             future.set_result([None] * n)
         else:
-            buffer, staging = target
+            buffer, staging = target   # (the prefix the load staging holds)
             assert keys is not None
-            future = self._store.start_get(keys, list(buffer.unbind(0)))
+            future = self._store.start_get(keys[:len(buffer)], list(buffer.unbind(0)))
         self._loading[load.req_id] = _InFlightLoad(load, buffer, future,
                                                    time.perf_counter_ns(),
                                                    self._store.scope_epoch, staging)
@@ -318,9 +322,11 @@ class WorkerSide:
             got = [None] * len(load.block_ids)
         if inflight.scope_epoch != self._store.scope_epoch or self._store.suspended:
             got = [None] * len(load.block_ids)  # read under other weights' keys
+        read = len(got)   # (a load larger than the staging: the prefix it held)
+        got = list(got) + [None] * (len(load.block_ids) - read)
         ok = next((i for i, g in enumerate(got) if g is None), len(load.block_ids))
-        if inflight.staging is not None:  # (no staging then is no reason to doubt it)
-            self._note_failed(load, ok)
+        if inflight.staging is not None and ok < read:  # (no staging then is no reason
+            self._note_failed(load, ok)                 # to doubt the block)
         if ok:
             self._scatter(inflight.buffer, inflight.staging, load.block_ids[:ok])
         elif inflight.staging is not None:
@@ -417,6 +423,7 @@ class WorkerSide:
         self._loading.clear()
         self.saves.drop()
         self._store.load_staging = None
+        self._store.load_max_blocks = 0
         self._store.flush()  # the saves still hold the mover's staging
         release(self.store)
         if self.mover is not None:

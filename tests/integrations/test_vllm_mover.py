@@ -151,3 +151,21 @@ def test_caps_and_staging_that_cannot_hold_one_block_stop_the_start(tmp_path: Pa
     r = probe(tmp_path, "gpu", "--too-small")
     assert r["error"] == ("kvstore connector: max_save_bytes_per_step=767 cannot hold one "
                           "block (768 bytes: one vLLM block of all 3 layers)")
+
+
+@pytest.mark.parametrize("loads", ["sync", "async"])
+def test_a_load_larger_than_the_load_staging_loads_the_prefix_that_fits(
+        tmp_path: Path, loads: str) -> None:
+    """A stored chain one block longer than the load staging holds (``cap``): the prefix
+    that fits is loaded, the last block computed; before, the load failed whole."""
+    r = probe(tmp_path, "cpu", "--small-load-staging", *(["--async"] if loads == "async" else []))
+    cap = r["cap"]
+    assert cap >= 1 and r["loaded_ok"] is True and r["failed_keys"] == 0
+    if loads == "sync":   # the read-ahead claims only what it could read and hold
+        assert r["read_ahead_hit"] == cap and r["load_errors"] == []
+        assert r["counters"] == {"loaded_blocks": cap, "load_failed_blocks": 0,
+                                 "load_no_staging_blocks": 1}
+    else:                 # the prefix loaded, the last block computed by vLLM
+        assert r["finished"] == ["r"] and r["load_errors"] == [cap]
+        assert r["counters"] == {"loaded_blocks": cap, "load_failed_blocks": 1,
+                                 "load_no_staging_blocks": 1}

@@ -209,10 +209,57 @@ def copy_out_caps(p: Probe) -> list[list[int]]:
     return seen
 
 
+def load_larger_than_the_staging(mode: str, path: str, async_loads: bool) -> dict[str, Any]:
+    """Load staging of one page (it holds ``cap`` blocks), a stored chain of ``cap + 1``:
+    the read-ahead claims the prefix the staging holds; a background load of the whole
+    chain loads that prefix and reports the last block as a load error (vLLM computes
+    it); before, either load failed whole."""
+    p = Probe(mode, path, None, async_loads, load_staging_bytes=BLOCK_BYTES)
+    ws = p.ws
+    assert ws.mover is not None
+    cap = ws.mover.max_load_blocks
+    n = cap + 1
+    assert 2 * n <= NUM_BLOCKS, (cap, NUM_BLOCKS)
+    hashes = [bytes([i + 1]) * 16 for i in range(n)]
+    p.step(KVStoreConnectorMetadata(saves=[
+        Save(i, h, hashes[i - 1] if i else None) for i, h in enumerate(hashes)]))
+    p.run_gpu()
+    ws.store.flush()
+    out: dict[str, Any] = {"cap": cap}
+    counters = dict(ws.store.counters)
+    targets = list(range(n, 2 * n))
+    if async_loads:
+        p.conn.meta = KVStoreConnectorMetadata(loads=[Load("r", targets, hashes)])
+        ws.bind_connector_metadata(p.conn.meta)
+        ws.start_load_kv(None)  # type: ignore[arg-type]
+        ws._loading["r"].future.result()   # the background read is done
+        out["finished"] = sorted(ws.get_finished(set())[1] or ())
+    else:
+        out["read_ahead_hit"] = hit = ws.store.match_hashes(hashes)
+        targets = targets[:hit]             # what vLLM schedules for that hit
+        p.conn.meta = KVStoreConnectorMetadata(loads=[Load("r", targets, hashes[:hit])])
+        ws.bind_connector_metadata(p.conn.meta)
+        ws.start_load_kv(None)  # type: ignore[arg-type]
+    p.run_gpu()
+    out["load_errors"] = [b - n for b in sorted(ws.get_block_ids_with_load_errors())]
+    out["loaded_ok"] = torch.equal(paged.gather_reference(p.plain, targets[:cap], "kv_first"),
+                                   paged.gather_reference(p.fresh, list(range(cap)),
+                                                          "kv_first"))
+    out["counters"] = {k: ws.store.counters[k] - counters[k] for k in (
+        "loaded_blocks", "load_failed_blocks", "load_no_staging_blocks")}
+    out["failed_keys"] = len(ws.store.failed_keys)   # none: no block was doubted
+    p.conn.meta = None
+    ws.shutdown()
+    return out
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     flags = {a for a in sys.argv[1:] if a.startswith("--")}
     mode, path = args[0], args[1]
+    if "--small-load-staging" in flags:
+        print(json.dumps(load_larger_than_the_staging(mode, path, "--async" in flags)))
+        return
     if "--too-small" in flags:   # sizes that cannot hold one block stop the start
         try:
             Probe(mode, path, None, False, max_save_bytes_per_step=BLOCK_BYTES - 1)
