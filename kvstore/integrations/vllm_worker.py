@@ -58,6 +58,12 @@ __all__ = ["WorkerSide"]
 logger = logging.getLogger("kvstore.integrations.vllm")
 
 
+def _arrived(got: Sequence[torch.Tensor | None]) -> int:
+    """How many leading blocks of a load arrived (``got`` may be shorter than the load:
+    the prefix its staging held)."""
+    return next((i for i, g in enumerate(got) if g is None), len(got))
+
+
 @dataclass
 class _InFlightLoad:
     load: Load
@@ -268,17 +274,14 @@ class WorkerSide:
             target = self._store.load_target(n) if n else None
             blocks, staging = target if target is not None else \
                 (load_buffer((0, len(self._layers), *self._block_shape), self._dtype), None)
-            k = len(blocks)   # (the prefix the load staging holds; the rest computed)
-            try:
-                got: list[torch.Tensor | None] = [None] * n if keys is None or not n \
-                    or target is None else self._store.get_many(keys[:k],
-                                                                 list(blocks.unbind(0)))
+            try:  # (the prefix the load staging holds; the rest is computed)
+                got: list[torch.Tensor | None] = [] if keys is None or target is None else \
+                    self._store.get_many(keys[:len(blocks)], list(blocks.unbind(0)))
             except Exception as e:
                 self._store.load_raised(keys or [], e)
-                got = [None] * n
-            got += [None] * (n - len(got))
-            ok = next((i for i, g in enumerate(got) if g is None), n)
-            if target is not None and ok < k:  # (no staging is no reason to doubt it)
+                got = []
+            ok = _arrived(got)
+            if ok < len(got):  # a block missing or unreadable, not one without staging
                 self._note_failed(load, ok)
         if ok:
             self._scatter(blocks, staging, load.block_ids[:ok])
@@ -319,14 +322,12 @@ class WorkerSide:
         except Exception as e:  # a failed read is a miss: vLLM recomputes
             keys = self._keys(load.hashes)
             self._store.load_raised(keys or [], e)
-            got = [None] * len(load.block_ids)
+            got = []
         if inflight.scope_epoch != self._store.scope_epoch or self._store.suspended:
-            got = [None] * len(load.block_ids)  # read under other weights' keys
-        read = len(got)   # (a load larger than the staging: the prefix it held)
-        got = list(got) + [None] * (len(load.block_ids) - read)
-        ok = next((i for i, g in enumerate(got) if g is None), len(load.block_ids))
-        if inflight.staging is not None and ok < read:  # (no staging then is no reason
-            self._note_failed(load, ok)                 # to doubt the block)
+            got = []  # read under other weights' keys
+        ok = _arrived(got)
+        if inflight.staging is not None and ok < len(got):  # (no staging then, or a
+            self._note_failed(load, ok)     # load larger than it: no reason to doubt it)
         if ok:
             self._scatter(inflight.buffer, inflight.staging, load.block_ids[:ok])
         elif inflight.staging is not None:
