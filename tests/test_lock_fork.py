@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -222,47 +223,47 @@ def test_a_child_forked_while_the_store_closes_on_its_worker_thread_does_not_kee
     assert step > 3
 
 
-@pytest.mark.skipif(not hasattr(os, "fork") or not sys.platform.startswith("linux"),
-                    reason="needs fork (libc)")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 def test_a_child_that_has_not_run_its_fork_hook_does_not_keep_the_store_locked(
         tmp_path: Path) -> None:
     """A child closes its copy of the descriptor in its at-fork hook, which runs when the
-    child is scheduled: until then (or for ever, for a process forked by native code,
+    child is scheduled: until then (or for ever, for a process made by native code,
     which runs no Python hook) it shares the parent's lock.  Before, a parent that
     closed and reopened the store first got ``StoreLockedError`` (seen as a flaky
-    reopen in the concurrent state machine).  Here the child is forked by libc's
-    ``fork`` itself, so it never runs the hook: it blocks in ``read`` until the parent
-    has reopened.  The parent's release unlocks, whatever copies remain."""
-    import ctypes
+    reopen in the concurrent state machine).  Here the child is made by
+    ``_posixsubprocess`` (fork and exec in C, no Python hook) with the descriptor handed
+    down, so it holds a copy of the parent's open file description, as a child that
+    never ran the hook does; it blocks reading its stdin until the parent has reopened.
+    The parent's release unlocks, whatever copies remain.
 
-    libc = ctypes.PyDLL(None)  # holds the GIL: the child runs no other thread's code
-    libc.fork.restype = ctypes.c_int
-    held_r, held_w = os.pipe()
+    (This test forked with libc's ``fork`` through ctypes before, and the child then ran
+    Python bytecode: when another thread of the test process had asked for the GIL at
+    the fork, the child waited for a GIL hand-over to that thread, which it does not
+    have, for ever: a hung CI run.)"""
+    child: subprocess.Popen[bytes] | None = None
 
-    async def scenario() -> int:
+    async def scenario() -> subprocess.Popen[bytes]:
         async with kvstore.open(tmp_path):
-            pid = libc.fork()
-            if pid == 0:  # the child: no hook ran; only libc from here on
-                buf = ctypes.create_string_buffer(1)
-                libc.read(held_r, buf, 1)
-                libc._exit(0)
-            assert pid > 0
-            assert _child_has_lock_descriptor(pid)  # it shares the parent's lock
-        return int(pid)
+            (held,) = [h for h in list(lock._HELD) if h.path == str(tmp_path)]
+            proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, pass_fds=(held.fd,))
+            assert _child_has_lock_descriptor(proc.pid)  # it shares the parent's lock
+        return proc
 
-    pid = anyio.run(scenario)
     try:
+        child = anyio.run(scenario)
+
         async def reopen() -> None:
             async with kvstore.open(tmp_path) as again:
                 assert again.stats().blocks == 0
 
         anyio.run(reopen)  # while the child still holds its copy
-        assert _child_has_lock_descriptor(pid)
+        assert _child_has_lock_descriptor(child.pid)
     finally:
-        os.write(held_w, b"x")
-        os.waitpid(pid, 0)
-        os.close(held_r)
-        os.close(held_w)
+        if child is not None:
+            assert child.stdin is not None
+            child.stdin.close()   # cat ends
+            assert child.wait() == 0
 
 
 def _child_has_lock_descriptor(pid: int) -> bool:
