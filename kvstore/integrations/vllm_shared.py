@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,11 +122,6 @@ class SharedStore:
         self.saves = BackgroundSaves(self.blocking, config, self.count, warn_once)
         self.load_seconds: list[float] = []  # drained into vLLM's stats each step
         self.server: LookupServer | None = None
-        # The worker's presence lookups (StepSaves.look_up), each a blocking call into
-        # the store's loop made on this thread: handing a call to the loop itself
-        # (BlockingStore.submit) waits until the loop thread takes it, so a busy loop
-        # would hold the engine's thread.
-        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
 
     def count(self, **deltas: int) -> None:
         with self._lock:
@@ -365,8 +360,9 @@ class SharedStore:
         return self.blocking.contains_many(keys)
 
     def submit_contains(self, keys: Sequence[bytes]) -> Future[list[bool]]:
-        """``contains_many(keys)`` on the lookup thread; returns at once."""
-        return self._lookups.submit(self.blocking.contains_many, list(keys))
+        """``contains_many(keys)`` on the store's loop; returns at once, also while the
+        loop is busy (:meth:`kvstore.blocking.BlockingStore.submit`)."""
+        return self.blocking.submit(self.store.contains_many, list(keys))
 
     def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]
                  ) -> list[torch.Tensor | None]:
@@ -394,7 +390,6 @@ class SharedStore:
             self.server.close()
         with self._lock:
             self._drop_prepared()
-        self._lookups.shutdown(wait=True, cancel_futures=True)
         try:
             self.flush()
         finally:

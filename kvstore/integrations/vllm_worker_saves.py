@@ -58,7 +58,7 @@ class StepSaves:
 
     def look_up(self, meta: KVStoreConnectorMetadata) -> None:
         """The step's metadata was bound (before its forward): start asking the store
-        which of its blocks it holds, on the lookup thread; nothing waits for it."""
+        which of its blocks it holds, on the store's loop; nothing waits for it."""
         self._lookup = None
         if not meta.saves or self._store.suspended is not None:
             return
