@@ -139,13 +139,13 @@ class PutPath:
         # Wait out other tasks' puts of the same keys, then decide without yielding.
         await self.wait_for_puts_of(keys)
         present = self._parts.index.present(keys)
-        chosen: list[tuple[bytes, bytes | None, torch.Tensor]] = []
+        chosen: list[tuple[bytes, bytes | None, torch.Tensor, int]] = []
         deduplicated: dict[bytes, None] = {}
         dedup_bytes = 0
         # A promotion's keys deleted since its fetch began: not stored (from here on, a
         # delete waits for this put instead: its keys are in ``inflight``).
         skipped = set() if skip_deleted is None else skip_deleted.deleted & set(keys)
-        for key, parent, (nbytes, _), value in zip(keys, parent_list, sized, values):
+        for key, parent, (nbytes, code), value in zip(keys, parent_list, sized, values):
             if key in skipped:
                 continue
             if key in present or key in self.inflight:
@@ -153,7 +153,7 @@ class PutPath:
                 if key in present:
                     deduplicated[key] = None
                 continue
-            chosen.append((key, parent, value))
+            chosen.append((key, parent, value, code))
             self.inflight[key] = anyio.Event()
         # (a key twice in the batch and skipped counts once per occurrence)
         n_skipped = sum(k in skipped for k in keys)
@@ -161,7 +161,7 @@ class PutPath:
             self._count_dedup(len(keys) - n_skipped, dedup_bytes)
             return PutResult(0, len(keys) - n_skipped, 0, dropped=n_skipped)
         # Their parents and what they were deduplicated against stay until they are stored.
-        guarded = [*(k for k, _, _ in chosen), *(p for _, p, _ in chosen if p is not None),
+        guarded = [*(k for k, *_ in chosen), *(p for _, p, *_ in chosen if p is not None),
                    *deduplicated]
         allocator = self._parts.allocator
         allocator.protect(guarded)
@@ -184,7 +184,7 @@ class PutPath:
             else:
                 await self._put_items(items, list(deduplicated))
         finally:
-            for key, _, _ in chosen:
+            for key, *_ in chosen:
                 self.inflight.pop(key).set()
             allocator.unprotect(guarded)  # its blocks are evictable now
         written = sum(item.payload_len for item in items)
@@ -196,17 +196,14 @@ class PutPath:
                          dropped=n_skipped)
 
     @staticmethod
-    async def _items(chosen: Sequence[tuple[bytes, bytes | None, torch.Tensor]]
+    async def _items(chosen: Sequence[tuple[bytes, bytes | None, torch.Tensor, int]]
                      ) -> list[PutItem]:
-        """The blocks to write, their values on the host: a value on a GPU is copied now
-        (stream-ordered into page-locked memory, awaited, no synchronize: issue 33), once
-        the put knows it writes it."""
-        values = await device_values_to_host([v for _, _, v in chosen])
-        items = []
-        for (key, parent, value), host in zip(chosen, values):
-            data, code = host_bytes(host)
-            items.append(PutItem(key, parent, data, code, tuple(value.shape)))
-        return items
+        """The blocks to write (validated: ``check_value``), their values on the host: a
+        value on a GPU is copied now (stream-ordered into page-locked memory, awaited,
+        no synchronize: issue 33), once the put knows it writes it."""
+        values = await device_values_to_host([v for _, _, v, _ in chosen])
+        return [PutItem(key, parent, host_bytes(host), code, tuple(value.shape))
+                for (key, parent, value, code), host in zip(chosen, values)]
 
     async def _encode(self, items: list[PutItem], spec: CodecSpec) -> None:
         """Encode every block now (sizes known only then), checking each slot fits."""

@@ -84,25 +84,24 @@ def check_value(t: object) -> tuple[int, int]:
     return t.numel() * t.element_size(), dtype_code(t)
 
 
-def host_bytes(t: object) -> tuple[torch.Tensor, int]:
-    """Validate a value for ``put`` and return (flat uint8 CPU view of its bytes, dtype code).
+def host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The flat uint8 CPU view of the bytes of a value :func:`check_value` accepted
+    (non-contiguous tensors are copied once; an :class:`EncodedBlock` gives a placeholder
+    of its size, its payload travels with it).
 
-    Non-contiguous tensors are copied once.  A value on a device must have reached the
-    host first (:func:`kvstore.transfers.device_values_to_host`: stream-ordered copies,
-    awaited, never a synchronize): refused here rather than copied by a call that waits
-    for the whole device.
+    A value on a device must have reached the host first
+    (:func:`kvstore.transfers.device_values_to_host`: stream-ordered copies, awaited,
+    never a synchronize): refused here rather than copied by a call that waits for the
+    whole device.
     """
-    _, code = check_value(t)
-    assert isinstance(t, torch.Tensor)
     if isinstance(t, EncodedBlock):   # no values to copy: a placeholder of their size
         return encoded_block(t.codec_id, t.payload, torch.uint8,
-                             (t.numel() * t.element_size(),)), code
+                             (t.numel() * t.element_size(),))
     if t.device.type != "cpu":
         raise UnsupportedTensorError(
             f"a value on {t.device} reached the host path uncopied; pass it through "
             "kvstore.transfers.device_values_to_host first")
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8), code
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def check_out(out: object, dtype: int, shape: tuple[int, ...]) -> torch.Tensor:
