@@ -127,17 +127,17 @@ class MoverCore:
         self.after_compute = self.new_event()
 
     def _new_stream(self) -> int:
-        assert self.lib is not None
-        h = ctypes.c_uint64(0)
-        self.lib.call("kvc_stream_create", ctypes.byref(h))
-        self._streams.append(int(h.value))
-        return int(h.value)
+        return self._create("kvc_stream_create", self._streams)
 
     def new_event(self) -> int:
+        return self._create("kvc_event_create", self._events)
+
+    def _create(self, call: str, kept: list[int]) -> int:
+        """A new handle from the library's ``call``, kept in ``kept`` to free at close."""
         assert self.lib is not None
         h = ctypes.c_uint64(0)
-        self.lib.call("kvc_event_create", ctypes.byref(h))
-        self._events.append(int(h.value))
+        self.lib.call(call, ctypes.byref(h))
+        kept.append(int(h.value))
         return int(h.value)
 
     def malloc(self, nbytes: int) -> DeviceBuffer:
