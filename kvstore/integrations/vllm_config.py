@@ -175,16 +175,13 @@ class ConnectorConfig:
 
 def _check_mover_options(extra: Mapping[str, Any]) -> None:
     """The data mover's options: sizes and caps, each with what it must be."""
-    for name in ("max_pending_save_bytes", "load_staging_bytes"):
+    for name, unset in (("max_pending_save_bytes", ""), ("load_staging_bytes", ""),
+                        ("max_save_bytes_per_step", " or null (no cap)")):
         value = extra.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value <= 0):
-            raise ValueError(f"{_WHO}: {name} must be a positive int (bytes), got {value!r}")
-    value = extra.get("max_save_bytes_per_step")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value <= 0):
-        raise ValueError(f"{_WHO}: max_save_bytes_per_step must be a positive int "
-                         f"(bytes) or null (no cap), got {value!r}")
+            raise ValueError(f"{_WHO}: {name} must be a positive int (bytes){unset}, "
+                             f"got {value!r}")
     value = extra.get("max_save_bytes_per_s")
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                               or not 0 < value < float("inf")):
