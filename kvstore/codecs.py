@@ -44,8 +44,10 @@ offset  size    type   field        meaning
 ======  ======  =====  ===========  ==================================================
 0       1       u8     version      1
 1       1       u8     flags        bit 0: the codes may contain NaN/Inf codes (the
-                                    decoder then runs its special-value pass); other
-                                    bits 0
+                                    decoder then runs its special-value pass); set
+                                    exactly when the block holds a NaN or an infinity;
+                                    clear, a NaN/Inf code makes the payload corrupt
+                                    (no encoder writes one); other bits 0
 2       1       u8     gran_k       scale granularity of the K part (table below)
 3       1       u8     gran_v       granularity of the V part (= gran_k when there is
                                     no kv axis)
@@ -150,7 +152,10 @@ offset  size    type   field        meaning
 
 Every decoder checks every length, field and range and raises
 :class:`~kvstore.errors.CorruptionError` (nothing else) for a payload that does not
-parse.  A caller-provided ``out`` that does not fit raises
+parse.  FP8 payloads have one parser, :func:`parse_fp8_payload`, for every decoder
+(this module's two paths, the GPU kernel and its CPU twin): they refuse the same
+payloads and decode every other one to the same bits (tests/cuda/test_fallback.py).
+A caller-provided ``out`` that does not fit raises
 :class:`~kvstore.errors.OutputMismatchError`.
 """
 
@@ -276,11 +281,12 @@ class _Fp8:
     special: int     # code & special == special marks NaN (E4M3) / Inf-NaN (E5M2)
     off: int         # decode bit trick yields value * 2**-off as float16
     nan_min: int     # (code & 0x7F) > nan_min marks a NaN code
+    finite_max: int  # largest code & 0x7F of a finite value (every larger one is special)
 
 
 _FORMATS = {
-    FP8_E4M3: _Fp8(torch.float8_e4m3fn, 8, 0x7F, 8, 0x7E),
-    FP8_E5M2: _Fp8(torch.float8_e5m2, 15, 0x7C, 0, 0x7C),
+    FP8_E4M3: _Fp8(torch.float8_e4m3fn, 8, 0x7F, 8, 0x7E, 0x7E),
+    FP8_E5M2: _Fp8(torch.float8_e5m2, 15, 0x7C, 0, 0x7C, 0x7B),
 }
 
 # What a NaN code decodes to: the output type's canonical quiet NaN, positive.
@@ -791,17 +797,26 @@ class Fp8Payload:
     codes: U8
 
 
-def parse_fp8_payload(data: U8, zstd: bool, dtype: torch.dtype,
+def parse_fp8_payload(codec: int, payload: Payload, dtype: torch.dtype,
                       shape: tuple[int, ...]) -> Fp8Payload:
-    """Check an FP8 payload against the block's dtype and shape (module docstring,
-    "payload"); any inconsistency is a CorruptionError."""
+    """Check an FP8 payload of codec id ``codec`` against the block's dtype and shape
+    (module docstring, "FP8 payload"); any inconsistency is a CorruptionError.
+
+    The one parser of the format: the CPU decoder and the GPU kernels' host side (and so
+    their CPU twin) decode only what it returns, so they refuse the same payloads, and
+    what they decode holds no code their element loops could read differently (a NaN/Inf
+    code where ``flags`` promises none: the CPU's fast loop would read it as a number).
+    """
+    if codec not in _KNOWN_IDS or codec & _BASE_MASK not in _FORMATS:
+        raise CorruptionError(f"codec id {codec:#x} is not an fp8 codec")
     if dtype not in _FLOAT_DTYPES:
         raise CorruptionError(f"an fp8 block cannot decode to {dtype}")
     numel = 1
     for d in shape:
         numel *= d
-    if len(shape) == 0 or numel == 0:
+    if len(shape) == 0 or numel <= 0 or min(shape) < 0:
         raise CorruptionError(f"an fp8 block cannot have shape {tuple(shape)}")
+    data = _payload_u8(payload)
     if data.size < _HDR.size:
         raise CorruptionError(f"fp8 payload truncated: {data.size} bytes")
     version, flags, gk, gv, kv, tok, head, n = _HDR.unpack_from(data.data, 0)
@@ -816,13 +831,23 @@ def parse_fp8_payload(data: U8, zstd: bool, dtype: torch.dtype,
     if n and (int(k_all.min()) < lo or int(k_all.max()) > hi):
         raise CorruptionError(f"fp8 scale exponent out of range [{lo}, {hi}]")
     rest = data[_HDR.size + n:]
-    if zstd:
+    if codec & ZSTD:
         codes_np = _decompress(rest, numel)
     elif rest.size != numel:
         raise CorruptionError(f"fp8 payload has {rest.size} code bytes, the block needs {numel}")
     else:
         codes_np = rest
+    if not flags & _FLAG_SPECIAL and _has_special_code(codes_np, _FORMATS[codec & _BASE_MASK]):
+        raise CorruptionError("fp8 payload holds a NaN/Inf code but its flags say it has none")
     return Fp8Payload(flags, (gk, gv), (kv, tok, head), plan, k_all, codes_np)
+
+
+def _has_special_code(codes: U8, fmt: _Fp8) -> bool:
+    """Whether any code is NaN/Inf: a positive code above ``finite_max`` or a negative one
+    above ``0x80 | finite_max``.  Two max reductions, no temporaries (~4% of a native
+    decode's time; a mask and ``any`` cost four times as much)."""
+    return int(codes.view(np.int8).max()) > fmt.finite_max or \
+        int(codes.max()) > 0x80 | fmt.finite_max
 
 
 @functools.lru_cache(maxsize=256)
@@ -850,10 +875,11 @@ def _payload_geometry(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: in
     return plan, _scale_count(plan)
 
 
-def _decode_fp8(data: U8, base: int, zstd: bool, dtype: torch.dtype,
-                shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
+def _decode_fp8(data: U8, codec: int, dtype: torch.dtype, shape: tuple[int, ...],
+                out: torch.Tensor | None) -> torch.Tensor:
+    base = codec & _BASE_MASK
     fmt = _FORMATS[base]
-    parsed = parse_fp8_payload(data, zstd, dtype, shape)
+    parsed = parse_fp8_payload(codec, data, dtype, shape)
     flags, kv = parsed.flags, parsed.axes[0]
     k_all, codes_np = parsed.scales, parsed.codes
     k_np = k_all[_row_scale_index(tuple(shape[:-1]), kv, parsed.plan)]
@@ -918,4 +944,4 @@ def decode(codec: int, payload: Payload, dtype: torch.dtype, shape: tuple[int, .
         if codec & ZSTD:
             return _decode_planes(data, dtype, shape, out)
         return _decode_raw(data, dtype, shape, out)
-    return _decode_fp8(data, base, bool(codec & ZSTD), dtype, shape, out)
+    return _decode_fp8(data, codec, dtype, shape, out)

@@ -114,7 +114,8 @@ def decode_rows(codes: npt.NDArray[np.uint8], k: npt.NDArray[np.int8], fmt: int,
     """``out[...] = dtype(value(codes) * 2**-k)``, ``out`` contiguous and shaped like the
     block (its last axis is the vector along which ``k`` is constant).  ``finite=True``
     promises no NaN/Inf codes (the payload's flag) and takes a faster kernel; a broken
-    promise gives wrong numbers, never an out-of-bounds access."""
+    promise gives wrong numbers, never an out-of-bounds access, which is why
+    :func:`kvstore.codecs.parse_fp8_payload` refuses a payload whose flag breaks it."""
     assert _lib is not None
     code, rows, dim = _check(out)
     if codes.dtype != np.uint8 or codes.size != out.numel() or not codes.flags.c_contiguous:

@@ -26,10 +26,9 @@ import numpy.typing as npt
 import torch
 
 from kvstore import codecs
-from kvstore.codecs import FP8_E4M3, FP8_E5M2, ZSTD, CodecSpec
+from kvstore.codecs import FP8_E4M3, FP8_E5M2, CodecSpec
 from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.paged import cuda_index
-from kvstore.errors import CorruptionError
 
 __all__ = ["ScaleGroups", "decode", "decode_device", "decode_host", "encode",
            "encode_device", "encode_host", "scale_groups"]
@@ -186,28 +185,17 @@ def encode(t: torch.Tensor, spec: CodecSpec) -> tuple[int, U8]:
 def _parse(codec: int, payload: codecs.Payload, dtype: torch.dtype,
            shape: tuple[int, ...]) -> tuple[ScaleGroups, npt.NDArray[np.int8], U8]:
     """The codec's own payload parser (:func:`kvstore.codecs.parse_fp8_payload`: the same
-    checks, the same CorruptionError cases), then the kernels' scale-group geometry."""
-    data = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8) \
-        if not isinstance(payload, np.ndarray) else payload.reshape(-1).view(np.uint8)
-    parsed = codecs.parse_fp8_payload(data, bool(codec & ZSTD), dtype, shape)
-    kv, tok, head = parsed.axes
-    gk, gv = parsed.granularities
-    layout = None if tok == _NO_AXIS and head == _NO_AXIS else \
-        codecs.KVLayout(None if kv == _NO_AXIS else kv, tok, head)
-    try:
-        spec = CodecSpec(fp8="e4m3", layout=layout, k_granularity=_GRANS[gk],
-                         v_granularity=_GRANS[gv])
-        sg = scale_groups(shape, spec)
-    except ValueError as e:
-        raise CorruptionError(f"fp8 payload layout does not fit shape {shape}: {e}") from None
-    if sg.fields != (gk, gv, kv, tok, head) or sg.n != parsed.scales.size:
-        raise CorruptionError(f"fp8 payload has {parsed.scales.size} scales, the kernels' "
-                              f"groups need {sg.n}")
-    return sg, parsed.scales, parsed.codes
+    checks, the same CorruptionError cases), then the kernels' row -> scale map of the
+    groups it parsed (the codec's own plan, :func:`_groups`)."""
+    parsed = codecs.parse_fp8_payload(codec, payload, dtype, shape)
+    return _groups(shape, *parsed.granularities, *parsed.axes), parsed.scales, parsed.codes
 
 
 def _is_fp8(codec: int, dtype: torch.dtype) -> bool:
-    return codec & 0x0F in (FP8_E4M3, FP8_E5M2) and dtype in _DTYPE_CODE
+    """Whether the kernels decode this block: a known FP8 codec id (an unknown one, even
+    with an FP8 base in bits 0-3, is the codec's to refuse) into a float dtype."""
+    return codecs.is_known(codec) and codec & 0x0F in (FP8_E4M3, FP8_E5M2) \
+        and dtype in _DTYPE_CODE
 
 
 def decode_host(codec: int, payload: codecs.Payload, dtype: torch.dtype,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvstore import codecs
@@ -264,6 +264,7 @@ def test_public_fp8_falls_back_to_the_codec_without_a_device(
 
 @given(pos=st.integers(min_value=0), bit=st.integers(min_value=0, max_value=7),
        cut=st.integers(min_value=0, max_value=4), zstd=st.booleans())
+@example(pos=41273724, bit=5, cut=0, zstd=False)  # code 0xDF -> 0xFF (NaN), flags say none
 def test_kernel_twin_refuses_exactly_what_the_codec_refuses(
         host_lib: _lib.Library, pos: int, bit: int, cut: int, zstd: bool) -> None:
     """One payload parser: a damaged or truncated FP8 payload is a CorruptionError for
