@@ -12,6 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstore import codecs, fp8_kernels
 from kvstore.codecs import (
     CODEC_RAW,
     FP8_E4M3,
@@ -163,6 +164,38 @@ def test_fp8_decode_bit_exact_all_codes_all_k(fmt: str, dtype: torch.dtype) -> N
     ref = (vals.unsqueeze(0) * torch.pow(2.0, -torch.from_numpy(ks).double()).float()
            .unsqueeze(1)).to(dtype)
     assert bits_equal(dec, ref)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("zstd", [False, True])
+def test_a_nan_or_inf_code_where_the_flags_promise_none_is_corruption(
+        native: bool, zstd: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flags bit 0 clear promises finite codes (no encoder writes a NaN/Inf code then):
+    a payload that breaks it is refused by both of the codec's paths -- the compiled fast
+    loop would read such a code as a number -- and decodes once the flag is set."""
+    if native and not fp8_kernels.available():
+        pytest.skip(fp8_kernels.reason())
+    monkeypatch.setattr(codecs, "_NATIVE", native)
+    import zstandard
+    for base, specials in ((FP8_E4M3, [0x7F, 0xFF]), (FP8_E5M2, range(0x7C, 0x80))):
+        for code in [c | sign for c in specials for sign in (0, 0x80)]:
+            codes = np.full(32, 0x30, np.uint8)
+            codes[17] = code
+            body = zstandard.ZstdCompressor(level=1).compress(codes.tobytes()) if zstd \
+                else codes.tobytes()
+            cid = base | (ZSTD if zstd else 0)
+            for flags in (0, 1):
+                p = struct.pack("<BBBBBBBxI", 1, flags, 0, 0, 255, 255, 255, 2) \
+                    + bytes([2, 0xFE]) + body
+                if not flags:
+                    with pytest.raises(CorruptionError, match="NaN/Inf code"):
+                        decode(cid, p, torch.bfloat16, (2, 16))
+                    continue
+                y = decode(cid, p, torch.bfloat16, (2, 16)).reshape(-1)
+                value = float(torch.tensor([code], dtype=torch.uint8)
+                              .view(FP8[{1: "e4m3", 2: "e5m2"}[base]][1]).float())
+                assert y[17].isnan() if value != value else float(y[17]) == value
+                assert bool(torch.isfinite(torch.cat([y[:17], y[18:]])).all())
 
 
 def test_fp8_float32_input_bit_exact() -> None:
