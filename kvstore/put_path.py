@@ -1,12 +1,15 @@
 """How a put travels (``Store.put_many``; guarantees G1/G3, FORMAT.md "Commit protocol").
 
-1. validate every key, parent and value before any I/O; decide dedup; admit it under
-   the backlog bound (``kvstore/backlog.py``: a background put is dropped whole, a
-   foreground one waits its turn);
-2. wait out other tasks' puts of the same keys, decide again without yielding, and
-   protect the blocks' parents and what they deduplicated against from eviction; copy
-   the values of the blocks it writes that lie on a GPU into page-locked host memory
-   (stream-ordered, awaited: ``kvstore.transfers.device_values_to_host``);
+1. validate every key, parent and value before any I/O; decide dedup; then, in the
+   same step (before any await), take its place in line on its keys
+   (``kvstore/key_order.py``: a delete started after it waits for it) and protect its
+   keys and their parents from eviction, and take its backlog turn
+   (``kvstore/backlog.py``: a background put is dropped whole, a foreground one waits
+   its turn);
+2. wait out the puts and deletes of the same keys that started before it, decide again
+   without yielding; copy the values of the blocks it writes that lie on a GPU into
+   page-locked host memory (stream-ordered, awaited:
+   ``kvstore.transfers.device_values_to_host``);
 3. reserve space in the allocator (nothing durable changes);
 4. stage header + payload in the arena, CRC32C over the staged bytes, and write every
    slot (O_DIRECT), encoding FP8 chunks as they are staged (``kvstore/transfers.py``);
@@ -24,10 +27,10 @@ cancelled at any await is either committed (6 had started: it is waited for) or 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-import anyio
 import torch
 
 from kvstore import codecs
@@ -37,6 +40,7 @@ from kvstore.deletes import DeleteWatch
 from kvstore.errors import BlockTooLargeError, StoreIOError
 from kvstore.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.index import ChainCut, Txn
+from kvstore.key_order import KeyOrder, Turn
 from kvstore.keys import check_key, check_keys
 from kvstore.slots import PlanMismatch, PutItem
 from kvstore.stats import PutResult
@@ -77,7 +81,8 @@ class PutPath:
         # puts in flight beyond backlog_bytes drop background puts (kvstore/backlog.py)
         self.backlog = Backlog(backlog_bytes)
         self._memory = memory
-        self.inflight: dict[bytes, anyio.Event] = {}  # keys being put -> set when done
+        # puts and deletes in flight per key, in the order they started
+        self.order = KeyOrder()
         # remote tier: committed keys queued for upload
         self.after_commit: Callable[[list[bytes]], None] | None = None
 
@@ -107,21 +112,28 @@ class PutPath:
         present = self._parts.index.present(keys)
         dedup = [k in present for k in keys]
         nbytes = sum(n for (n, _), p in zip(sized, dedup) if not p)
-        if not nbytes:
-            pass  # nothing to write: no room needed
-        elif background and not self.backlog.try_enter(nbytes):
+        if nbytes and background and not self.backlog.try_enter(nbytes):
             self._count_dedup(sum(dedup), sum(n for (n, _), p in zip(sized, dedup) if p))
             self._counters["dropped_puts"] += 1
             self._counters["dropped_blocks"] += len(keys) - sum(dedup)
             return PutResult(0, sum(dedup), 0, dropped=len(keys) - sum(dedup))
-        elif not background:
-            await self.backlog.enter(nbytes, self._parts.health.check_writable)
-        self._counters["puts"] += 1
-        spec = codec if codec is not None else self.codec
+        # Registered before any await (the backlog wait included): a delete of these
+        # keys started from now on waits for this put, and eviction leaves its keys and
+        # their parents alone while it waits.  What it deduplicates against is among them.
+        turn = self.order.register(keys)
+        guarded = [*keys, *(p for p in parent_list if p is not None)]
+        allocator = self._parts.allocator
+        allocator.protect(guarded)
+        admitted = background or not nbytes  # (a background put entered above)
         try:
+            if not admitted:
+                await self.backlog.enter(nbytes, self._parts.health.check_writable)
+                admitted = True
+            self._counters["puts"] += 1
+            spec = codec if codec is not None else self.codec
             while True:
                 try:
-                    return await self._put_once(keys, parent_list, sized, values, spec,
+                    return await self._put_once(turn, keys, parent_list, sized, values, spec,
                                                 skip_deleted)
                 except ChainCut:
                     # An eviction chose blocks this put deduplicated against before the
@@ -130,63 +142,57 @@ class PutPath:
                     # by the evictions that were in flight when the put decided.
                     self._counters["put_retries"] += 1
         finally:
-            self.backlog.leave(nbytes)
+            self.order.finish(turn)
+            allocator.unprotect(guarded)  # its blocks are evictable now
+            if admitted and nbytes:
+                self.backlog.leave(nbytes)
 
-    async def _put_once(self, keys: Sequence[bytes], parent_list: Sequence[bytes | None],
-                        sized: Sequence[Sized], values: Sequence[torch.Tensor],
-                        spec: CodecSpec | None, skip_deleted: DeleteWatch | None
-                        ) -> PutResult:
-        # Wait out other tasks' puts of the same keys, then decide without yielding.
-        await self.wait_for_puts_of(keys)
+    async def _put_once(self, turn: Turn, keys: Sequence[bytes],
+                        parent_list: Sequence[bytes | None], sized: Sequence[Sized],
+                        values: Sequence[torch.Tensor], spec: CodecSpec | None,
+                        skip_deleted: DeleteWatch | None) -> PutResult:
+        # Wait out the puts and deletes of these keys that started earlier, then decide
+        # without yielding.
+        await self.order.wait_earlier(turn, self._parts.health.check_writable)
         present = self._parts.index.present(keys)
         chosen: list[tuple[bytes, bytes | None, torch.Tensor, int]] = []
         deduplicated: dict[bytes, None] = {}
         dedup_bytes = 0
-        # A promotion's keys deleted since its fetch began: not stored (from here on, a
-        # delete waits for this put instead: its keys are in ``inflight``).
+        # A promotion's keys deleted since its fetch began: not stored (a delete from
+        # here on waits for this put: it started after it).
         skipped = set() if skip_deleted is None else skip_deleted.deleted & set(keys)
+        taken: set[bytes] = set()  # (a key twice in the batch is written once)
         for key, parent, (nbytes, code), value in zip(keys, parent_list, sized, values):
             if key in skipped:
                 continue
-            if key in present or key in self.inflight:
+            if key in present or key in taken:
                 dedup_bytes += nbytes
                 if key in present:
                     deduplicated[key] = None
                 continue
             chosen.append((key, parent, value, code))
-            self.inflight[key] = anyio.Event()
+            taken.add(key)
         # (a key twice in the batch and skipped counts once per occurrence)
         n_skipped = sum(k in skipped for k in keys)
         if not chosen:
             self._count_dedup(len(keys) - n_skipped, dedup_bytes)
             return PutResult(0, len(keys) - n_skipped, 0, dropped=n_skipped)
-        # Their parents and what they were deduplicated against stay until they are stored.
-        guarded = [*(k for k, *_ in chosen), *(p for _, p, *_ in chosen if p is not None),
-                   *deduplicated]
-        allocator = self._parts.allocator
-        allocator.protect(guarded)
-        items: list[PutItem] = []
-        try:
-            items = await self._items(chosen)
-            if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
-                # FP8 slots are sized from the shapes and each chunk is encoded as it is
-                # staged, overlapped with the writes of the chunks before it; encoded
-                # up front (over the cores, then placed) where the sizes depend on the
-                # values (zstd), or when a block's values made FP8 fall back to raw.
-                if not all([item.plan(spec) for item in items]):
-                    await self._encode(items, spec)
-                try:
-                    await self._put_items(items, list(deduplicated))
-                except PlanMismatch:
-                    self._counters["put_replans"] += 1
-                    await self._encode(items, spec)
-                    await self._put_items(items, list(deduplicated))
-            else:
+        items = await self._items(chosen)
+        if spec is not None and codecs.codec_id(spec) != CODEC_RAW:
+            # FP8 slots are sized from the shapes and each chunk is encoded as it is
+            # staged, overlapped with the writes of the chunks before it; encoded up
+            # front (over the cores, then placed) where the sizes depend on the values
+            # (zstd), or when a block's values made FP8 fall back to raw.
+            if not all([item.plan(spec) for item in items]):
+                await self._encode(items, spec)
+            try:
                 await self._put_items(items, list(deduplicated))
-        finally:
-            for key, *_ in chosen:
-                self.inflight.pop(key).set()
-            allocator.unprotect(guarded)  # its blocks are evictable now
+            except PlanMismatch:
+                self._counters["put_replans"] += 1
+                await self._encode(items, spec)
+                await self._put_items(items, list(deduplicated))
+        else:
+            await self._put_items(items, list(deduplicated))
         written = sum(item.payload_len for item in items)
         self._count_dedup(len(keys) - len(items) - n_skipped, dedup_bytes)
         self._counters["put_blocks"] += len(items)
@@ -211,12 +217,17 @@ class PutPath:
         for item in items:
             check_fits(self._parts, item.slot_len)
 
-    async def wait_for_puts_of(self, keys: Sequence[bytes]) -> None:
-        """Until no put of any of ``keys`` is in flight (each waited for in turn)."""
-        while (busy := next((self.inflight[k] for k in keys if k in self.inflight),
-                            None)) is not None:
-            await busy.wait()
-            self._parts.health.check_writable()
+    @asynccontextmanager
+    async def turn(self, keys: Sequence[bytes]) -> AsyncIterator[None]:
+        """A delete of ``keys``: in line behind the puts and deletes of them that started
+        before it (registered when entered, before any await; waited for here), and
+        ahead of those that start after it."""
+        turn = self.order.register(keys)
+        try:
+            await self.order.wait_earlier(turn, self._parts.health.check_writable)
+            yield
+        finally:
+            self.order.finish(turn)
 
     def _count_dedup(self, blocks: int, raw_bytes: int) -> None:
         self._counters["dedup_blocks"] += blocks

@@ -331,7 +331,7 @@ def test_a_delete_waits_for_a_put_of_the_same_key_in_flight(tmp_path: Path, kind
                     await gate.entered.wait()
                     tg.start_soon(delete)
                     # the delete waits for the put (on the old code it ran to the end)
-                    await until(lambda: store.puts.inflight[k].statistics().tasks_waiting == 1)
+                    await until(lambda: store.puts.order.waiting(k) == 1)
                     assert deleted == []
                     gate.open()
             assert deleted == [2]
