@@ -11,15 +11,37 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "ci", derandomize=True, max_examples=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-settings.register_profile("default", max_examples=50, deadline=None,
-                          suppress_health_check=[HealthCheck.function_scoped_fixture])
-settings.register_profile("nightly", max_examples=2000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow,
-                                                 HealthCheck.function_scoped_fixture])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+# Profiles (docs/development.md, "Property tests"): `default` is what a plain
+# `python -m pytest` draws (random, a new seed each run); `ci` is derandomised, the same
+# examples every run; `random` is CI's second, randomised pass: `default`'s draws with a
+# larger budget, no example database, so that `--hypothesis-seed=N` alone replays a run;
+# `nightly` runs long.  No deadline and no too_slow check anywhere: a shared 2-core
+# machine makes timing a flake, never a finding.
+# The base is Hypothesis' own default profile, not whatever is current: with CI set in
+# the environment Hypothesis loads its built-in `ci` profile (derandomised), and a
+# profile built on that would ignore --hypothesis-seed.
+_NO_TIMING = settings(settings.get_profile("default"), deadline=None,
+                      suppress_health_check=[HealthCheck.too_slow,
+                                             HealthCheck.function_scoped_fixture])
+settings.register_profile("ci", _NO_TIMING, derandomize=True, max_examples=30, database=None,
+                          print_blob=True)
+settings.register_profile("default", _NO_TIMING, max_examples=50)
+settings.register_profile("random", _NO_TIMING, max_examples=100, database=None, print_blob=True)
+settings.register_profile("nightly", _NO_TIMING, max_examples=2000)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
+settings.load_profile(PROFILE)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which examples the property tests draw, and how to draw them again."""
+    current = settings.get_profile(PROFILE)
+    seed = config.getoption("hypothesis_seed", None)
+    how = "derandomised" if current.derandomize else \
+        f"seed {seed}" if seed is not None else "a new random seed per test"
+    replay = f"; replay any of its tests: HYPOTHESIS_PROFILE={PROFILE} python -m pytest " \
+             f"TEST --hypothesis-seed={seed}" if seed is not None and not current.derandomize \
+        else ""
+    return f"hypothesis: profile {PROFILE!r}, {current.max_examples} examples, {how}{replay}"
 
 
 @pytest.fixture(scope="session", autouse=True)
