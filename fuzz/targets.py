@@ -375,19 +375,48 @@ def _codec_shape(data: bytes) -> tuple[int, torch.dtype, tuple[int, ...], bytes]
     return codec, dtype, shape, bytes(data[4:])
 
 
+_INTS = {2: torch.int16, 4: torch.int32}
+
+
+def _decode_on_every_path(codec: int, payload: bytes, dtype: torch.dtype,
+                          shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``codecs.decode`` on each of its paths (the compiled kernels when they are built,
+    and NumPy/torch): two decoders of one format, which must both refuse (a kvstore
+    error; None) or both give the same bits.  (tests/cuda/test_fp8_decoders_agree.py
+    holds the GPU kernel's CPU twin to the same rule.)"""
+    outcomes: list[torch.Tensor | type[KVStoreError]] = []
+    native = codecs._NATIVE
+    try:
+        for path in dict.fromkeys((native, False)):
+            codecs._NATIVE = path
+            try:
+                outcomes.append(codecs.decode(codec, payload, dtype, shape))
+            except KVStoreError as e:
+                outcomes.append(type(e))
+    finally:
+        codecs._NATIVE = native
+    first = outcomes[0]
+    for other in outcomes[1:]:
+        if isinstance(first, torch.Tensor) and isinstance(other, torch.Tensor):
+            ints = _INTS[first.element_size()]
+            assert torch.equal(first.view(ints), other.view(ints)), "codec paths differ"
+        else:
+            assert first is other, (first, other)
+    return first if isinstance(first, torch.Tensor) else None
+
+
 def fuzz_codec_payload(data: bytes) -> None:
     """Any bytes as a payload of any codec id: a tensor of the header's dtype and shape,
-    or a kvstore error (the payload CRC passed, so the decoder is the last defence)."""
+    or a kvstore error (the payload CRC passed, so the decoder is the last defence);
+    the same outcome on both of the codec's paths."""
     codec, dtype, shape, payload = _codec_shape(data)
-    try:
-        out = codecs.decode(codec, payload, dtype, shape)
-    except KVStoreError:
-        return
-    assert out.dtype == dtype and tuple(out.shape) == shape
+    out = _decode_on_every_path(codec, payload, dtype, shape)
+    assert out is None or (out.dtype == dtype and tuple(out.shape) == shape)
 
 
 def fuzz_codec_mutated(data: bytes) -> None:
-    """A valid payload of a real block, then byte edits: decode or a kvstore error."""
+    """A valid payload of a real block, then byte edits: decode or a kvstore error,
+    alike on both of the codec's paths."""
     codec, dtype, shape, edits = _codec_shape(data)
     spec = codecs.CodecSpec(fp8=(None, "e4m3", "e5m2")[codec % 3], zstd=bool(codec & 0x10))
     g = torch.Generator().manual_seed(len(edits))
@@ -399,11 +428,8 @@ def fuzz_codec_mutated(data: bytes) -> None:
             raw[edits[i] * 257 % len(raw)] = edits[i + 1]
     if len(edits) % 3 == 1:
         raw = raw[: len(raw) * edits[0] // 256] if edits else raw
-    try:
-        out = codecs.decode(used, bytes(raw), dtype, shape)
-    except KVStoreError:
-        return
-    assert out.dtype == dtype and tuple(out.shape) == shape
+    out = _decode_on_every_path(used, bytes(raw), dtype, shape)
+    assert out is None or (out.dtype == dtype and tuple(out.shape) == shape)
 
 
 TARGETS: dict[str, Target] = {
