@@ -210,6 +210,27 @@ class IndexEntry:
                    last_use, parent if flags & SLOT_FLAG_HAS_PARENT else None)
 
 
+ENTRY_FLAG_UNREADABLE = 0x02
+"""Bit 1 of an IndexEntry's flags, set in ``quarantine`` records only: the block could
+not be read (an I/O error, a short read, a missing extent file): a suspicion, read
+again later, not a failed verification.  Safe for older builds, which ignore flag bits
+they do not know (FORMAT.md, "IndexEntry")."""
+_FLAGS_AT = 3
+
+
+def encode_quarantined(entry: IndexEntry, unreadable: bool) -> bytes:
+    """A ``quarantine`` record: the entry, with ENTRY_FLAG_UNREADABLE when ``unreadable``."""
+    raw = bytearray(entry.encode())
+    if unreadable:
+        raw[_FLAGS_AT] |= ENTRY_FLAG_UNREADABLE
+    return bytes(raw)
+
+
+def quarantined_unreadable(raw: bytes | memoryview) -> bool:
+    """Whether a ``quarantine`` record says "could not be read" (ENTRY_FLAG_UNREADABLE)."""
+    return len(raw) > _FLAGS_AT and bool(raw[_FLAGS_AT] & ENTRY_FLAG_UNREADABLE)
+
+
 # --------------------------------------------------------------------------- LMDB keys
 
 _EXTENT_KEY = struct.Struct(">I")

@@ -19,7 +19,14 @@ a bad sector, a bug, a file edited by hand):
 4. Slot headers: each indexed slot's header must decode and agree with its index entry
    (key, sequence number, lengths, dtype, codec, payload CRC) (damage: bad-slot).  With
    ``deep=True`` every payload's CRC32C is recomputed too (damage: bad-payload).
-5. Quarantined blocks (failed verification while serving) are reclaimable: quarantined.
+5. Quarantined blocks (a read failed while serving) are read again, whole: one whose
+   header and payload verify is put back into the index by ``--repair`` (reclaimable:
+   restorable; if its key was stored again meanwhile, the slot is a redundant copy and
+   is freed, never zeroed); one that fails again is reclaimable (quarantined: freed and
+   its header zeroed); one that cannot be read is left in quarantine (damage:
+   unreadable, not fixed: read again by the next fsck or scrub).  A stored slot whose
+   header cannot be read (an I/O error) is damage too (unreadable): ``--repair`` moves it
+   to quarantine, never erases it.  Nothing that verifies is ever erased.
 6. With ``deep=True``, free space is scanned for slots that still verify: deleted blocks
    and writes of puts that never committed (note: orphan-slot; harmless, as the space is
    free, but ``rebuild_index`` would resurrect them, so ``--repair`` zeroes their headers).
@@ -94,6 +101,7 @@ from kvstore.index import (
     init_meta,
 )
 from kvstore.lock import StoreLock
+from kvstore.quarantine_table import OK
 from kvstore.slots import check_payload, check_slot
 
 RECLAIMABLE = "reclaimable"
@@ -405,20 +413,50 @@ class _Checker:
             p = extent_path(self.path, e.extent)
             where = dict(extent=e.extent, offset=e.offset, length=e.slot_len, key=key.hex())
             if quarantined:
-                self.find("quarantined", RECLAIMABLE,
-                          f"block {key.hex()} failed verification while serving", **where)
-                self._fix_free_slot(key, e, quarantined=True)
+                self._check_quarantined(key, e, p, where)
                 continue
-            raw = self.reader.read(p, e.offset, e.slot_len if self.deep else PAGE)
             try:
+                raw = self.reader.read(p, e.offset, e.slot_len if self.deep else PAGE)
                 _verify_slot(raw, key, e, self.deep)
                 if self.deep:
                     self.report.payloads_verified += 1
+            except OSError as err:
+                self.find("unreadable", DAMAGE, f"block {key.hex()} cannot be read "
+                          f"({err.strerror}); --repair quarantines it (kept, read again)",
+                          **where)
+                self.fixes.append(partial(self._quarantine, key, e))
             except KVStoreError as err:
                 kind = "bad-payload" if "payload" in str(err) else "bad-slot"
                 self.find(kind, DAMAGE, f"block {key.hex()}: {err}", **where)
                 self._fix_free_slot(key, e, quarantined=False)
         self.progress(stage, total, total)
+
+    def _check_quarantined(self, key: bytes, e: IndexEntry, path: str,
+                           where: dict[str, Any]) -> None:
+        """Step 5: a quarantined slot read again, whole (see the module docstring)."""
+        try:
+            _verify_slot(self.reader.read(path, e.offset, e.slot_len), key, e, True)
+        except OSError as err:
+            self.unfixable.append(self.find(
+                "unreadable", DAMAGE, f"quarantined block {key.hex()} cannot be read "
+                f"({err.strerror}); left in quarantine, read again by the next fsck or scrub",
+                **where))
+            return
+        except KVStoreError as err:
+            self.find("quarantined", RECLAIMABLE, f"block {key.hex()} failed a read while "
+                      f"serving and fails verification now ({err})", **where)
+            self._fix_free_slot(key, e, quarantined=True)
+            return
+        self.report.payloads_verified += 1
+        self.find("restorable", RECLAIMABLE, f"quarantined block {key.hex()} verifies now: "
+                  "--repair puts it back (or frees it, if its key was stored again)", **where)
+        self.fixes.append(partial(self._restore, key, e))
+
+    def _quarantine(self, key: bytes, e: IndexEntry, txn: Txn) -> None:
+        self.index.quarantine_records.move(txn, [(key, e, True)])
+
+    def _restore(self, key: bytes, e: IndexEntry, txn: Txn) -> None:
+        self.index.quarantine_records.settle(txn, [(key, e, OK)])
 
     def _fix_free_slot(self, key: bytes, e: IndexEntry, *, quarantined: bool) -> None:
         p = extent_path(self.path, e.extent)

@@ -6,7 +6,8 @@ Tables (FORMAT.md, "Index"):
 ``blocks``      16-byte key -> IndexEntry
 ``extents``     u32 BE extent id -> u64 LE extent size
 ``free``        (u32 BE extent, u64 BE offset) -> u64 LE length of a free run
-``quarantine``  16-byte key -> IndexEntry of a block that failed its checksum
+``quarantine``  16-byte key -> IndexEntry of a block that failed verification or could
+                not be read (flagged ENTRY_FLAG_UNREADABLE), kept to be read again
 
 Every change of allocation happens in the same write transaction as the index change
 it belongs to, so space is never both free and referenced after a crash.
@@ -36,7 +37,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from itertools import compress, count
+from functools import cached_property
+from itertools import compress, count, islice
 from typing import Any
 
 import lmdb
@@ -58,10 +60,12 @@ from kvstore.format import (
 )
 from kvstore.free_map import FreeMap
 from kvstore.index_writer import IndexWriter
+from kvstore.quarantine_table import QuarantineTable
 
 __all__ = ["INITIAL_MAP_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
-           "META_NEXT_EXTENT", "META_SEQ", "META_UUID", "ChainCut", "Index", "IndexWriter",
-           "Touched", "Txn", "init_meta", "namespace_key", "record_namespace"]
+           "META_NEXT_EXTENT", "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ",
+           "META_UUID", "ChainCut", "Index", "IndexWriter", "Touched", "Txn",
+           "init_meta", "namespace_key", "record_namespace"]
 
 Txn = Any  # lmdb.Transaction (untyped module)
 Touched = dict[bytes, int]  # key -> last use (us) of recent gets, written lazily
@@ -79,6 +83,8 @@ META_EXTENT_BYTES = b"extent_bytes"
 META_NEXT_EXTENT = b"next_extent"
 META_SEQ = b"seq"
 META_NAMESPACE_PREFIX = b"namespace:"
+META_SCRUB_CURSOR = b"scrub_cursor"
+META_SCRUB_COMPLETED = b"scrub_completed"
 
 
 class _ResizeGate:
@@ -360,16 +366,22 @@ class Index:
                 freed.append(entry)
         return freed
 
-    def quarantine_blocks(self, txn: Txn, bad: Sequence[tuple[bytes, IndexEntry]]) -> None:
-        """Move blocks that failed verification out of the index, if the entry is still
-        the one that was read (a newer put of the key is left alone); their space stays
-        allocated so fsck can look at it."""
-        for key, entry in bad:
-            raw = txn.get(key, db=self.blocks)
-            current = None if raw is None else IndexEntry.decode(raw)
-            if current is not None and (current.extent, current.offset, current.seq) == \
-                    (entry.extent, entry.offset, entry.seq):
-                self.remove_block(txn, key, current, quarantine=True)
+    # ------------------------------------------------------------------ quarantine, scrub
+    # A quarantine record is a suspicion, not a verdict: its slot keeps its space and goes
+    # back into the index when a re-read verifies it (kvstore/quarantine_table.py).
+
+    @cached_property
+    def quarantine_records(self) -> QuarantineTable:
+        return QuarantineTable(self)
+
+    def rows_after(self, table: Any, after: bytes | None, limit: int
+                   ) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` undecoded rows of ``table`` after key ``after`` (None: from
+        the first), in key order: the scrub's walk, the quarantine's re-reads."""
+        with self.begin() as txn, txn.cursor(table) as cur:
+            if not (cur.set_range(after) if after is not None else cur.first()):
+                return []
+            return list(islice(((bytes(k), bytes(v)) for k, v in cur if k != after), limit))
 
     def pin(self, txn: Txn, keys: Sequence[bytes], delta: int) -> None:
         """Add ``delta`` (+1 or -1) to each key's pin count; unpinning an unpinned key is

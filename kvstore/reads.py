@@ -5,10 +5,16 @@ its index lookup keeps its space until the read ended: no later put can overwrit
 the slot mid-read), checks each slot's header against its index entry and its
 payload CRC32C before a byte reaches the caller (G2), and moves a block that failed
 either way out of the index in the same pass (quarantine), so that no lookup
-promises it again.  Two forms:
+promises it again.  A read that failed with an I/O error is first tried again, alone
+(:func:`kvstore.io.coalesce.reread_failed`): one flaky block never costs its
+neighbours in a merged read.  Quarantine is a suspicion, not a verdict
+(:mod:`kvstore.quarantine_table`): :meth:`VerifiedReads.recheck` reads quarantined
+slots again and puts back what verifies.  Forms:
 
 * :meth:`VerifiedReads.read`: blocks decoded into tensors (a get, a prefetch),
   through the I/O engine and the staging arena;
+* :meth:`VerifiedReads.verify`: blocks checked, nothing decoded (the scrub);
+* :meth:`VerifiedReads.recheck`: quarantined slots checked again, restored if whole;
 * :meth:`VerifiedReads.read_slot`: one slot's verified bytes into a caller's aligned
   buffer (the remote tier's upload), on a worker thread with its own file descriptor,
   not through the arena nor the page cache.
@@ -18,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext, suppress
 from typing import TYPE_CHECKING
 
@@ -28,8 +35,11 @@ import torch
 from kvstore.errors import CorruptionError, KVStoreError
 from kvstore.extents import extent_path
 from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
+from kvstore.io.coalesce import READ_RETRY_DELAYS_S
 from kvstore.io.scheduler import PREFETCH, as_class
+from kvstore.quarantine_table import CORRUPT, OK, UNREADABLE, Quarantined, same_slot
 from kvstore.slots import check_payload, check_slot
+from kvstore.transfers import Failed, ReadCounts
 
 if TYPE_CHECKING:
     from kvstore.io.aligned import AlignedBuffer
@@ -39,8 +49,6 @@ __all__ = ["Failed", "VerifiedReads"]
 
 logger = logging.getLogger("kvstore.store")
 
-Failed = list[tuple[bytes, IndexEntry, str]]  # key, its entry, why
-
 
 class VerifiedReads:
     """The reads of one open store (see the module docstring)."""
@@ -48,6 +56,10 @@ class VerifiedReads:
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
         self._counters = parts.counters
+        # Blocks counted as quarantined while the store could not record it (read-only):
+        # they stay indexed and fail again; ``quarantined_blocks`` counts each once.
+        self._counted: set[tuple[bytes, int]] = set()
+        self.on_unreadable: Callable[[], None] = lambda: None  # set by the store: rechecks
 
     async def read(self, keys: Sequence[bytes], entries: Sequence[IndexEntry | None],
                    outs: Sequence[torch.Tensor | None], results: list[torch.Tensor | None],
@@ -65,39 +77,127 @@ class VerifiedReads:
         epoch = allocator.begin_read()
         try:
             with as_class(PREFETCH) if prefetch else nullcontext():
-                errors, nbytes = await self._parts.transfers.read(
+                counts = await self._parts.transfers.read(
                     list(keys), list(entries), list(outs), results, corrupt, unreadable)
-            self._counters["read_errors"] += errors
-            self._counters["prefetch_read_bytes" if prefetch else "read_bytes"] += nbytes
+            self._count(counts)
+            self._counters["prefetch_read_bytes" if prefetch else "read_bytes"] += counts.nbytes
         finally:
             allocator.end_read(epoch)
         if corrupt or unreadable:
             await self.quarantine(corrupt, unreadable)
 
+    async def verify(self, keys: Sequence[bytes], entries: Sequence[IndexEntry]
+                     ) -> tuple[int, int]:
+        """Check stored blocks (header against entry, payload CRC32C; nothing decoded)
+        as background reads, quarantining what fails; returns (slot bytes read, blocks
+        that failed).  Like :meth:`read`, call it in the step of the lookup."""
+        corrupt: Failed = []
+        unreadable: Failed = []
+        allocator = self._parts.allocator
+        epoch = allocator.begin_read()
+        try:
+            with as_class(PREFETCH):
+                counts = await self._parts.transfers.verify(
+                    list(keys), list(entries), [False] * len(keys), corrupt, unreadable)
+            self._count(counts)
+        finally:
+            allocator.end_read(epoch)
+        if corrupt or unreadable:
+            await self.quarantine(corrupt, unreadable)
+        return counts.nbytes, len(corrupt) + len(unreadable)
+
+    def _count(self, counts: ReadCounts) -> None:
+        self._counters["read_errors"] += counts.errors
+        self._counters["read_retries"] += counts.retries
+
     async def quarantine(self, corrupt: Sequence[tuple[bytes, IndexEntry, str]],
                          unreadable: Sequence[tuple[bytes, IndexEntry, str]] = ()) -> None:
         """Move blocks that failed verification (``corrupt``) or could not be read at all
-        (``unreadable``: I/O error, short read, missing extent) out of the index, in the
-        same pass that found them, so that no lookup promises them again (a lookup that
-        promised what a load cannot deliver made vLLM retry the load for ever).  Their
-        space stays allocated for fsck, which reports them.  One warning per pass names
-        the store and the first cause."""
+        (``unreadable``: I/O error after retries, short read, missing extent) out of the
+        index, in the same pass that found them, so that no lookup promises them again
+        (a lookup that promised what a load cannot deliver made vLLM retry the load for
+        ever).  Their space stays allocated: an unreadable block is read again later
+        (:mod:`kvstore.rechecks`), every quarantined one by the scrub and fsck, and put
+        back if it verifies.  ``quarantined_blocks`` counts blocks moved (each once,
+        however many reads failed on it).  One warning per pass names the store and the
+        first cause."""
         parts = self._parts
         bad = [*corrupt, *unreadable]
         self._counters["corrupt_blocks"] += len(corrupt)
-        self._counters["quarantined_blocks"] += len(bad)
         if parts.memory is not None:
             parts.memory.discard([key for key, _, _ in bad])
         logger.warning(
             "kvstore %s: %d block(s) failed verification and %d could not be read; "
-            "quarantined (answered as misses from now on; `python -m kvstore fsck %s` "
-            "lists them). First: key %s: %s", parts.path, len(corrupt), len(unreadable),
-            parts.path, bad[0][0].hex()[:32], bad[0][2])
-        if parts.health.read_only:
+            "quarantined (answered as misses until a re-read verifies them; `python -m "
+            "kvstore fsck %s` lists them). First: key %s: %s", parts.path, len(corrupt),
+            len(unreadable), parts.path, bad[0][0].hex()[:32], bad[0][2])
+        moving = {key: (entry, False) for key, entry, _ in corrupt}
+        moving.update((key, (entry, True)) for key, entry, _ in unreadable)
+        if parts.health.read_only:  # nothing can be recorded: count each block once
+            fresh = {(k, e.seq) for k, (e, _) in moving.items()} - self._counted
+            self._counted |= fresh
+            self._counters["quarantined_blocks"] += len(fresh)
             return
-        moved = list({key: entry for key, entry, _ in bad}.items())
+        # A key with an older copy in quarantine: read that copy now; the transaction
+        # keeps whichever copy verifies (kvstore.quarantine_table).
+        displaced = {k: e for k, (e, _) in parts.index.quarantine_records.of(list(moving)).items()
+                     if not same_slot(e, moving[k][0])}
+        seen = {}
+        if displaced:
+            outcomes = await self._check(list(displaced.items()))
+            seen = {k: (e, outcomes[k] == OK) for k, e in displaced.items()}
+        items = [(k, e, unread) for k, (e, unread) in moving.items()]
+        done = Quarantined([], [], [])
         with suppress(KVStoreError):
-            await parts.writer.run(lambda txn: parts.index.quarantine_blocks(txn, moved))
+            done = await parts.writer.run(
+                lambda txn: parts.index.quarantine_records.move(txn, items, seen))
+        self._settled(done)
+        self._counters["quarantined_blocks"] += len(done.moved)
+        if any(moving[k][1] for k in done.moved):
+            self.on_unreadable()
+
+    async def recheck(self, rows: Sequence[tuple[bytes, IndexEntry]]) -> Quarantined:
+        """Read quarantined slots (``rows``: key, quarantined entry) again: one that
+        verifies goes back into the index (or, if its key was stored again meanwhile,
+        its space is freed: the block is stored elsewhere); one that fails keeps its
+        record, with the latest cause.  Call it in the step of the lookup of ``rows``
+        (the read epoch begins at once)."""
+        outcomes = await self._check(rows)
+        parts = self._parts
+        if parts.health.read_only:
+            return Quarantined([], [], [])
+        done = await parts.writer.run(lambda txn: parts.index.quarantine_records.settle(
+            txn, [(k, e, outcomes[k]) for k, e in rows]))
+        self._settled(done)
+        return done
+
+    def _settled(self, done: Quarantined) -> None:
+        """After a quarantine transaction: freed slots back to the allocator, restored
+        blocks counted and logged."""
+        self._parts.allocator.release(done.freed)
+        if done.restored:
+            self._counters["restored_blocks"] += len(done.restored)
+            logger.info("kvstore %s: %d quarantined block(s) verified when read again; "
+                        "restored (hits again)", self._parts.path, len(done.restored))
+
+    async def _check(self, rows: Sequence[tuple[bytes, IndexEntry]]) -> dict[bytes, str]:
+        """Read and check slots without quarantining anything: OK, CORRUPT or UNREADABLE
+        per key.  The epoch begins at once (see :meth:`recheck`)."""
+        keys = [k for k, _ in rows]
+        verified = [False] * len(rows)
+        corrupt: Failed = []
+        unreadable: Failed = []
+        allocator = self._parts.allocator
+        epoch = allocator.begin_read()
+        try:
+            counts = await self._parts.transfers.verify(
+                keys, [e for _, e in rows], verified, corrupt, unreadable)
+            self._counters["read_retries"] += counts.retries
+        finally:
+            allocator.end_read(epoch)
+        failed = {k for k, _, _ in corrupt}
+        return {k: OK if ok else CORRUPT if k in failed else UNREADABLE
+                for k, ok in zip(keys, verified)}
 
     async def read_slot(self, key: bytes, buffer: AlignedBuffer
                         ) -> tuple[memoryview, SlotHeader] | None:
@@ -127,7 +227,7 @@ def _read_slot_file(path: str, entry: IndexEntry, key: bytes, direct: bool,
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
         try:
-            got = os.preadv(fd, [view], entry.offset)
+            got = _read_whole(fd, view, entry.offset)
         finally:
             os.close(fd)
         if got < SLOT_HEADER_BYTES + entry.payload_len:
@@ -137,3 +237,18 @@ def _read_slot_file(path: str, entry: IndexEntry, key: bytes, direct: bool,
     except (OSError, CorruptionError):
         return None
     return view[:SLOT_HEADER_BYTES + header.payload_len], header
+
+
+def _read_whole(fd: int, view: memoryview, offset: int) -> int:
+    """``preadv`` of ``view`` at ``offset``, tried again after an error or a short read
+    as the store's reads are (:data:`kvstore.io.coalesce.READ_RETRY_DELAYS_S`; a worker
+    thread, so the pause blocks no one); the last attempt's result (its error raised)."""
+    for delay in READ_RETRY_DELAYS_S:
+        try:
+            got = os.preadv(fd, [view], offset)
+        except OSError:
+            got = -1
+        if got == len(view):
+            return got
+        time.sleep(delay)
+    return os.preadv(fd, [view], offset)

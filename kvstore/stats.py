@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from kvstore.io.scheduler import IoScheduler
     from kvstore.memory_tier import MemoryTier
 
-__all__ = ["COUNTERS", "PutResult", "StoreStats", "io_fields", "memory_fields", "ratios"]
+__all__ = ["COUNTERS", "PutResult", "StoreStats", "io_fields", "memory_fields", "ratios",
+           "scrub_fields"]
 
 # Counters of one open Store, by the calls that add to them (StoreStats fields of the
 # same names); kvstore/totals.py persists some of them across opens.
@@ -23,7 +24,8 @@ COUNTERS = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes", "g
             "evicted_blocks", "evicted_bytes", "put_payload_bytes", "put_retries",
             "put_replans", "memory_hits", "memory_misses", "memory_read_bytes",
             "prefetch_blocks", "prefetch_read_bytes", "dropped_puts", "dropped_blocks",
-            "quarantined_blocks")
+            "quarantined_blocks", "read_retries", "restored_blocks", "scrubbed_blocks",
+            "scrubbed_bytes", "scrub_failed_blocks", "scrub_passes")
 
 
 @dataclass
@@ -60,9 +62,17 @@ class StoreStats:
     hits: int = 0
     misses: int = 0
     read_bytes: int = 0
-    corrupt_blocks: int = 0
-    read_errors: int = 0
-    quarantined_blocks: int = 0  # corrupt or unreadable blocks taken out of the index
+    corrupt_blocks: int = 0  # block reads that failed verification
+    read_errors: int = 0  # block reads that failed with an I/O error, after retries
+    read_retries: int = 0  # block reads tried again (alone) after an I/O error
+    quarantined_blocks: int = 0  # distinct blocks taken out of the index (each once)
+    restored_blocks: int = 0  # quarantined blocks that verified when read again: put back
+    scrubbed_blocks: int = 0  # blocks the scrub read and checked
+    scrubbed_bytes: int = 0  # slot bytes the scrub read
+    scrub_failed_blocks: int = 0  # blocks the scrub found failing (quarantined)
+    scrub_passes: int = 0  # scrub passes completed (every block checked once)
+    scrub_progress: float = 0.0  # how far the pass in progress is (0: none; key-space fraction)
+    scrub_last_complete: float | None = None  # when a pass last completed (Unix s; any process)
     deletes: int = 0
     evicted_blocks: int = 0
     evicted_bytes: int = 0
@@ -130,3 +140,9 @@ def memory_fields(m: MemoryTier | None) -> dict[str, int]:
         return {}
     return {"memory_capacity_bytes": m.capacity_bytes, "memory_used_bytes": m.used_bytes,
             "memory_blocks": len(m), "memory_evicted_blocks": m.evicted_blocks}
+
+
+def scrub_fields(progress: float, completed_us: int | None) -> dict[str, float | None]:
+    """The scrub's place in its pass and when a pass last completed (Unix seconds)."""
+    return {"scrub_progress": progress,
+            "scrub_last_complete": None if completed_us is None else completed_us / 1e6}

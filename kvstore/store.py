@@ -46,7 +46,22 @@ from kvstore.options import StoreOptions
 from kvstore.prefetch import Prefetch
 from kvstore.put_path import PutPath
 from kvstore.reads import VerifiedReads
-from kvstore.stats import PutResult, StoreStats, io_fields, memory_fields, ratios
+from kvstore.rechecks import Rechecks
+from kvstore.scrub import (
+    DEFAULT_SCRUB_BYTES_PER_S,
+    ProgressFn,
+    Scrubber,
+    ScrubReport,
+    scrub_state,
+)
+from kvstore.stats import (
+    PutResult,
+    StoreStats,
+    io_fields,
+    memory_fields,
+    ratios,
+    scrub_fields,
+)
 from kvstore.tiers.host import TierHost
 from kvstore.tiers.memory import MemoryRoom
 
@@ -85,6 +100,12 @@ class Store:
             self._background: TaskGroup | None = None  # open() runs background work here
             self._deletes = DeleteWatches()  # promotions fetching (remote tier)
             self.reads = VerifiedReads(parts)
+            # Quarantine is a suspicion: unreadable blocks are read again later
+            # (kvstore/rechecks.py), every stored slot by the scrub (kvstore/scrub.py).
+            self.rechecks = Rechecks(index=self.index, reads=self.reads, ops=self._ops,
+                                     health=self._health, task_group=lambda: self._background)
+            self.reads.on_unreadable = self.rechecks.schedule
+            self.scrubber = Scrubber(parts, self.reads, self._ops, lambda: self._background)
             self.memory_room: MemoryRoom | None = None
             if parts.memory is not None:
                 self.memory_room = MemoryRoom(
@@ -146,6 +167,15 @@ class Store:
         self.allocator.start()
         await self.engine.start()
 
+    def _start_checks(self) -> None:
+        """Background verification, once the background task group runs: the scrub if
+        asked for (``open(scrub_bytes_per_s=...)``), and re-reads of the quarantine
+        records an earlier open left (the table's size only: no scan)."""
+        if self.options.scrub_bytes_per_s:
+            self.scrubber.start_background(self.options.scrub_bytes_per_s)
+        if self.index.counts()["quarantine"]:
+            self.rechecks.schedule()
+
     async def aclose(self) -> None:
         """Close the store: new calls raise ``StoreClosedError``; calls in flight (puts,
         gets, their quarantines, deletes) are waited for, then the engine, the index
@@ -155,6 +185,8 @@ class Store:
         self._ops.closed = True
         if self.memory_room is not None:  # background reads: stopped, not waited out
             self.memory_room.cancel_prefetches()
+        self.scrubber.cancel()  # scrubs persist their cursor and return
+        self.rechecks.cancel()
         with anyio.CancelScope(shield=True):
             await self._ops.drain()
             if self.remote is not None:  # remote tier: queued uploads, then its workers
@@ -314,6 +346,24 @@ class Store:
     async def delete(self, key: bytes) -> bool:
         return await self.delete_many([key]) == 1
 
+    async def scrub(self, *, rate_bytes_per_s: float | None = DEFAULT_SCRUB_BYTES_PER_S,
+                    progress: ProgressFn | None = None, restart: bool = False) -> ScrubReport:
+        """Verify every stored block (header and payload CRC32C, nothing decoded) beside
+        live traffic, and every quarantined one again; see :mod:`kvstore.scrub`.
+
+        Runs one pass, or the rest of the pass an earlier scrub (in this or an earlier
+        open, or the background scrub) stopped in (``restart=True``: from the first
+        key).  At most ``rate_bytes_per_s`` of reads (None: no bound), and gets go
+        first.  A block that fails is quarantined (a miss from then on); a quarantined
+        one that verifies is put back.  ``progress(done, total)`` is called after each
+        batch, in blocks.  Cancelling it, or closing the store, stops it with its place
+        saved (the report says ``complete=False``)."""
+        if rate_bytes_per_s is not None and not rate_bytes_per_s > 0:
+            raise ValueError(f"rate_bytes_per_s must be > 0 (None: no bound), "
+                             f"got {rate_bytes_per_s!r}")
+        with self._operation():
+            return await self.scrubber.run(rate_bytes_per_s, progress, restart)
+
     def stats(self) -> StoreStats:
         """A snapshot of the store's state and counters (:class:`kvstore.stats.StoreStats`)."""
         self._check_open()
@@ -324,6 +374,8 @@ class Store:
         remote = {"remote": self.remote.stats().as_dict()} if self.remote is not None else {}
         extra: dict[str, Any] = {**parts.counters, **ratios(parts.counters),
                                  **memory_fields(parts.memory), **io_fields(self.scheduler),
+                                 **scrub_fields(self.scrubber.progress,
+                                                scrub_state(self.index)[1]),
                                  **remote}
         return StoreStats(
             path=self.path, engine=self.engine.name, o_direct=self.engine.direct,
@@ -363,6 +415,7 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
     try:
         store._background = background
         await store._start()
+        store._start_checks()
         if store.remote is not None:  # remote tier: its upload workers
             await background.start(store.remote.run)
         yield store

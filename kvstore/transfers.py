@@ -13,19 +13,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 import torch
 
+from kvstore import native_slots
 from kvstore.codecs import CODEC_RAW, CodecSpec
-from kvstore.errors import CorruptionError
+from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.format import PAGE, IndexEntry, round_up
 from kvstore.io.arena import Arena, ArenaRun
+from kvstore.io.coalesce import reread_failed
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.slots import (
     PutItem,
     ToDevice,
+    check_payload,
+    check_slot,
     check_values_held,
     encode_all,
     stage_all,
@@ -35,6 +39,7 @@ from kvstore.slots import (
 )
 
 T = TypeVar("T")
+Failed = list[tuple[bytes, IndexEntry, str]]  # key, its entry, why
 
 # Staging and verification of chunks at least this large run on a worker thread, so the
 # event loop keeps serving other tasks while megabytes are copied and checksummed...
@@ -281,16 +286,66 @@ class Transfers:
 
     async def read(self, keys: list[bytes], entries: list[IndexEntry | None],
                    outs: list[torch.Tensor | None], results: list[torch.Tensor | None],
-                   corrupt: list[tuple[bytes, IndexEntry, str]],
-                   unreadable: list[tuple[bytes, IndexEntry, str]]) -> tuple[int, int]:
+                   corrupt: Failed, unreadable: Failed) -> ReadCounts:
         """Read slots a chunk at a time into ``results``; each chunk is verified and copied
         out (on a worker thread when large) while later chunks are still on the device.
         Blocks that fail verification go to ``corrupt``, blocks that cannot be read at
         all (an I/O error, a short read past a truncated extent's end, an extent file
         that is missing) to ``unreadable``, each with the cause: the caller takes both
-        out of the index, so that a lookup never promises them again.  Returns (read
-        errors, bytes read) for the caller to count on the event loop."""
-        counts = [0, 0]
+        out of the index, so that a lookup never promises them again.  A read that
+        failed is tried again first, alone (:func:`kvstore.io.coalesce.reread_failed`).
+        Returns what to count, for the caller to count on the event loop."""
+        # CUDA outputs: filled by stream-ordered copies from the arena runs, awaited
+        # (eventfd) before the runs are reused; no host synchronisation.
+        device_outs = any(o is not None and o.device.type == "cuda" for o in outs)
+
+        def check(read: list[tuple[int, IndexEntry, ArenaRun]], to_device: ToDevice | None
+                  ) -> int:
+            # One call for the chunk: the compiled kernels check and copy every slot with
+            # the GIL released (the Python checks where they are not built).
+            checked = verify_copy_all([(run, keys[i], entry, outs[i]) for i, entry, run in read],
+                                      to_device=to_device)
+            nbytes = 0
+            for (i, entry, _), result in zip(read, checked):
+                if isinstance(result, CorruptionError):
+                    corrupt.append((keys[i], entry, str(result)))
+                elif isinstance(result, Exception):  # a newer format: refuse, as before
+                    raise result
+                else:
+                    results[i] = result
+                    nbytes += entry.raw_len
+            return nbytes
+
+        return await self._read_slots(keys, entries, unreadable, check, device_outs)
+
+    async def verify(self, keys: list[bytes], entries: list[IndexEntry | None],
+                     verified: list[bool], corrupt: Failed, unreadable: Failed) -> ReadCounts:
+        """:meth:`read` that only checks (header against entry, payload CRC32C): nothing
+        is decoded or copied out.  ``verified[i]`` becomes True for each slot that checks
+        out; the bytes counted are the slot bytes read whole (checked, whatever the
+        outcome).  The scrub's and the quarantine re-reads' path (a slot of a format this
+        build does not read fails here, as corrupt, instead of raising: it does not check
+        out)."""
+
+        def check(read: list[tuple[int, IndexEntry, ArenaRun]], _: ToDevice | None) -> int:
+            for (i, entry, _run), error in zip(read, verify_slots(
+                    [(run, keys[i], entry) for i, entry, run in read])):
+                if error is not None:
+                    corrupt.append((keys[i], entry, str(error)))
+                else:
+                    verified[i] = True
+            return sum(entry.slot_len for _, entry, _ in read)
+
+        return await self._read_slots(keys, entries, unreadable, check, False)
+
+    async def _read_slots(self, keys: list[bytes], entries: list[IndexEntry | None],
+                          unreadable: Failed,
+                          check: Callable[[list[tuple[int, IndexEntry, ArenaRun]],
+                                           ToDevice | None], int],
+                          device_outs: bool) -> ReadCounts:
+        """The chunked reads of :meth:`read` and :meth:`verify`: ``check`` gets each
+        chunk's slots that were read whole and returns the bytes it counts."""
+        counts = [0, 0, 0]  # read errors, bytes, retried reads
         wanted: list[tuple[int, IndexEntry]] = []
         for i, entry in enumerate(entries):
             if entry is None:
@@ -301,15 +356,12 @@ class Transfers:
             else:
                 wanted.append((i, entry))
 
-        # CUDA outputs: filled by stream-ordered copies from the arena runs, awaited
-        # (eventfd) before the runs are reused; no host synchronisation.
-        device_outs = any(o is not None and o.device.type == "cuda" for o in outs)
-
         def finish(batch: list[tuple[int, IndexEntry, ArenaRun]],
                    res: list[int | OSError], to_device: ToDevice | None) -> tuple[int, int]:
-            """Verify and copy out; returns (read errors, bytes read), which the caller
-            counts on the event loop (this may run on a worker thread)."""
-            errors = nbytes = 0
+            """Sort out what could not be read, check the rest; returns (read errors,
+            bytes), which the caller counts on the event loop (this may run on a
+            worker thread)."""
+            errors = 0
             read = []
             for (i, entry, run), r in zip(batch, res):
                 if isinstance(r, OSError):
@@ -322,19 +374,7 @@ class Transfers:
                                        f"{entry.extent} (truncated?)"))
                 else:
                     read.append((i, entry, run))
-            # One call for the chunk: the compiled kernels check and copy every slot with
-            # the GIL released (the Python checks where they are not built).
-            checked = verify_copy_all([(run, keys[i], entry, outs[i]) for i, entry, run in read],
-                                      to_device=to_device)
-            for (i, entry, _), result in zip(read, checked):
-                if isinstance(result, CorruptionError):
-                    corrupt.append((keys[i], entry, str(result)))
-                elif isinstance(result, Exception):  # a newer format: refuse, as before
-                    raise result
-                else:
-                    results[i] = result
-                    nbytes += entry.raw_len
-            return errors, nbytes
+            return errors, check(read, to_device)
 
         failures: list[BaseException] = []
 
@@ -347,8 +387,10 @@ class Transfers:
             self._chunks_active += 1
             copies = device_copies() if device_outs else None
             try:
-                res = await self.engine.read([IoOp(self._fds[e.extent], e.offset, run)
-                                              for _, e, run in batch])
+                ops = [IoOp(self._fds[e.extent], e.offset, run) for _, e, run in batch]
+                res = await self.engine.read(ops)
+                # A merged read's error would otherwise be every block's (up to 16 MiB).
+                counts[2] += await reread_failed(self.engine.read, ops, res)
                 errors, nbytes = await offloaded(
                     whole.length, finish, batch, res, None if copies is None else copies.sink,
                     alone=self._chunks_active == 1)
@@ -368,11 +410,40 @@ class Transfers:
         chunks = self._chunks(wanted, lambda w: w[1].slot_len)
         if len(chunks) == 1:  # most gets of small blocks: no task group to set up
             await read_chunk(*await staged(chunks[0]))
-        else:
+        elif chunks:
             async with anyio.create_task_group() as tg:
                 for chunk in chunks:
                     tg.start_soon(read_chunk, *await staged(chunk))
                     await anyio.lowlevel.checkpoint()  # let the chunk's reads go out first
         if failures:
             raise failures[0]
-        return counts[0], counts[1]
+        return ReadCounts(*counts)
+
+
+class ReadCounts(NamedTuple):
+    """What one read of slots did, counted by its caller: blocks that could not be read
+    (after retries), bytes delivered (or, for a verify, slot bytes checked), and op reads
+    retried after an error."""
+
+    errors: int
+    nbytes: int
+    retries: int
+
+
+def verify_slots(batch: Sequence[tuple[ArenaRun, bytes, IndexEntry]]
+                 ) -> list[CorruptionError | FormatVersionError | None]:
+    """Check slots read into the arena against their entries (header, then payload
+    CRC32C), copying nothing: the compiled checker in one call when it is built (no
+    destination: verify only), else :func:`kvstore.slots.check_slot` and
+    :func:`~kvstore.slots.check_payload`.  None for each slot that checks out."""
+    if native_slots.available():
+        return [r if isinstance(r, Exception) else None for r in
+                native_slots.verify([(run, key, entry, 0, 0, False) for run, key, entry in batch])]
+    out: list[CorruptionError | FormatVersionError | None] = []
+    for run, key, entry in batch:
+        try:
+            check_payload(run.view, check_slot(run.view, key, entry))
+            out.append(None)
+        except (CorruptionError, FormatVersionError) as e:
+            out.append(e)
+    return out

@@ -12,14 +12,28 @@ the engine protocol (one result per op, short reads reported per op) is unchange
 merged write that fails fails every op in it; a short merged read is charged to the ops
 at its end.  The simulated disk of the crash tests does not coalesce: it keeps tearing
 and reordering per slot, which covers every state a torn merged write can leave.
+
+A merged read's error is not a verdict on every block in it: :func:`reread_failed`
+(which the store's reads call on every result) reads each op that failed again, alone,
+a bounded number of times, so one bad or flaky block costs itself only, and a transient
+error costs nothing but the retry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+import anyio
+
 from kvstore.io.protocol import IoOp
+
+# Before each retry of a read that failed: none for the first (the merged read is split,
+# each op goes alone: the error may belong to one neighbour), a short pause before the
+# second (a path failover or a device reset clears in milliseconds).  Two retries bound
+# what a dead sector costs a get (~5 ms); what a retry cannot read is quarantined as
+# *unreadable* and read again later (kvstore/rechecks.py, the scrub, fsck).
+READ_RETRY_DELAYS_S = (0.0, 0.005)
 
 # Large enough to amortise a device op.  Bigger requests move more per second on the disks
 # measured here (fio, 256 MiB O_DIRECT writes, 64 MiB in flight: 4 MiB requests 216-421
@@ -74,3 +88,39 @@ def spread(merged: Sequence[Merged], results: Sequence[int | OSError]) -> list[i
             out.append(done)
             left -= done
     return out
+
+
+def failed(op: IoOp, result: int | OSError) -> bool:
+    """An op that did not read its whole run: an error, or a short read (a merged
+    ``preadv`` that meets an error part-way returns what it read before it, so the ops
+    after the error see a short read, not the error)."""
+    return isinstance(result, OSError) or result != op.run.length
+
+
+async def reread_failed(read: Callable[[Sequence[IoOp]], Awaitable[list[int | OSError]]],
+                        ops: Sequence[IoOp], results: list[int | OSError],
+                        delays: Sequence[float] = READ_RETRY_DELAYS_S) -> int:
+    """Read every op of ``ops`` whose result in ``results`` failed again, each alone (one
+    ``read`` call per op, so nothing merges it with a neighbour), after each of
+    ``delays``, until it reads whole; ``results`` is updated in place.  Returns the
+    op reads retried.  ``read`` is the engine's; it keeps its ops in the kernel's hands
+    until they end, so a cancelled retry leaves no buffer in use."""
+    retried = 0
+    for delay in delays:
+        again = [i for i, (op, res) in enumerate(zip(ops, results)) if failed(op, res)]
+        if not again:
+            break
+        if delay:
+            await anyio.sleep(delay)
+        retried += len(again)
+
+        async def one(i: int) -> None:
+            (results[i],) = await read([ops[i]])
+
+        if len(again) == 1:
+            await one(again[0])
+            continue
+        async with anyio.create_task_group() as tg:
+            for i in again:
+                tg.start_soon(one, i)
+    return retried
