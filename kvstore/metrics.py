@@ -191,8 +191,27 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("evicted_bytes", "Slot bytes freed by evictions", _field("evicted_bytes")),
     _counter("corrupt_blocks", "Blocks that failed verification on read (quarantined, "
              "answered as misses)", _field("corrupt_blocks")),
-    _counter("read_errors", "Block reads that failed with an I/O error (answered as misses)",
-             _field("read_errors")),
+    _counter("read_errors", "Block reads that failed with an I/O error, after retries "
+             "(answered as misses)", _field("read_errors")),
+    _counter("read_retries", "Block reads tried again, alone, after an I/O error or a short "
+             "read (a merged read that failed is retried block by block)",
+             _field("read_retries")),
+    _counter("blocks_quarantined", "Blocks taken out of the index because a read of them "
+             "failed (each block once, however many reads failed on it)",
+             _field("quarantined_blocks")),
+    _counter("restored_blocks", "Quarantined blocks that verified when read again (a later "
+             "re-read, the scrub) and were put back", _field("restored_blocks")),
+    _counter("scrubbed_blocks", "Blocks the scrub read and checked", _field("scrubbed_blocks")),
+    _counter("scrubbed_bytes", "Slot bytes the scrub read", _field("scrubbed_bytes")),
+    _counter("scrub_failed_blocks", "Blocks the scrub found failing (now quarantined)",
+             _field("scrub_failed_blocks")),
+    _counter("scrub_passes", "Scrub passes completed (every stored block checked once)",
+             _field("scrub_passes")),
+    _gauge("scrub_progress_ratio", "How far the scrub's pass in progress is, 0 to 1 (0: none "
+           "in progress)", _field("scrub_progress")),
+    _gauge("scrub_last_complete_timestamp_seconds", "When a scrub pass of this store last "
+           "completed, in Unix time (any process; absent: never)",
+           lambda s: {} if s.scrub_last_complete is None else {(): s.scrub_last_complete}),
     _counter("deleted_blocks", "Blocks deleted by delete_many", _field("deletes")),
     _counter("index_commits", "Index write transactions committed", _field("commits")),
     _gauge("used_bytes", "Bytes in use per tier (disk: slots stored, quarantined, reserved "
@@ -209,8 +228,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("blocks", "Blocks stored, per tier", _tiers(lambda s: s.blocks, "memory_blocks"),
            TIER),
     _gauge("pinned_blocks", "Blocks pinned against eviction", _field("pinned_blocks")),
-    _gauge("quarantined_blocks", "Corrupt blocks moved aside for fsck",
-           _field("quarantined")),
+    _gauge("quarantined_blocks", "Blocks in quarantine now: a read failed; read again later "
+           "(re-reads, the scrub, fsck) and put back if they verify", _field("quarantined")),
     _gauge("io_queue_depth", "I/O requests waiting, per scheduling class",
            _per_class("io_queue_depth"), CLASS),
     _gauge("io_backlog_bytes", "Bytes of transfers on the device, per scheduling class",

@@ -324,3 +324,33 @@ def test_a_store_scrub_rate_must_be_positive(tmp_path: Path) -> None:
     anyio.run(scenario)
     with pytest.raises(ValueError, match="scrub_bytes_per_s"):
         kvstore.StoreOptions(scrub_bytes_per_s=-1)
+
+
+def test_the_scrub_and_the_quarantine_in_the_prometheus_export(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstore import metrics
+
+    async def scenario() -> dict[str, float]:
+        entries = await _fill(tmp_path, "threads", 10)
+        flip_payload_bit(tmp_path, entries[2])
+        async with kvstore.open(tmp_path, engine="threads", **OPEN) as store:
+            registry = CollectorRegistry()
+            metrics.register(store, registry)
+            before = generate_latest(registry).decode()
+            assert "kvstore_scrub_last_complete_timestamp_seconds" not in before  # never
+            await store.scrub(rate_bytes_per_s=None)
+            text = generate_latest(registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples}
+
+    got = anyio.run(scenario)
+    assert got["kvstore_scrubbed_blocks_total"] == 10
+    assert got["kvstore_scrub_failed_blocks_total"] == 1
+    assert got["kvstore_scrub_passes_total"] == 1
+    assert got["kvstore_blocks_quarantined_total"] == 1 == got["kvstore_quarantined_blocks"]
+    assert got["kvstore_restored_blocks_total"] == 0
+    assert got["kvstore_scrub_progress_ratio"] == 0
+    assert got["kvstore_scrub_last_complete_timestamp_seconds"] > 1.6e9

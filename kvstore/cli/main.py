@@ -3,12 +3,19 @@
 commands:
   fsck PATH [--repair] [--deep] [--json] [--rebuild-index]
       Check a closed store (the numbered steps are in kvstore/fsck.py): format, extent
-      files, allocation map vs index, every slot header; with --deep also every payload's
-      CRC32C and free space. --repair fixes what it finds (a second run finds nothing);
+      files, allocation map vs index, every slot header, every quarantined block read
+      again whole (--repair puts back what verifies, never erases it); with --deep also
+      every payload's CRC32C and free space. --repair fixes what it finds (a second run finds nothing);
       --rebuild-index recreates the index from the self-describing extent files.
       Exit 0 clean, 1 problems found (or fixed with --repair; the output says which),
       2 cannot run (no store there, store open elsewhere, unreadable index, unknown
       format version).
+  scrub PATH [--rate R] [--restart] [--json]
+      Read every stored block again and verify it (header, payload CRC32C), and every
+      quarantined one, at a bounded rate (default 64M bytes/s; 0: none), with a progress
+      bar; quarantines what fails, puts back what verifies (kvstore/cli/scrub.py).
+      Resumes where an earlier scrub stopped (--restart: a fresh pass). Exit 0 all
+      verified, 1 blocks failed (now quarantined), 2 cannot run, 130 interrupted.
   stats PATH [--json]
       Print what the store holds, its totals since it was created (puts, dedup,
       evictions, corruption) and its engine. --json: exact numbers.
@@ -164,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd_stats)
+    from kvstore.cli.scrub import add_parser as add_scrub
+
+    add_scrub(sub)
     from kvstore.cli.demo import add_parser as add_demo
 
     add_demo(sub)

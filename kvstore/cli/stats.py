@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Any
 
 import anyio
@@ -18,7 +19,9 @@ from kvstore.cli.units import human_bytes
 _THIS_PROCESS = ("puts", "put_blocks", "put_bytes", "put_payload_bytes", "dedup_blocks",
                  "dedup_bytes", "dedup_ratio", "compression_ratio", "gets", "hits", "misses",
                  "read_bytes", "corrupt_blocks", "read_errors", "deletes", "evicted_blocks",
-                 "evicted_bytes", "commits", "peak_used_bytes")
+                 "evicted_bytes", "commits", "peak_used_bytes", "read_retries",
+                 "quarantined_blocks", "restored_blocks", "scrubbed_blocks", "scrubbed_bytes",
+                 "scrub_failed_blocks", "scrub_passes")
 
 
 def stats_document(stats: dict[str, Any]) -> dict[str, Any]:
@@ -42,6 +45,7 @@ def format_stats(s: dict[str, Any]) -> list[str]:
         f"({s['engine_reason']})",
         f"blocks       {s['blocks']} stored, {s['quarantined']} quarantined, "
         f"{s['pinned_blocks']} pinned",
+        _scrub_line(s),
         f"space        {human_bytes(s['stored_bytes'])} in slots, "
         f"{human_bytes(s['free_bytes'])} free, {human_bytes(s['disk_bytes'])} on disk in "
         f"{s['extents']} extent file(s) of {human_bytes(s['extent_bytes'])}",
@@ -65,6 +69,15 @@ def format_stats(s: dict[str, Any]) -> list[str]:
         f"read {human_bytes(s['read_bytes'])}, puts {s['puts']}, commits {s['commits']}",
     ]
     return lines
+
+
+def _scrub_line(s: dict[str, Any]) -> str:
+    """When the scrub last checked every block, and how far the pass in progress is."""
+    last = s["scrub_last_complete"]
+    when = "never" if last is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(last))
+    going = f"; the pass in progress is {s['scrub_progress']:.0%} through" \
+        if s["scrub_progress"] else ""
+    return f"scrub        last complete pass: {when}{going}"
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
