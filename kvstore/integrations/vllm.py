@@ -63,7 +63,9 @@ are bounded (``max_pending_save_bytes``); at shutdown and at exit they are finis
 ``WAITING_FOR_REMOTE_KVS`` while other requests keep running; the worker reads its blocks
 in the background (``start_load_kv`` starts the read into a private buffer), and once
 the read is done (``get_finished``) copies the verified leading blocks into the paged KV
-cache and reports the request finished.  kvstore answers a block that fails its
+cache and reports the request finished.  A lookup claims no more blocks than the load
+staging holds, and a load that finds the staging busy waits for room instead of failing
+(:mod:`kvstore.integrations.vllm_worker_loads`).  kvstore answers a block that fails its
 checksum as a miss (and quarantines it); the first failed block and everything after it
 are reported through ``get_block_ids_with_load_errors`` in the same step, and vLLM
 recomputes from there (this needs ``kv_load_failure_policy="recompute"``, checked at
@@ -88,6 +90,11 @@ blocks starts bringing them into memory at once (``Store.prefetch``), so the loa
 vLLM schedules later is served from RAM.  Saves are droppable by default
 (``background_saves``): under write backpressure (``backlog_bytes``) a save is dropped
 whole and counted, never waited for.
+
+*Weight updates* (``reset_cache``): the key scope moves to the new weights'; while
+vLLM's own prefix cache was not cleared (vLLM refuses its reset while requests hold
+blocks), requests that reuse it are neither loaded into nor saved
+(:mod:`kvstore.integrations.vllm_stale`).
 
 *Metrics.*  Hits are reported with the ``disk`` cache-hit source, so vLLM's
 ``prompt_tokens_by_source`` and connector prefix-cache metrics show them; the connector's
@@ -226,6 +233,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         """See :meth:`SchedulerSide.reset_cache`; vLLM resets the scheduler's, and the
         workers follow the step metadata."""
         return None if self._scheduler is None else self._scheduler.reset_cache()
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool (scheduler side): ``reset_cache`` reads it to know whether
+        vLLM's own prefix cache was cleared (:mod:`.vllm_stale`)."""
+        if self._scheduler is not None:
+            self._scheduler.bind_pool(gpu_block_pool)
 
     # ------------------------------------------------------------------ worker side
 

@@ -51,11 +51,14 @@ class ConnectorConfig:
     ``path``            store directory (created if missing).
     ``max_pending_save_bytes``  the data mover's staging for saves in flight (default
                         1 GiB, page-locked on a GPU): a step whose save finds no room
-                        drops it.
+                        drops it.  At least one block, as given.
     ``load_staging_bytes``  the data mover's staging for loads in flight (default
                         512 MiB: a 4k-token prefix of Llama-3-8B in bf16): page-locked
                         host memory, or with ``device_loads`` the GPU's memory (taken
                         from the headroom vLLM's ``gpu_memory_utilization`` leaves).
+                        A lookup claims no more blocks than it holds; a background load
+                        that finds it busy waits for room.  At least one block, as given
+                        (the staging is whole pages, which may hold a little more).
     ``device_loads``    ``"auto"`` (default: on for an FP8 ``codec`` on a CUDA KV cache),
                         ``true`` or ``false``: loads land in device staging straight from
                         the store's arena (an FP8 block dequantised on the GPU), no host

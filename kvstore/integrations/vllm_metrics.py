@@ -40,7 +40,8 @@ STORE_GAUGES = ("used_bytes", "capacity_bytes", "blocks", "memory_used_bytes",
                 "memory_capacity_bytes")
 
 # Counted by the scheduler (lookups; no rank label), the rest by the workers.
-SCHEDULER_COUNTERS = ("lookups", "lookup_hit_blocks", "lookups_deferred")
+SCHEDULER_COUNTERS = ("lookups", "lookup_hit_blocks", "lookups_deferred",
+                      "reset_stale_requests")
 
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_SAMPLES = 4096
@@ -52,6 +53,10 @@ FAMILIES: dict[str, tuple[str, str, str, dict[str, str], float]] = {
     "lookups_deferred": ("vllm:kvstore_lookups_deferred_total",
                          "Lookups not answered within lookup_wait_ms: vLLM asked again at "
                          "a later step while the lookup went on", "counter", {}, 1.0),
+    "reset_stale_requests": ("vllm:kvstore_stale_requests_total",
+                             "Requests neither loaded into nor saved: they reused KV that "
+                             "vLLM's prefix cache kept across a weight update whose reset "
+                             "vLLM refused", "counter", {}, 1.0),
     "lookup_hit_blocks": ("vllm:kvstore_lookup_hit_blocks_total",
                           "Blocks the scheduler took as stored hits (on every rank) and "
                           "scheduled for loading", "counter", {}, 1.0),
@@ -65,6 +70,10 @@ FAMILIES: dict[str, tuple[str, str, str, dict[str, str], float]] = {
                            {"outcome": "failed"}, 1.0),
     "loaded_bytes": ("vllm:kvstore_loaded_bytes_total",
                      "Bytes of the blocks loaded into vLLM's KV cache", "counter", {}, 1.0),
+    "load_deferred_blocks": ("vllm:kvstore_load_deferred_blocks_total",
+                             "Blocks of background loads that waited for room in the load "
+                             "staging (load_staging_bytes) instead of failing", "counter",
+                             {}, 1.0),
     "load_ns": ("vllm:kvstore_load_seconds_total",
                 "Time loads were in flight (background: other requests keep running)",
                 "counter", {}, 1e-9),

@@ -3,6 +3,11 @@ stored), the loads and saves each step hands the workers (:mod:`.vllm_metadata`)
 the key scope's moves after a weight update (``reset_cache``).  It never opens a
 store: it shares the worker's when they run in one process, or asks every rank's worker
 over its lookup socket (:mod:`.vllm_lookup`).
+
+A weight update has two caches to clear: vLLM's own prefix cache and the store.  vLLM
+calls ``reset_cache`` even when it refused its own reset (a request still held blocks),
+and its prefix cache then keeps serving KV of the old weights, and KV computed on top of
+it (:mod:`.vllm_stale` says how the connector tells which requests use it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from kvstore.integrations.vllm_ranks import rank_dirs
 from kvstore.integrations.vllm_saves import SaveMark, plan_saves
 from kvstore.integrations.vllm_scope import LoraScopes, Scope, model_scope, scoped_hash
 from kvstore.integrations.vllm_shared import SharedStore, find, release, warn_once
+from kvstore.integrations.vllm_stale import StaleCache
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -42,6 +48,10 @@ class _RequestState:
     # Known when the key scope moved (a weight update): its KV so far may mix both
     # weights, so none of it is ever saved.
     frozen: bool = False
+    # Uses KV that vLLM's prefix cache kept across a weight update (StaleCache): never
+    # loaded into, never saved.
+    stale: bool = False
+    external: int = 0  # tokens this connector loaded for it at its last allocation
 
 
 
@@ -79,6 +89,12 @@ class SchedulerSide:
         self._requests: dict[str, _RequestState] = {}
         self._lookups = Lookups(self._match, config.lookup_wait_s())
         self._pending_loads: list[Load] = []
+        self._stale = StaleCache()
+
+    def bind_pool(self, pool: Any) -> None:
+        """vLLM's block pool (``bind_gpu_block_pool``): how ``reset_cache`` knows whether
+        vLLM's own prefix cache was cleared."""
+        self._stale.pool = pool
 
     def _count(self, **deltas: int) -> None:
         """Scheduler-side counters (and into the shared store's when it is in this
@@ -114,6 +130,8 @@ class SchedulerSide:
                                    ) -> tuple[int | None, bool]:
         state = self._requests.setdefault(request.request_id, _RequestState(request))
         state.request, state.lookup_from = request, num_computed_tokens
+        if self._is_stale(state, num_computed_tokens):
+            return 0, False
         hashes = self._hashes(request)
         first = num_computed_tokens // self._block_size
         # At least one prompt token must be computed (it yields the first logits).
@@ -147,6 +165,7 @@ class SchedulerSide:
                                  num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _RequestState(request))
         state.request = request
+        state.external = max(num_external_tokens, 0)
         if num_external_tokens <= 0:
             return
         block_ids = list(blocks.get_block_ids()[0])
@@ -166,6 +185,7 @@ class SchedulerSide:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
+                self._first_scheduled(state, new.num_computed_tokens)
                 self._plan_saves(state, new.num_computed_tokens, scheduled[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -175,6 +195,7 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                self._first_scheduled(state, cached.num_computed_tokens[i])
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
             self._plan_saves(state, cached.num_computed_tokens[i], scheduled[req_id], meta)
@@ -183,13 +204,28 @@ class SchedulerSide:
     def _plan_saves(self, state: _RequestState, computed: int, scheduled: int,
                     meta: KVStoreConnectorMetadata) -> None:
         """Plan the request's blocks from its save mark on (:mod:`.vllm_saves`)."""
-        if state.frozen:
+        if state.frozen or state.stale:
             return
         hashes = self._hashes(state.request)
         for idx in plan_saves(state.saves, computed, scheduled, self._block_size,
                               len(hashes), len(state.block_ids)):
             meta.saves.append(Save(state.block_ids[idx], hashes[idx],
                                     hashes[idx - 1] if idx else None))
+
+    def _is_stale(self, state: _RequestState, local_tokens: int) -> bool:
+        """Whether the request uses KV of vLLM's prefix cache from before a weight update
+        (it had a local hit of ``local_tokens`` while that cache may hold such KV);
+        counted once per request."""
+        if not state.stale and local_tokens > 0 and self._stale.active:
+            state.stale = True
+            self._count(reset_stale_requests=1)
+        return state.stale
+
+    def _first_scheduled(self, state: _RequestState, computed: int) -> None:
+        """The request runs (new, or resumed after a preemption) with ``computed``
+        tokens' KV in place: what this connector loaded, the rest vLLM's local hit
+        (with a sub-block tail the lookup never saw)."""
+        self._is_stale(state, state.lookup_from if state.external else computed)
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, which RL frameworks call
@@ -202,19 +238,44 @@ class SchedulerSide:
         From now on lookups count nothing of the old scope, the worker moves with the
         next step's metadata (loads still in flight then fail and are recomputed), and
         the requests running now are never saved again (their KV may mix both weights).
-        True: the move holds for every later lookup, load and save."""
+
+        vLLM calls this also when it refused to reset its own prefix cache (blocks still
+        held by requests), which then still holds KV of the old weights.  Until a reset
+        that clears it, a request that reuses any of vLLM's cached KV is neither loaded
+        into nor saved (:class:`.vllm_stale.StaleCache`); only requests computed from
+        scratch are.  Where the connector cannot see vLLM's block pool (another vLLM) it
+        cannot know the cache was cleared: it moves to a fresh scope, never the new
+        files' one, and treats the cache as stale.  True when vLLM's cache is clear (or
+        cannot be seen), False when it is not: the reset did not complete, and vLLM's
+        ``reset_prefix_cache`` says so (it returns False in that case anyway)."""
+        cleared = self._stale.reset()
         try:
             weights = model_scope(self._vllm_config, self._config)
             new = dict(weights)["weights"]
         except ValueError:  # the new weights cannot be fingerprinted
             new = self._weights
+        if cleared is None:
+            new = self._weights  # (a fresh scope, below)
+            warn_once("reset-blind", "kvstore connector: reset_cache: cannot see vLLM's "
+                      "block pool, so cannot tell whether its prefix cache was cleared; "
+                      "moving to a fresh key scope, and requests that reuse vLLM's cached "
+                      "KV are neither loaded nor saved from now on")
+        elif not cleared:
+            logger.warning(
+                "kvstore connector: reset_cache: vLLM's prefix cache was not cleared "
+                "(requests still hold blocks), so it keeps KV of the weights before this "
+                "reset; until a reset that clears it, requests that reuse vLLM's cached KV "
+                "are neither loaded nor saved. Call reset_prefix_cache(reset_connector="
+                "True) again once the running requests ended, or with "
+                "reset_running_requests=True")
         if new == self._weights:
             # The files say nothing new: the weights came as tensors (or did not change
             # at all: no telling which), so nothing stored may be used for them.
             new = f"update:{uuid.uuid4().hex}"
-            warn_once("reset", "kvstore connector: reset_cache: the weight files did not "
-                       "change, so the weights now loaded cannot be identified; moving to a "
-                       "fresh key scope (stored KV is not loaded for them)")
+            if cleared is not None:
+                warn_once("reset", "kvstore connector: reset_cache: the weight files did "
+                          "not change, so the weights now loaded cannot be identified; "
+                          "moving to a fresh key scope (stored KV is not loaded for them)")
         self._scope_epoch += 1
         self._weights = new
         for state in self._requests.values():
@@ -222,7 +283,7 @@ class SchedulerSide:
         self._lookups.forget_all()
         logger.info("kvstore connector: key scope moved (epoch %d, weights %s)",
                     self._scope_epoch, new)
-        return True
+        return cleared is not False
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -72,8 +72,9 @@ _COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes"
              # steps whose forward had blocks to save (save_stall_ns / save_steps: the
              # forward's wait for saves per such step)
              "save_steps",
-             # loads refused for want of page-locked staging (the data mover's)
-             "load_no_staging_blocks",
+             # stored blocks not loaded for want of load staging (computed), and blocks
+             # of background loads that waited for it
+             "load_no_staging_blocks", "load_deferred_blocks",
              # steps whose presence lookup had not answered by their first save_kv_layer
              # (all their blocks copied out; the put deduplicates)
              "save_lookup_late_steps")
@@ -106,7 +107,8 @@ class SharedStore:
         # The worker's data mover's load staging (Mover.begin_load), once it has one:
         # loads are read into page-locked staging and scattered from there.
         self.load_staging: Callable[[int], LoadBatch | None] | None = None
-        self.load_max_blocks = 0   # the most blocks the load staging holds (0: no limit)
+        # The most blocks the load staging holds (0: no limit): a lookup claims no more.
+        self.load_max_blocks = 0
         self.failed_keys: set[bytes] = set()  # loads that raised: misses from now on
         # Moves to a new key scope since start (a weight update: KVStoreConnector
         # .reset_cache); lookups of another epoch are answered 0.
@@ -153,14 +155,16 @@ class SharedStore:
             held.drop()
         self._prepared.clear()
 
-    def load_target(self, n: int) -> tuple[torch.Tensor, LoadBatch | None] | None:
+    def load_target(self, n: int, *, defer: bool = False
+                    ) -> tuple[torch.Tensor, LoadBatch | None] | None:
         """Where a load of ``n`` blocks is read (``[k, layers, *block shape]``): the
         worker's mover's load staging (page-locked, or device memory with
         ``device_loads``: the store's reads land there from its arena, FP8 blocks
         dequantised on the GPU), or a plain buffer before the worker has a mover; None
-        when the staging has no room now (the load fails: vLLM computes).  ``k`` is
-        ``n``, or what the staging holds at most when a load is larger: the prefix that
-        fits is loaded, the rest computed (counted in ``load_no_staging_blocks``)."""
+        when the staging has no room now (counted in ``load_no_staging_blocks``, unless
+        the caller will ``defer`` the load until there is room).  ``k`` is ``n``, or
+        what the staging holds at most when a load is larger: the prefix that fits is
+        loaded, the rest computed (counted so too)."""
         layout = self.layout
         assert layout is not None
         layers, shape, dtype = layout
@@ -173,7 +177,8 @@ class SharedStore:
         except CaptureError:  # the engine captures a CUDA graph: load later (vLLM asks)
             return None
         if batch is None:
-            self.count(load_no_staging_blocks=n)
+            if not defer:
+                self.count(load_no_staging_blocks=n)
             return None
         if k < n:
             self.count(load_no_staging_blocks=n - k)
@@ -200,9 +205,16 @@ class SharedStore:
             return 0
         if not self.config.async_loads:
             return self._read_ahead(keys)
+        # A background load can take no more than the staging holds: claim no more
+        # (vLLM computes the rest) rather than a load that fails in part.
+        cap = self.load_max_blocks or len(keys)
         if self.store.memory is None or not self.config.prefetch:
-            return self.blocking.match_prefix(keys)
-        return self.blocking.call(self._match_and_prefetch, keys)
+            hit = self.blocking.match_prefix(keys)
+        else:
+            hit = self.blocking.call(self._match_and_prefetch, keys, cap)
+        if hit > cap:
+            self.count(load_no_staging_blocks=hit - cap)
+        return min(hit, cap)
 
     def _read_ahead(self, keys: list[bytes]) -> int:
         """Synchronous loads: read and verify the stored leading blocks now and keep
@@ -311,10 +323,11 @@ class SharedStore:
             for k in stale:
                 self._prepared.pop(k).drop()
 
-    async def _match_and_prefetch(self, keys: list[bytes]) -> int:
+    async def _match_and_prefetch(self, keys: list[bytes], cap: int) -> int:
         hit = await self.store.match_prefix(keys)
         if hit:
-            self.store.prefetch(keys[:hit])  # runs on; bounded by prefetch_share
+            # (only what will be loaded) runs on; bounded by prefetch_share
+            self.store.prefetch(keys[:min(hit, cap)])
         return hit
 
     def attach_remote(self, namespace: Namespace) -> None:

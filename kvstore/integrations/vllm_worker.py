@@ -28,9 +28,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from contextlib import suppress
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +41,8 @@ from kvstore.integrations.vllm_metadata import KVStoreConnectorMetadata, Load
 from kvstore.integrations.vllm_ranks import rank_config
 from kvstore.integrations.vllm_scope import Scope
 from kvstore.integrations.vllm_shared import SharedStore, acquire, load_buffer, release, warn_once
-from kvstore.integrations.vllm_worker_mover import make_mover
+from kvstore.integrations.vllm_worker_loads import BackgroundLoads, arrived, note_failed
+from kvstore.integrations.vllm_worker_mover import load_blocks, make_mover
 from kvstore.integrations.vllm_worker_saves import StepSaves, engine_keys
 from kvstore.keys import Namespace
 
@@ -56,29 +54,6 @@ if TYPE_CHECKING:
 __all__ = ["WorkerSide"]
 
 logger = logging.getLogger("kvstore.integrations.vllm")
-
-
-def _arrived(got: Sequence[torch.Tensor | None]) -> int:
-    """How many leading blocks of a load arrived (``got`` may be shorter than the load:
-    the prefix its staging held)."""
-    return next((i for i, g in enumerate(got) if g is None), len(got))
-
-
-@dataclass
-class _InFlightLoad:
-    load: Load
-    buffer: torch.Tensor
-    future: Future[list[torch.Tensor | None]]
-    started_ns: int
-    scope_epoch: int = 0  # the key scope it was read under
-    staging: LoadBatch | None = None  # the mover's staging ``buffer`` lies in
-
-
-# How long a step that runs no forward waits for a background load before returning
-# (vLLM calls again at once while a request waits for its KV: this keeps that loop from
-# spinning, and costs nothing while other requests run, since they never wait).
-_IDLE_WAIT_S = 0.05
-
 
 
 class WorkerSide:
@@ -108,8 +83,9 @@ class WorkerSide:
         self.mover: Mover | None = None
         self.clock = time.monotonic  # the copy-out rate cap's (a test sets its own)
         self.saves = StepSaves(self.store)  # save_kv_layer and wait_for_save
-        self._loading: dict[str, _InFlightLoad] = {}
-        self._load_errors: set[int] = set()
+        self.loads = BackgroundLoads(self.store, self._keys, self._scatter,
+                                     self._block_bytes, self._capturing)
+        self._load_errors: set[int] = set()  # of synchronous loads
         # A synchronous load failed in this step: its forward read unloaded blocks.
         self._step_load_failed = False
 
@@ -151,7 +127,7 @@ class WorkerSide:
         self.mover = make_mover(list(kv_caches.values()), layout, self._config,
                                 self._store.store.codec, clock=self.clock)
         self._store.load_staging = self.mover.begin_load
-        self._store.load_max_blocks = self.mover.max_load_blocks
+        self._store.load_max_blocks = load_blocks(self.mover, self._config)
         self.saves.mover = self.mover
         if first.device.type == "cuda" and not self.mover.cuda:
             warn_once("no-cuda-lib", "kvstore connector: the KV cache is on %s but kvstore's "
@@ -223,10 +199,10 @@ class WorkerSide:
         meta = self._conn._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         if self._config.async_loads:
-            # (In a CUDA graph capture the mover gives no staging: such a load fails,
-            # reported in get_finished after the capture, and is recomputed.)
+            # (In a CUDA graph capture such a load fails, reported in get_finished
+            # after the capture, and is recomputed.)
             for load in meta.loads:
-                self._start_load(load)
+                self.loads.start(load)
             return
         self._step_load_failed = False
         if self._capturing():
@@ -280,9 +256,9 @@ class WorkerSide:
             except Exception as e:
                 self._store.load_raised(keys or [], e)
                 got = []
-            ok = _arrived(got)
+            ok = arrived(got)
             if ok < len(got):  # a block missing or unreadable, not one without staging
-                self._note_failed(load, ok)
+                note_failed(self._store, keys, ok)
         if ok:
             self._scatter(blocks, staging, load.block_ids[:ok])
         elif staging is not None:
@@ -293,58 +269,6 @@ class WorkerSide:
             self._load_errors.update(failed)
         self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed),
                           loaded_bytes=ok * self._block_bytes(), load_ns=time.perf_counter_ns() - start)
-
-    def _start_load(self, load: Load) -> None:
-        n = len(load.block_ids)
-        self._store.count(load_blocks=n)
-        keys = self._keys(load.hashes)
-        target = self._store.load_target(n) if keys is not None and n else None
-        future: Future[list[torch.Tensor | None]]
-        if target is None:  # no KV registered, or no staging now: nothing is loaded
-            buffer, staging = load_buffer((0, len(self._layers), *self._block_shape),
-                                          self._dtype), None
-            future = Future()
-            future.set_result([None] * n)
-        else:
-            buffer, staging = target   # (the prefix the load staging holds)
-            assert keys is not None
-            future = self._store.start_get(keys[:len(buffer)], list(buffer.unbind(0)))
-        self._loading[load.req_id] = _InFlightLoad(load, buffer, future,
-                                                   time.perf_counter_ns(),
-                                                   self._store.scope_epoch, staging)
-
-    def _finish_load(self, inflight: _InFlightLoad) -> None:
-        """Copy a finished load's verified leading blocks into the KV cache and record
-        the first failed block and everything after it as load errors."""
-        load = inflight.load
-        try:
-            got = inflight.future.result()
-        except Exception as e:  # a failed read is a miss: vLLM recomputes
-            keys = self._keys(load.hashes)
-            self._store.load_raised(keys or [], e)
-            got = []
-        if inflight.scope_epoch != self._store.scope_epoch or self._store.suspended:
-            got = []  # read under other weights' keys
-        ok = _arrived(got)
-        if inflight.staging is not None and ok < len(got):  # (no staging then, or a
-            self._note_failed(load, ok)     # load larger than it: no reason to doubt it)
-        if ok:
-            self._scatter(inflight.buffer, inflight.staging, load.block_ids[:ok])
-        elif inflight.staging is not None:
-            inflight.staging.release()
-        failed = load.block_ids[ok:]
-        self._load_errors.update(failed)
-        elapsed = time.perf_counter_ns() - inflight.started_ns
-        self._store.count(loaded_blocks=ok, load_failed_blocks=len(failed), load_ns=elapsed,
-                          loaded_bytes=ok * self._block_bytes())
-        self._store.record_load(elapsed / 1e9)
-
-    def _note_failed(self, load: Load, ok: int) -> None:
-        """The load's block ``ok`` failed (a miss, unreadable, quarantined): make sure
-        no lookup promises it again (:meth:`SharedStore.load_failed`)."""
-        keys = self._keys(load.hashes)
-        if keys is not None and ok < len(keys) and self._store.suspended is None:
-            self._store.load_failed(keys[ok])
 
     def _block_bytes(self) -> int:
         return self.mover.block_bytes if self.mover is not None else 0
@@ -375,17 +299,9 @@ class WorkerSide:
         """Requests whose background load is done, their blocks copied into the KV
         cache (the failed ones reported by ``get_block_ids_with_load_errors``, which
         vLLM calls right after this, in the same step)."""
-        if not self._loading or self._capturing():  # (scattered after the capture)
-            return None, None
         idle = self._conn.has_connector_metadata() and getattr(
             self._conn._get_connector_metadata(), "idle", False)
-        if idle and not any(f.future.done() for f in self._loading.values()):
-            wait([f.future for f in self._loading.values()], timeout=_IDLE_WAIT_S,
-                 return_when=FIRST_COMPLETED)
-        done = {req_id for req_id, f in self._loading.items() if f.future.done()}
-        for req_id in done:
-            self._finish_load(self._loading.pop(req_id))
-        return None, done or None
+        return None, self.loads.finished(bool(idle))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
@@ -412,16 +328,12 @@ class WorkerSide:
                             or self._step_load_failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        errors = self._load_errors | self.loads.errors
+        self._load_errors, self.loads.errors = set(), set()
         return errors
 
     def shutdown(self) -> None:
-        for inflight in self._loading.values():  # their buffers, not vLLM's blocks
-            with suppress(Exception):  # a failed load frees its buffer too
-                inflight.future.result()
-            if inflight.staging is not None:
-                inflight.staging.release()
-        self._loading.clear()
+        self.loads.close()
         self.saves.drop()
         self._store.load_staging = None
         self._store.load_max_blocks = 0

@@ -19,7 +19,7 @@ from kvstore.cuda.paged import Layout
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.integrations.vllm_shared import warn_once
 
-__all__ = ["make_mover"]
+__all__ = ["load_blocks", "make_mover"]
 
 
 def make_mover(layers: list[torch.Tensor], layout: Layout, config: ConnectorConfig,
@@ -58,17 +58,25 @@ def make_mover(layers: list[torch.Tensor], layout: Layout, config: ConnectorConf
     return mover
 
 
+def load_blocks(mover: Mover, config: ConnectorConfig) -> int:
+    """How many blocks the load staging holds: ``load_staging_bytes`` as given (the
+    staging is made of whole pages, which may hold a little more)."""
+    return min(mover.max_load_blocks, config.load_staging_bytes // mover.block_bytes)
+
+
 def _check_sizes(mover: Mover, config: ConnectorConfig) -> None:
     """Each staging must hold one block (a stored block is one vLLM block of every
     layer), and the per-step cap one block's copy-out: else every save or load would be
-    dropped, silently."""
+    dropped, silently.  Sizes as given: the staging, made of whole pages, may hold more,
+    but an option means what it says."""
     step_cap = config.max_save_bytes_per_step
     wrong = [f"{name}={value} cannot hold one block ({need} bytes: one vLLM block of "
              f"all {mover.num_layers} layers)" for name, value, need, ok in (
                  ("max_pending_save_bytes", config.max_pending_save_bytes,
-                  mover.stored_bytes(1), mover.max_blocks > 0),
+                  mover.stored_bytes(1), mover.max_blocks > 0
+                  and config.max_pending_save_bytes >= mover.stored_bytes(1)),
                  ("load_staging_bytes", config.load_staging_bytes, mover.block_bytes,
-                  mover.max_load_blocks > 0),
+                  load_blocks(mover, config) > 0),
                  ("max_save_bytes_per_step", step_cap, mover.copied_bytes(1),
                   step_cap is None or step_cap >= mover.copied_bytes(1)))
              if not ok]

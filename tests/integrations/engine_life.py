@@ -13,7 +13,10 @@ aborted, then served as usual, without a prefix-cache reset in between),
 ``reset_prefix_cache(reset_connector=True)``, then the prompts again:
 ``outputs_after_update``, ``reset``), ``"abort_in_flight": [I, J]`` (prompt I's kvstore load is held in flight by a gate while
 the request is aborted and prompt J is served; see ``abort_in_flight``) and ``"hold":
-true`` (after writing RESULT, print KVSTORE-ENGINE-LIFE-READY and keep the engine alive until stdin closes).
+true`` (after writing RESULT, print KVSTORE-ENGINE-LIFE-READY and keep the engine alive until stdin closes),
+``"batch": true`` (after the prompts, vLLM's prefix cache reset, all prompts submitted at
+once: ``batch_outputs``; with no other prompts when ``"prompts_in_turn": false``) and
+``"update_while_running"`` (see :func:`update_while_running`).
 ``store: null`` runs without the connector (the reference outputs).  Prompts are served
 one ``generate`` call each, in order, with vLLM's own (device) prefix cache reset before
 each: a later prompt can reuse an earlier one's blocks only through kvstore (or, after
@@ -86,16 +89,16 @@ def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str,
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvstore.integrations.vllm_worker import WorkerSide
+    from kvstore.integrations.vllm_worker_loads import BackgroundLoads
 
     gate, started = threading.Event(), threading.Event()
-    original = WorkerSide._start_load
+    original = BackgroundLoads.start
 
     def gated_start_load(self: Any, load: Any) -> None:
         original(self, load)
         if "inflight-" not in load.req_id:
             return
-        inflight = self._loading[load.req_id]
+        inflight = self.loading[load.req_id]
         inner, outer = inflight.future, Future()
 
         def finish() -> None:
@@ -112,7 +115,7 @@ def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str,
     pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     engine, worker = llm.llm_engine, get_kv_transfer_group()
     free_before = pool.get_num_free_blocks()
-    WorkerSide._start_load = gated_start_load  # type: ignore[method-assign]
+    BackgroundLoads.start = gated_start_load  # type: ignore[method-assign]
     try:
         engine.add_request("inflight-0", prompt, params)
         for _ in range(100):
@@ -125,9 +128,9 @@ def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str,
             engine.step()
         held = pool.get_num_free_blocks()
         (out,) = llm.generate([other], params, use_tqdm=False)  # the load is still held
-        loading_while_held = len(worker._worker._loading)
+        loading_while_held = len(worker._worker.loads.loading)
     finally:
-        WorkerSide._start_load = original  # type: ignore[method-assign]
+        BackgroundLoads.start = original  # type: ignore[method-assign]
         gate.set()
     # vLLM frees the aborted request's blocks once the worker reports its load done:
     # at the next steps that run (here: the next prompt's).
@@ -151,6 +154,81 @@ def _rank_stats(worker: Any) -> list[dict[str, Any]]:
 
     return all_connector_stats()
 
+
+def _out(out: Any) -> dict[str, Any]:
+    return {"prompt_token_ids": list(out.prompt_token_ids),
+            "tokens": list(out.outputs[0].token_ids),
+            "num_cached_tokens": out.num_cached_tokens}
+
+
+def _run_to_end(engine: Any, outputs: dict[str, Any]) -> None:
+    """Step ``engine`` until no request is left, keeping each finished output by id."""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = _out(out)
+
+
+def _counters(spec: dict[str, Any]) -> dict[str, Any]:
+    from kvstore.integrations.vllm import connector_stats
+
+    stats = connector_stats(spec["store"])
+    return {k: v for k, v in stats.items() if isinstance(v, int)}
+
+
+def update_while_running(llm: Any, spec: dict[str, Any], params: Any) -> dict[str, Any]:
+    """An RL trainer's weight update in the middle of serving.  ``spec``:
+    ``{"weights": DIR, "first": PROMPT, "running": I | null, "again": bool}``.
+
+    ``first`` is served (its blocks: vLLM's prefix cache and the store, old weights);
+    with ``running`` = I, prompt I is submitted and stepped once, so that it runs (and
+    holds KV blocks) when the weights are reloaded from ``weights`` and
+    ``reset_prefix_cache(reset_connector=True)`` is called: vLLM refuses its own reset
+    then; with ``running`` null nothing runs and vLLM accepts it.  Then every other
+    prompt is submitted and all run to their end (``outputs``, in prompt order).  With
+    ``again``, once they ended: all prompts submitted and stepped twice, then a reset
+    that preempts them (``reset_running_requests=True``, as vLLM's pause with
+    ``clear_cache`` does: accepted) and they resume to their end; then vLLM's cache
+    alone reset and all prompts at once (``again_outputs``).  The connector's counters
+    right after the reset and after each phase."""
+    engine = llm.llm_engine
+    prompts = spec["prompts"]
+    plan = spec["update_while_running"]
+    llm.generate([plan["first"]], params, use_tqdm=False)
+    settle_saves(llm)
+    running = plan.get("running")
+    done: dict[str, Any] = {}
+    if running is not None:
+        engine.add_request(f"p{running}", prompts[running], params)
+        engine.step()
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": plan["weights"]})
+    result: dict[str, Any] = {"reset": llm.reset_prefix_cache(reset_connector=True)}
+    settle_saves(llm)
+    result["counters_at_reset"] = _counters(spec)
+    for i, prompt in enumerate(prompts):
+        if i != running:
+            engine.add_request(f"p{i}", prompt, params)
+    _run_to_end(engine, done)
+    settle_saves(llm)
+    result["outputs"] = [done[f"p{i}"] for i in range(len(prompts))]
+    result["counters"] = _counters(spec)
+    if plan.get("again"):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"again{i}", prompt, params)
+        engine.step()
+        engine.step()
+        result["reset_again"] = llm.reset_prefix_cache(reset_running_requests=True,
+                                                       reset_connector=True)
+        result["counters_at_reset_again"] = _counters(spec)
+        _run_to_end(engine, done)
+        settle_saves(llm)
+        result["resumed_counters"] = _counters(spec)
+        assert llm.reset_prefix_cache()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        settle_saves(llm)
+        result["again_outputs"] = [_out(o) for o in outs]
+        result["again_counters"] = _counters(spec)
+    return result
 
 def main(spec_path: str, result_path: str) -> None:
     with open(spec_path) as f:
@@ -188,7 +266,9 @@ def main(spec_path: str, result_path: str) -> None:
     aborts = {int(i): steps for i, steps in spec.get("abort_first", {}).items()}
     in_flight = spec.get("abort_in_flight")
     tensor_parallel = spec.get("llm", {}).get("tensor_parallel_size", 1) > 1
-    for i, prompt in enumerate(spec["prompts"]):
+    if spec.get("update_while_running"):
+        result["update"] = update_while_running(llm, spec, params)
+    for i, prompt in enumerate(spec["prompts"] if spec.get("prompts_in_turn", True) else []):
         if i and spec.get("store") is not None:
             settle_saves(llm)
         assert llm.reset_prefix_cache()
@@ -206,9 +286,7 @@ def main(spec_path: str, result_path: str) -> None:
             while engine.has_unfinished_requests():  # let the abort reach the scheduler
                 engine.step()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
-        outputs.append({"prompt_token_ids": list(out.prompt_token_ids),
-                        "tokens": list(out.outputs[0].token_ids),
-                        "num_cached_tokens": out.num_cached_tokens})
+        outputs.append(_out(out))
     result["outputs"] = outputs
     if spec.get("weight_update"):
         # An RL trainer's weight update: new weights loaded in place, then the prefix
@@ -223,16 +301,20 @@ def main(spec_path: str, result_path: str) -> None:
                 settle_saves(llm)
             assert llm.reset_prefix_cache()
             (out,) = llm.generate([prompt], params, use_tqdm=False)
-            after.append({"prompt_token_ids": list(out.prompt_token_ids),
-                          "tokens": list(out.outputs[0].token_ids),
-                          "num_cached_tokens": out.num_cached_tokens})
+            after.append(_out(out))
         result["outputs_after_update"] = after
+    if spec.get("batch"):
+        if spec.get("store") is not None:
+            settle_saves(llm)
+        assert llm.reset_prefix_cache()
+        result["batch_outputs"] = [_out(o) for o in
+                                   llm.generate(spec["prompts"], params, use_tqdm=False)]
     result["metrics"] = metrics(llm)
     if "abort_in_flight" in result:  # after the prompts that followed
         held = result["abort_in_flight"]
         held["free_after"] = llm.llm_engine.engine_core.engine_core.scheduler \
             .kv_cache_manager.block_pool.get_num_free_blocks()
-        held["loading_after"] = len(held.pop("worker")._worker._loading)
+        held["loading_after"] = len(held.pop("worker")._worker.loads.loading)
     if spec.get("store") is not None:
         from kvstore.integrations.vllm import connector_stats
 

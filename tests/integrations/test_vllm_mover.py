@@ -169,3 +169,30 @@ def test_a_load_larger_than_the_load_staging_loads_the_prefix_that_fits(
         assert r["finished"] == ["r"] and r["load_errors"] == [cap]
         assert r["counters"] == {"loaded_blocks": cap, "load_failed_blocks": 1,
                                  "load_no_staging_blocks": 1}
+
+
+def test_background_loads_wait_for_busy_load_staging_instead_of_failing(
+        tmp_path: Path) -> None:
+    """Load staging for two blocks: a lookup claims no more than that (the third stored
+    block is computed); of two loads in one step the second waits for the staging and
+    is loaded once the first was copied in; a load still waiting when the key scope
+    moves fails whole, unread.  Before, the second load failed (vLLM looked its request
+    up again, to find the staging as busy) and a lookup claimed all three."""
+    r = probe(tmp_path, "cpu", "--busy-load-staging")
+    assert r["cap"] == 2 and r["lookup_hit"] == 2
+    assert r["waiting_after_start"] == ["b"] and r["loaded_ok"] is True
+    assert r["waiting_before_move"] == ["d"]
+    assert r["finished"] == [["a"], ["b"], ["c", "d"]]
+    assert r["load_errors"] == [4, 5, 10, 11]      # c and d, read under the old scope
+    assert r["counters"] == {"load_blocks": 8, "loaded_blocks": 4, "load_failed_blocks": 4,
+                             "load_deferred_blocks": 4, "load_no_staging_blocks": 1}
+
+
+def test_staging_sizes_are_checked_as_given(tmp_path: Path) -> None:
+    """767 bytes of staging make a page that holds five 768-byte blocks; the options
+    still say less than one block, and are refused so."""
+    r = probe(tmp_path, "cpu", "--below-a-block")
+    assert r["error"] == (
+        "kvstore connector: max_pending_save_bytes=767 cannot hold one block (768 bytes: "
+        "one vLLM block of all 3 layers); load_staging_bytes=767 cannot hold one block "
+        "(768 bytes: one vLLM block of all 3 layers)")

@@ -4,6 +4,10 @@ the vLLM venv's python (tests/integrations/test_vllm_mover.py does)::
 
     python tests/integrations/worker_probe.py MODE STORE_DIR [LIBKVCUDA] [--async] [--capture] [--caps]
 
+(or one of the flags that runs a case of its own: ``--small-load-staging``,
+``--busy-load-staging``, ``--too-small``, ``--below-a-block``: see their functions and
+tests/integrations/test_vllm_mover.py)
+
 ``gpu``: the KV cache is "on a GPU" that is the recording stand-in
 (tests/cuda/standin.py, ``StandInGpu``: streams run only when told, in CUDA's order,
 host-blocking calls recorded), the cache tensors are host memory that says it is on
@@ -210,14 +214,14 @@ def copy_out_caps(p: Probe) -> list[list[int]]:
 
 
 def load_larger_than_the_staging(mode: str, path: str, async_loads: bool) -> dict[str, Any]:
-    """Load staging of one page (it holds ``cap`` blocks), a stored chain of ``cap + 1``:
+    """Load staging of one block (``cap``), a stored chain of ``cap + 1``:
     the read-ahead claims the prefix the staging holds; a background load of the whole
     chain loads that prefix and reports the last block as a load error (vLLM computes
     it); before, either load failed whole."""
     p = Probe(mode, path, None, async_loads, load_staging_bytes=BLOCK_BYTES)
     ws = p.ws
     assert ws.mover is not None
-    cap = ws.mover.max_load_blocks
+    cap = ws.store.load_max_blocks   # (one: the option as given, not the page it takes)
     n = cap + 1
     assert 2 * n <= NUM_BLOCKS, (cap, NUM_BLOCKS)
     hashes = [bytes([i + 1]) * 16 for i in range(n)]
@@ -232,7 +236,7 @@ def load_larger_than_the_staging(mode: str, path: str, async_loads: bool) -> dic
         p.conn.meta = KVStoreConnectorMetadata(loads=[Load("r", targets, hashes)])
         ws.bind_connector_metadata(p.conn.meta)
         ws.start_load_kv(None)  # type: ignore[arg-type]
-        ws._loading["r"].future.result()   # the background read is done
+        ws.loads.loading["r"].future.result()   # the background read is done
         out["finished"] = sorted(ws.get_finished(set())[1] or ())
     else:
         out["read_ahead_hit"] = hit = ws.store.match_hashes(hashes)
@@ -253,6 +257,59 @@ def load_larger_than_the_staging(mode: str, path: str, async_loads: bool) -> dic
     return out
 
 
+def busy_load_staging(mode: str, path: str) -> dict[str, Any]:
+    """Load staging for two blocks, background loads, a stored chain of three blocks:
+    the lookup claims the two the staging holds; two loads of two blocks in one step:
+    the first is read, the second waits for the staging (deferred, not failed) and is
+    read once the first was copied in; a third load waits, the key scope moves (a
+    weight update) before it starts: it fails whole, unread."""
+    p = Probe(mode, path, None, True, load_staging_bytes=2 * BLOCK_BYTES)
+    ws = p.ws
+    hashes = [bytes([0x60 + i]) * 16 for i in range(3)]
+    p.step(KVStoreConnectorMetadata(saves=[
+        Save(i, h, hashes[i - 1] if i else None) for i, h in enumerate(hashes)]))
+    p.run_gpu()
+    ws.store.flush()
+    out: dict[str, Any] = {"cap": ws.store.load_max_blocks}
+    counters = dict(ws.store.counters)
+    out["lookup_hit"] = ws.store.match_hashes(hashes)
+    finished: list[list[str]] = []
+
+    def load_step(loads: list[Load]) -> None:
+        p.conn.meta = KVStoreConnectorMetadata(loads=loads)
+        ws.bind_connector_metadata(p.conn.meta)
+        ws.start_load_kv(None)  # type: ignore[arg-type]
+        p.run_gpu()
+
+    def finish_ready() -> None:
+        for inflight in list(ws.loads.loading.values()):
+            if inflight.future is not None:
+                inflight.future.result()   # the background read is done
+        finished.append(sorted(ws.get_finished(set())[1] or ()))
+        p.run_gpu()
+
+    load_step([Load("a", [6, 7], hashes[:2]), Load("b", [8, 9], hashes[:2])])
+    out["waiting_after_start"] = [r for r, f in ws.loads.loading.items() if f.future is None]
+    finish_ready()      # a copied in; b started into the staging a gave back
+    finish_ready()      # b copied in
+    out["loaded_ok"] = all(torch.equal(
+        paged.gather_reference(p.plain, ids, "kv_first"),
+        paged.gather_reference(p.fresh, [0, 1], "kv_first")) for ids in ([6, 7], [8, 9]))
+    load_step([Load("c", [10, 11], hashes[:2]), Load("d", [4, 5], hashes[:2])])
+    out["waiting_before_move"] = [r for r, f in ws.loads.loading.items() if f.future is None]
+    p.conn.meta = KVStoreConnectorMetadata(scope_epoch=1, weights="w2")  # a weight update
+    ws.bind_connector_metadata(p.conn.meta)
+    finish_ready()
+    out["finished"] = finished
+    out["load_errors"] = sorted(ws.get_block_ids_with_load_errors())
+    out["counters"] = {k: ws.store.counters[k] - counters[k] for k in (
+        "load_blocks", "loaded_blocks", "load_failed_blocks", "load_deferred_blocks",
+        "load_no_staging_blocks")}
+    p.conn.meta = None
+    ws.shutdown()
+    return out
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     flags = {a for a in sys.argv[1:] if a.startswith("--")}
@@ -260,9 +317,19 @@ def main() -> None:
     if "--small-load-staging" in flags:
         print(json.dumps(load_larger_than_the_staging(mode, path, "--async" in flags)))
         return
+    if "--busy-load-staging" in flags:
+        print(json.dumps(busy_load_staging(mode, path)))
+        return
     if "--too-small" in flags:   # sizes that cannot hold one block stop the start
         try:
             Probe(mode, path, None, False, max_save_bytes_per_step=BLOCK_BYTES - 1)
+        except ValueError as e:
+            print(json.dumps({"error": str(e)}))
+            return
+    if "--below-a-block" in flags:   # as given, though a page would hold several
+        try:
+            Probe(mode, path, None, False, max_pending_save_bytes=BLOCK_BYTES - 1,
+                  load_staging_bytes=BLOCK_BYTES - 1)
         except ValueError as e:
             print(json.dumps({"error": str(e)}))
             return
@@ -327,7 +394,7 @@ def main() -> None:
         p.conn.meta = KVStoreConnectorMetadata(loads=[load])
         ws.bind_connector_metadata(p.conn.meta)
         ws.start_load_kv(None)  # type: ignore[arg-type]
-        ws._loading["r1"].future.result()   # the background read is done
+        ws.loads.loading["r1"].future.result()   # the background read is done
         finished = ws.get_finished(set())[1]
         out["async_finished"] = sorted(finished or ())
         p.conn.meta = KVStoreConnectorMetadata()   # the request's next step
@@ -377,7 +444,7 @@ def main() -> None:
         out["captured"] = list(gpu.captured)
         out["capture_syncs"] = p.syncs()
         if "--async" in flags:   # the refused load is reported once the capture ended
-            ws._loading["r2"].future.result()
+            ws.loads.loading["r2"].future.result()
             out["capture_finished"] = sorted(ws.get_finished(set())[1] or ())
         out["capture_load_errors"] = sorted(ws.get_block_ids_with_load_errors())
         out["capture_skipped_saves"] = ws.mover.stats().capture_skipped_saves
