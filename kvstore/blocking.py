@@ -17,6 +17,14 @@ After ``close()`` every call raises :class:`~kvstore.errors.StoreClosedError`, a
 racing the close from another thread (``close()`` waits for calls already inside);
 properties still answer, as ``Store``'s do.
 
+Order and cancellation (:mod:`kvstore.handoff`): calls reach the loop in the order they
+were made (one thread's ``submit(put(K))`` and then ``delete(K)``, blocking or
+submitted, take effect in that order).  A call whose future's ``cancel()`` returned
+True never runs; once the loop has taken a call, ``cancel()`` returns False and the
+call runs to its end.  A blocking call interrupted while it waits (``KeyboardInterrupt``)
+is cancelled if the loop had not taken it yet, and otherwise raises once it has ended:
+the call took no effect, or all of it.
+
 A script that forgets ``close()`` must still exit.  anyio's ``start_blocking_portal``
 runs its loop on a non-daemon executor thread, which the interpreter joins *before*
 ``atexit`` handlers run, so an unclosed store hung the exit forever.  The loop here runs
@@ -37,10 +45,11 @@ import atexit
 import os
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import Future, InvalidStateError, wait
-from contextlib import contextmanager, suppress
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future, wait
+from contextlib import suppress
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import anyio
 import torch
@@ -50,10 +59,12 @@ from anyio.from_thread import BlockingPortal
 # resolve for typing.get_type_hints and the API docs
 from kvstore.codecs import CodecSpec
 from kvstore.errors import StoreClosedError, StoreForkedError
+from kvstore.handoff import Handoff
 from kvstore.keys import Namespace
 from kvstore.options import StoreOptions
 from kvstore.prefetch import Prefetch
 from kvstore.remote.config import RemoteConfig
+from kvstore.scrub import DEFAULT_SCRUB_BYTES_PER_S, ProgressFn, ScrubReport
 from kvstore.store import PutResult, Store, StoreStats
 from kvstore.store import open as open_async
 
@@ -67,16 +78,16 @@ class BlockingStore:
     def __init__(self, path: str | os.PathLike[str], options: StoreOptions | None = None,
                  **fields: Any) -> None:
         self._pid = os.getpid()  # the process whose thread runs the loop
-        self._cond = threading.Condition()  # guards _closed, _calls and _submitted
+        # guards _closed, _closing, _close_steps, _calls and _submitted
+        self._cond = threading.Condition()
         self._closed = False
-        self._calls = 0  # calls that passed the closed check and may use the portal
+        self._closing = False  # a thread is in close() now
+        self._close_steps = 0  # of close()'s steps, those done (an interrupted close resumes)
+        self._calls = 0  # calls admitted and not done (their futures)
         self._submitted: set[Future[Any]] = set()  # submit()'s, until done
-        # submit()'s calls on their way to the loop, started by a thread of their own
-        self._starts: queue.SimpleQueue[tuple[Any, tuple[Any, ...], Future[Any]] | None] = \
-            queue.SimpleQueue()
-        self._starter: threading.Thread | None = None
         self._closed_done = threading.Event()
         self._portal, self._thread = _start_portal()
+        self._handoff = Handoff(self._portal)  # calls onto the loop, in order
         try:
             self._store_cm = self._portal.wrap_async_context_manager(open_async(path, options, **fields))
             self._store: Store = self._store_cm.__enter__()
@@ -95,30 +106,48 @@ class BlockingStore:
         """Close the store, as ``Store.aclose``: new calls raise ``StoreClosedError``,
         calls in flight are waited for (:meth:`submit`'s first, before the store closes:
         a submitted save still waiting for its data is finished, not refused), then the
-        files and the lock are released and the loop thread ends.  Idempotent; a second caller returns once the store is closed.
-        In a forked child it returns at once: the store is the parent's to close."""
+        files and the lock are released and the loop thread ends.  Idempotent; a second
+        caller returns once the store is closed.  A close interrupted (``KeyboardInterrupt``
+        while it waits) leaves the store closed to new calls and is finished by the next
+        ``close()`` or at interpreter exit.  In a forked child it returns at once: the
+        store is the parent's to close."""
         if os.getpid() != self._pid:
             return
         with self._cond:
-            first = not self._closed
             self._closed = True
-        if not first:
-            self._closed_done.wait()
-            return
-        _OPEN.discard(self)
-        with self._cond:
-            submitted = list(self._submitted)
-        wait(submitted)
-        if self._starter is not None:  # every submitted call has started and ended
-            self._starts.put(None)
-            self._starter.join()
+            if self._closing:  # another thread closes: wait for it (or take over)
+                self._cond.wait_for(lambda: not self._closing)
+            if self._closed_done.is_set():
+                return
+            self._closing = True
         try:
-            self._store_cm.__exit__(None, None, None)
+            self._close_steps_left()
         finally:
-            with self._cond:  # calls let in before the close: out of the portal first
-                self._cond.wait_for(lambda: self._calls == 0)
-            self._stop_portal()
-            self._closed_done.set()
+            with self._cond:
+                self._closing = False
+                self._cond.notify_all()
+
+    def _close_steps_left(self) -> None:
+        """close()'s steps, each done once (a close interrupted in one resumes there)."""
+        steps: list[Callable[[], object]] = [
+            # submitted calls first, while the store is open
+            lambda: wait(list(self._submitted)),
+            lambda: self._store_cm.__exit__(None, None, None),
+            # calls let in before the close: out of the portal before it stops
+            lambda: self._wait_calls(),
+            self._handoff.stop,
+            lambda: self._portal.call(self._portal.stop),
+            self._thread.join,
+        ]
+        for step in steps[self._close_steps:]:
+            step()
+            self._close_steps += 1
+        _OPEN.discard(self)
+        self._closed_done.set()
+
+    def _wait_calls(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._calls == 0)
 
     def _stop_portal(self) -> None:
         self._portal.call(self._portal.stop)
@@ -134,32 +163,51 @@ class BlockingStore:
                 "to run the store on and must not touch the parent's lock or files: open a "
                 "store of its own in the child (on another path)")
 
-    @contextmanager
-    def _admitted(self) -> Iterator[None]:
-        """One call through the portal: refused in a forked child and once closed."""
+    def _admit(self, *, submitted: bool = False) -> Future[Any]:
+        """The future of one call: refused in a forked child and once closed; counted
+        (``close()`` waits for it) until the future is done."""
         self._check_process()
+        future: Future[Any] = Future()
         with self._cond:
             if self._closed:
                 raise StoreClosedError(f"store {self._store.path} is closed")
             self._calls += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._calls -= 1
-                if not self._calls:
-                    self._cond.notify_all()
+            if submitted:
+                self._submitted.add(future)
+        future.add_done_callback(self._call_done)
+        return future
+
+    def _call_done(self, future: Future[Any]) -> None:
+        with self._cond:
+            self._submitted.discard(future)
+            self._calls -= 1
+            if not self._calls:
+                self._cond.notify_all()
 
     def _run(self, call: Callable[[], Awaitable[T]]) -> T:
-        with self._admitted():
-            return self._portal.call(call)
+        """One call, waited for.  Interrupted while it waits (``KeyboardInterrupt`` in
+        this thread), the call is cancelled if the loop has not taken it yet: it never
+        runs.  If it had started, the exception is raised once the call has ended (a
+        second interrupt meanwhile is raised at once): either way, when the exception
+        reaches the caller, the call took no effect or has taken all of it."""
+        future = self._admit()
+        try:
+            self._handoff.hand_over(call, future, at_once=False)
+            wait([future])
+        except BaseException:
+            if not future.cancel():  # it started: let it end first
+                wait([future])
+            raise
+        return cast(T, future.result())
 
     def _run_sync(self, call: Callable[[], T]) -> T:
         """A synchronous ``Store`` method: run on the loop thread too, which owns the
-        store's state (and its anyio primitives).  The result travels boxed: the portal
-        would await an awaitable result (a ``Prefetch`` handle) instead of returning it."""
-        with self._admitted():
-            return self._portal.call(lambda: (call(),))[0]
+        store's state (and its anyio primitives).  Wrapped in a coroutine: a result that
+        is awaitable itself (a ``Prefetch`` handle) is returned, not awaited."""
+        async def on_loop() -> T:
+            return call()
+
+        return self._run(on_loop)
 
     def _read(self, get: Callable[[], T]) -> T:
         """A property: read on the loop while open, directly once closed (no loop left
@@ -180,53 +228,22 @@ class BlockingStore:
         connector's lookup that also starts a prefetch).  ``fn`` gets the async
         :class:`Store` through :attr:`store`.  Admitted like every call: refused once
         closed and in a forked child; ``close()`` waits for it."""
-        with self._admitted():
-            return self._portal.call(fn, *args)
+        return self._run(partial(fn, *args))
 
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Start ``fn(*args)`` on the store's loop and return at once with a
         :class:`concurrent.futures.Future` of its result (a save the caller does not
         wait for).  At once also while the loop is busy: the call is handed to the loop
         by a thread of the store's, in the order submitted (the portal's own hand-over
-        waits until the loop takes the call, which held an engine's step).  Cancelling
-        the future cancels the call (one not started yet never runs).  Admitted like
-        every call; ``close()`` waits for it to finish before it closes the store."""
-        self._check_process()
-        with self._cond:
-            if self._closed:
-                raise StoreClosedError(f"store {self._store.path} is closed")
-            self._calls += 1
-            future: Future[T] = Future()
-            self._submitted.add(future)
-            if self._starter is None:
-                self._starter = threading.Thread(target=self._start_submitted, daemon=True,
-                                                 name="kvstore-blocking-submit")
-                self._starter.start()
-
-        def done(f: Future[T]) -> None:
-            with self._cond:
-                self._submitted.discard(f)
-                self._calls -= 1
-                if not self._calls:
-                    self._cond.notify_all()
-
-        future.add_done_callback(done)
-        self._starts.put((fn, args, future))
+        waits until the loop takes the call, which held an engine's step); a blocking
+        call made after it by the same thread reaches the loop after it.  Cancelling:
+        ``cancel()`` returns True only while the loop has not taken the call, which then
+        never runs; once it started, ``cancel()`` returns False and the call runs to its
+        end (``kvstore/handoff.py``).  Admitted like every call; ``close()`` waits for it
+        to finish before it closes the store."""
+        future = self._admit(submitted=True)
+        self._handoff.hand_over(partial(fn, *args), future, at_once=True)
         return future
-
-    def _start_submitted(self) -> None:
-        """The submit thread: hands each submitted call to the loop, its outcome to the
-        caller's future."""
-        while (item := self._starts.get()) is not None:
-            fn, args, future = item
-            if future.cancelled():
-                continue
-            try:
-                started = self._portal.start_task_soon(fn, *args)
-            except BaseException as e:  # noqa: BLE001 - the caller's future carries it
-                _settle(future, e)
-                continue
-            _chain(started, future)
 
     @property
     def store(self) -> Store:
@@ -290,6 +307,13 @@ class BlockingStore:
     def delete(self, key: bytes) -> bool:
         """:meth:`Store.delete <kvstore.store.Store.delete>`, blocking."""
         return self._run(lambda: self._store.delete(key))
+
+    def scrub(self, *, rate_bytes_per_s: float | None = DEFAULT_SCRUB_BYTES_PER_S,
+              progress: ProgressFn | None = None, restart: bool = False) -> ScrubReport:
+        """:meth:`Store.scrub <kvstore.store.Store.scrub>`, blocking (``progress`` is
+        called on the store's loop thread)."""
+        return self._run(lambda: self._store.scrub(
+            rate_bytes_per_s=rate_bytes_per_s, progress=progress, restart=restart))
 
     def attach_remote(self, config: RemoteConfig, namespace: Namespace) -> None:
         """:meth:`Store.attach_remote <kvstore.store.Store.attach_remote>`, blocking."""
@@ -378,32 +402,6 @@ class BlockingPrefetch:
 
     def __repr__(self) -> str:
         return repr(self._handle).replace("<Prefetch", "<BlockingPrefetch", 1)
-
-
-def _chain(started: Future[Any], future: Future[Any]) -> None:
-    """``future`` gets ``started``'s outcome; cancelling ``future`` cancels ``started``."""
-    def settle(f: Future[Any]) -> None:
-        _settle(future, f)
-
-    def cancel(f: Future[Any]) -> None:
-        if f.cancelled():
-            started.cancel()
-
-    started.add_done_callback(settle)
-    future.add_done_callback(cancel)
-
-
-def _settle(future: Future[Any], outcome: Future[Any] | BaseException) -> None:
-    """Give ``future`` the outcome of the call it stands for, unless it was cancelled."""
-    with suppress(InvalidStateError):   # cancelled meanwhile: nobody wants it
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        elif outcome.cancelled():
-            future.cancel()
-        elif (error := outcome.exception()) is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(outcome.result())
 
 
 def _start_portal() -> tuple[BlockingPortal, threading.Thread]:

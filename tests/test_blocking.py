@@ -183,11 +183,14 @@ def test_a_call_let_in_before_close_ends_on_the_live_loop(tmp_path: Path) -> Non
         def __getattr__(self, name: str) -> Any:
             return getattr(real, name)
 
-        def call(self, func: Callable[..., Any], *args: Any) -> Any:
-            if threading.current_thread() is late:
+        def start_task_soon(self, func: Callable[..., Any], *args: Any) -> Any:
+            if threading.current_thread() is late:  # the late call's hand-over
                 parked.set()
                 assert go.wait(60)
-            elif func == real.stop:  # stopping with the late call still parked
+            return real.start_task_soon(func, *args)
+
+        def call(self, func: Callable[..., Any], *args: Any) -> Any:
+            if func == real.stop:  # stopping with the late call still parked
                 try:
                     return real.call(func, *args)
                 finally:
@@ -207,6 +210,7 @@ def test_a_call_let_in_before_close_ends_on_the_live_loop(tmp_path: Path) -> Non
             late_result.append(e)
 
     store._portal = ParkingPortal()  # type: ignore[assignment]
+    store._handoff._portal = store._portal  # (calls go to the loop through it)
     store._cond = SignallingCondition()
     late = threading.Thread(target=late_call)
     late.start()
