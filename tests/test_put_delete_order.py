@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvstore
-from tests.concurrency import DEADLINE, GatedEngine, real_engine, until
+from tests.concurrency import DEADLINE, Gate, GatedEngine, real_engine, until
 from tests.conformance import NS, keys, make_tensor
 
 pytestmark = pytest.mark.anyio
@@ -122,3 +122,29 @@ async def test_a_put_waiting_for_backlog_room_keeps_its_parent_from_eviction(
                 gate.open()
         assert await store.contains_many([p, q, k]) == [True, True, True]
         assert store.used_bytes <= store.capacity_bytes
+
+
+def test_submitted_put_then_delete_from_one_thread_end_with_the_key_absent(
+        tmp_path: Path) -> None:
+    """The same through the blocking facade: one thread submits put(K) while the backlog
+    is full, then delete(K); the delete waits for the put and removes K."""
+    big, k = keys(2, 50)
+    engine = GatedEngine(real_engine("threads", tmp_path / "probe"))
+    with kvstore.open_blocking(tmp_path / "s", namespace=NS, engine=engine,
+                               extent_bytes=4 << 20, backlog_bytes=BLOCK) as store:
+        async def arm() -> Gate:
+            return engine.gate("write")
+
+        async def open_gate() -> None:
+            gate.open()
+
+        gate = store.call(arm)
+        first = store.submit(store.store.put, big, block(0))
+        store.call(gate.entered.wait)  # the backlog is full: held on the device
+        put = store.submit(store.store.put, k, block(1))
+        delete = store.submit(store.store.delete, k)
+        store.call(anyio.wait_all_tasks_blocked)  # put(K) waits for room, delete(K) too
+        store.call(open_gate)
+        assert first.result(timeout=DEADLINE) and put.result(timeout=DEADLINE)
+        assert delete.result(timeout=DEADLINE) is True
+        assert store.contains_many([big, k]) == [True, False]
