@@ -143,7 +143,7 @@ class Store:
         self.remote, self._remote, self._gets.remote = tier, adapter, adapter
         self.puts.after_commit = tier.enqueue
         if self.memory_room is not None:
-            self.memory_room.fetch_missing = adapter.fetch_missing
+            self.memory_room.remote = adapter
 
     async def attach_remote(self, config: RemoteConfig, namespace: Namespace) -> None:
         """Put the shared remote tier behind this open store, for a caller that learns

@@ -57,7 +57,18 @@ def _decode(block: RemoteBlock, out: torch.Tensor | None, *, check: bool = False
     return objects.decode(block.data, block.header, out, check=check)
 
 
-Held = dict[bytes, "RemoteBlock | InFlight"]
+class Held:
+    """What get_many took in the step of its index lookup (:meth:`RemoteAdapter.
+    held_blocks`): the blocks of its misses this tier holds or is fetching already, and a
+    watch of deletes of its keys from that step on (its promotion skips what they
+    deleted: the get started before them)."""
+
+    __slots__ = ("blocks", "watch")
+
+    def __init__(self, blocks: dict[bytes, RemoteBlock | InFlight], watch: DeleteWatch
+                 ) -> None:
+        self.blocks = blocks
+        self.watch = watch
 
 
 def _decode_all(blocks: Sequence[tuple[int, RemoteBlock]], outs: Sequence[torch.Tensor | None],
@@ -129,15 +140,24 @@ class RemoteAdapter:
         remote.promotion_started(fetched)  # (before the task runs: it starts soon)
         return True
 
+    def watch_deletes(self, keys: Sequence[bytes]) -> DeleteWatch:
+        """A prefetch, when it is asked for: deletes of ``keys`` from now on are not
+        undone by its promotion (pass the watch to :meth:`fetch_missing`)."""
+        return self._host.watch_deletes(keys)
+
+    def unwatch_deletes(self, watch: DeleteWatch) -> None:
+        self._host.unwatch_deletes(watch)
+
     async def _fetch_own(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
-                         inflights: Sequence[InFlight], *, chain: bool, promote_now: bool
-                         ) -> list[torch.Tensor | None]:
+                         inflights: Sequence[InFlight], *, chain: bool, promote_now: bool,
+                         since: DeleteWatch | None) -> list[torch.Tensor | None]:
         """GET ``keys`` (registered as ``inflights`` by :func:`_read`), decode them into
         ``outs`` and promote them; each fetched block is handed to the reads waiting on its
         ``InFlight`` before the promotion starts."""
-        # Registered before the fetch begins: a delete of these keys from now on is not
-        # undone by their promotion (it skips them).
-        watch = self._host.watch_deletes(keys)
+        # Registered before the fetch begins (and ``since``: the calling get's or
+        # prefetch's, taken when it started): a delete of these keys from then on is
+        # not undone by their promotion (it skips them).
+        watch = self._host.watch_deletes(keys, since)
         try:
             values, handed = await self._fetch_and_promote(keys, outs, inflights, watch,
                                                       chain=chain, promote_now=promote_now)
@@ -231,27 +251,32 @@ class RemoteAdapter:
         """For get_many, in the same step as its index lookup: the keys it did not find
         that the tier has already (being promoted) or is fetching for another read.  Taken
         then, because a promotion may land (and leave ``promoting``) while the local read
-        runs; the get would otherwise fetch the block again."""
+        runs; the get would otherwise fetch the block again.  With them, a watch of
+        deletes of ``keys`` (:meth:`fill_misses` ends it; so does dropping it)."""
         remote = self.tier
-        held: Held = {}
+        blocks: dict[bytes, RemoteBlock | InFlight] = {}
         for key, entry in zip(keys, entries):
             if entry is None and (block := remote.held(key)) is not None:
-                held[key] = block
-        return held
+                blocks[key] = block
+        return Held(blocks, self._host.watch_deletes(keys))
 
     async def _read(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | None],
                     values: list[torch.Tensor | None] | None, *, chain: bool,
-                    promote_now: bool = False, held: Held | None = None) -> list[bool]:
+                    promote_now: bool = False, held: Held | None = None,
+                    since: DeleteWatch | None = None) -> list[bool]:
         """Which of ``keys`` the remote tier has; with ``values``, their tensors too
         (decoded into ``outs``).  A key being promoted is served from its fetched block; a
         key another read is fetching waits for that read (its request is not sent twice);
         the rest is fetched here (:func:`_fetch_own`).  A key whose fetching read gave it
         up unanswered (cancelled, or past its chain walk's first miss) is fetched here
-        after all.  ``held``: get_many's snapshot (:func:`held_blocks`).  ``chain``: only
-        the leading run of found keys counts."""
+        after all.  ``held``: get_many's snapshot (:func:`held_blocks`); ``since``: the
+        watch of deletes the calling get or prefetch took when it started.  ``chain``:
+        only the leading run of found keys counts."""
         remote = self.tier
         found = [False] * len(keys)
-        held = dict(held or {})
+        if held is not None:
+            since = held.watch
+        blocks = dict(held.blocks) if held is not None else {}
         todo = list(range(len(keys)))
         while todo:
             own: list[int] = []
@@ -262,7 +287,7 @@ class RemoteAdapter:
             # another read could have seen it missing.
             for i in todo:
                 key = keys[i]
-                block = held.get(key) or remote.held(key)
+                block = blocks.get(key) or remote.held(key)
                 if block is None:
                     block = remote.start_fetching(key)
                     own.append(i)
@@ -274,8 +299,8 @@ class RemoteAdapter:
                         remote._stats.joined += 1
             try:
                 got = await self._fetch_own([keys[i] for i in own], [outs[i] for i in own],
-                                       inflights, chain=chain, promote_now=promote_now) \
-                    if own else []
+                                            inflights, chain=chain, promote_now=promote_now,
+                                            since=since) if own else []
             finally:
                 for i, inflight in zip(own, inflights):
                     remote.end_fetching(keys[i], inflight)
@@ -288,7 +313,7 @@ class RemoteAdapter:
                 if isinstance(block, InFlight):
                     await block.done.wait()
                     if block.abandoned:  # its read gave the key up: ask ourselves
-                        held.pop(keys[i], None)  # (the snapshot's, if it came from there)
+                        blocks.pop(keys[i], None)  # (the snapshot's, if it came from there)
                         todo.append(i)
                         continue
                     block = block.block
@@ -309,14 +334,17 @@ class RemoteAdapter:
         """get_many: blocks the local store did not answer, from blocks being promoted or
         fetched (``held``: :func:`held_blocks`, taken with the index lookup), then from the
         remote."""
-        miss = [i for i, r in enumerate(results) if r is None]
-        if not miss:
-            return
-        values: list[torch.Tensor | None] = [None] * len(miss)
-        await self._read([keys[i] for i in miss], [outs[i] for i in miss], values, chain=False,
-                    held=held)
-        for i, value in zip(miss, values):
-            results[i] = value
+        try:
+            miss = [i for i, r in enumerate(results) if r is None]
+            if not miss:
+                return
+            values: list[torch.Tensor | None] = [None] * len(miss)
+            await self._read([keys[i] for i in miss], [outs[i] for i in miss], values,
+                             chain=False, held=held)
+            for i, value in zip(miss, values):
+                results[i] = value
+        finally:
+            self._host.unwatch_deletes(held.watch)
 
     async def extend_prefix(self, keys: Sequence[bytes]) -> int:
         """match_prefix: how many of ``keys`` (the chain after the local prefix) the remote
@@ -325,12 +353,14 @@ class RemoteAdapter:
         found = await self._read(keys, [None] * len(keys), None, chain=True)
         return next((i for i, f in enumerate(found) if not f), len(found))
 
-    async def fetch_missing(self, keys: Sequence[bytes]) -> None:
+    async def fetch_missing(self, keys: Sequence[bytes], since: DeleteWatch) -> None:
         """prefetch: blocks absent locally are fetched and promoted first, and the prefetch
         waits for that (it then brings them into memory like any stored block).  Blocks
-        already being promoted or fetched by another read are not fetched again."""
+        already being promoted or fetched by another read are not fetched again.
+        ``since``: the prefetch's watch, taken when it was asked for
+        (:meth:`watch_deletes`)."""
         entries = self._host.lookup(keys)
         missing = [k for k, e in zip(keys, entries) if e is None]
         if missing:
             await self._read(missing, [None] * len(missing), None, chain=False,
-                        promote_now=True)
+                             promote_now=True, since=since)

@@ -57,10 +57,12 @@ class TierHost:
         return await self._puts.put_many(keys, values, parents, codec, background,
                                          skip_deleted)
 
-    def watch_deletes(self, keys: Sequence[bytes]) -> DeleteWatch:
+    def watch_deletes(self, keys: Sequence[bytes], since: DeleteWatch | None = None
+                      ) -> DeleteWatch:
         """Register keys about to be fetched for a promotion: pass the watch to
-        :meth:`promote`, end it with :meth:`unwatch_deletes`."""
-        return self._deletes.watch(keys)
+        :meth:`promote`, end it with :meth:`unwatch_deletes`.  ``since``: the watch the
+        call took when it started (deletes since then count too)."""
+        return self._deletes.watch(keys, since)
 
     def unwatch_deletes(self, watch: DeleteWatch) -> None:
         self._deletes.unwatch(watch)

@@ -16,9 +16,9 @@ itself) to work for the call paths:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import torch
@@ -32,6 +32,7 @@ from kvstore.transfers import device_copies, offloaded
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
+    from kvstore.deletes import DeleteWatch
     from kvstore.index import Index
     from kvstore.io.scheduler import IoScheduler
     from kvstore.latency import Latency
@@ -43,6 +44,18 @@ __all__ = ["Block", "Hits", "MemoryRoom"]
 # key, parent, bytes (uint8, CPU), dtype, shape, index seq
 Block = tuple[bytes, "bytes | None", torch.Tensor, torch.dtype, tuple[int, ...], int]
 Hits = list[tuple[int, Cached]]  # position in the get, the cached copy (marked as read)
+
+
+class MissingBlocks(Protocol):
+    """What a prefetch asks of the remote tier (:class:`kvstore.remote.adapter.
+    RemoteAdapter`): a watch of deletes taken when the prefetch is asked for, and the
+    fetch and promotion of the blocks absent locally, under it."""
+
+    def watch_deletes(self, keys: Sequence[bytes]) -> DeleteWatch: ...
+
+    def unwatch_deletes(self, watch: DeleteWatch) -> None: ...
+
+    async def fetch_missing(self, keys: Sequence[bytes], since: DeleteWatch) -> None: ...
 
 
 def _device_out(out: torch.Tensor | None) -> bool:
@@ -64,7 +77,7 @@ class MemoryRoom:
         self.prefetching: dict[bytes, anyio.Event] = {}  # key -> set when its read landed
         self._prefetches: set[Prefetch] = set()
         # remote tier: absent blocks fetched and promoted before a prefetch reads them
-        self.fetch_missing: Callable[[Sequence[bytes]], Awaitable[None]] | None = None
+        self.remote: MissingBlocks | None = None
 
     # ------------------------------------------------------------------ gets
 
@@ -186,7 +199,10 @@ class MemoryRoom:
         for key in want:
             self.prefetching[key] = anyio.Event()
         self._prefetches.add(handle)
-        group.start_soon(self._run_prefetch, handle, want)
+        # The promotion starts now, in the caller's view: a delete after this call
+        # returned is not undone by it (its fetch runs later, in the background).
+        watch = self.remote.watch_deletes(want) if self.remote is not None else None
+        group.start_soon(self._run_prefetch, handle, want, watch)
         return handle
 
     def cancel_prefetches(self) -> None:
@@ -194,7 +210,8 @@ class MemoryRoom:
         for handle in list(self._prefetches):
             handle.cancel()
 
-    async def _run_prefetch(self, handle: Prefetch, keys: list[bytes]) -> None:
+    async def _run_prefetch(self, handle: Prefetch, keys: list[bytes],
+                            watch: DeleteWatch | None) -> None:
         try:
             with anyio.CancelScope() as scope, self._ops.track(), \
                     self._latency.time("prefetch"):
@@ -202,8 +219,8 @@ class MemoryRoom:
                 if handle.cancelled:
                     scope.cancel()
                 await anyio.lowlevel.checkpoint()
-                if self.fetch_missing is not None:
-                    await self.fetch_missing(keys)
+                if self.remote is not None and watch is not None:
+                    await self.remote.fetch_missing(keys, watch)
                 entries = self._index.get_entries(keys)
                 handle.scheduled = sum(e is not None for e in entries)
                 results: list[torch.Tensor | None] = [None] * len(keys)
@@ -219,6 +236,8 @@ class MemoryRoom:
         except Exception as e:  # noqa: BLE001 - handed to whoever awaits the handle
             handle.error = e
         finally:
+            if self.remote is not None and watch is not None:
+                self.remote.unwatch_deletes(watch)
             for key in keys:
                 landed = self.prefetching.pop(key, None)
                 if landed is not None:

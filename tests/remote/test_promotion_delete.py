@@ -7,14 +7,17 @@ GETs are held at a gate (no sleeps)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
-from tests.concurrency import DEADLINE, until
+import kvstore
+from tests.concurrency import DEADLINE, GatedEngine, real_engine, until
+from tests.conformance import NS, SMALL_EXTENT, keys, same
 from tests.remote.cluster import SeaweedCluster
 from tests.remote.test_adapter import bucket_with, hold_gets
-from tests.remote.test_tier import open_store
+from tests.remote.test_tier import open_store, value
 
 pytestmark = pytest.mark.anyio
 
@@ -41,6 +44,60 @@ async def test_a_delete_during_a_promotions_fetch_is_not_undone(
         assert b.remote.stats().promoted_blocks == 0
         assert len(b._deletes) == 0  # every watch ended
         # a fetch that begins after the delete promotes as usual
+        assert all(v is not None for v in await b.get_many(ks))
+        with anyio.fail_after(DEADLINE):
+            await until(lambda: b.remote.stats().promoting_blocks == 0)
+        assert await b.contains_many(ks) == [True, True]
+
+
+async def test_a_delete_right_after_prefetch_returned_is_not_undone(
+        seaweed: SeaweedCluster, tmp_path: Path) -> None:
+    """``prefetch(ks)`` returns at once; a delete of ks right after it, before the
+    prefetch's background task has begun its fetch, returns (nothing is stored
+    locally).  Before, the prefetch then fetched and promoted the blocks: back again."""
+    remote, ks = await bucket_with(seaweed, tmp_path / "a", 2)
+    async with open_store(tmp_path / "b", remote, memory_bytes=4 << 20) as b:
+        with anyio.fail_after(DEADLINE):
+            handle = b.prefetch(ks)  # (no await between: its task has not run yet)
+            assert await b.delete_many(ks) == 0
+            await handle
+            await until(lambda: b.remote.stats().promoting_blocks == 0)
+        assert await b.contains_many(ks) == [False, False]
+        assert b.remote.stats().promoted_blocks == 0
+        assert len(b._deletes) == 0
+
+
+async def test_a_delete_while_a_get_reads_its_local_blocks_is_not_undone(
+        seaweed: SeaweedCluster, tmp_path: Path) -> None:
+    """A get of a local block and two remote-only ones, held reading the local one; a
+    delete of the remote ones returns meanwhile (nothing local).  The get still returns
+    all three (fetched), but its promotion must not store the two: the delete came after
+    the get began.  Before, the get's fetch registered its watch only after its local
+    read, so the promotion stored them after the delete."""
+    remote, ks = await bucket_with(seaweed, tmp_path / "a", 2)
+    local = keys(1, start=500)
+    engine = GatedEngine(real_engine("threads", tmp_path / "probe"))
+    async with kvstore.open(tmp_path / "b", namespace=NS, extent_bytes=SMALL_EXTENT,
+                            staging_bytes=8 << 20, remote=remote, engine=engine) as b:
+        await b.put_many(local, [value(100)])
+        gate = engine.gate("read")
+        got: list[Any] = []
+
+        async def get() -> None:
+            got.extend(await b.get_many([*local, *ks]))
+
+        with anyio.fail_after(DEADLINE):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(get)
+                await gate.entered.wait()  # looked up, reading ``local``
+                assert await b.delete_many(ks) == 0
+                gate.open()
+            await until(lambda: b.remote.stats().promoting_blocks == 0)
+        assert same(got[0], value(100))
+        assert all(same(g, value(i)) for i, g in enumerate(got[1:]))
+        assert await b.contains_many(ks) == [False, False]
+        assert len(b._deletes) == 0
+        # a get that begins after the delete promotes as usual
         assert all(v is not None for v in await b.get_many(ks))
         with anyio.fail_after(DEADLINE):
             await until(lambda: b.remote.stats().promoting_blocks == 0)
