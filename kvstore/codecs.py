@@ -431,7 +431,8 @@ def _fp8_head(x: torch.Tensor, base: int,
         group_amax.append((a.max(axis=dims, keepdims=True) if dims else a).reshape(-1))
     scales = _exponents(group_amax[0] if len(group_amax) == 1 else
                         np.concatenate(group_amax), fmt, x.dtype)
-    k_rows = scales[_row_scale_index(tuple(x.shape[:-1]), kv, plan)]
+    # asarray: a 1-d block's index is 0-d, and indexing with it gives a NumPy scalar
+    k_rows = np.asarray(scales[_row_scale_index(tuple(x.shape[:-1]), kv, plan)])
 
     n = scales.size
     out = np.empty(_HDR.size + n, dtype=np.uint8)
@@ -882,7 +883,7 @@ def _decode_fp8(data: U8, codec: int, dtype: torch.dtype, shape: tuple[int, ...]
     parsed = parse_fp8_payload(codec, data, dtype, shape)
     flags, kv = parsed.flags, parsed.axes[0]
     k_all, codes_np = parsed.scales, parsed.codes
-    k_np = k_all[_row_scale_index(tuple(shape[:-1]), kv, parsed.plan)]
+    k_np = np.asarray(k_all[_row_scale_index(tuple(shape[:-1]), kv, parsed.plan)])
 
     ret, work = _prepare_out(out, dtype, shape)
     if _NATIVE:

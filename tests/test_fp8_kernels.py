@@ -161,6 +161,8 @@ def _blocks() -> list[tuple[str, torch.Tensor, CodecSpec]]:
         out.append((f"{dtype}-special-e5m2", special, CodecSpec(fp8="e5m2")))
         tiny = x * 2.0 ** -20
         out.append((f"{dtype}-tiny", tiny, CodecSpec(fp8="e4m3", zstd=True)))
+        # one vector: its row index is 0-d (the NumPy path once got a scalar from it)
+        out.append((f"{dtype}-1d", x[0, 0, 0].contiguous(), CodecSpec(fp8="e5m2")))
     meta = DATA / "smollm2_sample_meta.json"
     if meta.exists():
         k = torch.from_numpy(np.load(DATA / "smollm2_sample_K_bf16bits.npy")).view(torch.bfloat16)

@@ -168,6 +168,7 @@ BLOCKS = [
     ((8, 4, 16), KVLayout(None, 0, 1)),
     ((4, 3, 8), KVLayout(None, 1, 0)),
     ((6, 32), None),
+    ((40,), None),
 ]
 CODEC_IDS = [0x00, 0x01, 0x02, 0x10, 0x11, 0x12, 0x03, 0x21, 0x31, 0x41, 0x81, 0xF1]
 
@@ -207,7 +208,7 @@ def damaged_payloads(draw: st.DrawFn) -> tuple[int, bytes, torch.dtype, tuple[in
     codec = draw(st.sampled_from([codec] * 4 + CODEC_IDS))
     n = math.prod(shape)
     shape = draw(st.sampled_from([shape] * 4 + [(n // shape[-1], shape[-1]), (n,),
-                                                (-shape[0], -shape[1], *shape[2:]),
+                                                (*(-d for d in shape[:2]), *shape[2:]),
                                                 (*shape[:-1], shape[-1] * 2), (0, *shape)]))
     return codec, bytes(buf), dtype, shape
 
