@@ -18,6 +18,7 @@ through the :class:`~kvstore.tiers.host.TierHost` it was given.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -28,7 +29,7 @@ import torch
 from kvstore import codecs
 from kvstore.codecs import CodecSpec
 from kvstore.deletes import DeleteWatch
-from kvstore.errors import CorruptionError, KVStoreError
+from kvstore.errors import BlockTooLargeError, CapacityError, CorruptionError, KVStoreError
 from kvstore.format import IndexEntry
 from kvstore.remote import objects
 from kvstore.remote.blocks import RemoteBlock
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Held", "RemoteAdapter"]
 
+_log = logging.getLogger("kvstore.remote")
 _RAW = CodecSpec()
 _ZSTD = CodecSpec(zstd=True)
 
@@ -104,16 +106,33 @@ class RemoteAdapter:
             spec_id = block.header.codec if codecs.is_lossless(block.header.codec) else 0
             groups.setdefault(spec_id, []).append((block, value))
         for codec, group in groups.items():
-            try:
-                result = await self._host.promote(
-                    [b.key for b, _ in group], [v for _, v in group],
-                    [b.header.parent for b, _ in group], _spec_for(codec),
-                    background=background, skip_deleted=watch)
-            except KVStoreError:
-                remote._stats.promotion_dropped += len(group)
-                continue
-            remote._stats.promoted_blocks += result.written
-            remote._stats.promotion_dropped += result.dropped
+            await self._promote_group(group, codec, background=background, watch=watch)
+
+    async def _promote_group(self, group: Sequence[tuple[RemoteBlock, torch.Tensor]],
+                             codec: int, *, background: bool, watch: DeleteWatch | None
+                             ) -> None:
+        """One local put of blocks of one codec.  A put refuses its batch whole for one
+        block that does not fit this store (written by a store with larger extents or
+        staging) or for a batch over ``capacity_bytes``: the blocks then go one by one,
+        so that one block's refusal does not drop its neighbours."""
+        remote = self.tier
+        try:
+            result = await self._host.promote(
+                [b.key for b, _ in group], [v for _, v in group],
+                [b.header.parent for b, _ in group], _spec_for(codec),
+                background=background, skip_deleted=watch)
+        except (BlockTooLargeError, CapacityError):
+            if len(group) == 1:
+                remote._stats.promotion_dropped += 1
+                return
+            for one in group:
+                await self._promote_group([one], codec, background=background, watch=watch)
+            return
+        except KVStoreError:
+            remote._stats.promotion_dropped += len(group)
+            return
+        remote._stats.promoted_blocks += result.written
+        remote._stats.promotion_dropped += result.dropped
 
     def _promote_soon(self, blocks: list[tuple[RemoteBlock, torch.Tensor]],
                       watch: DeleteWatch) -> bool:
@@ -130,6 +149,11 @@ class RemoteAdapter:
         async def promote() -> None:
             try:
                 await self._promote(blocks, background=True, watch=watch)
+            except Exception:  # noqa: BLE001 - best effort, in the background
+                # (raised, it would cancel the store's background task group, and with
+                # it the caller's code inside ``open()``)
+                _log.exception("kvstore: promoting %d fetched blocks failed", len(blocks))
+                remote._stats.promotion_dropped += len(blocks)
             finally:
                 self._host.unwatch_deletes(watch)
                 remote.promotion_done(fetched)

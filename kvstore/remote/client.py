@@ -10,13 +10,17 @@ other dependency.  Its calls block, so the tier runs them on worker threads
 
 Errors are sorted here, once: "not found" is an answer (``None`` / ``False``), refused
 credentials are :class:`~kvstore.errors.RemoteAuthError`, a missing bucket
-:class:`~kvstore.errors.RemoteError`, and everything else (refused connection, timeout,
-5xx) :class:`Unavailable`, which the circuit breaker counts.
+:class:`~kvstore.errors.RemoteError`, a client error about the request itself (another
+4xx: an object the cluster will not take or serve) :class:`Refused`, and everything
+else (refused connection, timeout, throttling, 5xx) :class:`Unavailable`, which the
+circuit breaker counts.  A refusal is about one object: the cluster answered, so it is
+no breaker failure (one such object used to open the breaker for every other block).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -40,6 +44,16 @@ _REFUSALS = ("403 Forbidden", "401 Unauthorized", "SignatureDoesNotMatch",
 
 class Unavailable(Exception):
     """A request got no answer (connection refused or reset, timeout, server error)."""
+
+
+class Refused(Exception):
+    """The cluster answered this request with a client error (a 4xx other than 401,
+    403, 404, 408 and 429: an object too large, a request it will not serve): it is up,
+    and this object is the problem.  Not retried, not a breaker failure."""
+
+
+_STATUS = re.compile(r"status code: (\d{3})")
+_NOT_REFUSALS = (401, 403, 404, 408, 429)  # credentials, absent; a timeout, throttling
 
 
 def _credential_options(config: RemoteConfig) -> dict[str, Any]:
@@ -105,6 +119,10 @@ class ObjectClient:
         if "NoSuchBucket" in str(e):
             return RemoteError(f"bucket {self.bucket!r} does not exist at {self.endpoint}; "
                                f"create it (kvstore never creates buckets)")
+        status = _STATUS.search(str(e))
+        if status is not None and 400 <= int(status[1]) < 500 \
+                and int(status[1]) not in _NOT_REFUSALS:
+            return Refused(f"{name}: {_first_line(e)}")
         return Unavailable(f"{name}: {_first_line(e)}")
 
     def get(self, name: str) -> memoryview | None:

@@ -33,11 +33,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from kvstore.errors import CorruptionError, FormatVersionError, RemoteAuthError
+from kvstore.errors import CorruptionError, FormatVersionError, RemoteError
 from kvstore.remote import objects
 from kvstore.remote.blocks import Finish, RemoteBlock
 from kvstore.remote.breaker import CircuitBreaker
-from kvstore.remote.client import ObjectClient, Unavailable
+from kvstore.remote.client import ObjectClient, Refused, Unavailable
 from kvstore.remote.slots import Slot
 
 
@@ -57,6 +57,7 @@ class FetchRun:
         self.results: list[RemoteBlock | None] = [None] * len(keys)
         self.done = [False] * len(keys)
         self.requests = self.request_errors = self.fast_misses = self.bad_objects = 0
+        self.refused = 0  # requests refused with a client error about their object
         self._out: set[int] = set()  # keys whose request is out now
         self._returned = 0  # requests that returned before close()
 
@@ -117,12 +118,21 @@ class FetchRun:
             return None
         try:
             data = self._client.get(self.names[i])
-        except (Unavailable, RemoteAuthError) as e:
-            # credentials revoked while open count like an unreachable cluster: stop asking
+        except (Unavailable, RemoteError) as e:
+            # credentials revoked (or the bucket deleted) while open count like an
+            # unreachable cluster: stop asking
             if self._returns(i):
                 with self._lock:
                     self.request_errors += 1
                 self._breaker.failure(str(e))
+            return None
+        except Refused:
+            # about this object only: a miss; the cluster answered (its neighbours in
+            # this fetch, and other reads, go on asking)
+            if self._returns(i):
+                with self._lock:
+                    self.refused += 1
+                self._breaker.success()
             return None
         except BaseException:
             self._returns(i)

@@ -30,6 +30,9 @@ class RemoteStats:
     deadline_misses: int = 0  # blocks given up on at the read deadline (unanswered
     # requests then are breaker failures when the read got no answer at all)
     bad_objects: int = 0  # objects that failed verification (CRC, key, HMAC): misses
+    # requests the cluster refused with a client error about that object (a 4xx such as
+    # EntityTooLarge): a miss, or an upload given up at once; not breaker failures
+    refused_objects: int = 0
     read_bytes: int = 0  # object bytes fetched
     promoted_blocks: int = 0  # fetched blocks stored locally (in the background)
     promotion_dropped: int = 0  # fetched blocks not stored locally: backpressure, full disk

@@ -318,6 +318,7 @@ class RemoteTier:
         st.request_errors += run.request_errors
         st.fast_misses += run.fast_misses
         st.bad_objects += run.bad_objects
+        st.refused_objects += run.refused
         st.deadline_misses += sum(not d for d in run.done)
         got = sum(r is not None for r in results)
         if chain:  # only the prefix counts

@@ -10,12 +10,16 @@ never overwrite each other.  Keys known to be in the bucket (uploaded, found, or
 fetched: :class:`KnownKeys`, shared with the read side) are not queued again.  Uploads
 wait for a request slot (they never take the last one) and go through the breaker; a
 block that could not be uploaded goes to the back of the queue, up to three attempts.
+One block's failure is its own: an object the cluster refuses (a 4xx about it) is
+given up at once without counting against the breaker, and any other error of one
+block is counted (``upload_failed``) and logged, never raised out of the workers.
 Local eviction and delete never touch the bucket.  :class:`~kvstore.remote.tier.RemoteTier`
 owns one and starts it in the store's task group.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
@@ -24,12 +28,12 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from kvstore.errors import RemoteAuthError
+from kvstore.errors import RemoteError
 from kvstore.format import SlotHeader
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.remote import objects
 from kvstore.remote.breaker import OPEN, CircuitBreaker
-from kvstore.remote.client import ObjectClient, Unavailable
+from kvstore.remote.client import ObjectClient, Refused, Unavailable
 from kvstore.remote.config import RemoteConfig
 from kvstore.remote.slots import RequestSlots
 from kvstore.remote.stats import RemoteStats
@@ -37,6 +41,7 @@ from kvstore.remote.stats import RemoteStats
 __all__ = ["BreakerOpen", "KnownKeys", "SlotReader", "Uploads", "breaker_open"]
 
 T = TypeVar("T")
+_log = logging.getLogger("kvstore.remote")
 _KNOWN_KEYS = 1 << 16  # keys remembered as present in the bucket
 _UPLOAD_ATTEMPTS = 3
 
@@ -178,10 +183,14 @@ class Uploads:
             self._stats.request_errors += 1
             self.breaker.failure(str(e))
             raise
-        except RemoteAuthError as e:  # credentials revoked while open: stop asking
+        except RemoteError as e:  # credentials revoked, bucket deleted while open: stop asking
             self._stats.request_errors += 1
             self.breaker.failure(str(e))
             raise Unavailable(str(e)) from None
+        except Refused:  # about this object: the cluster answered
+            self._stats.refused_objects += 1
+            self.breaker.success()
+            raise
         except BaseException:
             # cancelled (close) or another error: a half-open probe must not stay
             # claimed forever
@@ -202,11 +211,20 @@ class Uploads:
         # cancellation ends the worker, so its buffer is never reused then.
         buffer = AlignedBuffer()
         async for key, attempts in receive:
+            failed = False  # given up now, whatever attempts are left
             try:
                 retry = await self._upload_one(key, buffer)
             except Unavailable:
                 retry = True
-            if retry and attempts + 1 < _UPLOAD_ATTEMPTS and self._send is not None:
+            except Refused:  # the cluster will not take this object
+                retry = failed = True
+            except Exception:  # noqa: BLE001 - one block's failure ends its upload only
+                # (raised here it ended every worker and cancelled the store's background
+                # task group, and with it the caller's code inside ``open()``)
+                _log.exception("kvstore: uploading block %s failed", key.hex())
+                retry = failed = True
+            if retry and not failed and attempts + 1 < _UPLOAD_ATTEMPTS \
+                    and self._send is not None:
                 # wait for the breaker, then go to the back of the queue
                 await anyio.sleep(min(self.breaker.retry_in(), self.config.breaker_reset_s))
                 try:

@@ -3,7 +3,8 @@ a slow or hung cluster, for tests/remote/test_slow_cluster.py.
 
 It speaks what obstore's ``S3Store`` sends kvstore's client (path-style, signatures not
 checked): GET / HEAD / PUT of an object (``If-None-Match: *`` answered with 412 when the
-object exists) and the first page of a ListObjectsV2.  Requests of the methods in
+object exists; an object named in ``refuse`` answered with the error given there) and
+the first page of a ListObjectsV2.  Requests of the methods in
 ``hold`` ("GET", "PUT", "HEAD", "LIST") wait, at the server, until ``release()``; a held
 request whose client closes the connection first is counted in ``abandoned`` and gets
 no answer.  ``in_flight`` / ``max_in_flight`` count requests being served at once (from
@@ -57,6 +58,9 @@ class SlowS3:
         self.bucket = bucket
         self.hold = set(hold)
         self.objects: dict[str, bytes] = {}
+        # object name -> (status, S3 error code) answered to every GET and PUT of it: an
+        # object the cluster refuses while it serves the others
+        self.refuse: dict[str, tuple[int, str]] = {}
         self.requests: Counter[str] = Counter()  # per kind, as they arrived
         self.in_flight = 0
         self.max_in_flight = 0
@@ -202,7 +206,15 @@ class _Handler(BaseHTTPRequestHandler):
                 f"<Message>{code}</Message></Error>").encode()
         self._send(status, body, {"Content-Type": "application/xml"})
 
+    def _refused(self, key: str) -> bool:
+        refusal = self.server.owner.refuse.get(key)
+        if refusal is not None:
+            self._error(*refusal)
+        return refusal is not None
+
     def _object(self, key: str, *, head: bool) -> None:
+        if self._refused(key):
+            return
         data = self.server.owner.objects.get(key)
         if data is None:
             if head:
@@ -232,6 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
         objects = self.server.owner.objects
 
         def answer() -> None:
+            if self._refused(key):
+                return
             if self.headers.get("If-None-Match") == "*" and key in objects:
                 self._error(412, "PreconditionFailed")
                 return
