@@ -44,7 +44,7 @@ class ConnectorConfig:
     Every store option of :func:`kvstore.open` (:class:`~kvstore.options.StoreOptions`:
     ``capacity_bytes``, ``codec``, ``sync``, ``extent_bytes``, ``staging_bytes``,
     ``memory_bytes``, ``backlog_bytes``, ``file_mode``, ``strict_permissions``,
-    ``remote``, ...) is a key too, with the store's default, in the JSON forms of
+    ``scrub_bytes_per_s`` (a background scrub at that rate), ``remote``, ...) is a key too, with the store's default, in the JSON forms of
     :mod:`kvstore.integrations.extra_config` (``io_engine`` for ``engine``, a codec's
     name, an octal string for ``file_mode``); they make ``store``.  The connector's own:
 
