@@ -10,7 +10,7 @@ background task group, as background reads (gets go first), until none is left; 
 one arriving starts the schedule again.  Not on the next get or lookup of the key: a
 lookup (``match_prefix``) must answer from the index at once, without a read, and an
 engine that was told "miss" recomputes and stores the block again anyway.  Bounded: a
-dead sector is read five times an open, not for ever.  After that the scrub (every pass
+dead sector is read four more times an open, not for ever.  After that the scrub (every pass
 re-reads every quarantine record) and fsck do; and every ``open()`` of a store that has
 quarantine records starts the schedule again (it only asks the table's size: no scan).
 """

@@ -150,8 +150,11 @@ def test_io_errors_stop_acknowledgements(tmp_path: Path, fault: tuple[str, int])
 
 
 def test_read_error_is_a_miss_not_a_failure(tmp_path: Path) -> None:
-    """A read error is a miss (the store stays writable) and takes the block out of the
-    index in the same pass (issue 35: a block kept as a hit was loaded again for ever)."""
+    """A read error never fails the get nor the store: a transient one is retried and
+    served by the same get (issue 41: a failed read is tried again alone before the
+    block is given up); one that persists is a miss and takes the block out of the index
+    in the same pass (issue 35: a block kept as a hit was loaded again for ever;
+    tests/test_read_retries.py, tests/test_unreadable.py)."""
     disk = SimulatedDisk()
 
     async def run() -> None:
@@ -159,12 +162,9 @@ def test_read_error_is_a_miss_not_a_failure(tmp_path: Path) -> None:
             await store.put_many(KEYS, [VALUES[k] for k in KEYS])
             disk.faults.append(("read", 5))
             got = await store.get_many(KEYS)
-            assert sum(g is None for g in got) == 1
-            assert store.stats().read_errors == 1 and not store.read_only
-            assert store.stats().quarantined == 1
-            again = await store.get_many(KEYS)
-            assert [g is None for g in again] == [g is None for g in got]
-            assert all(same(g, VALUES[k]) for g, k in zip(again, KEYS) if g is not None)
-            assert store.stats().read_errors == 1  # never read again
+            assert all(same(g, VALUES[k]) for g, k in zip(got, KEYS))
+            stats = store.stats()
+            assert (stats.read_retries, stats.read_errors, stats.quarantined) == (1, 0, 0)
+            assert not disk.faults and not store.read_only
 
     anyio.run(run)
