@@ -131,7 +131,7 @@ class BlockingStore:
         """close()'s steps, each done once (a close interrupted in one resumes there)."""
         steps: list[Callable[[], object]] = [
             # submitted calls first, while the store is open
-            lambda: wait(list(self._submitted)),
+            lambda: wait(self._submitted_now()),
             lambda: self._store_cm.__exit__(None, None, None),
             # calls let in before the close: out of the portal before it stops
             lambda: self._wait_calls(),
@@ -144,6 +144,10 @@ class BlockingStore:
             self._close_steps += 1
         _OPEN.discard(self)
         self._closed_done.set()
+
+    def _submitted_now(self) -> list[Future[Any]]:
+        with self._cond:
+            return list(self._submitted)
 
     def _wait_calls(self) -> None:
         with self._cond:
@@ -190,6 +194,10 @@ class BlockingStore:
         runs.  If it had started, the exception is raised once the call has ended (a
         second interrupt meanwhile is raised at once): either way, when the exception
         reaches the caller, the call took no effect or has taken all of it."""
+        if threading.current_thread() is self._thread:
+            # it would wait for the loop it blocks (anyio's portal refused this too)
+            raise RuntimeError("a BlockingStore call cannot be made from its own event "
+                               "loop: await the Store's method there (BlockingStore.store)")
         future = self._admit()
         try:
             self._handoff.hand_over(call, future, at_once=False)

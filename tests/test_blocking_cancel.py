@@ -314,3 +314,18 @@ def test_an_interrupted_close_leaves_the_store_closed_to_calls_and_closes_later(
     assert put.result(timeout=0).written == 1
     with open_store(tmp_path) as again:
         assert again.contains(k)
+
+
+def test_a_blocking_call_from_the_stores_own_loop_is_refused(tmp_path: Path) -> None:
+    """Made from the loop thread, a blocking call would wait for the loop it blocks:
+    it raises instead, also while submitted calls are queued."""
+    k, = keys(1, 880)
+    with open_store(tmp_path) as store:
+        async def nested() -> bool:
+            return store.contains(k)
+
+        with held_loop(store):
+            future = store.submit(nested)
+            store.submit(store.store.contains, k)  # queued behind it
+        with pytest.raises(RuntimeError, match="own event loop"):
+            future.result(timeout=DEADLINE)
