@@ -19,12 +19,16 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import kvstore
+from kvstore.extents import extent_path
+from kvstore.format import IndexEntry
 from kvstore.io.coalesce import Merged
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
@@ -57,6 +61,12 @@ class ReadFaults:
             self.failed.append(length)
             return True
         return False
+
+    def aim(self, path: str, entry: IndexEntry, times: int | None = None) -> None:
+        """Fail reads of ``entry``'s slot in the store at ``path``, ``times`` times (None:
+        always)."""
+        self.path = extent_path(path, entry.extent)
+        self.offset, self.length, self.times = entry.offset, entry.slot_len, times
 
     def clear(self) -> None:
         self.path = None
@@ -115,3 +125,9 @@ def faulty_engine(kind: str, path: Path, faults: ReadFaults,
 
     monkeypatch.setattr(engine, "_submit", failing_submit)
     return engine
+
+
+def open_faulty(kind: str, path: Path, faults: ReadFaults, monkeypatch: pytest.MonkeyPatch,
+                **options: Any) -> AbstractAsyncContextManager[kvstore.Store]:
+    """``kvstore.open(path, **options)`` on :func:`faulty_engine`."""
+    return kvstore.open(path, engine=faulty_engine(kind, path, faults, monkeypatch), **options)

@@ -20,7 +20,7 @@ import kvstore.fsck
 from kvstore import fsck
 from kvstore.extents import extent_path
 from kvstore.format import IndexEntry
-from tests.read_faults import ReadFaults, _FaultyOs, faulty_engine
+from tests.read_faults import ReadFaults, _FaultyOs, open_faulty
 
 KEYS = [bytes([0x21 + i]) * 16 for i in range(4)]
 OPEN = dict(extent_bytes=2 << 20, staging_bytes=4 << 20)
@@ -41,14 +41,12 @@ async def _quarantine_by_eio(path: Path, monkeypatch: pytest.MonkeyPatch, bad: i
     """Four blocks; ``KEYS[bad]`` quarantined by a read error (it reads whole again
     afterwards); ``put_again``: the key stored again meanwhile."""
     faults = ReadFaults()
-    async with kvstore.open(path, engine=faulty_engine("threads", path, faults, monkeypatch),
-                            **OPEN) as store:
+    async with open_faulty("threads", path, faults, monkeypatch, **OPEN) as store:
         store.rechecks.delays = (3600.0,)
         await store.put_many(KEYS, [_value(i) for i in range(4)])
         entry = store.index.get_entries([KEYS[bad]])[0]
         assert entry is not None
-        faults.path = extent_path(store.path, entry.extent)
-        faults.offset, faults.length = entry.offset, entry.slot_len
+        faults.aim(store.path, entry)
         assert (await store.get_many(KEYS))[bad] is None
         assert store.stats().quarantined == 1
         faults.clear()
@@ -64,6 +62,16 @@ async def _read_all(path: Path) -> list[bool]:
     for i, g in enumerate(got):
         assert g is None or torch.equal(g, _value(i))
     return [g is not None for g in got]
+
+
+def _repair_unable_to_read(path: Path, entry: IndexEntry, monkeypatch: pytest.MonkeyPatch
+                           ) -> fsck.Report:
+    """``fsck --repair`` while every read of ``entry``'s slot fails with EIO."""
+    faults = ReadFaults()
+    faults.aim(str(path), entry)
+    with monkeypatch.context() as m:
+        m.setattr(kvstore.fsck, "os", _FaultyOs(faults))
+        return fsck.check(str(path), repair=True)
 
 
 def test_a_quarantined_block_that_verifies_is_restored_not_zeroed(
@@ -97,13 +105,10 @@ def test_a_quarantined_copy_of_a_key_stored_again_is_freed_never_zeroed(
 def test_a_quarantined_slot_fsck_cannot_read_stays_quarantined(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     entry = anyio.run(_quarantine_by_eio, tmp_path, monkeypatch)
-    faults = ReadFaults(extent_path(str(tmp_path), entry.extent), entry.offset, entry.slot_len)
-    with monkeypatch.context() as m:
-        m.setattr(kvstore.fsck, "os", _FaultyOs(faults))
-        fixed = fsck.check(str(tmp_path), repair=True)
-        (finding,) = fixed.findings
-        assert (finding.kind, finding.severity, finding.fixed) == ("unreadable", "damage", False)
-        assert fixed.exit_code == 1
+    fixed = _repair_unable_to_read(tmp_path, entry, monkeypatch)
+    (finding,) = fixed.findings
+    assert (finding.kind, finding.severity, finding.fixed) == ("unreadable", "damage", False)
+    assert fixed.exit_code == 1
     assert [f.kind for f in fsck.check(str(tmp_path)).findings] == ["restorable"]
 
 
@@ -118,12 +123,8 @@ def test_a_stored_slot_fsck_cannot_read_is_quarantined_by_repair_not_erased(
 
     entry = anyio.run(fill)
     before = _slot_bytes(tmp_path, entry)
-    faults = ReadFaults(extent_path(str(tmp_path), entry.extent), entry.offset, entry.slot_len)
-    with monkeypatch.context() as m:
-        m.setattr(kvstore.fsck, "os", _FaultyOs(faults))
-        report = fsck.check(str(tmp_path), repair=True)
-        (finding,) = report.findings
-        assert (finding.kind, finding.severity, finding.fixed) == ("unreadable", "damage", True)
+    (finding,) = _repair_unable_to_read(tmp_path, entry, monkeypatch).findings
+    assert (finding.kind, finding.severity, finding.fixed) == ("unreadable", "damage", True)
     assert _slot_bytes(tmp_path, entry) == before
     assert anyio.run(_read_all, tmp_path) == [True, True, False, True]  # quarantined
     assert [f.kind for f in fsck.check(str(tmp_path), repair=True).findings] == ["restorable"]

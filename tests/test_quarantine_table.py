@@ -19,7 +19,6 @@ import torch
 
 import kvstore
 from kvstore import fsck
-from kvstore.extents import extent_path
 from kvstore.format import (
     ENTRY_FLAG_UNREADABLE,
     IndexEntry,
@@ -27,7 +26,7 @@ from kvstore.format import (
     quarantined_unreadable,
 )
 from tests.conformance import flip_payload_bit
-from tests.read_faults import ENGINES, ReadFaults, faulty_engine
+from tests.read_faults import ENGINES, ReadFaults, open_faulty
 
 KEY = b"\x11" * 16
 OPEN = dict(extent_bytes=2 << 20, staging_bytes=4 << 20)
@@ -40,9 +39,18 @@ def _entry(store: kvstore.Store) -> IndexEntry:
     return entry
 
 
-def _fail(faults: ReadFaults, store: kvstore.Store, entry: IndexEntry) -> None:
-    faults.path = extent_path(store.path, entry.extent)
-    faults.offset, faults.length, faults.times = entry.offset, entry.slot_len, None
+async def _lose_a_copy(store: kvstore.Store, faults: ReadFaults) -> IndexEntry:
+    """KEY put and quarantined by a read error; the engine stores it again (a second
+    copy).  Returns the first copy's entry."""
+    store.rechecks.delays = (3600.0,)  # no background re-read here
+    await store.put(KEY, VALUE)
+    older = _entry(store)
+    faults.aim(store.path, older)
+    assert await store.get(KEY) is None  # quarantined: could not be read
+    assert _record(store) == (older, True)
+    await store.put(KEY, VALUE)
+    assert _entry(store).offset != older.offset
+    return older
 
 
 def _record(store: kvstore.Store) -> tuple[IndexEntry, bool] | None:
@@ -54,18 +62,10 @@ def test_an_older_copy_that_verifies_serves_the_key_when_the_newer_one_fails(
         tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
         faults = ReadFaults()
-        async with kvstore.open(tmp_path, engine=faulty_engine(kind, tmp_path, faults,
-                                                               monkeypatch), **OPEN) as store:
-            store.rechecks.delays = (3600.0,)
-            await store.put(KEY, VALUE)
-            older = _entry(store)
-            _fail(faults, store, older)
-            assert await store.get(KEY) is None  # quarantined: could not be read
-            assert _record(store) == (older, True)
-            await store.put(KEY, VALUE)  # the engine recomputed it: a second copy
+        async with open_faulty(kind, tmp_path, faults, monkeypatch, **OPEN) as store:
+            older = await _lose_a_copy(store, faults)
             newer = _entry(store)
-            assert newer.offset != older.offset
-            _fail(faults, store, newer)  # now the newer one fails, the older one reads
+            faults.aim(store.path, newer)  # now the newer one fails, the older one reads
             got = await store.get(KEY)
             assert got is None  # this get's copy failed...
             assert _entry(store) == older and _record(store) == (newer, True)
@@ -82,21 +82,19 @@ def test_an_older_copy_that_verifies_serves_the_key_when_the_newer_one_fails(
 def test_an_older_copy_that_fails_again_is_freed_for_the_newer_record(
         tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
-        async with kvstore.open(tmp_path, engine=faulty_engine(kind, tmp_path, ReadFaults(),
-                                                               monkeypatch), **OPEN) as store:
+        async with open_faulty(kind, tmp_path, ReadFaults(), monkeypatch, **OPEN) as store:
             await store.put(KEY, VALUE)
             older = _entry(store)
         flip_payload_bit(tmp_path, older)
         faults = ReadFaults()
-        async with kvstore.open(tmp_path, engine=faulty_engine(kind, tmp_path, faults,
-                                                               monkeypatch), **OPEN) as store:
+        async with open_faulty(kind, tmp_path, faults, monkeypatch, **OPEN) as store:
             store.rechecks.delays = (3600.0,)
             assert await store.get(KEY) is None
             assert _record(store) == (older, False)  # failed verification
             await store.put(KEY, VALUE)
             newer = _entry(store)
             used = store.used_bytes
-            _fail(faults, store, newer)
+            faults.aim(store.path, newer)
             assert await store.get(KEY) is None
             assert _record(store) == (newer, True) and not await store.contains(KEY)
             assert store.used_bytes == used - older.slot_len  # the older copy's space freed
@@ -112,14 +110,8 @@ def test_a_reread_copy_of_a_key_stored_again_is_freed_not_restored(
         tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
         faults = ReadFaults()
-        async with kvstore.open(tmp_path, engine=faulty_engine(kind, tmp_path, faults,
-                                                               monkeypatch), **OPEN) as store:
-            store.rechecks.delays = (3600.0,)
-            await store.put(KEY, VALUE)
-            older = _entry(store)
-            _fail(faults, store, older)
-            assert await store.get(KEY) is None
-            await store.put(KEY, VALUE)
+        async with open_faulty(kind, tmp_path, faults, monkeypatch, **OPEN) as store:
+            older = await _lose_a_copy(store, faults)
             newer = _entry(store)
             used = store.used_bytes
             faults.clear()

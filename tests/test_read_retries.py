@@ -23,7 +23,7 @@ import kvstore
 from kvstore.extents import extent_path
 from kvstore.format import IndexEntry
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
-from tests.read_faults import ENGINES, ReadFaults, _FailingOps, faulty_engine
+from tests.read_faults import ENGINES, ReadFaults, _FailingOps, faulty_engine, open_faulty
 
 FLOATS = 16 << 10  # 64 KiB blocks: 68 KiB slots
 KEYS = [bytes([0x40 + i]) * 16 for i in range(8)]
@@ -46,11 +46,6 @@ async def _fill(store: kvstore.Store) -> list[IndexEntry]:
     return entries
 
 
-def _fail(faults: ReadFaults, store: kvstore.Store, entry: IndexEntry, times: int | None) -> None:
-    faults.path = extent_path(store.path, entry.extent)
-    faults.offset, faults.length, faults.times = entry.offset, entry.slot_len, times
-
-
 def _hits(got: list[torch.Tensor | None]) -> list[bool]:
     for i, g in enumerate(got):
         assert g is None or torch.equal(g, _value(i))
@@ -70,7 +65,7 @@ def test_a_transient_eio_in_a_merged_read_loses_nothing(
                 assert isinstance(engine.inner, SimulatedEngine)
                 engine.inner.disk.faults.append(("read", errno.EIO))
             else:
-                _fail(faults, store, entries[BAD], times=1)
+                faults.aim(store.path, entries[BAD], times=1)
             assert _hits(await store.get_many(KEYS)) == [True] * 8  # the same get
             stats = store.stats()
             if kind != "simulated":  # the fault hit the merged request: all 8 in it
@@ -80,8 +75,7 @@ def test_a_transient_eio_in_a_merged_read_loses_nothing(
                 assert not engine.inner.disk.faults and stats.read_retries == 1
             assert (stats.quarantined, stats.quarantined_blocks, stats.read_errors) == (0, 0, 0)
             assert _hits(await store.get_many(KEYS)) == [True] * 8
-        async with kvstore.open(tmp_path, engine=faulty_engine(kind, tmp_path, ReadFaults(),
-                                                               monkeypatch), **OPEN) as store:
+        async with open_faulty(kind, tmp_path, ReadFaults(), monkeypatch, **OPEN) as store:
             assert await store.match_prefix(KEYS) == 8
             assert _hits(await store.get_many(KEYS)) == [True] * 8
 
@@ -93,10 +87,9 @@ def test_a_persistent_eio_costs_its_own_block_only(
         tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
         faults = ReadFaults()
-        async with kvstore.open(tmp_path, engine=faulty_engine(kind, tmp_path, faults,
-                                                               monkeypatch), **OPEN) as store:
+        async with open_faulty(kind, tmp_path, faults, monkeypatch, **OPEN) as store:
             entries = await _fill(store)
-            _fail(faults, store, entries[BAD], times=None)
+            faults.aim(store.path, entries[BAD])
             assert _hits(await store.get_many(KEYS)) == [i != BAD for i in range(8)]
             stats = store.stats()
             assert (stats.quarantined, stats.quarantined_blocks, stats.read_errors) == (1, 1, 1)
@@ -117,14 +110,12 @@ def test_quarantined_blocks_counts_each_block_once(tmp_path: Path, kind: str,
     async def scenario() -> None:
         ks = [bytes([0x60 + i]) * 16 for i in range(20)]
         opened = dict(extent_bytes=2 << 20, staging_bytes=8 << 20)
-        async with kvstore.open(tmp_path, engine=faulty_engine(
-                kind, tmp_path, ReadFaults(), monkeypatch), **opened) as store:
+        async with open_faulty(kind, tmp_path, ReadFaults(), monkeypatch, **opened) as store:
             await store.put_many(ks, [_value(i) for i in range(20)])
             entries = store.index.get_entries(ks)
         (extent,) = {e.extent for e in entries if e is not None}
         os.unlink(extent_path(str(tmp_path), extent))
-        async with kvstore.open(tmp_path, engine=faulty_engine(
-                kind, tmp_path, ReadFaults(), monkeypatch), **opened) as store:
+        async with open_faulty(kind, tmp_path, ReadFaults(), monkeypatch, **opened) as store:
             async with anyio.create_task_group() as tg:  # three loads of the same blocks
                 for _ in range(3):
                     tg.start_soon(store.get_many, ks + ks)
@@ -148,7 +139,7 @@ def test_a_read_only_store_counts_each_block_once(tmp_path: Path) -> None:
             with pytest.raises(kvstore.StoreIOError):
                 await store.put(b"\x99" * 16, _value(9))
             assert store.read_only
-            _fail(faults, store, entries[BAD], times=None)
+            faults.aim(store.path, entries[BAD])
             for _ in range(3):
                 assert _hits(await store.get_many(KEYS)) == [i != BAD for i in range(8)]
             stats = store.stats()

@@ -23,7 +23,7 @@ from kvstore.format import IndexEntry
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
 from tests.concurrency import GatedEngine, real_engine, until
 from tests.conformance import flip_payload_bit
-from tests.read_faults import ENGINES, ReadFaults, faulty_engine
+from tests.read_faults import ENGINES, ReadFaults, open_faulty
 
 FLOATS = 8 << 10  # 16 KiB blocks (fp16): 20 KiB slots
 OPEN = dict(extent_bytes=4 << 20, staging_bytes=8 << 20)
@@ -94,22 +94,27 @@ def test_scrub_finds_exactly_the_damaged_blocks(tmp_path: Path, kind: str) -> No
     anyio.run(scenario)
 
 
+async def _lose(store: kvstore.Store, faults: ReadFaults, ks: list[bytes], bad: int,
+                times: int | None) -> None:
+    """``ks`` put; a get finds ``ks[bad]`` unreadable (``times`` reads fail): quarantined."""
+    await store.put_many(ks, [_value(i) for i in range(len(ks))])
+    entry = store.index.get_entries([ks[bad]])[0]
+    assert entry is not None
+    faults.aim(store.path, entry, times)
+    await _all_read_back(store, ks, list(range(len(ks))), {ks[bad]})
+    assert _quarantined(store) == {ks[bad]}
+
+
 @pytest.mark.parametrize("kind", ENGINES)
 def test_a_block_quarantined_by_an_io_error_is_restored_by_the_next_scrub(
         tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
         faults = ReadFaults()
         ks = _keys(8)
-        async with kvstore.open(tmp_path, engine=faulty_engine(kind, tmp_path, faults,
-                                                               monkeypatch), **OPEN) as store:
+        async with open_faulty(kind, tmp_path, faults, monkeypatch, **OPEN) as store:
             store.rechecks.delays = (3600.0,)  # only the scrub reads it again here
-            await store.put_many(ks, [_value(i) for i in range(8)])
-            entry = store.index.get_entries([ks[5]])[0]
-            assert entry is not None
-            faults.path = kvstore.extents.extent_path(store.path, entry.extent)
-            faults.offset, faults.length = entry.offset, entry.slot_len
-            await _all_read_back(store, ks, list(range(8)), {ks[5]})
-            assert _quarantined(store) == {ks[5]} and not await store.contains(ks[5])
+            await _lose(store, faults, ks, 5, times=None)
+            assert not await store.contains(ks[5])
             faults.clear()  # the device answers again
             report = await store.scrub(rate_bytes_per_s=None)
             assert (report.rechecked_blocks, report.restored_blocks, report.failed_blocks) == \
@@ -128,16 +133,10 @@ def test_an_unreadable_block_is_read_again_in_the_background_and_restored(
     async def scenario() -> None:
         faults = ReadFaults()
         ks = _keys(8)
-        async with kvstore.open(tmp_path, engine=faulty_engine(kind, tmp_path, faults,
-                                                               monkeypatch), **OPEN) as store:
+        async with open_faulty(kind, tmp_path, faults, monkeypatch, **OPEN) as store:
             store.rechecks.delays = (0.0,)
-            await store.put_many(ks, [_value(i) for i in range(8)])
-            entry = store.index.get_entries([ks[2]])[0]
-            assert entry is not None
-            faults.path = kvstore.extents.extent_path(store.path, entry.extent)
             # fails the read and both retries (threads, io_uring: the merged read first)
-            faults.offset, faults.length, faults.times = entry.offset, entry.slot_len, 3
-            await _all_read_back(store, ks, list(range(8)), {ks[2]})
+            await _lose(store, faults, ks, 2, times=3)
             assert len(faults.failed) == 3 and store.stats().quarantined_blocks == 1
             await store.rechecks.wait_idle()
             assert _quarantined(store) == set() and store.stats().restored_blocks == 1
@@ -238,11 +237,17 @@ def test_a_scrub_read_held_while_blocks_are_deleted_put_and_evicted(
                 await gate.entered.wait()  # its first batch (20 blocks) is being read
                 assert await store.delete_many(batch[:5]) == 5
                 new = _keys(25, start=1000)
+                put_done = anyio.Event()
+
+                async def put() -> None:
+                    await store.put_many(new, [_value(1000 + i) for i in range(25)])
+                    put_done.set()
+
                 # needs 20 more slots: evicts (LRU) blocks of the held batch among others
-                tg.start_soon(lambda: store.put_many(new, [_value(1000 + i) for i in range(25)]))
+                tg.start_soon(put)
+                await until(lambda: store.allocator.waiting_reserves > 0 or put_done.is_set())
                 # it evicted blocks the held read still reads: it waits for their space
-                await until(lambda: store.allocator.waiting_reserves > 0)
-                assert store.allocator.pending_free_bytes > 0
+                assert not put_done.is_set() and store.allocator.pending_free_bytes > 0
                 gate.open()
             (report,) = reports
             assert report.complete and report.failed_blocks == 0
