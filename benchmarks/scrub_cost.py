@@ -2,7 +2,7 @@
 
     python benchmarks/scrub_cost.py [--dir DIR] [--store 2G] [--block 1M] [--batch 8]
                                     [--callers 1] [--seconds 3] [--reps 6] [--rate 64M]
-                                    [--out-dir benchmarks/results]
+                                    [--no-io-scheduling] [--out-dir benchmarks/results]
 
 One store of ``--store`` bytes of ``--block`` blocks (the default engine: io_uring and
 O_DIRECT where they work, so every get reads the device).  Each repetition runs the same
@@ -16,7 +16,10 @@ Reported per repetition: the stream's throughput with the scrub / without (the c
 1 - that ratio), get latency p50/p99 both ways, and what the scrub read meanwhile (its
 rate yields to gets: under a saturating stream it reads one batch per
 ``kvstore.scrub.PATIENCE_S``); then min / median / max of the ratios.  Results go to
-``--out-dir/scrub_get_cost_at_<commit>.md`` and ``.json``.
+``--out-dir/scrub_get_cost_at_<commit>.md`` and ``.json``.  ``--no-io-scheduling`` opens
+the store with ``io_scheduling=False`` (no read-first scheduler: the scrub's reads go at
+once, so it reads at its full rate and only the rate bounds its cost); its results go to
+``scrub_get_cost_unscheduled_at_<commit>``.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ async def _stream(store: kvstore.Store, n: int, args: argparse.Namespace,
 async def measure(root: str, args: argparse.Namespace) -> dict[str, Any]:
     n = args.store // args.block
     path = os.path.join(root, "store")
-    async with kvstore.open(path, extent_bytes=1 << 30, staging_bytes=256 << 20) as store:
+    async with kvstore.open(path, extent_bytes=1 << 30, staging_bytes=256 << 20,
+                            io_scheduling=args.io_scheduling) as store:
         await _fill(store, n, args.block)
         engine = f"{store.engine.name}{' + O_DIRECT' if store.engine.direct else ''}"
         await _stream(store, n, args, None)  # warm-up: one unmeasured run
@@ -124,6 +128,7 @@ async def measure(root: str, args: argparse.Namespace) -> dict[str, Any]:
         "commit": _commit(), "engine": engine, "blocks": n, "block_bytes": args.block,
         "batch": args.batch, "callers": args.callers, "seconds": args.seconds,
         "rate_bytes_per_s": args.rate, "patience_s": kvstore.scrub.PATIENCE_S,
+        "io_scheduling": args.io_scheduling,
         "reps": reps, "ratio": summary(ratios),
         "scrub_MBps": summary([r["scrub"]["scrub_MBps"] for r in reps]),
         "machine": f"{info['nproc']} CPUs ({info['cpu']}), kernel {info['kernel']}, "
@@ -147,13 +152,15 @@ def render(doc: dict[str, Any]) -> str:
         f"getting batches of {doc['batch']} random blocks back to back for "
         f"{doc['seconds']} s, alone and beside `Store.scrub(rate_bytes_per_s="
         f"{doc['rate_bytes_per_s'] / MIB:.0f} MiB/s)` (the default), alternating order, "
-        f"{len(doc['reps'])} repetitions in one process.",
+        f"{len(doc['reps'])} repetitions in one process; read-first I/O scheduling "
+        f"{'on (the default)' if doc['io_scheduling'] else 'off: the scrub reads at its rate'}.",
         "",
         f"**Get throughput with the scrub / without: min {r['min']:.3f}, median "
         f"{r['median']:.3f}, max {r['max']:.3f}** (cost = 1 - ratio; target <= 10%).",
         f"The scrub read meanwhile: min {s['min']:.1f}, median {s['median']:.1f}, max "
-        f"{s['max']:.1f} MB/s (gets first: under a saturating stream it goes one batch "
-        f"per {doc['patience_s']} s).",
+        f"{s['max']:.1f} MB/s" + (f" (gets first: under a saturating stream it goes one "
+                                  f"batch per {doc['patience_s']} s)."
+                                  if doc["io_scheduling"] else "."),
         "",
         "| rep | alone MB/s | with scrub MB/s | ratio | p50 ms alone / scrub | "
         "p99 ms alone / scrub | scrub MB/s |",
@@ -185,6 +192,8 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--rate", type=parse_size, default=kvstore.scrub.DEFAULT_SCRUB_BYTES_PER_S)
+    p.add_argument("--no-io-scheduling", dest="io_scheduling", action="store_false",
+                   help="no read-first scheduler (the scrub reads at its full rate)")
     p.add_argument("--out-dir", default=None, help="write scrub_get_cost_at_<commit>.md/.json")
     args = p.parse_args()
     if args.dir is None:
@@ -194,7 +203,8 @@ def main() -> int:
     text = render(doc)
     print(text)
     if args.out_dir:
-        base = os.path.join(args.out_dir, f"scrub_get_cost_at_{doc['commit']}")
+        kind = "" if args.io_scheduling else "_unscheduled"
+        base = os.path.join(args.out_dir, f"scrub_get_cost{kind}_at_{doc['commit']}")
         with open(base + ".md", "w", encoding="utf-8") as f:
             f.write(text)
         with open(base + ".json", "w", encoding="utf-8") as f:
