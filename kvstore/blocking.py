@@ -201,12 +201,11 @@ class BlockingStore:
         future = self._admit()
         try:
             self._handoff.hand_over(call, future, at_once=False)
-            wait([future])
-        except BaseException:
-            if not future.cancel():  # it started: let it end first
+            return cast(T, future.result())
+        except BaseException:  # the call's own error, or an interrupt of this wait
+            if not future.cancel():  # it started (or ended): let it end first
                 wait([future])
             raise
-        return cast(T, future.result())
 
     def _run_sync(self, call: Callable[[], T]) -> T:
         """A synchronous ``Store`` method: run on the loop thread too, which owns the
