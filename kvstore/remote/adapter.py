@@ -374,7 +374,14 @@ class RemoteAdapter:
         """match_prefix: how many of ``keys`` (the chain after the local prefix) the remote
         has, in order (blocks being promoted or fetched count); they are fetched and
         promoted."""
-        found = await self._read(keys, [None] * len(keys), None, chain=True)
+        # Watched from the call's start: a key fetched only later (after a read it
+        # joined gave it up) is not promoted over a delete made meanwhile.
+        watch = self._host.watch_deletes(keys)
+        try:
+            found = await self._read(keys, [None] * len(keys), None, chain=True,
+                                     since=watch)
+        finally:
+            self._host.unwatch_deletes(watch)
         return next((i for i, f in enumerate(found) if not f), len(found))
 
     async def fetch_missing(self, keys: Sequence[bytes], since: DeleteWatch) -> None:

@@ -102,3 +102,41 @@ async def test_a_delete_while_a_get_reads_its_local_blocks_is_not_undone(
         with anyio.fail_after(DEADLINE):
             await until(lambda: b.remote.stats().promoting_blocks == 0)
         assert await b.contains_many(ks) == [True, True]
+
+
+async def test_a_lookup_that_fetches_after_its_fetcher_gave_up_skips_a_delete_made_meanwhile(
+        seaweed: SeaweedCluster, tmp_path: Path) -> None:
+    """Lookup A fetches (GETs held); lookup B joins A's fetch; the blocks are deleted
+    (nothing local: 0); A is cancelled, so B fetches them itself and promotes them.  B
+    started before the delete: its promotion must skip them.  Before, B's watch began
+    only with its own fetch, after the delete, and the blocks came back."""
+    remote, ks = await bucket_with(seaweed, tmp_path / "a", 2)
+    async with open_store(tmp_path / "b", remote) as b:
+        held = hold_gets(b)
+        a_scope, a_over = anyio.CancelScope(), anyio.Event()
+        found: list[int] = []
+
+        async def lookup_a() -> None:
+            try:
+                with a_scope:
+                    await b.match_prefix(ks)
+            finally:
+                a_over.set()
+
+        async def lookup_b() -> None:
+            found.append(await b.match_prefix(ks))
+
+        with anyio.fail_after(DEADLINE):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lookup_a)
+                await until(held.entered.is_set)  # A is in its requests
+                tg.start_soon(lookup_b)
+                await until(lambda: b.remote.stats().joined == 2)  # B waits for A
+                assert await b.delete_many(ks) == 0
+                a_scope.cancel()
+                await a_over.wait()
+                held.release.set()  # B's own GETs (and A's abandoned ones) answer
+            await until(lambda: b.remote.stats().promoting_blocks == 0)
+        assert found == [2]
+        assert await b.contains_many(ks) == [False, False]
+        assert len(b._deletes) == 0
