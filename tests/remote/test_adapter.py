@@ -7,6 +7,7 @@ and the store's reads are held at gates (no sleeps)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,27 @@ async def bucket_with(seaweed: SeaweedCluster, path: Path, n: int) -> tuple[Remo
         await a.remote.flush()
         assert a.remote.stats().uploaded_blocks == n
     return remote, ks
+
+
+class Cancellable:
+    """A call run as a task (``await it()``) that the test cancels from outside
+    (``await it.cancel()`` returns once the call has ended)."""
+
+    def __init__(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        self._fn, self._args = fn, args
+        self.scope, self.over = anyio.CancelScope(), anyio.Event()
+
+    async def __call__(self) -> None:
+        try:
+            with self.scope:
+                await self._fn(*self._args)
+        finally:
+            self.over.set()
+
+    async def cancel(self) -> None:
+        self.scope.cancel()
+        await self.over.wait()
+        assert self.scope.cancelled_caught
 
 
 def hold_gets(store: Any) -> HeldClient:
@@ -115,14 +137,7 @@ async def test_a_read_whose_fetcher_is_cancelled_fetches_the_blocks_itself(
     async with open_store(tmp_path / "b", remote) as b:
         held = hold_gets(b)
         got: list[Any] = []
-        lookup_scope, lookup_over = anyio.CancelScope(), anyio.Event()
-
-        async def lookup() -> None:
-            try:
-                with lookup_scope:
-                    await b.match_prefix(ks)
-            finally:
-                lookup_over.set()
+        lookup = Cancellable(b.match_prefix, ks)
 
         async def get() -> None:
             got.extend(await b.get_many(ks))
@@ -132,9 +147,7 @@ async def test_a_read_whose_fetcher_is_cancelled_fetches_the_blocks_itself(
             await until(held.entered.is_set)  # the lookup is in its requests
             tg.start_soon(get)
             await until(lambda: b.remote.stats().joined == 3)  # the get waits for it
-            lookup_scope.cancel()
-            await lookup_over.wait()
-            assert lookup_scope.cancelled_caught
+            await lookup.cancel()
             held.release.set()
         assert len(got) == 3 and all(same(g, value(i)) for i, g in enumerate(got))
         st = b.remote.stats()

@@ -16,10 +16,18 @@ import kvstore
 from tests.concurrency import DEADLINE, GatedEngine, real_engine, until
 from tests.conformance import NS, SMALL_EXTENT, keys, same
 from tests.remote.cluster import SeaweedCluster
-from tests.remote.test_adapter import bucket_with, hold_gets
+from tests.remote.test_adapter import Cancellable, bucket_with, hold_gets
 from tests.remote.test_tier import open_store, value
 
 pytestmark = pytest.mark.anyio
+
+
+async def promoted_after_the_delete(b: Any, ks: list[bytes]) -> None:
+    """A get that begins after the delete promotes the blocks as usual."""
+    assert all(v is not None for v in await b.get_many(ks))
+    with anyio.fail_after(DEADLINE):
+        await until(lambda: b.remote.stats().promoting_blocks == 0)
+    assert await b.contains_many(ks) == [True, True]
 
 
 @pytest.mark.parametrize("call", ["get_many", "match_prefix", "prefetch"])
@@ -43,11 +51,7 @@ async def test_a_delete_during_a_promotions_fetch_is_not_undone(
         assert await b.contains_many(ks) == [False, False]  # not brought back
         assert b.remote.stats().promoted_blocks == 0
         assert len(b._deletes) == 0  # every watch ended
-        # a fetch that begins after the delete promotes as usual
-        assert all(v is not None for v in await b.get_many(ks))
-        with anyio.fail_after(DEADLINE):
-            await until(lambda: b.remote.stats().promoting_blocks == 0)
-        assert await b.contains_many(ks) == [True, True]
+        await promoted_after_the_delete(b, ks)
 
 
 async def test_a_delete_right_after_prefetch_returned_is_not_undone(
@@ -97,11 +101,7 @@ async def test_a_delete_while_a_get_reads_its_local_blocks_is_not_undone(
         assert all(same(g, value(i)) for i, g in enumerate(got[1:]))
         assert await b.contains_many(ks) == [False, False]
         assert len(b._deletes) == 0
-        # a get that begins after the delete promotes as usual
-        assert all(v is not None for v in await b.get_many(ks))
-        with anyio.fail_after(DEADLINE):
-            await until(lambda: b.remote.stats().promoting_blocks == 0)
-        assert await b.contains_many(ks) == [True, True]
+        await promoted_after_the_delete(b, ks)
 
 
 async def test_a_lookup_that_fetches_after_its_fetcher_gave_up_skips_a_delete_made_meanwhile(
@@ -113,15 +113,8 @@ async def test_a_lookup_that_fetches_after_its_fetcher_gave_up_skips_a_delete_ma
     remote, ks = await bucket_with(seaweed, tmp_path / "a", 2)
     async with open_store(tmp_path / "b", remote) as b:
         held = hold_gets(b)
-        a_scope, a_over = anyio.CancelScope(), anyio.Event()
+        lookup_a = Cancellable(b.match_prefix, ks)
         found: list[int] = []
-
-        async def lookup_a() -> None:
-            try:
-                with a_scope:
-                    await b.match_prefix(ks)
-            finally:
-                a_over.set()
 
         async def lookup_b() -> None:
             found.append(await b.match_prefix(ks))
@@ -133,8 +126,7 @@ async def test_a_lookup_that_fetches_after_its_fetcher_gave_up_skips_a_delete_ma
                 tg.start_soon(lookup_b)
                 await until(lambda: b.remote.stats().joined == 2)  # B waits for A
                 assert await b.delete_many(ks) == 0
-                a_scope.cancel()
-                await a_over.wait()
+                await lookup_a.cancel()
                 held.release.set()  # B's own GETs (and A's abandoned ones) answer
             await until(lambda: b.remote.stats().promoting_blocks == 0)
         assert found == [2]
