@@ -256,7 +256,7 @@ class Transfers:
         CRC32C) last.  Staged whole, a 32 MiB block kept the device idle for the whole
         copy + CRC of the block (~10-25 ms here) before its first byte went out, at the
         start of every batch: one caller's durable 32 MiB puts ran at 0.59x fio, 0.86x in
-        pieces (``benchmarks/results/session7_pieces_vs_9bfe73b.md``)."""
+        pieces (``benchmarks/results/large_pieces_vs_9bfe73b_at_6c5bf3f.md``)."""
         fd = self._fds[item.extent]
         bounds = [0, PAGE, *range(PAGE + self._piece_bytes, item.slot_len, self._piece_bytes),
                   item.slot_len]
