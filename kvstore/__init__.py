@@ -28,6 +28,7 @@ from kvstore.errors import (
     StoreFullError,
     StoreIOError,
     StoreLockedError,
+    UnsafePathError,
     UnsupportedTensorError,
 )
 from kvstore.format import FORMAT_VERSION
@@ -68,6 +69,7 @@ __all__ = [
     "StoreIOError",
     "StoreLockedError",
     "StoreStats",
+    "UnsafePathError",
     "UnsupportedTensorError",
     "__version__",
     "chain_parents",

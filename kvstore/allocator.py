@@ -53,25 +53,34 @@ reclaimable orphans (FORMAT.md, "Allocation").
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from itertools import count
 from typing import Protocol
 
 import anyio
 
 from kvstore.errors import CapacityError
-from kvstore.extents import create_extent_file
+from kvstore.eviction import ChainTables, evictable_bytes
+from kvstore.extents import create_extent_file, remove_new_extent_file
 from kvstore.format import PAGE, IndexEntry
 from kvstore.index import Index, IndexWriter, Touched, Txn
+
+logger = logging.getLogger("kvstore.store")
+
+_FIT_STEP = 256 << 20
+"""Most bytes one eviction transaction frees when a store is opened with a smaller
+capacity (a shrink by many GB is many commits, not one transaction of every block)."""
 
 
 class FreeSpace:
     """Free runs ``(extent, offset) -> length``, coalesced; best-fit allocation."""
 
     def __init__(self, lost: Iterable[int] = ()) -> None:
-        self._lost = frozenset(lost)  # extents whose file is missing: never free space
+        self.lost = frozenset(lost)  # extents whose file is missing: never free space
         self._by_start: dict[tuple[int, int], int] = {}
         self._by_end: dict[tuple[int, int], int] = {}  # (extent, end) -> offset
         self._sizes: list[tuple[int, int, int]] = []  # sorted (length, extent, offset)
@@ -111,7 +120,7 @@ class FreeSpace:
     def free(self, extent: int, offset: int, length: int) -> None:
         """Return a range; it must not overlap a free run (checked: overlap is a bug).
         A range of a lost extent stays used (its file is gone: nothing can go there)."""
-        if extent in self._lost:
+        if extent in self.lost:
             return
         end = offset + length
         if (extent, offset) in self._by_start:
@@ -387,14 +396,58 @@ class Allocator:
         """Evict least-recently-used leaf blocks (durably, like a delete) until ``need``
         bytes are unindexed; returns bytes freed.  Protected and pinned blocks are never
         chosen."""
-        protect = set(self._protected)
-        touched = self.take_touched()
-        def evict(txn: Txn) -> list[tuple[bytes, IndexEntry]]:
-            chosen = self._index.evict(txn, need, protect, touched)
-            self._ride_along(txn)
-            return chosen
+        return self._evicted(await self._writer.run(partial(
+            self._evict_in, need=need, protect=set(self._protected), touched=self.take_touched())))
 
-        evicted = await self._writer.run(evict)
+    def _evict_in(self, txn: Txn, *, need: int, protect: set[bytes],
+                  touched: Touched | None) -> list[tuple[bytes, IndexEntry]]:
+        """The eviction transaction (writer thread), with the store's ride-along writes."""
+        chosen = self._index.evict(txn, need, protect, touched)
+        self._ride_along(txn)
+        return chosen
+
+    def fit_capacity(self) -> None:
+        """At open, before the store serves (open's worker thread: blocking): a store
+        that uses more than ``capacity_bytes`` (reopened with a smaller one) evicts by
+        the same rules as a put (least-recently-used leaves, never a pinned block or one
+        whose chain a pinned block needs) until it fits, in transactions of at most
+        ``_FIT_STEP`` bytes.  If what cannot be evicted (pinned blocks and their
+        ancestors, quarantined blocks, extents whose file is missing) is over capacity
+        by itself, :class:`~kvstore.errors.CapacityError` and nothing is evicted."""
+        over = self.used_bytes - self.capacity_bytes
+        if over <= 0:
+            return
+        tables = ChainTables(self._index.blocks, self._index.children, self._index.pins,
+                             self._index.lru)
+        with self._index.begin() as txn:
+            freeable = evictable_bytes(txn, tables, self.space.lost)
+        if freeable < over:
+            raise CapacityError(
+                28, f"store {self._path} uses {self.used_bytes} bytes, more than "
+                f"capacity_bytes={self.capacity_bytes}, and evicting every block it may "
+                f"evict frees only {freeable}: the other {self.used_bytes - freeable} bytes are "
+                "pinned blocks (and the blocks of their chains), quarantined blocks or extents "
+                "whose file is missing. Nothing was evicted. Open it with capacity_bytes >= "
+                f"{self.used_bytes - freeable} (then unpin or delete blocks), or run `python "
+                f"-m kvstore fsck {self._path} --repair` to reclaim quarantined and lost space.")
+        blocks, freed = 0, 0
+        while self.used_bytes > self.capacity_bytes:
+            need = min(self.used_bytes - self.capacity_bytes, _FIT_STEP)
+
+            evicted = self._writer.run_sync(partial(self._evict_in, need=need, protect=set(),
+                                                    touched=None))
+            if not evicted:  # cannot happen after the check above; never loop for ever
+                raise CapacityError(28, f"store {self._path}: no more blocks to evict at open")
+            self._evicted(evicted)
+            blocks += len(evicted)
+            freed += sum(e.slot_len for _, e in evicted)
+        self.peak_used_bytes = self.used_bytes
+        logger.info("kvstore %s: evicted %d blocks (%d bytes) at open to fit capacity_bytes=%d",
+                    self._path, blocks, freed, self.capacity_bytes)
+
+    def _evicted(self, evicted: list[tuple[bytes, IndexEntry]]) -> int:
+        """Blocks an eviction unindexed: out of the memory tier, their space free once no
+        earlier reader can still read it, counted; returns the bytes freed."""
         self._on_evicted([key for key, _ in evicted])
         self.release(e for _, e in evicted)
         freed = sum(e.slot_len for _, e in evicted)
@@ -413,8 +466,14 @@ class Allocator:
             await anyio.to_thread.run_sync(
                 create_extent_file, self._path, extent_id, self.extent_bytes, self._uuid,
                 self._file_mode)
-            await self._writer.run(
-                lambda txn: self._index.add_extent(txn, extent_id, self.extent_bytes))
+            try:
+                await self._writer.run(
+                    lambda txn: self._index.add_extent(txn, extent_id, self.extent_bytes))
+            except BaseException:
+                # Not indexed (the commit failed: e.g. no room for the index on a full
+                # disk): the file goes, and with it the space it took from the index.
+                await anyio.to_thread.run_sync(remove_new_extent_file, self._path, extent_id)
+                raise
             self._on_new_extent(extent_id)
             self._extents += 1
             self.space.free(extent_id, PAGE, self.extent_bytes - PAGE)

@@ -11,6 +11,8 @@ answered as a miss, the second stops the store from acknowledging writes.
 
 from __future__ import annotations
 
+import errno as _errno
+
 __all__ = [
     "KVStoreError",
     "StoreClosedError",
@@ -29,6 +31,7 @@ __all__ = [
     "CorruptionError",
     "IndexCorruptionError",
     "InsecurePermissionsError",
+    "UnsafePathError",
     "RemoteError",
     "RemoteAuthError",
 ]
@@ -96,9 +99,11 @@ class BlockTooLargeError(KVStoreError, ValueError):
 
 
 class StoreFullError(KVStoreError, OSError):
-    """Raised by ``put_many`` when the file system has no room for a new extent (ENOSPC)
-    or the store's size limit is reached.  Nothing already stored is lost; the failed
-    batch is not acknowledged and may be retried after space is freed."""
+    """Raised by ``put_many`` (and ``delete_many``, ``pin``, ``unpin``) when the file
+    system has no room (ENOSPC, EDQUOT, EFBIG: for a new extent, or for the index to
+    commit) or the store's size limit is reached.  Nothing already stored is lost, the
+    store does not turn read-only, and the failed batch is not acknowledged: retry it
+    once space is freed."""
 
 
 class CapacityError(StoreFullError):
@@ -108,7 +113,9 @@ class CapacityError(StoreFullError):
 
 
 class StoreIOError(KVStoreError, OSError):
-    """Raised when the kernel reports an I/O error on the store's files."""
+    """Raised when the kernel reports an I/O error on the store's files; ``errno`` is
+    the kernel's (EIO, EROFS, EACCES, ...).  A failed write or fdatasync of the extents
+    or of the index commit also turns the store read-only (:class:`ReadOnlyError`)."""
 
 
 class ReadOnlyError(KVStoreError, RuntimeError):
@@ -141,6 +148,17 @@ class InsecurePermissionsError(KVStoreError, PermissionError):
     nothing was changed."""
 
 
+class UnsafePathError(KVStoreError, OSError):
+    """Raised by ``open()`` (and by fsck, which then exits 2) when a path inside the
+    store is a symbolic link, or not the regular file or directory the store made
+    (``LOCK``, ``index/``, ``index/data.mdb``, ``index/lock.mdb``, ``extents/`` and its
+    extent files).  kvstore reads and writes nothing outside its directory, so it
+    follows no link there; nothing was changed.  The message names the path and the
+    fix: put the real file in place of the link, or remove the link
+    (``python -m kvstore fsck PATH --repair`` removes a linked extent file, never its
+    target, and the blocks of that extent are then lost)."""
+
+
 class RemoteError(KVStoreError, OSError):
     """Raised by ``open(remote=...)`` when the remote tier's configuration cannot work
     (no such bucket, an invalid endpoint) and by ``python -m kvstore remote check``.
@@ -153,3 +171,26 @@ class RemoteAuthError(RemoteError, PermissionError):
     credentials (wrong key, no permission on the bucket).  Fix the AWS environment or
     config, or pass ``on_auth_error="disable"`` to open with the remote tier disabled
     (``store.remote.stats().state == "disabled"``, with the reason)."""
+
+
+_NO_ROOM = (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)
+
+
+def from_os_error(e: OSError, what: str, *, full_hint: str = "free disk space or delete "
+                  "blocks, then retry") -> KVStoreError:
+    """The typed error for an ``OSError`` on the store's files (not public API: the
+    translation every path uses, so no errno is lost or guessed).  No room
+    (ENOSPC, EDQUOT, EFBIG) is :class:`StoreFullError`, a link where a store file
+    should be (ELOOP from ``O_NOFOLLOW``) :class:`UnsafePathError`, anything else
+    :class:`StoreIOError` with the kernel's errno.  ``what`` says what was being
+    done, e.g. ``"cannot create /p/extents/00000002.kvx"``."""
+    if isinstance(e, KVStoreError):
+        return e
+    code = e.errno or _errno.EIO
+    reason = e.strerror or str(e)
+    if code in _NO_ROOM:
+        return StoreFullError(code, f"{what}: {reason}; {full_hint}")
+    if code == _errno.ELOOP:
+        return UnsafePathError(code, f"{what}: it is a symbolic link; kvstore follows no "
+                               "link inside its directory. Put the real file in its place.")
+    return StoreIOError(code, f"{what}: {reason}")

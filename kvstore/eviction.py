@@ -4,12 +4,15 @@ loses its tail before its head and never gets a hole).
 
 A read of the index's tables inside the caller's write transaction; the caller
 (:meth:`kvstore.index.Index.evict`) unindexes what this chose, in the same transaction.
+:func:`evictable_bytes` says how much evicting could ever free (a store opened with a
+smaller capacity checks it before evicting anything).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,3 +78,30 @@ def lru_leaves(txn: Txn, tables: ChainTables, need: int, protect: set[bytes],
                 if not more or row < bytes(cur.key()):  # else the scan still reaches it
                     heapq.heappush(behind, (row, parent))
     return chosen
+
+
+def evictable_bytes(txn: Txn, tables: ChainTables, lost_extents: Iterable[int] = ()) -> int:
+    """Bytes that evicting every block it may take would free, with no put in flight:
+    the slots of stored blocks that are neither pinned nor an ancestor of a stored
+    pinned block (:func:`lru_leaves` takes a block once its children are gone, so every
+    other block becomes a leaf in turn), in an extent whose file is not missing (that
+    space is never free again: fsck --repair drops such extents).  One pass over the
+    ``blocks`` table."""
+    kept: set[bytes] = set()
+    with txn.cursor(tables.pins) as pins:
+        for raw_key, _ in pins:
+            key: bytes | None = bytes(raw_key)
+            while key is not None and key not in kept:
+                raw = txn.get(key, db=tables.blocks)
+                if raw is None:
+                    break
+                kept.add(key)
+                key = IndexEntry.decode(raw).parent
+    lost = frozenset(lost_extents)
+    total = 0
+    with txn.cursor(tables.blocks) as cur:
+        for raw_key, raw in cur:
+            entry = IndexEntry.decode(raw)
+            if entry.extent not in lost and bytes(raw_key) not in kept:
+                total += entry.slot_len
+    return total

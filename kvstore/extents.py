@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import suppress
 
 from kvstore import permissions
-from kvstore.errors import StoreFullError, StoreIOError
+from kvstore.errors import from_os_error
 from kvstore.format import ExtentHeader
+from kvstore.store_files import check_dir
 
 EXTENT_DIR = "extents"
 
@@ -32,27 +34,54 @@ def fsync_dir(path: str) -> None:
 
 def create_extent_file(store_path: str, extent_id: int, extent_bytes: int,
                        store_uuid: bytes, file_mode: int = permissions.FILE_MODE) -> None:
-    """Create, preallocate and durably initialise one extent file (mode ``file_mode``)."""
+    """Create, preallocate and durably initialise one extent file (mode ``file_mode``).
+
+    Every failure is a typed error with the kernel's errno (no room: ENOSPC, EDQUOT,
+    EFBIG is :class:`StoreFullError`) and leaves no file behind, so the space a failed
+    preallocation took returns to the file system.  Neither ``extents/`` nor the file
+    is reached through a link (:mod:`kvstore.store_files`)."""
     directory = os.path.join(store_path, EXTENT_DIR)
-    permissions.make_dirs(directory, file_mode)
     path = extent_path(store_path, extent_id)
-    # O_TRUNC: a file of this id can only be an orphan of a crash before its index commit.
-    fd = permissions.create_file(path, os.O_RDWR | os.O_TRUNC | os.O_CLOEXEC, file_mode)
+    check_dir(directory, f"Move the extents directory itself to {directory}.")
+    try:
+        permissions.make_dirs(directory, file_mode)
+        # A file of this id can only be an orphan of a crash before its index commit
+        # (or a link planted there): replaced, and the new one made with O_EXCL and
+        # O_NOFOLLOW, so nothing outside the store is truncated or written.
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+        fd = permissions.open_file(path, os.O_RDWR | os.O_CLOEXEC, file_mode)
+    except OSError as e:
+        raise from_os_error(e, f"cannot create extent file {path}") from e
     try:
         try:
             os.posix_fallocate(fd, 0, extent_bytes)
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise StoreFullError(
-                    e.errno, f"no room for a new {extent_bytes}-byte extent in {directory} "
-                    f"({e.strerror}); free disk space, delete blocks, or open the store with "
-                    "a smaller extent size") from e
-            raise StoreIOError(e.errno, f"cannot preallocate {path}: {e.strerror}") from e
-        os.pwrite(fd, ExtentHeader(extent_id, extent_bytes, store_uuid).encode(), 0)
-        os.fsync(fd)
+            raise from_os_error(
+                e, f"no room for a new {extent_bytes}-byte extent in {directory}"
+                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                else f"cannot preallocate {path}",
+                full_hint="free disk space, delete blocks, or open the store with a "
+                "smaller extent size") from e
+        try:
+            os.pwrite(fd, ExtentHeader(extent_id, extent_bytes, store_uuid).encode(), 0)
+            os.fsync(fd)
+        except OSError as e:
+            raise from_os_error(e, f"cannot initialise extent file {path}") from e
     except BaseException:
         os.close(fd)
         os.unlink(path)
         raise
     os.close(fd)
-    fsync_dir(directory)
+    try:
+        fsync_dir(directory)
+    except OSError as e:
+        raise from_os_error(e, f"cannot make the new extent file {path} durable") from e
+
+
+def remove_new_extent_file(store_path: str, extent_id: int) -> None:
+    """Remove an extent file :func:`create_extent_file` made whose index commit then
+    failed: no index entry names it, and on a full disk its preallocated space is what
+    the index needs (a crash instead would leave it as an orphan fsck reclaims)."""
+    with suppress(FileNotFoundError):
+        os.unlink(extent_path(store_path, extent_id))

@@ -5,8 +5,11 @@ finding classified as *reclaimable* (what a crash legitimately leaves behind: sp
 files nobody references) or *damage* (something the store never produces on its own:
 a bad sector, a bug, a file edited by hand):
 
-1. Take the store lock; open the LMDB index; check the format version.        (else exit 2)
-2. Extent files: every extent in the ``extents`` table exists, has its recorded size and
+1. Take the store lock; open the LMDB index (every page checked before LMDB maps it:
+   kvstore/index_file.py; no link followed: store_files.py); check the format.  (else exit 2)
+2. Extent files: none is a link or not a regular file (damage: unsafe-extent-file; never
+   read through; repair removes a link, never its target, and drops the extent's
+   blocks).  Every extent in the ``extents`` table exists, has its recorded size and
    a valid extent header naming its id and the store's uuid (damage: missing-extent,
    short-extent, bad-extent-header).  Extent files (``NNNNNNNN.kvx``) that the table does
    not name are left by a crash between creating a file and committing it (reclaimable:
@@ -103,11 +106,13 @@ from kvstore.index import (
 from kvstore.lock import StoreLock
 from kvstore.quarantine_table import OK
 from kvstore.slots import check_payload, check_slot
+from kvstore.store_files import check_dir, unsafe_reason
 
 RECLAIMABLE = "reclaimable"
 DAMAGE = "damage"
 NOTE = "note"  # listed (and cleaned by --repair) but not a problem: does not change the exit code
 _SCAN_CHUNK = 8 << 20
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC  # extent files are never reached through a link
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -170,9 +175,9 @@ class _Reader:
     def fd(self, path: str) -> int:
         if path not in self._fds:
             try:
-                self._fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+                self._fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT | _NOFOLLOW)
             except OSError:
-                self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                self._fds[path] = os.open(path, os.O_RDONLY | _NOFOLLOW)
         return self._fds[path]
 
     def read(self, path: str, offset: int, length: int) -> bytes:
@@ -196,7 +201,7 @@ class _Reader:
 
 
 def _zero_page(path: str, offset: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_WRONLY | _NOFOLLOW)
     try:
         os.pwrite(fd, bytes(PAGE), offset)
         os.fdatasync(fd)
@@ -225,7 +230,9 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
                                        f"`python -m kvstore fsck {path} --rebuild-index`")
         raise FileNotFoundError(f"no kvstore at {path}")
     lock = StoreLock(path)  # the same lock the store takes
-    index = Index(os.path.join(path, "index"), map_size=64 << 30, sync=True)
+    with lock.released_on_error():  # a link for extents/ or the index, damage: exit 2
+        check_dir(os.path.join(path, EXTENT_DIR), "Move the extents directory itself there.")
+        index = Index(os.path.join(path, "index"), map_size=64 << 30, sync=True, verify=True)
     writer = IndexWriter(index)
     reader = _Reader()
     try:
@@ -289,6 +296,16 @@ class _Checker:
         usable: dict[int, int] = {}
         for extent_id, size in sorted(table.items()):
             p = extent_path(self.path, extent_id)
+            if (reason := unsafe_reason(p)) is not None:  # never read or written through
+                f = self.find("unsafe-extent-file", DAMAGE, f"{p} is {reason}: the store will "
+                              "not open; --repair removes a link (never its target), dropping "
+                              "the extent's blocks", extent=extent_id)
+                usable[extent_id] = 0
+                if os.path.islink(p):
+                    self.file_fixes.append(partial(_remove_file, p))
+                else:  # not a file the store made: left to the operator
+                    self.unfixable.append(f)
+                continue
             if not os.path.exists(p):
                 self.find("missing-extent", DAMAGE, f"extent file {p} is missing; its blocks are lost",
                           extent=extent_id)
@@ -313,7 +330,7 @@ class _Checker:
         directory = os.path.join(self.path, EXTENT_DIR)
         for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
             p = os.path.join(directory, name)
-            if not _is_extent_name(name):  # not the store's: never deleted (a note only)
+            if not _is_extent_name(name) or (unsafe_reason(p) and not os.path.islink(p)):
                 self.find("foreign-file", NOTE, f"{p} is not an extent file; left alone")
             elif int(name.removesuffix(".kvx")) not in table:
                 self.find("orphan-extent-file", RECLAIMABLE,
@@ -574,7 +591,7 @@ def _remove_file(path: str) -> None:
 
 
 def _rewrite(path: str, offset: int, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_WRONLY | _NOFOLLOW)
     try:
         os.pwrite(fd, data, offset)
         os.fdatasync(fd)
@@ -648,6 +665,10 @@ def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
         headers: dict[int, tuple[str, ExtentHeader]] = {}
         for name in sorted(os.listdir(directory)):
             p = os.path.join(directory, name)
+            if (reason := unsafe_reason(p)) is not None:  # never read through
+                report.findings.append(Finding("unsafe-extent-file", DAMAGE, f"{p} is {reason}; "
+                                               "left out", fixed=True))
+                continue
             try:
                 h = ExtentHeader.decode(reader.read(p, 0, EXTENT_HEADER_BYTES))
             except KVStoreError as e:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import operator
-import os
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -44,7 +43,7 @@ from typing import Any
 import lmdb
 
 from kvstore import permissions
-from kvstore.errors import FormatVersionError, IndexCorruptionError, StoreIOError
+from kvstore.errors import FormatVersionError, IndexCorruptionError
 from kvstore.eviction import ChainTables, lru_leaves
 from kvstore.format import (
     FORMAT_VERSION,
@@ -59,7 +58,8 @@ from kvstore.format import (
     unpack_u64,
 )
 from kvstore.free_map import FreeMap
-from kvstore.index_writer import IndexWriter
+from kvstore.index_file import open_environment
+from kvstore.index_writer import IndexWriter, lmdb_error
 from kvstore.quarantine_table import QuarantineTable
 
 __all__ = ["INITIAL_MAP_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
@@ -129,31 +129,20 @@ class Index:
     may grow to (``open(index_map_bytes=...)``)."""
 
     def __init__(self, path: str, *, map_size: int, sync: bool,
-                 file_mode: int = permissions.FILE_MODE) -> None:
-        permissions.make_dirs(path, file_mode)
+                 file_mode: int = permissions.FILE_MODE, verify: bool = False) -> None:
+        """Open (or create) the index at ``path`` (``PATH/index``).  The directory and
+        LMDB's two files must be the store's own, not links (:mod:`kvstore.store_files`),
+        and ``data.mdb`` is checked before LMDB maps it (:mod:`kvstore.index_file`;
+        ``verify=True``, fsck's, walks every page).  Damage is
+        :class:`~kvstore.errors.IndexCorruptionError`; nothing LMDB raises escapes."""
+        self.path = path
         self.map_limit = map_size
         self._gate = _ResizeGate()
-        # py-lmdb creates data.mdb and lock.mdb with ``mode & ~0o111`` (less the umask):
-        # never more open than file_mode; fix_created restores what a umask took away.
-        fix_modes = permissions.fix_created(
-            [os.path.join(path, "data.mdb"), os.path.join(path, "lock.mdb")], file_mode)
-        try:
-            self.env = lmdb.open(
-                path, map_size=min(map_size, INITIAL_MAP_BYTES), subdir=True, max_dbs=len(_DBS),
-                sync=sync, metasync=sync, readahead=False, meminit=False, max_readers=256,
-                lock=True, mode=permissions.dir_mode(file_mode))
-        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
-                lmdb.VersionMismatchError) as e:
-            raise IndexCorruptionError(
-                f"the LMDB index at {path} is damaged ({e}); run `python -m kvstore fsck "
-                f"{os.path.dirname(path)} --rebuild-index` to rebuild it from the extents"
-            ) from e
-        except lmdb.Error as e:
-            raise StoreIOError(getattr(e, "errno", 5) or 5,
-                               f"cannot open the LMDB index at {path}: {e}") from e
-        fix_modes()
+        self.env, dbs = open_environment(
+            path, map_size=min(map_size, INITIAL_MAP_BYTES), sync=sync, file_mode=file_mode,
+            tables=_DBS, verify=verify)
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
-         self.pins, self.lru) = (self.env.open_db(name) for name in _DBS)
+         self.pins, self.lru) = dbs
         self.free_map = FreeMap(self.free)
         self._chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
 
@@ -162,20 +151,27 @@ class Index:
 
     @contextmanager
     def begin(self, *, buffers: bool = False) -> Iterator[Txn]:
-        """A read-only transaction (the map is not resized while one is open)."""
+        """A read-only transaction (the map is not resized while one is open).  An LMDB
+        error inside it (a damaged page) leaves as a KVStoreError."""
         with self._gate.reading():
-            txn: Txn = self.env.begin(buffers=True) if buffers else self.env.begin()
-            with txn:
-                yield txn
+            try:
+                txn: Txn = self.env.begin(buffers=True) if buffers else self.env.begin()
+                with txn:
+                    yield txn
+            except lmdb.Error as e:
+                raise lmdb_error(e, "cannot read the index", self.path) from e
 
     def grow_map(self) -> bool:
         """Double the memory map up to ``map_limit`` (writer thread, between transactions);
-        False if it is at the limit already."""
-        size = self.env.info()["map_size"]
-        if size >= self.map_limit:
-            return False
-        with self._gate.exclusive():
-            self.env.set_mapsize(min(self.map_limit, 2 * size))
+        False if it is at the limit already.  LMDB's errors leave as KVStoreErrors."""
+        try:
+            size = self.env.info()["map_size"]
+            if size >= self.map_limit:
+                return False
+            with self._gate.exclusive():
+                self.env.set_mapsize(min(self.map_limit, 2 * size))
+        except lmdb.Error as e:
+            raise lmdb_error(e, "cannot grow the index's memory map", self.path) from e
         return True
 
     # ------------------------------------------------------------------ reads

@@ -6,12 +6,23 @@ Jobs that queue up while a commit is being fsynced are applied together in the n
 transaction, each in a nested transaction so one failing job cannot undo the others.
 A job that fills the memory map is retried after the map grows (between transactions)
 up to the index's limit, past which it fails with
-:class:`~kvstore.errors.StoreFullError`; other LMDB errors become ``StoreIOError`` or
-``IndexCorruptionError``: nothing LMDB raises leaves this module untranslated.
+:class:`~kvstore.errors.StoreFullError`; other LMDB errors are translated by
+:func:`lmdb_error` (which the index's reads use too): nothing LMDB raises leaves
+kvstore untranslated, and no error stops the writer thread.
+
+A commit that finds no room on the file system (ENOSPC, EDQUOT: ``data.mdb`` cannot
+grow) fails every job of its transaction with ``StoreFullError``, and nothing of it
+is applied: LMDB writes a transaction's pages where no committed page lives and only
+then the meta page that makes them visible, so a failed commit leaves the index as it
+was and the next one can succeed once space is back.  Other commit failures (EIO,
+EROFS, ...) are ``StoreIOError`` with the kernel's errno, which makes a put fail the
+store closed (G5).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import queue
 import sys
 import threading
@@ -41,6 +52,7 @@ class WriterPort(Protocol):
 
     env: Any  # lmdb.Environment
     map_limit: int
+    path: str  # the index directory (PATH/index), for error messages
 
     def grow_map(self) -> bool: ...
 
@@ -78,20 +90,26 @@ class IndexWriter:
                 batch.append(nxt)
             done, full = self._commit(batch)
             if full:
-                if self._index.grow_map():
-                    retry = full  # applied first in the next transaction, on a larger map
+                try:
+                    grown = self._index.grow_map()
+                except Exception as e:  # noqa: BLE001 - handed to the jobs' callers
+                    done += [(fut, None, _translate(e, self._index.path)) for _, fut in full]
                 else:
-                    err = StoreFullError(
-                        28, f"the LMDB index reached its limit, index_map_bytes="
-                        f"{self._index.map_limit}; reopen the store with a larger "
-                        "index_map_bytes (it is address space: the index file only grows "
-                        "as it fills), or delete blocks")
-                    done += [(fut, None, err) for _, fut in full]
+                    if grown:
+                        retry = full  # applied first in the next transaction, on a larger map
+                    else:
+                        done += [(fut, None, self._map_full()) for _, fut in full]
             for fut, value, exc in done:
                 if exc is not None:
                     fut.set_exception(exc)
                 else:
                     fut.set_result(value)
+
+    def _map_full(self) -> StoreFullError:
+        return StoreFullError(
+            errno.ENOSPC, f"the LMDB index reached its limit, index_map_bytes="
+            f"{self._index.map_limit}; reopen the store with a larger index_map_bytes (it "
+            "is address space: the index file only grows as it fills), or delete blocks")
 
     def _commit(self, batch: list[tuple[Callable[[Txn], Any], Future[Any]]]) -> tuple[
             list[tuple[Future[Any], Any, BaseException | None]],
@@ -112,16 +130,17 @@ class IndexWriter:
                         full.append((fn, fut))
                     except BaseException as e:  # noqa: BLE001 - handed to the caller
                         child.abort()
-                        results.append((fut, None, _translate(e)))
+                        results.append((fut, None, _translate(e, self._index.path)))
                     else:
                         child.commit()
                         results.append((fut, value, None))
             self.commits += 1
         except lmdb.MapFullError:  # the commit itself needed pages: run the whole batch again
             return [], batch
-        except lmdb.Error as e:
-            err = StoreIOError(5, f"LMDB commit failed: {e}")
-            return [(fut, None, err) for _, fut in batch], []
+        except Exception as e:  # noqa: BLE001 - every job of the transaction gets it
+            # One error object per caller (each raise adds to its traceback).
+            return [(fut, None, _translate(e, self._index.path, "the index commit failed"))
+                    for _, fut in batch], []
         return results, full
 
     def submit(self, fn: Callable[[Txn], T]) -> Future[T]:
@@ -160,14 +179,42 @@ class IndexWriter:
         self._thread.join()
 
 
-def _translate(e: BaseException) -> BaseException:
-    """What a job raised, as the caller should see it: LMDB's errors become KVStoreErrors."""
-    if isinstance(e, lmdb.Error) and not isinstance(e, KVStoreError):
-        if isinstance(e, (lmdb.CorruptedError, lmdb.PageNotFoundError)):
-            return IndexCorruptionError(f"the LMDB index is damaged ({e}); run "
-                                        "`python -m kvstore fsck` on the store")
-        return StoreIOError(getattr(e, "errno", 5) or 5, f"LMDB write failed: {e}")
+def _translate(e: BaseException, index_path: str,
+               what: str = "an index write failed") -> BaseException:
+    """What a job (or its commit) raised, as the caller should see it: LMDB's errors
+    become KVStoreErrors (:func:`lmdb_error`)."""
+    if isinstance(e, lmdb.Error):
+        return lmdb_error(e, what, index_path)
     return e
+
+
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
+           lmdb.VersionMismatchError)
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def lmdb_error(e: Exception, what: str, index_path: str) -> KVStoreError:
+    """An ``lmdb.Error`` as the store's typed error, keeping LMDB's errno (py-lmdb's
+    ``code``): damage (a page of the wrong kind, a page not found, not an LMDB file)
+    is :class:`IndexCorruptionError` pointing at ``fsck --rebuild-index``; no room on
+    the file system is :class:`StoreFullError` (the store goes on); the rest is
+    :class:`StoreIOError` with the kernel's errno (EIO for LMDB's own codes)."""
+    if isinstance(e, KVStoreError):
+        return e
+    store = os.path.dirname(index_path)
+    code = getattr(e, "code", 0) or 0
+    if isinstance(e, _DAMAGE):
+        return IndexCorruptionError(
+            f"{what}: the LMDB index at {index_path} is damaged ({e}); run `python -m "
+            f"kvstore fsck {store} --rebuild-index` to rebuild it from the extent files")
+    if code in _NO_ROOM:
+        return StoreFullError(code, f"{what}: no room for the index on its file system "
+                              f"({os.strerror(code)}); nothing of it was applied. Free disk "
+                              "space (or delete blocks), then retry")
+    if isinstance(e, lmdb.PanicError):
+        return StoreIOError(errno.EIO, f"{what}: the LMDB index stopped after an earlier "
+                            f"fatal error ({e}); reopen the store")
+    return StoreIOError(code if code > 0 else errno.EIO, f"{what}: {e}")
 
 
 def _loop_callback() -> Callable[[Callable[[], object]], object]:

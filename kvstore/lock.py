@@ -18,15 +18,21 @@ descriptor is ``O_CLOEXEC``.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvstore import permissions
-from kvstore.errors import StoreLockedError
+from kvstore.errors import StoreLockedError, from_os_error
+from kvstore.store_files import check_file, check_same
 
 LOCK_FILE = "LOCK"
+_FIX = ("Remove it (rm {path}) if it is not a file of another program: the store makes "
+        "its LOCK file again.")
 
 _HELD: weakref.WeakSet[StoreLock] = weakref.WeakSet()
 # Held while a descriptor of a LOCK file exists that ``_HELD`` does not name (opening,
@@ -42,8 +48,23 @@ class StoreLock:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        lock_path = os.path.join(path, LOCK_FILE)
         with _FORK_GUARD:
-            fd = permissions.open_file(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CLOEXEC)
+            # A link, FIFO or directory there is refused (UnsafePathError), never used;
+            # the file is created if missing with O_EXCL and opened without following a
+            # link (a link swapped in meanwhile: ELOOP, refused too).
+            fix = _FIX.format(path=lock_path)
+            check_file(lock_path, fix)
+            try:
+                fd = permissions.open_file(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError as e:
+                raise from_os_error(e, f"cannot open the lock file {lock_path}") from e
+            try:
+                check_same(lock_path, os.fstat(fd), None, fix)
+                os.set_blocking(fd, True)
+            except BaseException:
+                os.close(fd)
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -57,8 +78,25 @@ class StoreLock:
                 raise
             self.fd = fd
             _HELD.add(self)
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            # The pid only names the holder in another opener's error; the flock is the
+            # lock.  A full disk (no block for it) must not keep a store from opening.
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                self.release()
+                raise from_os_error(e, f"cannot write the lock file {lock_path}") from e
+
+    @contextmanager
+    def released_on_error(self) -> Iterator[None]:
+        """Releases the lock if the block raises: a caller that cannot use what it locked
+        (fsck finding the index damaged) must not keep the store locked."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         with _FORK_GUARD:

@@ -4,7 +4,9 @@ coordinates once it is open.
 :class:`StoreParts` takes the lock, opens (or initialises) the index, settles the file
 mode and the namespace, picks the I/O engine, opens the extent files, maps and
 page-locks the staging arena (and the memory tier's region), and builds the allocator,
-the transfers and the shared fdatasync.  Every step that acquires something registers
+the transfers and the shared fdatasync; a store that uses more than ``capacity_bytes``
+evicts down to it before it serves.  Every file it opens is the store's own, never a
+link (:mod:`kvstore.store_files`).  Every step that acquires something registers
 its release; a failure part-way releases what was acquired, last first.  Runs on a
 worker thread (``open()`` calls it there): the LMDB open and the arena's page faults
 take milliseconds the event loop should not wait for.
@@ -18,10 +20,10 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from kvstore import page_locking, permissions
+from kvstore import page_locking, permissions, store_files
 from kvstore.allocator import Allocator
-from kvstore.errors import IndexCorruptionError, NamespaceMismatchError
-from kvstore.extents import extent_path
+from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
+from kvstore.extents import EXTENT_DIR, extent_path
 from kvstore.format import new_store_uuid, unpack_u64
 from kvstore.group_sync import GroupSync
 from kvstore.index import (
@@ -64,7 +66,10 @@ class StoreParts:
         # what new paths get until the store's recorded mode is known (in the index)
         self.file_mode = permissions.FILE_MODE if opts.file_mode is None else opts.file_mode
         if opts.create:
-            permissions.make_dirs(path, self.file_mode)
+            try:
+                permissions.make_dirs(path, self.file_mode)
+            except OSError as e:
+                raise from_os_error(e, f"cannot create the store directory {path}") from e
         elif not os.path.isdir(os.path.join(path, INDEX_DIR)):
             raise FileNotFoundError(f"no kvstore at {path} (open with create=True to make one)")
         lock = StoreLock(path)
@@ -86,8 +91,9 @@ class StoreParts:
         self._cleanups.append(self.index.close)
         self.writer = IndexWriter(self.index)
         self._cleanups.append(self.writer.close)
+        extents_dir = os.path.join(self.path, EXTENT_DIR)
+        store_files.check_dir(extents_dir, f"Move the extents directory itself to {extents_dir}.")
         if self.index.meta_get(META_UUID) is None:
-            extents_dir = os.path.join(self.path, "extents")
             if os.path.isdir(extents_dir) and os.listdir(extents_dir):
                 raise IndexCorruptionError(
                     f"store {self.path} has extent files but no index; run `python -m kvstore "
@@ -197,6 +203,9 @@ class StoreParts:
             counters=self.counters, on_new_extent=self.open_extent,
             on_evicted=self._forget_in_memory,
             ride_along=self.flush_totals_in)
+        # Capacity is a bound at every instant: a store reopened with a smaller one
+        # evicts down to it now, before it serves (or refuses to open: pinned blocks).
+        self.allocator.fit_capacity()
 
     def _forget_in_memory(self, keys: list[bytes]) -> None:
         """Blocks evicted from disk leave the memory tier too (the space comes back now;
@@ -205,8 +214,28 @@ class StoreParts:
             self.memory.discard(keys)
 
     def open_extent(self, extent_id: int) -> None:
-        self.fds[extent_id] = self.engine.open_file(extent_path(self.path, extent_id),
-                                                    create=False)
+        """Open an extent file through the engine: the store's own regular file, not a
+        link (checked before the open, and the descriptor after it: the engine's
+        ``open_file`` takes a path; kvstore.store_files).  FileNotFoundError: missing."""
+        path = extent_path(self.path, extent_id)
+        fix = (f"Put the real extent file at {path} in place of it, or run `python -m "
+               f"kvstore fsck {self.path} --repair` to remove the link (extent {extent_id}'s "
+               "blocks are then lost; its target is left alone).")
+        before = store_files.check_file(path, fix)
+        if before is None:
+            raise FileNotFoundError(path)
+        try:
+            fd = self.engine.open_file(path, create=False)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise from_os_error(e, f"cannot open extent file {path}") from e
+        try:
+            store_files.check_same(path, os.fstat(fd), before, fix)
+        except BaseException:
+            self.engine.close_file(fd)
+            raise
+        self.fds[extent_id] = fd
 
     def _close_fds(self) -> None:
         for fd in self.fds.values():

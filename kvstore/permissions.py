@@ -12,9 +12,10 @@ runs the engine, as a database's data directory is.
    are ``mkdir``-ed with their mode and then ``chmod``-ed.  The umask can only remove
    bits from the creation mode, so a path is never more open than ``M`` at any moment;
    the explicit ``chmod`` restores bits a strict umask took away (the owner needs
-   ``rw`` to reopen a file).  LMDB creates its two files itself, with the mode py-lmdb
-   passes (``mode & ~0o111``, see :class:`~kvstore.index.Index`); they are fixed up the
-   same way right after (:func:`fix_created`).
+   ``rw`` to reopen a file).  LMDB's two files are created the same way (empty, by
+   kvstore, before LMDB opens them: :func:`kvstore.index_file.open_environment`).
+   Nothing is created or opened through a symbolic link (``O_EXCL``, ``O_NOFOLLOW``;
+   :mod:`kvstore.store_files`).
 3. A mode other than the default is recorded in the index (meta record ``file_mode``,
    FORMAT.md) so that later opens and fsck know what the operator chose.
 4. :func:`audit` lists every path under the store (not following symlinks) that grants
@@ -39,7 +40,7 @@ from kvstore.errors import IndexCorruptionError, InsecurePermissionsError
 
 __all__ = [
     "FILE_MODE", "META_FILE_MODE", "LoosePath", "audit", "check_file_mode", "create_file",
-    "describe", "dir_mode", "fix_command", "fix_created", "make_dirs", "open_file", "record_mode",
+    "describe", "dir_mode", "fix_command", "make_dirs", "open_file", "record_mode",
     "recorded_mode", "set_mode", "settle",
 ]
 
@@ -123,19 +124,6 @@ def _fchmod_or_close(fd: int, mode: int) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def fix_created(paths: Sequence[str], file_mode: int) -> Callable[[], None]:
-    """For files another library creates (LMDB): call before it runs, and call the
-    returned function after; the files that were missing before get ``file_mode``."""
-    missing = [p for p in paths if not os.path.lexists(p)]
-
-    def fix() -> None:
-        for p in missing:
-            if os.path.isfile(p) and not os.path.islink(p):
-                set_mode(p, file_mode)
-
-    return fix
 
 
 def set_mode(path: str, mode: int, *, follow: bool = False) -> None:

@@ -225,7 +225,8 @@ def _read_slot_file(path: str, entry: IndexEntry, key: bytes, direct: bool,
     index entry (the CRC32C of MBs runs off the event loop)."""
     view = buffer.view(entry.slot_len)  # slots are page-aligned and page-padded
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW  # never via a link
+                     | (os.O_DIRECT if direct else 0))
         try:
             got = _read_whole(fd, view, entry.offset)
         finally:

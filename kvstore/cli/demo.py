@@ -15,12 +15,14 @@ The store directory holds a manifest (``kvstore-demo.json``: the workload and ev
 block's CRC32C) written before anything else.  It is how the demo recognises a store it
 made: a rerun replaces such a directory, and refuses any other non-empty directory (a
 tool must never delete what it did not create).  ``--remove`` deletes the demo's store
-under the same rule.
+under the same rule.  The manifest is read and written without following a link,
+like every file of the store (a link there is refused, never read through).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -35,9 +37,10 @@ import anyio
 import torch
 
 import kvstore
-from kvstore import permissions
+from kvstore import permissions, store_files
 from kvstore.cli.progress import Progress
 from kvstore.cli.units import disk_usage, human_bytes
+from kvstore.errors import UnsafePathError
 from kvstore.format import PAGE, SLOT_HEADER_BYTES, crc32c, round_up
 
 BLOCK_TOKENS = 16
@@ -183,11 +186,25 @@ class DemoPathError(Exception):
     """The demo's directory cannot be used (exit 2); the message says why and what to do."""
 
 
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of the demo store at ``path``, never read through a link
+    (:class:`~kvstore.errors.UnsafePathError`, an OSError); OSError or ValueError if it
+    is missing or not the demo's JSON."""
+    p = os.path.join(path, MANIFEST)
+    fd = store_files.open_regular(p, os.O_RDONLY, f"Remove it (rm {p}) and run the demo again.")
+    with os.fdopen(fd) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{p} is not the demo's manifest")
+    return doc
+
+
 def _is_demo_store(path: str) -> bool:
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            return bool(json.load(f).get("created_by") == _MANIFEST_TAG)
-    except (OSError, ValueError, AttributeError):
+        return bool(read_manifest(path).get("created_by") == _MANIFEST_TAG)
+    except UnsafePathError as e:
+        raise DemoPathError(str(e)) from None
+    except (OSError, ValueError):
         return False
 
 
@@ -237,7 +254,9 @@ def write_manifest(path: str, workload: str, checksums: dict[str, int]) -> None:
     """Mark ``path`` as the demo's store and keep the writer's checksums for the reloading
     process; owner-only, as the store is."""
     tmp = os.path.join(path, MANIFEST + ".tmp")
-    with os.fdopen(permissions.create_file(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
+    with contextlib.suppress(FileNotFoundError):  # a stale one, or a link: never written through
+        os.unlink(tmp)
+    with os.fdopen(permissions.create_file(tmp, os.O_WRONLY | os.O_TRUNC | os.O_EXCL), "w") as f:
         json.dump({"created_by": _MANIFEST_TAG, "workload": workload,
                    "checksums": checksums}, f)
         f.flush()
@@ -269,8 +288,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"removed the demo store {path} ({human_bytes(size)})")
         return 0
     if args.reload_only:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
+        manifest = read_manifest(path)
         tokens = sessions(WORKLOADS[manifest["workload"]])
         result = anyio.run(reload, path, tokens, manifest["checksums"])
         print(json.dumps(result))

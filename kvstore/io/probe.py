@@ -14,6 +14,7 @@ The result names the engine, whether O_DIRECT is on, and why anything was not us
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass
@@ -30,11 +31,21 @@ class ProbeResult:
     reason: str
 
 
+def _create(path: str, flags: int) -> int:
+    """A new probe file, never one reached through a link: a stale one (a crash
+    mid-probe) is removed first (unlink removes a link, not its target), then created
+    with O_EXCL | O_NOFOLLOW (kvstore writes nothing outside the store's directory)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                   | flags, 0o600)
+
+
 def probe_direct(directory: str) -> tuple[bool, str]:
     path = os.path.join(directory, f".probe-direct-{os.getpid()}")
     buf = mmap.mmap(-1, 4096)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        fd = _create(path, os.O_DIRECT)
     except OSError as e:
         return False, f"O_DIRECT open refused ({e.strerror})"
     try:
@@ -66,10 +77,9 @@ def probe_uring(directory: str, direct: bool) -> tuple[bool, str]:
     except OSError as e:
         return False, f"io_uring_setup refused ({e.strerror})"
     path = os.path.join(directory, f".probe-uring-{os.getpid()}")
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     buf = mmap.mmap(-1, 4096)
     view = memoryview(buf)
-    fd = os.open(path, flags, 0o600)
+    fd = _create(path, os.O_DIRECT if direct else 0)
     cqe = lu.io_uring_cqe()
     try:
         def run(prep: object) -> int:
