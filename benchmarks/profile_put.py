@@ -1,6 +1,6 @@
 """Where a durable put spends its time: the wall-clock split of ``put_many`` into its
 phases, and (with ``--py-spy``) an on-CPU sampling profile summarised by what the code
-was doing.  Issue 13's "profiles before and after".
+was doing.
 
     python benchmarks/profile_put.py [TREE] [--block 2M] [--mib 256] [--batch 32] [--py-spy]
         [--ceiling]

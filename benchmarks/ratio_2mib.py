@@ -1,4 +1,4 @@
-"""2 MiB put/get throughput of two kvstore trees in one run, as a ratio (issue 12's
+"""2 MiB put/get throughput of two kvstore trees in one run, as a ratio (a change's
 "throughput unchanged" check).
 
     python benchmarks/ratio_2mib.py BASE_TREE NEW_TREE [--rounds 3] [--mib 256]

@@ -113,7 +113,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             add(f"FP8 {op} > raw (input bytes/s; median over block sizes)",
                 statistics.median(v for v, _ in fp8), 1.0)
         from_1mib = [(v, b) for v, b in fp8 if b >= 1 << 20]
-        if from_1mib:  # issue 13's form: at every size of 1 MiB and more
+        if from_1mib:  # the target's form: at every size of 1 MiB and more
             v, b = min(from_1mib)
             add(f"FP8 {op} >= raw at every block size >= 1 MiB (input bytes/s)", v, 1.0,
                 detail=f"worst at {human(b)}")

@@ -1,5 +1,5 @@
 """The report of :mod:`benchmarks.callers` and :mod:`benchmarks.mixed`: summary rows,
-targets (issue 13's, from the design brief) and the markdown sections.
+targets (from the design brief) and the markdown sections.
 
 Ratios are kvstore / fio per repetition (measured back to back), summarised as median
 [min-max], like the sweep's.  CPU cost is median core-seconds per GB moved.  Targets
@@ -135,7 +135,7 @@ def _memory_target(part: dict[str, Any], rows: Sequence[Row]) -> Row:
 
 
 def targets(doc: dict[str, Any]) -> list[Row]:
-    """Issue 13's targets measured in this run (nothing for parts not run)."""
+    """The design's throughput targets measured in this run (nothing for parts not run)."""
     out: list[Row] = []
     part = doc.get("callers")
     if part and part["summary"]:

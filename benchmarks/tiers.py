@@ -1,4 +1,4 @@
-"""Issue 14's measurements in one run: the memory tier against memcpy, an engine-shaped
+"""The tiers' measurements in one run: the memory tier against memcpy, an engine-shaped
 prefetch loop, and foreground get latency under a saturating put stream with read-first
 scheduling on and off (and backpressure dropping whole background batches).
 

