@@ -64,13 +64,12 @@ def unsafe_reason(path: str, *, directory: bool = False) -> str | None:
     return None if ok else _describe(path, st)
 
 
-def _refuse(path: str, reason: str, fix: str) -> UnsafePathError:
+def _refuse(path: str, reason: str, fix: str, kind: str = "file") -> UnsafePathError:
     code = errno.ELOOP if reason.startswith("a symbolic link") else errno.EINVAL
     return UnsafePathError(
-        code, f"{path} is {reason}, not the store's own "
-        f"{'directory' if reason == 'not a directory' else 'file'}: kvstore reads and "
-        f"writes nothing outside its directory and follows no link inside it, so it did "
-        f"not use it (nothing was changed). {fix}")
+        code, f"{path} is {reason}, not the store's own {kind}: kvstore reads and writes "
+        "nothing outside its directory and follows no link inside it, so it did not use "
+        f"it (nothing was changed). {fix}")
 
 
 def check_dir(path: str, fix: str) -> bool:
@@ -82,7 +81,7 @@ def check_dir(path: str, fix: str) -> bool:
         return False
     if not stat.S_ISDIR(st.st_mode):
         reason = _describe(path, st) if stat.S_ISLNK(st.st_mode) else "not a directory"
-        raise _refuse(path, reason, fix)
+        raise _refuse(path, reason, fix, "directory")
     return True
 
 
