@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -177,43 +178,93 @@ def lock_descriptors(store_path: Path) -> int:
 
 class LiveChild:
     """A child forked from the calling thread (an event loop's, mid-round): it reports what
-    ``probe`` returns (a small count; read by :meth:`end`, so nothing here waits for the
-    child to be scheduled) and then runs on until :meth:`end`, as a worker
-    process an engine forks would.  It never returns into the caller's code (it leaves by
-    ``os._exit``: no atexit handler, no buffer flushed), so it cannot run the parent's
-    event loop or store; a probe that raises is its exit status 1."""
+    ``probe`` returns (a small count; read later, so nothing here waits for the child to be
+    scheduled) and then runs on, as a worker process an engine forks would, answering
+    :meth:`ask` with ``later(message)`` until :meth:`end`.  It never returns into the
+    caller's code (it leaves by ``os._exit``: no atexit handler, no buffer flushed), so it
+    cannot run the parent's event loop or store; a probe or ``later`` that raises is its
+    exit status 1.  ``later`` runs in the forking thread, which in the child is still
+    "inside" the parent's event loop: run anything asynchronous on a new thread."""
 
-    def __init__(self, probe: Callable[[], int]) -> None:
+    def __init__(self, probe: Callable[[], int],
+                 later: Callable[[bytes], bytes] | None = None) -> None:
         report_r, report_w = os.pipe()
-        hold_r, self._hold_w = os.pipe()
+        ask_r, self._ask_w = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:
             status = 1
             try:
                 os.close(report_r)
-                os.close(self._hold_w)
+                os.close(self._ask_w)
                 os.write(report_w, bytes([min(probe(), 255)]))
+                while (message := _receive(ask_r, None)) is not None:  # None: parent ended it
+                    _send(report_w, b"" if later is None else later(message))
                 status = 0
-                os.read(hold_r, 1)  # end of file once the parent ends it
             finally:
                 os._exit(status)
         os.close(report_w)
-        os.close(hold_r)
+        os.close(ask_r)
         # Read at the end, not now: the parent runs on while the child may not even
         # have run its at-fork hooks yet (the window that kept the store locked).
         self._report_r = report_r
         self.report: int | None = None
         self.status: int | None = None
 
+    def _read_report(self) -> None:
+        if self.report is None:
+            got = _read_exactly(self._report_r, 1, DEADLINE)  # written at once by the child
+            self.report = got[0] if got else None
+
+    def ask(self, message: bytes) -> bytes:
+        """Have the child run ``later(message)`` now; its answer.  Fails if the child
+        ended without one or gave none within :data:`DEADLINE` (it is then killed)."""
+        self._read_report()
+        _send(self._ask_w, message)
+        answer = _receive(self._report_r, DEADLINE)
+        if answer is None:
+            os.kill(self.pid, 9)
+            pytest.fail(f"the forked child {self.pid} gave no answer to {message!r} "
+                        f"within {DEADLINE:.0f} s (hung, or ended)")
+        return answer
+
     def end(self) -> int:
         """Let it exit; its exit status (and ``report``, what its probe returned)."""
         if self.status is None:
             try:
-                got = os.read(self._report_r, 1)  # written at once by the child
+                self._read_report()
             finally:
                 os.close(self._report_r)
-            self.report = got[0] if got else None
-            os.close(self._hold_w)
+                os.close(self._ask_w)
             _, raw = os.waitpid(self.pid, 0)
             self.status = os.waitstatus_to_exitcode(raw)
         return self.status
+
+
+def _read_exactly(fd: int, n: int, seconds: float | None) -> bytes:
+    """Up to ``n`` bytes from ``fd`` (fewer at end of file), waiting at most ``seconds``
+    for each part (None: for ever)."""
+    out = b""
+    while len(out) < n:
+        if seconds is not None and not select.select([fd], [], [], seconds)[0]:
+            break
+        part = os.read(fd, n - len(out))
+        if not part:
+            break
+        out += part
+    return out
+
+
+def _send(fd: int, message: bytes) -> None:
+    data = len(message).to_bytes(4, "little") + message
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _receive(fd: int, seconds: float | None) -> bytes | None:
+    """One message :func:`_send` wrote; None at end of file or past ``seconds``."""
+    head = _read_exactly(fd, 4, seconds)
+    if len(head) < 4:
+        return None
+    size = int.from_bytes(head, "little")
+    body = _read_exactly(fd, size, seconds)
+    return body if len(body) == size else None
