@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import subprocess
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -164,6 +166,33 @@ def resident_bytes(address: int, length: int) -> int:
     if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return sum(v & 1 for v in vec) * page
+
+
+class SnapshotReader:
+    """A process reading the store's index (``PATH/index``), as another process of a
+    shared store would, holding one read snapshot until :meth:`end`.  While it does,
+    LMDB reuses no page that snapshot may read, so every commit needs new pages:
+    ``data.mdb`` must grow (on a full disk, it cannot).  It ends on a line, not at end
+    of file: a child forked meanwhile holds a copy of its pipe."""
+
+    SCRIPT = ("import lmdb, sys; env = lmdb.open(sys.argv[1], readonly=True, max_dbs=64); "
+              "txn = env.begin(); print('ready', flush=True); sys.stdin.readline()")
+
+    def __init__(self, index: Path) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-c", self.SCRIPT, str(index)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None and self._proc.stdout.readline() == "ready\n"
+
+    def end(self) -> None:
+        if self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write("end\n")
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(DEADLINE)
+            finally:
+                self._proc.kill()  # (a no-op once it ended)
+        assert self._proc.returncode == 0, "the snapshot reader did not end"
 
 
 def lock_descriptors(store_path: Path) -> int:
