@@ -11,10 +11,13 @@ a bad sector, a bug, a file edited by hand):
    read through; repair removes a link, never its target, and drops the extent's
    blocks).  Every extent in the ``extents`` table exists, has its recorded size and
    a valid extent header naming its id and the store's uuid (damage: missing-extent,
-   short-extent, bad-extent-header).  Extent files (``NNNNNNNN.kvx``) that the table does
-   not name are left by a crash between creating a file and committing it (reclaimable:
-   orphan-extent-file).  Any other file there is not the store's: listed, never deleted
-   (note: foreign-file).
+   short-extent, bad-extent-header; repair rewrites the header).  A file or header that
+   cannot be read or examined (an I/O error) is damage with its errno (unreadable): left
+   as it is, its blocks checked one by one, never dropped.  Extent files
+   (``NNNNNNNN.kvx``) that the table does not name are left by a crash between creating
+   a file and committing it (reclaimable: orphan-extent-file, removed by repair once its
+   header reads: one that cannot be read is unreadable, kept).  Any other file there is
+   not the store's: listed, never deleted (note: foreign-file).
 3. Allocation map: the ranges of ``blocks`` and ``quarantine`` entries and the runs of the
    ``free`` table must tile every extent from 4096 to its end exactly once.  Two owners
    of one byte is damage (overlap, free-and-referenced, out-of-bounds); bytes owned by
@@ -33,6 +36,8 @@ a bad sector, a bug, a file edited by hand):
 6. With ``deep=True``, free space is scanned for slots that still verify: deleted blocks
    and writes of puts that never committed (note: orphan-slot; harmless, as the space is
    free, but ``rebuild_index`` would resurrect them, so ``--repair`` zeroes their headers).
+   A range of free space that cannot be read (narrowed to its pages: fsck_files.py) is
+   damage with its errno (unreadable), left as it is.
 7. Meta records: the sequence counter is at least every entry's, ``next_extent`` is past
    every extent id, namespace records are valid JSON (damage: meta).
 
@@ -55,43 +60,49 @@ Each key owns exactly one slot, so there are no slot reference counts to drift.
 are durable: reclaimable space returns to the free map, orphan files are deleted,
 orphan slot headers are zeroed, damaged blocks are dropped from the index and their
 space freed (their headers zeroed so a rebuild cannot resurrect them), entries of
-missing extents are dropped, meta counters are raised.  A second check finds nothing.
+missing extents are dropped, meta counters are raised.  A second check finds nothing
+but what repair never touches: what could not be read (nothing is written over it),
+files of another user or program.  A data-file change that fails (an I/O error, a full
+or read-only disk) is a finding of its own (repair-failed, with its errno) and leaves
+its finding unfixed; an index transaction that fails changes nothing in the index
+(repair-failed; run it again).
 
-``rebuild_index`` recreates the index from the extent files alone (every slot describes
-itself): the old index directory is kept aside, slots whose header and payload verify are
-indexed (the newest sequence number wins per key), everything else becomes free space.
-Namespace records cannot be recovered; the next ``open`` with a namespace records it.
-It refuses (creating nothing) a path with no extent files: there is nothing to rebuild
-from, and writing an index there would turn a foreign directory into a store.
+``rebuild_index`` recreates the index from the extent files alone: kvstore/fsck_rebuild.py.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import mmap
 import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from kvstore import permissions
 from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
-from kvstore.extents import EXTENT_DIR, extent_path, fsync_dir
+from kvstore.extents import EXTENT_DIR, extent_path
 from kvstore.format import (
     EXTENT_HEADER_BYTES,
     PAGE,
-    SLOT_HEADER_BYTES,
     ExtentHeader,
     IndexEntry,
-    SlotHeader,
     lru_key,
     pack_u64,
-    round_up,
     unpack_u64,
 )
+from kvstore.fsck_files import (
+    ExtentReader,
+    Unreadable,
+    is_extent_name,
+    remove_file,
+    rewrite,
+    verified_slots,
+    verify_slot,
+    zero_page,
+)
+from kvstore.fsck_rebuild import rebuild_index
+from kvstore.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, ProgressFn, Report
 from kvstore.index import (
     META_EXTENT_BYTES,
     META_NAMESPACE_PREFIX,
@@ -101,121 +112,10 @@ from kvstore.index import (
     Index,
     IndexWriter,
     Txn,
-    init_meta,
 )
 from kvstore.lock import StoreLock
 from kvstore.quarantine_table import OK
-from kvstore.slots import check_payload, check_slot
 from kvstore.store_files import check_dir, unsafe_reason
-
-RECLAIMABLE = "reclaimable"
-DAMAGE = "damage"
-NOTE = "note"  # listed (and cleaned by --repair) but not a problem: does not change the exit code
-_SCAN_CHUNK = 8 << 20
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC  # extent files are never reached through a link
-
-ProgressFn = Callable[[str, int, int], None]
-
-
-@dataclass
-class Finding:
-    kind: str
-    severity: str
-    detail: str
-    extent: int | None = None
-    offset: int | None = None
-    length: int | None = None
-    key: str | None = None
-    fixed: bool = False
-
-
-@dataclass
-class Report:
-    path: str
-    deep: bool
-    repair: bool
-    blocks: int = 0
-    quarantined: int = 0
-    extents: int = 0
-    payloads_verified: int = 0
-    chain_holes: int = 0  # stored blocks whose parent is not stored (step 8)
-    chain_hole_examples: list[str] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def damage(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == DAMAGE]
-
-    @property
-    def reclaimable(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == RECLAIMABLE]
-
-    @property
-    def problems(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity != NOTE]
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.problems else 0
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["exit_code"] = self.exit_code
-        return d
-
-
-class _Reader:
-    """Aligned reads of extent files (O_DIRECT where possible: what the device holds)."""
-
-    def __init__(self) -> None:
-        self._buf = mmap.mmap(-1, _SCAN_CHUNK)
-        self._fds: dict[str, int] = {}
-
-    def fd(self, path: str) -> int:
-        if path not in self._fds:
-            try:
-                self._fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT | _NOFOLLOW)
-            except OSError:
-                self._fds[path] = os.open(path, os.O_RDONLY | _NOFOLLOW)
-        return self._fds[path]
-
-    def read(self, path: str, offset: int, length: int) -> bytes:
-        """``length`` bytes at ``offset`` (page-aligned); short at end of file."""
-        out = bytearray()
-        fd = self.fd(path)
-        while len(out) < length:
-            n = min(round_up(length - len(out)), _SCAN_CHUNK)
-            got = os.preadv(fd, [memoryview(self._buf)[:n]], offset + len(out))
-            if got <= 0:
-                break
-            out += self._buf[:min(got, length - len(out))]
-            if got < n:
-                break
-        return bytes(out)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._buf.close()
-
-
-def _zero_page(path: str, offset: int) -> None:
-    fd = os.open(path, os.O_WRONLY | _NOFOLLOW)
-    try:
-        os.pwrite(fd, bytes(PAGE), offset)
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-
-
-def _verify_slot(raw: bytes, key: bytes | None, entry: IndexEntry | None, deep: bool) -> SlotHeader:
-    header = check_slot(raw, key, entry)  # the store's reads check exactly this
-    if header.slot_len > len(raw) and deep:
-        raise CorruptionError("slot runs past the end of its extent")
-    if deep:
-        check_payload(raw, header)
-    return header
 
 
 def check(path: str, *, repair: bool = False, deep: bool = False,
@@ -234,7 +134,7 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
         check_dir(os.path.join(path, EXTENT_DIR), "Move the extents directory itself there.")
         index = Index(os.path.join(path, "index"), map_size=64 << 30, sync=True, verify=True)
     writer = IndexWriter(index)
-    reader = _Reader()
+    reader = ExtentReader()
     try:
         index.check_format()
         _Checker(path, index, writer, reader, report, repair, deep, progress).run()
@@ -247,22 +147,66 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
     return report
 
 
-class _Checker:
-    def __init__(self, path: str, index: Index, writer: IndexWriter, reader: _Reader,
-                 report: Report, repair: bool, deep: bool, progress: ProgressFn | None) -> None:
-        self.path, self.index, self.writer, self.reader = path, index, writer, reader
-        self.report, self.repair, self.deep = report, repair, deep
-        self.progress = progress or (lambda stage, done, total: None)
+class _Findings:
+    """The report's findings and the repairs they call for: the data-file changes first
+    (each durable), then the index's, in one transaction."""
+
+    def __init__(self, report: Report, writer: IndexWriter) -> None:
+        self.report, self.writer = report, writer
         self.fixes: list[Callable[[Txn], None]] = []
         self.unfixable: list[Finding] = []  # stay unfixed after --repair (foreign-owner)
-        self.file_fixes: list[Callable[[], None]] = []
-        self.uuid: bytes = index.meta_get(META_UUID) or b""
-        self.extent_bytes = unpack_u64(index.meta_get(META_EXTENT_BYTES) or pack_u64(0))
+        self.file_fixes: list[tuple[Finding, Callable[[], None]]] = []  # before the index's
 
     def find(self, kind: str, severity: str, detail: str, **where: Any) -> Finding:
         f = Finding(kind, severity, detail, **where)
         self.report.findings.append(f)
         return f
+
+    def unreadable(self, detail: str, e: OSError, **where: Any) -> None:
+        """Damage that repair leaves as it is: nothing is written over what could not be
+        read (the next fsck or scrub reads it again)."""
+        self.unfixable.append(self.find("unreadable", DAMAGE, f"{detail} ({e.strerror})",
+                                        errno=e.errno, **where))
+
+    def apply_fixes(self, last: Callable[[Txn], None]) -> None:
+        """Every fix, ``last`` the last in the index transaction; marks what was fixed."""
+        found = list(self.report.findings)
+        for f, fn in self.file_fixes:
+            try:
+                fn()
+            except OSError as e:
+                self.unfixable.append(f)
+                self.find("repair-failed", DAMAGE, f"could not fix {f.kind} ({e.strerror}): "
+                          f"{f.detail}", extent=f.extent, offset=f.offset, errno=e.errno)
+        fixes = [*self.fixes, last]
+
+        def apply(txn: Txn) -> None:
+            for fix in fixes:
+                fix(txn)
+
+        try:
+            self.writer.run_sync(apply)
+        except KVStoreError as e:  # the index as it was: nothing of it is fixed
+            self.find("repair-failed", DAMAGE, f"the repair's index transaction failed, the "
+                      f"index is as it was: {e}; run the repair again",
+                      errno=e.errno if isinstance(e, OSError) else None)
+            return
+        for f in found:
+            # Never touched: files fsck did not create, files of another user, what
+            # could not be read, fixes that failed.
+            f.fixed = f.kind != "foreign-file" and all(f is not u for u in self.unfixable)
+
+
+class _Checker(_Findings):
+    def __init__(self, path: str, index: Index, writer: IndexWriter, reader: ExtentReader,
+                 report: Report, repair: bool, deep: bool, progress: ProgressFn | None) -> None:
+        super().__init__(report, writer)
+        self.path, self.index, self.reader = path, index, reader
+        self.repair, self.deep = repair, deep
+        self.progress = progress or (lambda stage, done, total: None)
+        self.kept: set[int] = set()  # extents that could not be examined: never dropped
+        self.uuid: bytes = index.meta_get(META_UUID) or b""
+        self.extent_bytes = unpack_u64(index.meta_get(META_EXTENT_BYTES) or pack_u64(0))
 
     def run(self) -> None:
         extents = self.check_extents()
@@ -275,18 +219,7 @@ class _Checker:
         self.check_chains(entries)
         self.check_permissions()
         if self.repair and self.report.findings:
-            for fn in self.file_fixes:
-                fn()
-            fixes = [*self.fixes, self.rewrite_chain_tables]
-
-            def apply(txn: Txn) -> None:
-                for fix in fixes:
-                    fix(txn)
-
-            self.writer.run_sync(apply)
-            for f in self.report.findings:
-                # Never touched: files fsck did not create, files of another user.
-                f.fixed = f.kind != "foreign-file" and all(f is not u for u in self.unfixable)
+            self.apply_fixes(self.rewrite_chain_tables)
 
     # -- step 2
     def check_extents(self) -> dict[int, int]:
@@ -296,50 +229,74 @@ class _Checker:
         usable: dict[int, int] = {}
         for extent_id, size in sorted(table.items()):
             p = extent_path(self.path, extent_id)
-            if (reason := unsafe_reason(p)) is not None:  # never read or written through
-                f = self.find("unsafe-extent-file", DAMAGE, f"{p} is {reason}: the store will "
-                              "not open; --repair removes a link (never its target), dropping "
-                              "the extent's blocks", extent=extent_id)
-                usable[extent_id] = 0
-                if os.path.islink(p):
-                    self.file_fixes.append(partial(_remove_file, p))
-                else:  # not a file the store made: left to the operator
-                    self.unfixable.append(f)
-                continue
-            if not os.path.exists(p):
-                self.find("missing-extent", DAMAGE, f"extent file {p} is missing; its blocks are lost",
-                          extent=extent_id)
-                usable[extent_id] = 0
-                continue
-            actual = os.path.getsize(p)
-            usable[extent_id] = min(actual, size)
-            if actual < size:
-                self.find("short-extent", DAMAGE, f"{p} has {actual} of {size} bytes",
-                          extent=extent_id)
             try:
-                header = ExtentHeader.decode(self.reader.read(p, 0, EXTENT_HEADER_BYTES))
-                if (header.extent_id, header.extent_bytes, header.store_uuid) != \
-                        (extent_id, size, self.uuid):
-                    raise CorruptionError("extent header names another extent or store")
-            except KVStoreError as e:
-                f = self.find("bad-extent-header", DAMAGE, f"{p}: {e}", extent=extent_id)
-                if usable[extent_id]:
-                    good = ExtentHeader(extent_id, size, self.uuid).encode()
-                    self.file_fixes.append(partial(_rewrite, p, 0, good))
-                del f
+                usable[extent_id] = self.check_extent(extent_id, size, p)
+            except OSError as e:  # lstat, open: kept, never dropped for what was not seen
+                self.unreadable(f"{p} cannot be examined; its blocks are left as they are",
+                                e, extent=extent_id)
+                usable[extent_id] = 0
+                self.kept.add(extent_id)
         directory = os.path.join(self.path, EXTENT_DIR)
-        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        try:
+            names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        except OSError as e:
+            self.unreadable(f"{directory} cannot be listed: files no entry names are not "
+                            "looked for", e)
+            names = []
+        for name in names:
             p = os.path.join(directory, name)
-            if not _is_extent_name(name) or (unsafe_reason(p) and not os.path.islink(p)):
+            if not is_extent_name(name) or (unsafe_reason(p) and not os.path.islink(p)):
                 self.find("foreign-file", NOTE, f"{p} is not an extent file; left alone")
             elif int(name.removesuffix(".kvx")) not in table:
-                self.find("orphan-extent-file", RECLAIMABLE,
-                          f"{p} is not named by the index (a crash before its commit)")
-                self.file_fixes.append(partial(_remove_file, p))
+                try:  # removed only once it reads: a rebuild may have left it out for that
+                    self.reader.read(p, 0, EXTENT_HEADER_BYTES)
+                except OSError as e:
+                    self.unreadable(f"{p} is not named by the index and cannot be read; "
+                                    "left as it is (rebuild the index once it reads)", e)
+                    continue
+                f = self.find("orphan-extent-file", RECLAIMABLE,
+                              f"{p} is not named by the index (a crash before its commit)")
+                self.file_fixes.append((f, partial(remove_file, p)))
         for extent_id, size in usable.items():
-            if size == 0:
+            if size == 0 and extent_id not in self.kept:
                 self.fixes.append(partial(self.index.drop_extent, extent_id=extent_id))
         return usable
+
+    def check_extent(self, extent_id: int, size: int, p: str) -> int:
+        """One extent of the table: its usable size, 0 if it is unusable."""
+        if (reason := unsafe_reason(p)) is not None:  # never read or written through
+            f = self.find("unsafe-extent-file", DAMAGE, f"{p} is {reason}: the store will "
+                          "not open; --repair removes a link (never its target), dropping "
+                          "the extent's blocks", extent=extent_id)
+            if os.path.islink(p):
+                self.file_fixes.append((f, partial(remove_file, p)))
+            else:  # not a file the store made: left to the operator
+                self.unfixable.append(f)
+            return 0
+        try:
+            actual = os.lstat(p).st_size
+        except FileNotFoundError:
+            self.find("missing-extent", DAMAGE, f"extent file {p} is missing; its blocks are "
+                      "lost", extent=extent_id)
+            return 0
+        if actual < size:
+            self.find("short-extent", DAMAGE, f"{p} has {actual} of {size} bytes",
+                      extent=extent_id)
+        try:
+            header = ExtentHeader.decode(self.reader.read(p, 0, EXTENT_HEADER_BYTES))
+            if (header.extent_id, header.extent_bytes, header.store_uuid) != \
+                    (extent_id, size, self.uuid):
+                raise CorruptionError("extent header names another extent or store")
+        except OSError as e:
+            self.unreadable(f"{p}: its extent header cannot be read; left as it is, its "
+                            "blocks checked one by one", e, extent=extent_id, offset=0,
+                            length=PAGE)
+        except KVStoreError as e:
+            f = self.find("bad-extent-header", DAMAGE, f"{p}: {e}", extent=extent_id)
+            if min(actual, size):
+                good = ExtentHeader(extent_id, size, self.uuid).encode()
+                self.file_fixes.append((f, partial(rewrite, p, 0, good)))
+        return min(actual, size)
 
     def load_entries(self) -> list[tuple[bytes, IndexEntry, bool]]:
         entries: list[tuple[bytes, IndexEntry, bool]] = []
@@ -434,35 +391,33 @@ class _Checker:
                 continue
             try:
                 raw = self.reader.read(p, e.offset, e.slot_len if self.deep else PAGE)
-                _verify_slot(raw, key, e, self.deep)
+                verify_slot(raw, key, e, self.deep)
                 if self.deep:
                     self.report.payloads_verified += 1
             except OSError as err:
                 self.find("unreadable", DAMAGE, f"block {key.hex()} cannot be read "
                           f"({err.strerror}); --repair quarantines it (kept, read again)",
-                          **where)
+                          errno=err.errno, **where)
                 self.fixes.append(partial(self._quarantine, key, e))
             except KVStoreError as err:
                 kind = "bad-payload" if "payload" in str(err) else "bad-slot"
-                self.find(kind, DAMAGE, f"block {key.hex()}: {err}", **where)
-                self._fix_free_slot(key, e, quarantined=False)
+                f = self.find(kind, DAMAGE, f"block {key.hex()}: {err}", **where)
+                self._fix_free_slot(f, key, e, quarantined=False)
         self.progress(stage, total, total)
 
     def _check_quarantined(self, key: bytes, e: IndexEntry, path: str,
                            where: dict[str, Any]) -> None:
         """Step 5: a quarantined slot read again, whole (see the module docstring)."""
         try:
-            _verify_slot(self.reader.read(path, e.offset, e.slot_len), key, e, True)
+            verify_slot(self.reader.read(path, e.offset, e.slot_len), key, e, True)
         except OSError as err:
-            self.unfixable.append(self.find(
-                "unreadable", DAMAGE, f"quarantined block {key.hex()} cannot be read "
-                f"({err.strerror}); left in quarantine, read again by the next fsck or scrub",
-                **where))
+            self.unreadable(f"quarantined block {key.hex()} cannot be read; left in "
+                            "quarantine, read again by the next fsck or scrub", err, **where)
             return
         except KVStoreError as err:
-            self.find("quarantined", RECLAIMABLE, f"block {key.hex()} failed a read while "
-                      f"serving and fails verification now ({err})", **where)
-            self._fix_free_slot(key, e, quarantined=True)
+            f = self.find("quarantined", RECLAIMABLE, f"block {key.hex()} failed a read "
+                          f"while serving and fails verification now ({err})", **where)
+            self._fix_free_slot(f, key, e, quarantined=True)
             return
         self.report.payloads_verified += 1
         self.find("restorable", RECLAIMABLE, f"quarantined block {key.hex()} verifies now: "
@@ -475,9 +430,10 @@ class _Checker:
     def _restore(self, key: bytes, e: IndexEntry, txn: Txn) -> None:
         self.index.quarantine_records.settle(txn, [(key, e, OK)])
 
-    def _fix_free_slot(self, key: bytes, e: IndexEntry, *, quarantined: bool) -> None:
+    def _fix_free_slot(self, f: Finding, key: bytes, e: IndexEntry, *,
+                       quarantined: bool) -> None:
         p = extent_path(self.path, e.extent)
-        self.file_fixes.append(lambda: _zero_page(p, e.offset))
+        self.file_fixes.append((f, partial(zero_page, p, e.offset)))
         table = self.index.quarantine if quarantined else self.index.blocks
 
         def fix(txn: Txn) -> None:
@@ -493,13 +449,18 @@ class _Checker:
         done = 0
         for extent_id, offset, length in runs:
             p = extent_path(self.path, extent_id)
-            for slot_offset in _slot_headers_in(self.reader, p, offset, length):
-                self.find("orphan-slot", NOTE,
-                          f"free space at {slot_offset} of extent {extent_id} holds a valid slot "
-                          "no index entry names (deleted, or written by a put that never "
-                          "committed)", extent=extent_id,
-                          offset=slot_offset)
-                self.file_fixes.append(partial(_zero_page, p, slot_offset))
+
+            def unreadable(bad: Unreadable, extent_id: int = extent_id) -> None:
+                self.unreadable(f"free space of extent {extent_id}: {bad.length} bytes at "
+                                f"{bad.offset} cannot be read; left as it is", bad.error,
+                                extent=extent_id, offset=bad.offset, length=bad.length)
+
+            for slot_offset, _ in verified_slots(self.reader, p, offset, length, unreadable):
+                f = self.find("orphan-slot", NOTE,
+                              f"free space at {slot_offset} of extent {extent_id} holds a valid "
+                              "slot no index entry names (deleted, or written by a put that "
+                              "never committed)", extent=extent_id, offset=slot_offset)
+                self.file_fixes.append((f, partial(zero_page, p, slot_offset)))
             done += length
             self.progress("free space", done, total)
 
@@ -534,10 +495,10 @@ class _Checker:
                     "foreign-owner", DAMAGE, f"{p.describe()}: another user can change it; "
                     f"check it, then {permissions.fix_command(self.path, [p], mode)}"))
             else:
-                self.find("loose-permissions", DAMAGE, f"{p.describe()}: other users can reach "
-                          f"it; --repair sets {p.want:04o}")
-                self.file_fixes.append(partial(permissions.set_mode, p.path, p.want,
-                                               follow=p.path == self.path))
+                f = self.find("loose-permissions", DAMAGE, f"{p.describe()}: other users can "
+                              f"reach it; --repair sets {p.want:04o}")
+                self.file_fixes.append((f, partial(permissions.set_mode, p.path, p.want,
+                                                   follow=p.path == self.path)))
 
     def rewrite_chain_tables(self, txn: Txn) -> None:
         """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,
@@ -585,166 +546,4 @@ def _chain_tables(entries: list[tuple[bytes, IndexEntry, bool]]) -> tuple[dict[b
 
 
 
-def _remove_file(path: str) -> None:
-    os.unlink(path)
-    fsync_dir(os.path.dirname(path))
-
-
-def _rewrite(path: str, offset: int, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | _NOFOLLOW)
-    try:
-        os.pwrite(fd, data, offset)
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-
-
-def _slot_headers_in(reader: _Reader, path: str, offset: int, length: int) -> Iterator[int]:
-    """Offsets in [offset, offset+length) where a whole slot (header and payload) verifies.
-
-    A verified slot is skipped over whole: a slot written later inside it would have
-    overwritten part of its payload and failed its CRC, so nothing newer hides there.
-    """
-    pos, end = offset, offset + length
-    chunk_start, chunk = pos, b""
-    while pos < end:
-        if not chunk_start <= pos < chunk_start + len(chunk):
-            chunk_start, chunk = pos, reader.read(path, pos, min(_SCAN_CHUNK, end - pos))
-            if not chunk:
-                return
-        hit = chunk.find(b"KVSB", pos - chunk_start)
-        if hit < 0:
-            pos = chunk_start + len(chunk)
-            continue
-        if hit % PAGE:
-            pos = chunk_start + round_up(hit)
-            continue
-        pos = chunk_start + hit
-        try:
-            header = SlotHeader.decode(chunk[hit:hit + SLOT_HEADER_BYTES])
-            if header.slot_len > end - pos:
-                raise CorruptionError("slot runs past the free run")
-            _verify_slot(reader.read(path, pos, header.slot_len), None, None, True)
-        except KVStoreError:
-            pos += PAGE
-            continue
-        yield pos
-        pos += header.slot_len
-
-
-def _is_extent_name(name: str) -> bool:
-    """``NNNNNNNN.kvx``: the only names the store gives files in ``extents/``."""
-    stem = name.removesuffix(".kvx")
-    return name.endswith(".kvx") and len(stem) == 8 and stem.isdigit()
-
-
-def _require_extents(path: str, directory: str) -> None:
-    """Refuse to rebuild where there is no store: creating ``LOCK`` and ``index/`` in an
-    empty or foreign directory would turn it into an (empty) store."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, f"no such directory: {path}")
-    if not os.path.isdir(path):
-        raise NotADirectoryError(errno.ENOTDIR, f"{path} is a file, not a store directory")
-    names = os.listdir(directory) if os.path.isdir(directory) else []
-    if not any(_is_extent_name(n) for n in names):
-        raise FileNotFoundError(errno.ENOENT, f"no kvstore at {path}: nothing to rebuild from "
-                                f"(no extent files in {directory})")
-
-
-def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
-    """Recreate the LMDB index from the extent files (see the module docstring)."""
-    path = os.path.abspath(path)
-    started = time.perf_counter()
-    report = Report(path=path, deep=True, repair=True)
-    progress = progress or (lambda stage, done, total: None)
-    directory = os.path.join(path, EXTENT_DIR)
-    _require_extents(path, directory)  # before the lock: a foreign directory gets nothing
-    lock = StoreLock(path)  # the same lock the store takes
-    reader = _Reader()
-    try:
-        headers: dict[int, tuple[str, ExtentHeader]] = {}
-        for name in sorted(os.listdir(directory)):
-            p = os.path.join(directory, name)
-            if (reason := unsafe_reason(p)) is not None:  # never read through
-                report.findings.append(Finding("unsafe-extent-file", DAMAGE, f"{p} is {reason}; "
-                                               "left out", fixed=True))
-                continue
-            try:
-                h = ExtentHeader.decode(reader.read(p, 0, EXTENT_HEADER_BYTES))
-            except KVStoreError as e:
-                report.findings.append(Finding("bad-extent-header", DAMAGE,
-                                               f"{p}: {e}; file left out", fixed=True))
-                continue
-            if name != os.path.basename(extent_path(path, h.extent_id)):
-                report.findings.append(Finding("bad-extent-header", DAMAGE,
-                                               f"{p} claims extent {h.extent_id}; left out", fixed=True))
-                continue
-            headers[h.extent_id] = (p, h)
-        uuids = [h.store_uuid for _, h in headers.values()]
-        uuid = max(set(uuids), key=uuids.count) if uuids else os.urandom(16)
-        best: dict[bytes, tuple[int, int, SlotHeader]] = {}
-        total = sum(h.extent_bytes for _, h in headers.values())
-        done = 0
-        for extent_id, (p, h) in sorted(headers.items()):
-            if h.store_uuid != uuid:
-                report.findings.append(Finding("bad-extent-header", DAMAGE,
-                                               f"{p} belongs to another store; left out", fixed=True))
-                continue
-            size = min(h.extent_bytes, os.path.getsize(p))
-            for off in _slot_headers_in(reader, p, PAGE, size - PAGE):
-                header = SlotHeader.decode(reader.read(p, off, PAGE))
-                old = best.get(header.key)
-                if old is None or old[2].seq < header.seq:
-                    best[header.key] = (extent_id, off, header)
-            done += h.extent_bytes
-            progress("extents", done, total)
-        keep = best  # slots found by the scan never overlap (see _slot_headers_in)
-
-        index_dir = os.path.join(path, "index")
-        if os.path.isdir(index_dir):
-            os.rename(index_dir, os.path.join(path, f"index.broken-{int(time.time())}"))
-        index = Index(index_dir, map_size=64 << 30, sync=True)
-        writer = IndexWriter(index)
-        try:
-            extent_bytes = max((h.extent_bytes for _, h in headers.values()), default=1 << 30)
-
-            def build(txn: Txn) -> None:
-                init_meta(txn, index, store_uuid=uuid, extent_bytes=extent_bytes)
-                index.set_meta(txn, META_NEXT_EXTENT, pack_u64(max(headers, default=0) + 1))
-                index.set_meta(txn, META_SEQ,
-                               pack_u64(max((v[2].seq for v in keep.values()), default=0)))
-                by_extent: dict[int, list[tuple[int, int]]] = {}
-                for k, (e, o, hd) in keep.items():
-                    entry = IndexEntry(extent=e, offset=o, slot_len=hd.slot_len,
-                                       payload_len=hd.payload_len, raw_len=hd.raw_len,
-                                       codec=hd.codec, dtype=hd.dtype, payload_crc=hd.payload_crc,
-                                       seq=hd.seq, last_use=0, parent=hd.parent)
-                    index.add_block(txn, k, entry)
-                    by_extent.setdefault(e, []).append((o, hd.slot_len))
-                for extent_id, (_, h) in headers.items():
-                    if h.store_uuid != uuid:
-                        continue
-                    free, cursor = [], PAGE
-                    for o, n in sorted(by_extent.get(extent_id, [])):
-                        if o > cursor:
-                            free.append((cursor, o - cursor))
-                        cursor = o + n
-                    if cursor < h.extent_bytes:
-                        free.append((cursor, h.extent_bytes - cursor))
-                    index.record_extent(txn, extent_id, h.extent_bytes, free)
-
-            writer.run_sync(build)
-        finally:
-            writer.close()
-            index.close()
-        report.blocks = len(keep)
-        report.extents = len(headers)
-        report.payloads_verified = len(best)
-    finally:
-        reader.close()
-        lock.release()
-    report.seconds = time.perf_counter() - started
-    return report
-
-
-__all__ = ["Finding", "Report", "check", "rebuild_index"]
+__all__ = ["DAMAGE", "NOTE", "RECLAIMABLE", "Finding", "Report", "check", "rebuild_index"]

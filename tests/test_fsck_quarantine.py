@@ -17,6 +17,7 @@ import torch
 
 import kvstore
 import kvstore.fsck
+import kvstore.fsck_files
 from kvstore import fsck
 from kvstore.extents import extent_path
 from kvstore.format import IndexEntry
@@ -70,7 +71,7 @@ def _repair_unable_to_read(path: Path, entry: IndexEntry, monkeypatch: pytest.Mo
     faults = ReadFaults()
     faults.aim(str(path), entry)
     with monkeypatch.context() as m:
-        m.setattr(kvstore.fsck, "os", _FaultyOs(faults))
+        m.setattr(kvstore.fsck_files, "os", _FaultyOs(faults))
         return fsck.check(str(path), repair=True)
 
 

@@ -115,7 +115,8 @@ FLOORS: dict[int, str] = {
     # 3: the store: the coordinator, its call paths, and the tiers it hands a port to
     3: "store opening put_path get_path reads tiers remote.adapter rechecks scrub",
     # 4: users of the store: the package's front, the blocking bridge, tools, engines
-    4: "__init__ __main__ blocking metrics fsck cli integrations",
+    4: "__init__ __main__ blocking metrics fsck fsck_files fsck_rebuild fsck_report cli "
+       "integrations",
 }
 
 
@@ -231,7 +232,7 @@ def test_import_kvstore_leaves_the_optional_parts_unloaded() -> None:
 # being split are listed with their current size, and may only shrink.
 CLASS_LINES = 350
 FILE_LINES = 600
-LONGER_FILES = {"kvstore/codecs.py": 1000, "kvstore/fsck.py": 750}
+LONGER_FILES = {"kvstore/codecs.py": 1000}
 BEING_SPLIT: dict[str, int] = {}
 
 

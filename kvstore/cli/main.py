@@ -7,9 +7,10 @@ commands:
       again whole (--repair puts back what verifies, never erases it); with --deep also
       every payload's CRC32C and free space. --repair fixes what it finds (a second run finds nothing);
       --rebuild-index recreates the index from the self-describing extent files.
-      Exit 0 clean, 1 problems found (or fixed with --repair; the output says which),
-      2 cannot run (no store there, store open elsewhere, unreadable index, unknown
-      format version).
+      What cannot be read (an I/O error: an extent header, a slot, free space) is a
+      finding with its errno, never written over by --repair. Exit 0 clean, 1 problems
+      found (or fixed with --repair; the output says which were not), 2 cannot run (no
+      store there, store open elsewhere, unreadable index, unknown format version).
   scrub PATH [--rate R] [--restart] [--json]
       Read every stored block again and verify it (header, payload CRC32C), and every
       quarantined one, at a bounded rate (default 64M bytes/s; 0: none), with a progress
@@ -101,8 +102,10 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     if not report.problems:
         print("clean" if not report.findings else "clean (notes only)")
     elif report.repair:
-        print(f"{len(report.problems)} problem(s) fixed "
-              f"({len(report.damage)} damage, {len(report.reclaimable)} reclaimable)")
+        left = sum(not f.fixed for f in report.problems)  # unreadable, foreign, failed
+        print(f"{len(report.problems) - left} problem(s) fixed"
+              + (f", {left} left as it was" if left else "")
+              + f" ({len(report.damage)} damage, {len(report.reclaimable)} reclaimable)")
     else:
         print(f"{len(report.problems)} problem(s) found ({len(report.damage)} damage, "
               f"{len(report.reclaimable)} reclaimable); run with --repair to fix")
