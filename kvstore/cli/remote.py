@@ -51,8 +51,11 @@ def cmd_remote(args: argparse.Namespace) -> int:
             raise CliError(str(e)) from None
     if args.sample < 1:
         raise CliError("--sample must be >= 1")
-    config = RemoteConfig(bucket=args.bucket, endpoint=args.endpoint, prefix=args.prefix,
-                          hmac_key=hmac_key)
+    try:  # a bad --prefix, --endpoint, key: a message, not a traceback
+        config = RemoteConfig(bucket=args.bucket, endpoint=args.endpoint, prefix=args.prefix,
+                              hmac_key=hmac_key)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     digests = anyio.run(_namespaces, os.fspath(args.path))
     if not digests:
         raise CliError(f"the store at {args.path} has no namespace recorded: nothing to check")

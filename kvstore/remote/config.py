@@ -111,12 +111,21 @@ class RemoteConfig:
                 f"prefix={self.prefix!r}, signed={self.hmac_key is not None})")
 
 
+HMAC_KEY_FILE_BYTES = 4096
+"""The most a key file may hold: a key is tens of bytes, and a path to /dev/zero, a log
+or a disk image must not be read whole into memory (a pipe, as ``<(...)`` gives, is fine)."""
+
+
 def read_hmac_key_file(path: str) -> bytes:
     """The HMAC key in a file (surrounding whitespace removed): how the CLI and the vLLM
     connector take it, so that it is never written into a command line or a config
-    that gets logged."""
+    that gets logged.  At most :data:`HMAC_KEY_FILE_BYTES` are read; more is refused."""
     try:
         with open(path, "rb") as f:
-            return f.read().strip()
+            key = f.read(HMAC_KEY_FILE_BYTES + 1)
     except OSError as e:
         raise ValueError(f"cannot read the HMAC key file {path!r}: {e.strerror}") from None
+    if len(key) > HMAC_KEY_FILE_BYTES:
+        raise ValueError(f"the HMAC key file {path!r} holds more than {HMAC_KEY_FILE_BYTES} "
+                         "bytes: not a key file (a key is 32 random bytes)")
+    return key.strip()
