@@ -11,7 +11,8 @@ a bad sector, a bug, a file edited by hand):
    read through; repair removes a link, never its target, and drops the extent's
    blocks).  Every extent in the ``extents`` table exists, has its recorded size and
    a valid extent header naming its id and the store's uuid (damage: missing-extent,
-   short-extent, bad-extent-header; repair rewrites the header).  A file or header that
+   short-extent, bad-extent-header; repair rewrites the header, and gives a short file
+   its size back, zero-filled: its blocks past the old end are bad slots, dropped).  A file or header that
    cannot be read or examined (an I/O error) is damage with its errno (unreadable): left
    as it is, its blocks checked one by one, never dropped.  Extent files
    (``NNNNNNNN.kvx``) that the table does not name are left by a crash between creating
@@ -94,6 +95,7 @@ from kvstore.format import (
 from kvstore.fsck_files import (
     ExtentReader,
     Unreadable,
+    extend,
     is_extent_name,
     remove_file,
     rewrite,
@@ -279,9 +281,12 @@ class _Checker(_Findings):
             self.find("missing-extent", DAMAGE, f"extent file {p} is missing; its blocks are "
                       "lost", extent=extent_id)
             return 0
-        if actual < size:
-            self.find("short-extent", DAMAGE, f"{p} has {actual} of {size} bytes",
-                      extent=extent_id)
+        if actual < size:  # the table's size is not trusted: its blocks past the end
+            # are read as bad slots (dropped by repair), and repair gives the file its size
+            f = self.find("short-extent", DAMAGE, f"{p} has {actual} of {size} bytes: blocks "
+                          "past its end are lost; --repair gives it its size back (zeroes)",
+                          extent=extent_id)
+            self.file_fixes.append((f, partial(extend, p, size)))
         try:
             header = ExtentHeader.decode(self.reader.read(p, 0, EXTENT_HEADER_BYTES))
             if (header.extent_id, header.extent_bytes, header.store_uuid) != \
@@ -293,10 +298,9 @@ class _Checker(_Findings):
                             length=PAGE)
         except KVStoreError as e:
             f = self.find("bad-extent-header", DAMAGE, f"{p}: {e}", extent=extent_id)
-            if min(actual, size):
-                good = ExtentHeader(extent_id, size, self.uuid).encode()
-                self.file_fixes.append((f, partial(rewrite, p, 0, good)))
-        return min(actual, size)
+            good = ExtentHeader(extent_id, size, self.uuid).encode()
+            self.file_fixes.append((f, partial(rewrite, p, 0, good)))
+        return size
 
     def load_entries(self) -> list[tuple[bytes, IndexEntry, bool]]:
         entries: list[tuple[bytes, IndexEntry, bool]] = []

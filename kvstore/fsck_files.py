@@ -23,8 +23,8 @@ from kvstore.extents import fsync_dir
 from kvstore.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, SlotHeader, round_up
 from kvstore.slots import check_payload, check_slot
 
-__all__ = ["SCAN_CHUNK", "ExtentReader", "Unreadable", "is_extent_name", "remove_file",
-           "rewrite", "verified_slots", "verify_slot", "zero_page"]
+__all__ = ["SCAN_CHUNK", "ExtentReader", "Unreadable", "extend", "is_extent_name",
+           "remove_file", "rewrite", "verified_slots", "verify_slot", "zero_page"]
 
 SCAN_CHUNK = 8 << 20
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC  # extent files are never reached through a link
@@ -178,6 +178,17 @@ def rewrite(path: str, offset: int, data: bytes) -> None:
     try:
         os.pwrite(fd, data, offset)
         os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def extend(path: str, size: int) -> None:
+    """A file cut short given its ``size`` back, allocated and zeroed as a new extent's
+    (a put must never find a hole there on a full disk)."""
+    fd = os.open(path, os.O_WRONLY | _NOFOLLOW)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -286,3 +286,23 @@ def test_chain_holes_are_counted_not_reported_as_problems(tmp_path: Path) -> Non
     assert keys(N)[1].hex() in report.chain_hole_examples[0]
     build(tmp_path / "whole")
     assert fsck.check(str(tmp_path / "whole")).chain_holes == 0
+
+
+def test_an_extent_cut_short_loses_only_the_blocks_past_its_end(tmp_path: Path) -> None:
+    """The extents table's size is not trusted: the file is looked at.  Its blocks past
+    the cut are bad slots (dropped by --repair), the file gets its size back (zeroes),
+    and a second run finds nothing (before: short-extent was listed as fixed and found
+    again by every later run, the blocks past the end as out-of-bounds)."""
+    entries = build(tmp_path)
+    p = extent_path(str(tmp_path), entries[0].extent)
+    size = os.path.getsize(p)
+    os.truncate(p, entries[6].offset)  # blocks 6 and after: past the end
+    report = fsck.check(str(tmp_path))
+    assert sorted(kinds(report)) == ["bad-slot", "short-extent"]
+    assert sorted(f.offset for f in report.findings if f.kind == "bad-slot") == \
+        [e.offset for e in entries[6:]]
+    assert_repair_is_idempotent(tmp_path)
+    assert os.path.getsize(p) == size
+    got = read_back(tmp_path)
+    assert [g is not None for g in got] == [True] * 6 + [False] * (N - 6)
+    assert all(same(g, v) for g, v in zip(got[:6], VALUES))
