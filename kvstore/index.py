@@ -339,11 +339,15 @@ class Index:
 
         ``relies_on`` are the stored blocks the put deduplicated against; if one of them
         was unindexed since the put decided (an eviction that chose it before the put
-        protected it, or a delete), nothing is applied and :class:`ChainCut` names them."""
+        protected it, or a delete), nothing is applied and :class:`ChainCut` names them.
+        So it is if a block the put writes was indexed since it decided: a quarantined
+        copy that a re-read verified went back (indexing it again would leave its LRU
+        row, its parent's child count and its slot behind)."""
         with txn.cursor(self.blocks) as cur:
             gone = [k for k in relies_on if not cur.set_key(k)]
-        if gone:
-            raise ChainCut(gone)
+            back = [k for k, _ in entries if cur.set_key(k)]
+        if gone or back:
+            raise ChainCut(gone + back)
         self.apply_touched(txn, touched)
         self.free_map.take_slots(txn, entries)
         for key, entry in entries:
@@ -462,11 +466,14 @@ class Index:
 
 
 class ChainCut(Exception):
-    """A put's commit found blocks it deduplicated against unindexed meanwhile; the put
-    is redone (it writes them itself).  Internal: never reaches a caller."""
+    """A put's commit found blocks it deduplicated against unindexed meanwhile, or
+    blocks it writes indexed meanwhile (restored from quarantine); the put is redone
+    (it writes the first itself, deduplicates the second).  Internal: never reaches a
+    caller."""
 
     def __init__(self, keys: Sequence[bytes]) -> None:
-        super().__init__(f"{len(keys)} deduplicated block(s) were unindexed before the commit")
+        super().__init__(f"{len(keys)} block(s) the put decided on were unindexed or "
+                         "indexed again before the commit")
         self.keys = list(keys)
 
 

@@ -138,8 +138,10 @@ class PutPath:
                 except ChainCut:
                     # An eviction chose blocks this put deduplicated against before the
                     # put protected them, and committed after the put's decision: decide
-                    # again (now they are absent, so this put writes them).  Rare; bounded
-                    # by the evictions that were in flight when the put decided.
+                    # again (now they are absent, so this put writes them).  Or a re-read
+                    # put a quarantined copy of a block it writes back: decide again (it
+                    # deduplicates it now).  Rare; bounded by the evictions and restores
+                    # that were in flight when the put decided.
                     self._counters["put_retries"] += 1
         finally:
             self.order.finish(turn)
