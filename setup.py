@@ -3,8 +3,10 @@
 ``kvstore/_native/fp8.c`` (FP8 codec rows) and ``kvstore/_native/slots.c`` (slot staging
 and verification, CRC32C) are plain C libraries loaded with ctypes (no Python C API),
 built as optional extensions: without a C compiler the install still succeeds and
-``kvstore.codecs`` / ``kvstore.slots`` use their NumPy/torch/Python paths, which give
-bit-identical results, slower.
+``kvstore.codecs.fp8_kernels`` / ``kvstore.io.native_slots`` report them missing and their
+users take the NumPy/torch/Python paths, which give bit-identical results, slower.  The
+libraries are built next to their sources, as ``kvstore/_native/_fp8*.so`` and
+``kvstore/_native/_slots*.so``.
 """
 
 from setuptools import Extension, setup
@@ -12,7 +14,7 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "kvstore._fp8",
+            "kvstore._native._fp8",
             sources=["kvstore/_native/fp8.c"],
             # Never -ffast-math: the kernels rely on IEEE rounding of float additions.
             # -fno-trapping-math only lets GCC if-convert (vectorise) the selects; it
@@ -22,7 +24,7 @@ setup(
             optional=True,
         ),
         Extension(
-            "kvstore._slots",
+            "kvstore._native._slots",
             sources=["kvstore/_native/slots.c"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"],
             optional=True,

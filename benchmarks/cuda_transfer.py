@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import kvstore  # noqa: E402
 from kvstore import cuda  # noqa: E402
 from kvstore.cuda.device import DeviceBuffer, Stream, wait_stream  # noqa: E402
-from kvstore.format import SLOT_HEADER_BYTES, crc32c  # noqa: E402
+from kvstore.disk.format import SLOT_HEADER_BYTES, crc32c  # noqa: E402
 from kvstore.io.protocol import IoOp  # noqa: E402
 
 

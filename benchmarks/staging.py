@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstore import native_slots, slots  # noqa: E402
-from kvstore.format import IndexEntry  # noqa: E402
+from kvstore.disk.format import IndexEntry  # noqa: E402
 from kvstore.io.arena import Arena, ArenaRun  # noqa: E402
 from kvstore.slots import PutItem  # noqa: E402
 from kvstore.tensors import DTYPE_CODES  # noqa: E402

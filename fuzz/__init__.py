@@ -1,6 +1,6 @@
 """Fuzz targets for every decoder of bytes kvstore reads back from disk.
 
-The decoders in :mod:`kvstore.format` (and the namespace meta record parser in
+The decoders in :mod:`kvstore.disk.format` (and the namespace meta record parser in
 :mod:`kvstore.keys`) are the store's only defence against torn writes, bit rot and
 stores written by other builds.  Their contract is narrow: turn any input into a
 correct value or into one of kvstore's own errors

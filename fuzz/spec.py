@@ -5,7 +5,7 @@ returns garbage, or raises ``CorruptionError`` where the spec says
 ``FormatVersionError`` (the store treats those differently: quarantine vs. refuse).
 These oracles re-derive the expected outcome of every input from the byte tables in
 FORMAT.md with plain slicing and ``int.from_bytes`` (no ``struct`` format strings
-shared with ``kvstore.format``), in the order of checks FORMAT.md documents.  Each
+shared with ``kvstore.disk.format``), in the order of checks FORMAT.md documents.  Each
 returns either the value the decoder must produce or the error class it must raise.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import crc32c as _crc32c
 
+from kvstore.disk.format import ExtentHeader, IndexEntry, SlotHeader
 from kvstore.errors import CorruptionError, FormatVersionError, KVStoreError
-from kvstore.format import ExtentHeader, IndexEntry, SlotHeader
 
 Expected = object
 """The decoded value, or a ``type[KVStoreError]`` the decoder must raise."""
@@ -32,7 +32,7 @@ HAS_PARENT = 0x01
 
 
 def crc32c(data: bytes | bytearray) -> int:
-    """CRC32C straight from the ``crc32c`` package, not through ``kvstore.format``."""
+    """CRC32C straight from the ``crc32c`` package, not through ``kvstore.disk.format``."""
     return int(_crc32c.crc32c(bytes(data)))
 
 

@@ -1,6 +1,6 @@
 """One ``bytes -> None`` fuzz target per decoder of on-disk bytes, and the ``TARGETS`` registry.
 
-Contract under test (kvstore/format.py docstring, FORMAT.md): a decoder turns *any*
+Contract under test (kvstore/disk/format.py docstring, FORMAT.md): a decoder turns *any*
 input into a value or into a :class:`~kvstore.errors.KVStoreError` subclass
 (``CorruptionError`` / ``FormatVersionError``).  The store relies on it: ``get_many``
 quarantines a block on ``CorruptionError`` and answers a miss, fsck reports it; any
@@ -50,8 +50,7 @@ from fuzz.mutate import (
     ops_from,
 )
 from kvstore import codecs, slots
-from kvstore.errors import KVStoreError
-from kvstore.format import (
+from kvstore.disk.format import (
     KEY_BYTES,
     MAX_NDIM,
     PAGE,
@@ -67,6 +66,7 @@ from kvstore.format import (
     round_up,
     unpack_u64,
 )
+from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 
 Target = Callable[[bytes], None]

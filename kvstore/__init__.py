@@ -10,6 +10,7 @@ Public API (everything else is private and may change)::
 """
 
 from kvstore.blocking import BlockingStore, open_blocking
+from kvstore.disk.format import FORMAT_VERSION
 from kvstore.errors import (
     BlockTooLargeError,
     CapacityError,
@@ -31,7 +32,6 @@ from kvstore.errors import (
     UnsafePathError,
     UnsupportedTensorError,
 )
-from kvstore.format import FORMAT_VERSION
 from kvstore.io.scheduler import IoSchedule
 from kvstore.keys import Namespace, chain_parents
 from kvstore.options import StoreOptions

@@ -63,10 +63,10 @@ from typing import Protocol
 
 import anyio
 
+from kvstore.disk.extents import create_extent_file, remove_new_extent_file
+from kvstore.disk.format import PAGE, IndexEntry
 from kvstore.errors import CapacityError
 from kvstore.eviction import ChainTables, evictable_bytes
-from kvstore.extents import create_extent_file, remove_new_extent_file
-from kvstore.format import PAGE, IndexEntry
 from kvstore.index import Index, IndexWriter, Touched, Txn
 
 logger = logging.getLogger("kvstore.store")

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.format import IndexEntry, lru_key, unpack_count
+from kvstore.disk.format import IndexEntry, lru_key, unpack_count
 
 Txn = Any  # lmdb.Transaction (untyped module)
 

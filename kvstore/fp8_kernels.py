@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstore import native_lib
+from kvstore._native import lib as native_lib
 
 __all__ = ["available", "reason", "row_amax", "encode_rows", "decode_rows"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.disk.format import IndexEntry, decode_free_key, free_key, pack_u64, unpack_u64
 from kvstore.errors import IndexCorruptionError, KVStoreError
-from kvstore.format import IndexEntry, decode_free_key, free_key, pack_u64, unpack_u64
 
 Txn = Any  # lmdb.Transaction (untyped module)
 Run = tuple[int, int, int]  # (extent, offset, length)

@@ -52,7 +52,7 @@ a bad sector, a bug, a file edited by hand):
 9. Permissions: no path under the store grants group/other users more than the store's
    file mode (``file_mode`` meta record, default owner-only 0600/0700) or belongs to
    another user (damage: loose-permissions, repaired by a chmod to the store's mode;
-   foreign-owner, which needs a chown by root and stays unfixed) (:mod:`kvstore.permissions`).
+   foreign-owner, which needs a chown by root and stays unfixed) (:mod:`kvstore.disk.permissions`).
    A damaged ``file_mode`` record is meta damage; repair drops it (back to 0600).
 
 Each key owns exactly one slot, so there are no slot reference counts to drift.
@@ -80,10 +80,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from kvstore import permissions
-from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
-from kvstore.extents import EXTENT_DIR, extent_path
-from kvstore.format import (
+from kvstore.disk import permissions
+from kvstore.disk.extents import EXTENT_DIR, extent_path
+from kvstore.disk.format import (
     EXTENT_HEADER_BYTES,
     PAGE,
     ExtentHeader,
@@ -92,6 +91,9 @@ from kvstore.format import (
     pack_u64,
     unpack_u64,
 )
+from kvstore.disk.lock import StoreLock
+from kvstore.disk.store_files import check_dir, unsafe_reason
+from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
 from kvstore.fsck_files import (
     ExtentReader,
     Unreadable,
@@ -115,9 +117,7 @@ from kvstore.index import (
     IndexWriter,
     Txn,
 )
-from kvstore.lock import StoreLock
 from kvstore.quarantine_table import OK
-from kvstore.store_files import check_dir, unsafe_reason
 
 
 def check(path: str, *, repair: bool = False, deep: bool = False,

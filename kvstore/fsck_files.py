@@ -18,9 +18,9 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvstore.disk.extents import fsync_dir
+from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, SlotHeader, round_up
 from kvstore.errors import CorruptionError, KVStoreError
-from kvstore.extents import fsync_dir
-from kvstore.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, SlotHeader, round_up
 from kvstore.slots import check_payload, check_slot
 
 __all__ = ["SCAN_CHUNK", "ExtentReader", "Unreadable", "extend", "is_extent_name",

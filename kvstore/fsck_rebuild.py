@@ -25,14 +25,21 @@ import os
 import time
 from collections import Counter
 
+from kvstore.disk.extents import EXTENT_DIR, extent_path
+from kvstore.disk.format import (
+    EXTENT_HEADER_BYTES,
+    PAGE,
+    ExtentHeader,
+    IndexEntry,
+    SlotHeader,
+    pack_u64,
+)
+from kvstore.disk.lock import StoreLock
+from kvstore.disk.store_files import unsafe_reason
 from kvstore.errors import KVStoreError
-from kvstore.extents import EXTENT_DIR, extent_path
-from kvstore.format import EXTENT_HEADER_BYTES, PAGE, ExtentHeader, IndexEntry, SlotHeader, pack_u64
 from kvstore.fsck_files import ExtentReader, Unreadable, is_extent_name, verified_slots
 from kvstore.fsck_report import DAMAGE, Finding, ProgressFn, Report
 from kvstore.index import META_NEXT_EXTENT, META_SEQ, Index, IndexWriter, Txn, init_meta
-from kvstore.lock import StoreLock
-from kvstore.store_files import unsafe_reason
 
 __all__ = ["rebuild_index"]
 

@@ -42,10 +42,8 @@ from typing import Any
 
 import lmdb
 
-from kvstore import permissions
-from kvstore.errors import FormatVersionError, IndexCorruptionError
-from kvstore.eviction import ChainTables, lru_leaves
-from kvstore.format import (
+from kvstore.disk import permissions
+from kvstore.disk.format import (
     FORMAT_VERSION,
     PAGE,
     IndexEntry,
@@ -57,6 +55,8 @@ from kvstore.format import (
     unpack_count,
     unpack_u64,
 )
+from kvstore.errors import FormatVersionError, IndexCorruptionError
+from kvstore.eviction import ChainTables, lru_leaves
 from kvstore.free_map import FreeMap
 from kvstore.index_file import open_environment
 from kvstore.index_writer import IndexWriter, lmdb_error
@@ -131,7 +131,7 @@ class Index:
     def __init__(self, path: str, *, map_size: int, sync: bool,
                  file_mode: int = permissions.FILE_MODE, verify: bool = False) -> None:
         """Open (or create) the index at ``path`` (``PATH/index``).  The directory and
-        LMDB's two files must be the store's own, not links (:mod:`kvstore.store_files`),
+        LMDB's two files must be the store's own, not links (:mod:`kvstore.disk.store_files`),
         and ``data.mdb`` is checked before LMDB maps it (:mod:`kvstore.index_file`;
         ``verify=True``, fsck's, walks every page).  Damage is
         :class:`~kvstore.errors.IndexCorruptionError`; nothing LMDB raises escapes."""

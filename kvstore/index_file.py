@@ -1,5 +1,5 @@
 """The LMDB environment opened safely: ``index/`` and its two files are the store's own
-(:mod:`kvstore.store_files`), and the data file is checked before LMDB maps it
+(:mod:`kvstore.disk.store_files`), and the data file is checked before LMDB maps it
 (:func:`open_environment`).
 
 ``data.mdb``, checked before LMDB maps it:
@@ -45,7 +45,7 @@ from typing import Any
 
 import lmdb
 
-from kvstore import permissions, store_files
+from kvstore.disk import permissions, store_files
 from kvstore.errors import IndexCorruptionError, from_os_error
 from kvstore.index_writer import lmdb_error
 

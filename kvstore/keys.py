@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.disk.format import KEY_BYTES
 from kvstore.errors import CorruptionError, FormatVersionError, InvalidKeyError
-from kvstore.format import KEY_BYTES
 
 HASH_VERSION = 1
 _PERSON_NS = b"kvstore-ns-v1"

@@ -30,15 +30,22 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
-from kvstore import codecs, native_lib
+from kvstore import codecs
+from kvstore._native import lib as native_lib
+from kvstore.disk.format import (
+    MAX_NDIM,
+    NO_PARENT,
+    SLOT_FLAG_HAS_PARENT,
+    SLOT_HEADER_BYTES,
+    SlotHeader,
+)
 from kvstore.errors import CorruptionError, FormatVersionError
-from kvstore.format import MAX_NDIM, NO_PARENT, SLOT_FLAG_HAS_PARENT, SLOT_HEADER_BYTES, SlotHeader
 from kvstore.tensors import CODE_DTYPES
 
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.format import IndexEntry
+    from kvstore.disk.format import IndexEntry
     from kvstore.io.arena import ArenaRun
 
 __all__ = ["available", "reason", "hardware_crc", "crc_path", "crc_paths", "crc32c",

@@ -6,7 +6,7 @@ mode and the namespace, picks the I/O engine, opens the extent files, maps and
 page-locks the staging arena (and the memory tier's region), and builds the allocator,
 the transfers and the shared fdatasync; a store that uses more than ``capacity_bytes``
 evicts down to it before it serves.  Every file it opens is the store's own, never a
-link (:mod:`kvstore.store_files`).  Every step that acquires something registers
+link (:mod:`kvstore.disk.store_files`).  Every step that acquires something registers
 its release; a failure part-way releases what was acquired, last first.  Runs on a
 worker thread (``open()`` calls it there): the LMDB open and the arena's page faults
 take milliseconds the event loop should not wait for.
@@ -20,11 +20,13 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from kvstore import page_locking, permissions, store_files
+from kvstore import page_locking
 from kvstore.allocator import Allocator
+from kvstore.disk import permissions, store_files
+from kvstore.disk.extents import EXTENT_DIR, extent_path
+from kvstore.disk.format import new_store_uuid, unpack_u64
+from kvstore.disk.lock import StoreLock
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
-from kvstore.extents import EXTENT_DIR, extent_path
-from kvstore.format import new_store_uuid, unpack_u64
 from kvstore.group_sync import GroupSync
 from kvstore.index import (
     META_EXTENT_BYTES,
@@ -42,7 +44,6 @@ from kvstore.io.protocol import IOEngine
 from kvstore.io.scheduler import IoScheduler
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.keys import Namespace
-from kvstore.lock import StoreLock
 from kvstore.memory_tier import MemoryTier
 from kvstore.operations import Health
 from kvstore.options import StoreOptions
@@ -216,7 +217,7 @@ class StoreParts:
     def open_extent(self, extent_id: int) -> None:
         """Open an extent file through the engine: the store's own regular file, not a
         link (checked before the open, and the descriptor after it: the engine's
-        ``open_file`` takes a path; kvstore.store_files).  FileNotFoundError: missing."""
+        ``open_file`` takes a path; kvstore.disk.store_files).  FileNotFoundError: missing."""
         path = extent_path(self.path, extent_id)
         fix = (f"Put the real extent file at {path} in place of it, or run `python -m "
                f"kvstore fsck {self.path} --repair` to remove the link (extent {extent_id}'s "

@@ -9,8 +9,8 @@ import warnings
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from kvstore import permissions
-from kvstore.format import PAGE
+from kvstore.disk import permissions
+from kvstore.disk.format import PAGE
 from kvstore.io.probe import ENGINES
 from kvstore.io.scheduler import IoSchedule
 

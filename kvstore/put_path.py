@@ -37,8 +37,8 @@ from kvstore import codecs
 from kvstore.backlog import Backlog
 from kvstore.codecs import CODEC_RAW, CodecSpec
 from kvstore.deletes import DeleteWatch
+from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
-from kvstore.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.index import ChainCut, Txn
 from kvstore.key_order import KeyOrder, Turn
 from kvstore.keys import check_key, check_keys

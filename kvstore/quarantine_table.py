@@ -25,8 +25,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvstore.disk.format import IndexEntry, encode_quarantined, quarantined_unreadable
 from kvstore.errors import KVStoreError
-from kvstore.format import IndexEntry, encode_quarantined, quarantined_unreadable
 
 __all__ = ["CORRUPT", "OK", "UNREADABLE", "IndexPort", "Quarantined", "QuarantineTable",
            "same_slot"]

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
 from kvstore.errors import CorruptionError, KVStoreError
-from kvstore.extents import extent_path
-from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
 from kvstore.io.coalesce import READ_RETRY_DELAYS_S
 from kvstore.io.scheduler import PREFETCH, as_class
 from kvstore.quarantine_table import CORRUPT, OK, UNREADABLE, Quarantined, same_slot

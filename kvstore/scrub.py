@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
-from kvstore.format import KEY_BYTES, IndexEntry, pack_u64, unpack_u64
+from kvstore.disk.format import KEY_BYTES, IndexEntry, pack_u64, unpack_u64
 from kvstore.index import META_SCRUB_COMPLETED, META_SCRUB_CURSOR, Index, Txn
 
 if TYPE_CHECKING:

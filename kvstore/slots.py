@@ -18,8 +18,8 @@ import torch
 
 from kvstore import codecs, native_slots, result_buffers
 from kvstore.codecs import CODEC_RAW, CodecSpec
+from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, round_up
 from kvstore.errors import CorruptionError, FormatVersionError, UnsupportedTensorError
-from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, round_up
 from kvstore.io.arena import ArenaRun
 from kvstore.tensors import CODE_DTYPES, encoded_payload
 

@@ -34,12 +34,12 @@ import torch
 
 from kvstore.codecs import CodecSpec
 from kvstore.deletes import DeleteWatches
+from kvstore.disk.format import PAGE
+from kvstore.disk.lock import LOCK_FILE
 from kvstore.errors import KVStoreError
-from kvstore.format import PAGE
 from kvstore.get_path import GetPath
 from kvstore.keys import check_keys
 from kvstore.latency import Latency
-from kvstore.lock import LOCK_FILE
 from kvstore.opening import INDEX_DIR, StoreParts
 from kvstore.operations import Operations
 from kvstore.options import StoreOptions

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvstore.disk.format import MAX_NDIM
 from kvstore.errors import OutputMismatchError, UnsupportedTensorError
-from kvstore.format import MAX_NDIM
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float16: 1,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvstore.format import pack_u64, unpack_u64
+from kvstore.disk.format import pack_u64, unpack_u64
 
 TOTAL_NAMES = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes",
                "evicted_blocks", "evicted_bytes", "corrupt_blocks")

@@ -20,8 +20,8 @@ import torch
 
 from kvstore import native_slots
 from kvstore.codecs import CODEC_RAW, CodecSpec
+from kvstore.disk.format import PAGE, IndexEntry, round_up
 from kvstore.errors import CorruptionError, FormatVersionError
-from kvstore.format import PAGE, IndexEntry, round_up
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.io.coalesce import reread_failed
 from kvstore.io.protocol import IOEngine, IoOp

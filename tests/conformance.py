@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.extents import extent_path
-from kvstore.format import SLOT_HEADER_BYTES
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import SLOT_HEADER_BYTES
 
 NS = kvstore.Namespace(model="conformance", dtype="mixed", block_size=4)
 SMALL_EXTENT = 4 << 20

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 import kvstore
-from kvstore.extents import extent_path
-from kvstore.format import IndexEntry
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import IndexEntry
 from kvstore.io.coalesce import Merged
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.allocator import Allocator, FreeSpace, ReadEpochs
+from kvstore.disk.format import PAGE, IndexEntry, free_key, pack_u64
 from kvstore.errors import IndexCorruptionError
-from kvstore.format import PAGE, IndexEntry, free_key, pack_u64
 from kvstore.index import META_SEQ, Index, IndexWriter, init_meta
 from tests.concurrency import run_within, until
 

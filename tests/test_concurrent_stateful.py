@@ -64,6 +64,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 
 import kvstore
 from kvstore import fsck
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import (
     CapacityError,
     ReadOnlyError,
@@ -71,8 +73,6 @@ from kvstore.errors import (
     StoreFullError,
     StoreIOError,
 )
-from kvstore.extents import extent_path
-from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.io.probe import probe
 from kvstore.io.protocol import IOEngine
 from kvstore.io.simulated import (

@@ -25,8 +25,8 @@ import pytest
 import kvstore.fsck_files
 from kvstore import fsck
 from kvstore.cli.main import main
-from kvstore.extents import extent_path
-from kvstore.format import PAGE, IndexEntry
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import PAGE, IndexEntry
 from tests.conformance import same
 from tests.read_faults import ReadFaults, _FaultyOs
 from tests.test_fsck import VALUES, N, build, read_back

@@ -19,8 +19,8 @@ import kvstore
 import kvstore.fsck
 import kvstore.fsck_files
 from kvstore import fsck
-from kvstore.extents import extent_path
-from kvstore.format import IndexEntry
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import IndexEntry
 from tests.read_faults import ReadFaults, _FaultyOs, open_faulty
 
 KEYS = [bytes([0x21 + i]) * 16 for i in range(4)]

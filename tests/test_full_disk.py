@@ -24,7 +24,7 @@ import torch
 
 import kvstore
 from kvstore import fsck
-from kvstore.extents import EXTENT_DIR
+from kvstore.disk.extents import EXTENT_DIR
 from kvstore.io.probe import probe
 from tests.conformance import NS, make_tensor, same
 

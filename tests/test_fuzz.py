@@ -47,8 +47,7 @@ from fuzz.targets import (
     mutated_input,
     render_namespace,
 )
-from kvstore.errors import CorruptionError, FormatVersionError
-from kvstore.format import (
+from kvstore.disk.format import (
     KEY_BYTES,
     MAX_NDIM,
     PAGE,
@@ -61,6 +60,7 @@ from kvstore.format import (
     pack_u64,
     round_up,
 )
+from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.keys import Namespace
 
 U8 = st.integers(0, 2**8 - 1)
@@ -197,7 +197,7 @@ VALID = {
     "free_key": st.tuples(U32, U64).map(lambda t: free_key(*t)),
     "u64": U64.map(pack_u64),
 }
-"""Valid encodings of every binary structure, from the encoders in kvstore.format."""
+"""Valid encodings of every binary structure, from the encoders in kvstore.disk.format."""
 
 OPS = st.lists(st.builds(Op, kind=st.integers(0, N_KINDS - 1), a=st.integers(0, 2**16),
                          b=U8, data=st.binary(max_size=MAX_CHUNK)), max_size=6)
@@ -364,7 +364,7 @@ def test_codec_mutated_payloads(data: bytes) -> None:
 
 def _valid_slot(payload: bytes, key: bytes = bytes(range(16))) -> bytes:
     from kvstore.codecs import CODEC_RAW
-    from kvstore.format import crc32c
+    from kvstore.disk.format import crc32c
     from kvstore.tensors import DTYPE_CODES
 
     header = SlotHeader(key=key, parent=None, codec=CODEC_RAW, dtype=DTYPE_CODES[torch.uint8],

@@ -104,11 +104,11 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 # ("remote" is floor 2, "remote.config" floor 0).  Extend by adding names.
 FLOORS: dict[int, str] = {
     # 0: words: errors, the on-disk format, keys, plain values; no behaviour to speak of
-    0: "errors format keys permissions tensors latency totals native_lib _native "
+    0: "errors disk.format keys disk.permissions tensors latency totals _native.lib _native "
        "result_buffers remote.config remote.stats",
     # 1: mechanisms: I/O engines and buffers, the index, codecs, slot bytes, extent files
     1: "io codecs fp8_kernels slots native_slots index index_writer free_map eviction "
-       "extents lock group_sync quarantine_table",
+       "disk.extents disk.lock group_sync quarantine_table",
     # 2: the store's parts: space, transfers, tiers' machinery, options, the GPU path
     2: "allocator transfers memory_tier prefetch backlog deletes operations stats options "
        "page_locking pinning cuda remote",

@@ -26,11 +26,11 @@ import torch
 
 import kvstore
 from kvstore import fsck
-from kvstore.format import crc32c
+from kvstore.disk.format import crc32c
 
 WRITER = textwrap.dedent("""
     import os, random, sys, anyio, torch, kvstore
-    from kvstore.format import crc32c
+    from kvstore.disk.format import crc32c
     NS = kvstore.Namespace(model="kill-test", dtype="bf16", block_size=4)
     path, seed = sys.argv[1], int(sys.argv[2])
     rng = random.Random(seed)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.extents import extent_path
-from kvstore.format import SLOT_HEADER_BYTES
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.memory_tier import MemoryTier
 from tests.concurrency import GatedEngine, real_engine, resident_bytes

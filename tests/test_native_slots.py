@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from kvstore import native_slots, slots
 from kvstore.codecs import CodecSpec
+from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, crc32c
 from kvstore.errors import CorruptionError, FormatVersionError
-from kvstore.format import SLOT_HEADER_BYTES, IndexEntry, crc32c
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.slots import PutItem
 from kvstore.tensors import CODE_DTYPES, DTYPE_CODES

@@ -19,7 +19,7 @@ import torch
 
 import kvstore
 from kvstore import fsck
-from kvstore.format import (
+from kvstore.disk.format import (
     ENTRY_FLAG_UNREADABLE,
     IndexEntry,
     encode_quarantined,

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.extents import extent_path
-from kvstore.format import IndexEntry
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import IndexEntry
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
 from tests.read_faults import ENGINES, ReadFaults, _FailingOps, faulty_engine, open_faulty
 

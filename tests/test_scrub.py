@@ -19,7 +19,7 @@ import torch
 import kvstore
 import kvstore.scrub
 from kvstore import fsck
-from kvstore.format import IndexEntry
+from kvstore.disk.format import IndexEntry
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
 from tests.concurrency import GatedEngine, real_engine, until
 from tests.conformance import flip_payload_bit

@@ -31,8 +31,8 @@ from hypothesis.stateful import (
 
 import kvstore
 from kvstore import fsck
-from kvstore.extents import extent_path
-from kvstore.format import SLOT_HEADER_BYTES
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.io.simulated import (
     CRASH_MODES,
     SimulatedDisk,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.format import PAGE
+from kvstore.disk.format import PAGE
 from tests.conformance import NS, keys, make_tensor, same
 
 pytestmark = pytest.mark.anyio

@@ -10,8 +10,8 @@ import anyio
 import torch
 
 import kvstore
-from kvstore.extents import extent_path
-from kvstore.format import SLOT_HEADER_BYTES, IndexEntry
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry
 from kvstore.totals import TOTAL_NAMES
 from tests.conformance import NS, keys, make_tensor
 

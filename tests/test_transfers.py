@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import native_slots, slots
+from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES
 from kvstore.errors import StoreIOError
-from kvstore.format import PAGE, SLOT_HEADER_BYTES
 from kvstore.io.arena import Arena
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.slots import PutItem

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.extents import extent_path
+from kvstore.disk.extents import extent_path
 from kvstore.fsck import check
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
@@ -60,7 +60,7 @@ def _engine(kind: str, path: Path) -> IOEngine:
     return real_engine(kind, path)
 
 
-async def _fill(path: Path, kind: str) -> list[kvstore.format.IndexEntry]:
+async def _fill(path: Path, kind: str) -> list[kvstore.disk.format.IndexEntry]:
     """A chain of four blocks, the second and third in the second extent."""
     async with kvstore.open(path, engine=_engine(kind, path), **OPEN) as store:
         for i, key in enumerate(CHAIN):

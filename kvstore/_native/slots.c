@@ -5,7 +5,7 @@
  * (kvstore/native_slots.py), which releases the GIL for the duration of every call, so a
  * chunk is staged or verified in parallel with the event loop and other threads.
  *
- * The slot header layout is FORMAT.md, "Slot" (kvstore/format.py, SlotHeader, is the
+ * The slot header layout is FORMAT.md, "Slot" (kvstore/disk/format.py, SlotHeader, is the
  * reference implementation; tests/test_native_slots.py holds this file to it byte for
  * byte):
  *

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     from kvstore import __version__
-    from kvstore.format import FORMAT_VERSION
+    from kvstore.disk.format import FORMAT_VERSION
 
     parser.add_argument("--version", action="version",
                         version=f"kvstore {__version__} (on-disk format {FORMAT_VERSION})")

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from kvstore import permissions
 from kvstore.codecs import CodecSpec
+from kvstore.disk import permissions
 from kvstore.io.probe import ENGINES
 from kvstore.io.scheduler import IoSchedule
 from kvstore.options import StoreOptions

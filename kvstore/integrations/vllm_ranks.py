@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from kvstore import permissions
+from kvstore.disk import permissions
 from kvstore.integrations.vllm_config import ConnectorConfig
 
 __all__ = ["rank_config", "rank_dir", "rank_dirs"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 
-from kvstore.format import round_up
+from kvstore.disk.format import round_up
 
 
 class AlignedBuffer:

@@ -36,8 +36,8 @@ import anyio
 import numpy as np
 import torch
 
+from kvstore.disk.format import PAGE, round_up
 from kvstore.errors import BlockTooLargeError
-from kvstore.format import PAGE, round_up
 
 
 class ArenaRun:

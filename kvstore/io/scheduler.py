@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 import anyio
 
+from kvstore.disk.format import PAGE
 from kvstore.errors import StoreIOError
-from kvstore.format import PAGE
 from kvstore.io.arena import ArenaRun
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 

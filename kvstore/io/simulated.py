@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from kvstore.disk.format import PAGE
+from kvstore.disk.permissions import FILE_MODE
 from kvstore.errors import StoreIOError
-from kvstore.format import PAGE
 from kvstore.io.protocol import IoOp
 from kvstore.io.threads import raise_write_errors
-from kvstore.permissions import FILE_MODE
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup

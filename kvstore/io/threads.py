@@ -15,10 +15,10 @@ from functools import partial
 
 import anyio
 
+from kvstore.disk.permissions import FILE_MODE
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import coalesce, spread
 from kvstore.io.protocol import IoOp
-from kvstore.permissions import FILE_MODE
 
 
 def open_flags(direct: bool, create: bool) -> int:

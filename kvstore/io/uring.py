@@ -36,12 +36,12 @@ from typing import Any
 
 import anyio
 
+from kvstore.disk.permissions import FILE_MODE
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import Merged, coalesce, spread
 from kvstore.io.liburing_import import import_liburing
 from kvstore.io.protocol import IoOp
 from kvstore.io.threads import open_flags, raise_write_errors
-from kvstore.permissions import FILE_MODE
 
 try:  # pragma: no cover - exercised through the probe
     _lu: Any = import_liburing()

@@ -29,8 +29,8 @@ import torch
 from kvstore import codecs
 from kvstore.codecs import CodecSpec
 from kvstore.deletes import DeleteWatch
+from kvstore.disk.format import IndexEntry
 from kvstore.errors import BlockTooLargeError, CapacityError, CorruptionError, KVStoreError
-from kvstore.format import IndexEntry
 from kvstore.remote import objects
 from kvstore.remote.blocks import RemoteBlock
 from kvstore.remote.tier import InFlight

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.format import SlotHeader
+from kvstore.disk.format import SlotHeader
 from kvstore.remote import objects
 
 __all__ = ["Finish", "RemoteBlock"]

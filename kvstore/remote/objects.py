@@ -24,8 +24,8 @@ import torch
 
 from kvstore import native_slots, result_buffers
 from kvstore.codecs import CODEC_RAW
+from kvstore.disk.format import SLOT_HEADER_BYTES, SlotHeader
 from kvstore.errors import CorruptionError
-from kvstore.format import SLOT_HEADER_BYTES, SlotHeader
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.slots import check_payload, check_slot, deliver
 from kvstore.tensors import CODE_DTYPES

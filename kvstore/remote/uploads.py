@@ -28,8 +28,8 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from kvstore.disk.format import SlotHeader
 from kvstore.errors import RemoteError
-from kvstore.format import SlotHeader
 from kvstore.io.aligned import AlignedBuffer
 from kvstore.remote import objects
 from kvstore.remote.breaker import OPEN, CircuitBreaker

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from kvstore.codecs import CodecSpec
     from kvstore.deletes import DeleteWatch, DeleteWatches
-    from kvstore.format import IndexEntry, SlotHeader
+    from kvstore.disk.format import IndexEntry, SlotHeader
     from kvstore.index import Index
     from kvstore.io.aligned import AlignedBuffer
     from kvstore.operations import Health, Operations

@@ -24,7 +24,7 @@ import anyio
 import torch
 
 from kvstore import result_buffers
-from kvstore.format import IndexEntry
+from kvstore.disk.format import IndexEntry
 from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.prefetch import Prefetch
 from kvstore.transfers import device_copies, offloaded

@@ -19,8 +19,8 @@ from tests.cli.conftest import Run
 from tests.conformance import SMALL_EXTENT, flip_payload_bit, keys, make_tensor
 
 
-def _fill(path: Path, n: int) -> list[kvstore.format.IndexEntry]:
-    async def run() -> list[kvstore.format.IndexEntry]:
+def _fill(path: Path, n: int) -> list[kvstore.disk.format.IndexEntry]:
+    async def run() -> list[kvstore.disk.format.IndexEntry]:
         async with kvstore.open(path, extent_bytes=SMALL_EXTENT) as store:
             await store.put_many(keys(n), [make_tensor(torch.float16, (4096,), i)
                                            for i in range(n)])

@@ -26,7 +26,7 @@ from kvstore.cuda import fp8, paged
 from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.device import DeviceBuffer, Stream, copy_async
 from kvstore.cuda.pinned import pool
-from kvstore.format import SLOT_HEADER_BYTES
+from kvstore.disk.format import SLOT_HEADER_BYTES
 from tests.conformance import SMALL_EXTENT
 from tests.realdata import require_kv_dir
 

@@ -58,8 +58,8 @@ import anyio
 import pytest
 
 import kvstore
-from kvstore.extents import extent_path
-from kvstore.format import SLOT_HEADER_BYTES
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import SLOT_HEADER_BYTES
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

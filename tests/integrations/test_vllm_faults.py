@@ -33,7 +33,7 @@ import anyio
 import pytest
 
 import kvstore
-from kvstore.extents import extent_path
+from kvstore.disk.extents import extent_path
 from tests.integrations.test_vllm import (
     HERE,
     PROMPTS,

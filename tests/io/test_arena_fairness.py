@@ -13,7 +13,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from kvstore.format import PAGE
+from kvstore.disk.format import PAGE
 from kvstore.io.arena import Arena
 from tests.concurrency import until
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.format import PAGE
+from kvstore.disk.format import PAGE
 from kvstore.io.arena import Arena
 from kvstore.io.coalesce import coalesce, spread
 from kvstore.io.protocol import IoOp

@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
+from kvstore.disk.format import SLOT_HEADER_BYTES, SlotHeader, crc32c
 from kvstore.errors import CorruptionError
-from kvstore.format import SLOT_HEADER_BYTES, SlotHeader, crc32c
 from kvstore.remote import objects
 from tests.conformance import NS, keys, make_tensor, same
 

@@ -23,9 +23,9 @@ import torch
 import kvstore
 from kvstore import fsck
 from kvstore.codecs import CodecSpec
+from kvstore.disk.extents import extent_path
+from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.errors import RemoteAuthError
-from kvstore.extents import extent_path
-from kvstore.format import SLOT_HEADER_BYTES
 from kvstore.remote import RemoteConfig, objects
 from kvstore.remote.client import ObjectClient
 from tests.concurrency import until

@@ -23,7 +23,7 @@ import torch
 import kvstore
 from kvstore import fsck
 from kvstore.cli.demo import DemoPathError, check_removable, write_manifest
-from kvstore.extents import extent_path
+from kvstore.disk.extents import extent_path
 from kvstore.io.probe import probe
 from kvstore.io.protocol import EngineWrapper, IOEngine
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine

@@ -26,9 +26,9 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvstore import permissions
+from kvstore.disk import permissions
+from kvstore.disk.store_files import check_file, check_same
 from kvstore.errors import StoreLockedError, from_os_error
-from kvstore.store_files import check_file, check_same
 
 LOCK_FILE = "LOCK"
 _FIX = ("Remove it (rm {path}) if it is not a file of another program: the store makes "

@@ -1,4 +1,4 @@
-"""The binary structures of kvstore/format.py against FORMAT.md.
+"""The binary structures of kvstore/disk/format.py against FORMAT.md.
 
 The decoders are the store's first line of defence against torn writes, bit rot and
 stores written by other releases: they must turn every damaged or foreign input into
@@ -18,8 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore import open_blocking
-from kvstore.errors import CorruptionError, FormatVersionError
-from kvstore.format import (
+from kvstore.disk.format import (
     EXTENT_HEADER_BYTES,
     FORMAT_VERSION,
     KEY_BYTES,
@@ -38,10 +37,11 @@ from kvstore.format import (
     round_up,
     unpack_u64,
 )
+from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.keys import Namespace, chain_parents
 from kvstore.tensors import DTYPE_CODES
 
-FORMAT_MD = Path(__file__).resolve().parent.parent / "FORMAT.md"
+FORMAT_MD = Path(__file__).resolve().parents[2] / "FORMAT.md"
 
 U8 = st.integers(0, 2**8 - 1)
 U32 = st.integers(0, 2**32 - 1)

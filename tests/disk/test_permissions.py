@@ -1,6 +1,6 @@
 """Store files are private to their user whatever the umask; a wider mode is chosen on
 purpose; a store other users can reach is warned about (or refused), and fsck reports
-and repairs it (kvstore/permissions.py)."""
+and repairs it (kvstore/disk/permissions.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck, permissions
+from kvstore import fsck
 from kvstore.cli.demo import MANIFEST, write_manifest
 from kvstore.cli.main import main as cli
+from kvstore.disk import permissions
 from kvstore.integrations.vllm_config import ConnectorConfig
 from tests.conformance import NS, keys, make_tensor
 

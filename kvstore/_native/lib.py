@@ -1,6 +1,6 @@
 """Finding and loading the optional compiled libraries (``kvstore/_native/*.c``, built by
-setup.py as ``kvstore/_<name>*.so``) with ctypes: shared by ``kvstore.fp8_kernels`` and
-``kvstore.native_slots``, each of which falls back to Python/NumPy code without them."""
+setup.py as ``kvstore/_native/_<name>*.so``) with ctypes: shared by ``kvstore.codecs.fp8_kernels`` and
+``kvstore.io.native_slots``, each of which falls back to Python/NumPy code without them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 def load(stem: str, env: str, abi_symbol: str, abi: int, missing: str
          ) -> tuple[ctypes.CDLL | None, str]:
-    """``(library, reason)``: the library ``kvstore/<stem><extension suffix>`` if it is
+    """``(library, reason)``: the library ``kvstore/_native/<stem><extension suffix>`` if it is
     built, not disabled by ``env=0`` and of ABI version ``abi`` (the int its function
     ``abi_symbol`` returns), else ``None`` and why (``missing`` when it is not built)."""
     if os.environ.get(env, "1") == "0":

@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 import kvstore
-from kvstore import lock
+from kvstore.disk import lock
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -75,7 +75,7 @@ def _lock_descriptors() -> int:
 
 
 class _Stepper:
-    """Runs ``work`` on a thread that stops at its ``step``-th line inside kvstore/lock.py
+    """Runs ``work`` on a thread that stops at its ``step``-th line inside kvstore/disk/lock.py
     until the process forks (the test's own before-fork hook lets it go, so a fork that
     waits for the thread to leave lock.py does not wait forever)."""
 
@@ -114,7 +114,7 @@ def _release_stepper() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    # Registered after kvstore.lock's hooks, so it runs before them (before-fork hooks
+    # Registered after kvstore.disk.lock's hooks, so it runs before them (before-fork hooks
     # run last-registered first).
     os.register_at_fork(before=_release_stepper)
 

@@ -15,7 +15,7 @@ runs the engine, as a database's data directory is.
    ``rw`` to reopen a file).  LMDB's two files are created the same way (empty, by
    kvstore, before LMDB opens them: :func:`kvstore.index_file.open_environment`).
    Nothing is created or opened through a symbolic link (``O_EXCL``, ``O_NOFOLLOW``;
-   :mod:`kvstore.store_files`).
+   :mod:`kvstore.disk.store_files`).
 3. A mode other than the default is recorded in the index (meta record ``file_mode``,
    FORMAT.md) so that later opens and fsck know what the operator chose.
 4. :func:`audit` lists every path under the store (not following symlinks) that grants
@@ -44,7 +44,7 @@ __all__ = [
     "recorded_mode", "set_mode", "settle",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvstore.permissions")  # a stable name for log filters
 
 FILE_MODE = 0o600            # owner read/write, nobody else
 META_FILE_MODE = b"file_mode"  # u32 LE; absent means FILE_MODE

@@ -12,10 +12,10 @@ import errno
 import os
 from contextlib import suppress
 
-from kvstore import permissions
+from kvstore.disk import permissions
+from kvstore.disk.format import ExtentHeader
+from kvstore.disk.store_files import check_dir
 from kvstore.errors import from_os_error
-from kvstore.format import ExtentHeader
-from kvstore.store_files import check_dir
 
 EXTENT_DIR = "extents"
 
@@ -39,7 +39,7 @@ def create_extent_file(store_path: str, extent_id: int, extent_bytes: int,
     Every failure is a typed error with the kernel's errno (no room: ENOSPC, EDQUOT,
     EFBIG is :class:`StoreFullError`) and leaves no file behind, so the space a failed
     preallocation took returns to the file system.  Neither ``extents/`` nor the file
-    is reached through a link (:mod:`kvstore.store_files`)."""
+    is reached through a link (:mod:`kvstore.disk.store_files`)."""
     directory = os.path.join(store_path, EXTENT_DIR)
     path = extent_path(store_path, extent_id)
     check_dir(directory, f"Move the extents directory itself to {directory}.")
