@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.codecs import CodecSpec, KVLayout, decode, encode  # noqa: E402
+from kvstore.codecs.pipeline import CodecSpec, KVLayout, decode, encode  # noqa: E402
 
 SHAPE = (2, 32, 16, 8, 128)
 LAYOUT = KVLayout(kv_axis=0, token_axis=2, head_axis=3)

@@ -23,7 +23,7 @@ counted through a wrapper.  Numbers:
 * baselines: ``pin_memory()`` + ``copy_(non_blocking=True)`` of the same bytes each way,
   and fio (io_uring, O_DIRECT, same block size) on the store's disk when fio is there;
 * FP8 on the GPU: a save with an ``fp8_e4m3`` codec: bytes over PCIe against raw, the
-  time to quantise and copy out, payloads byte-identical to ``kvstore.codecs.encode``.
+  time to quantise and copy out, payloads byte-identical to ``kvstore.codecs.pipeline.encode``.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kvstore  # noqa: E402
-from kvstore import codecs  # noqa: E402
-from kvstore.codecs import CodecSpec, KVLayout  # noqa: E402
+from kvstore.codecs import pipeline as codecs  # noqa: E402
+from kvstore.codecs.pipeline import CodecSpec, KVLayout  # noqa: E402
 from kvstore.cuda import _lib, paged  # noqa: E402
 from kvstore.cuda.mover import Mover, SaveBatch  # noqa: E402
 

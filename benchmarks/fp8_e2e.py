@@ -26,7 +26,7 @@ import anyio
 import torch
 
 import kvstore
-from kvstore.codecs import CodecSpec, KVLayout
+from kvstore.codecs.pipeline import CodecSpec, KVLayout
 
 LAYOUT = KVLayout(kv_axis=0, token_axis=2, head_axis=3)
 CODECS: dict[str, CodecSpec | None] = {

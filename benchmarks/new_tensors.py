@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 import kvstore  # noqa: E402
 from benchmarks.common import Cold, machine_info, summary, timed  # noqa: E402
-from kvstore import result_buffers  # noqa: E402
+from kvstore.codecs import result_buffers  # noqa: E402
 
 NS = kvstore.Namespace(model="bench-new-tensors", dtype="uint8", block_size=1)
 KINDS = ("out=", "new, pool off", "new, pool on")

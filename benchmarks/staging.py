@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstore import native_slots, slots  # noqa: E402
+from kvstore.codecs.tensors import DTYPE_CODES  # noqa: E402
 from kvstore.disk.format import IndexEntry  # noqa: E402
 from kvstore.io.arena import Arena, ArenaRun  # noqa: E402
 from kvstore.slots import PutItem  # noqa: E402
-from kvstore.tensors import DTYPE_CODES  # noqa: E402
 
 CHUNK_BYTES = 8 << 20       # the store's chunk with its default 256 MiB arena
 SIZES = [("64 KiB", 64 << 10), ("2 MiB", 2 << 20), ("32 MiB", 32 << 20)]

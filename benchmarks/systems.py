@@ -187,7 +187,7 @@ class KvstoreSystem(System):
         self.info: dict[str, Any] = {}
 
     def _options(self) -> dict[str, Any]:
-        from kvstore.codecs import CodecSpec, KVLayout
+        from kvstore.codecs.pipeline import CodecSpec, KVLayout
 
         codec = None
         if self.codec_name == "fp8":

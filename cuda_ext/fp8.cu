@@ -1,4 +1,4 @@
-// FP8 quantize/dequantize, bit-identical to kvstore/codecs.py (its module docstring is
+// FP8 quantize/dequantize, bit-identical to kvstore/codecs/pipeline.py (its module docstring is
 // the specification; the step numbers below are its steps).
 //
 // Why the bits equal the CPU codec's:
@@ -69,7 +69,7 @@ __host__ __device__ inline float load(const void *x, int dtype, int64_t i) {
 }
 
 // NaN is written as the output type's canonical quiet NaN, whatever its sign and payload
-// (kvstore/codecs.py: float32 0x7FC00000, bfloat16 0x7FC0, float16 0x7E00).
+// (kvstore/codecs/pipeline.py: float32 0x7FC00000, bfloat16 0x7FC0, float16 0x7E00).
 __host__ __device__ inline void store(void *out, int dtype, int64_t i, float v) {
   if (v != v) {
     if (dtype == KVC_F32)

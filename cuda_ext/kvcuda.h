@@ -25,7 +25,7 @@
 #define KVC_BF16 1
 #define KVC_F32 2
 
-/* FP8 formats: the codec ids of kvstore/codecs.py */
+/* FP8 formats: the codec ids of kvstore/codecs/pipeline.py */
 #define KVC_E4M3 1
 #define KVC_E5M2 2
 
@@ -98,7 +98,7 @@ int kvc_scatter(const uint64_t *layer_ptrs, int n_layers, int64_t outer, int64_t
                 int64_t block_stride, int64_t inner_bytes, const int64_t *block_ids,
                 int64_t n_ids, const void *staging, uintptr_t stream);
 
-/* ---- FP8 (kvstore/codecs.py's algorithm, bit for bit) ---------------------------------
+/* ---- FP8 (kvstore/codecs/pipeline.py's algorithm, bit for bit) ---------------------------------
  * x: rows x head_dim elements of `dtype`, C order; row_group[r] in [0, n_groups) names the
  * scale group of row r; scratch: n_groups + 1 uint32 (device memory for the kernels);
  * outputs: scales[n_groups] (int8 exponents k), codes[rows*head_dim].

@@ -49,7 +49,8 @@ from fuzz.mutate import (
     apply_ops,
     ops_from,
 )
-from kvstore import codecs, slots
+from kvstore import slots
+from kvstore.codecs import pipeline as codecs
 from kvstore.disk.format import (
     KEY_BYTES,
     MAX_NDIM,

@@ -57,7 +57,7 @@ from anyio.from_thread import BlockingPortal
 
 # imported at run time (store.py imports them all anyway), so that the annotations
 # resolve for typing.get_type_hints and the API docs
-from kvstore.codecs import CodecSpec
+from kvstore.codecs.pipeline import CodecSpec
 from kvstore.errors import StoreClosedError, StoreForkedError
 from kvstore.handoff import Handoff
 from kvstore.keys import Namespace

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.codecs.tensors import CODE_DTYPES, check_out, check_writable_out
 from kvstore.put_path import check_fits
-from kvstore.tensors import CODE_DTYPES, check_out, check_writable_out
 
 if TYPE_CHECKING:
     from kvstore.opening import StoreParts

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
-from kvstore import codecs
 from kvstore._native import lib as native_lib
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.tensors import CODE_DTYPES
 from kvstore.disk.format import (
     MAX_NDIM,
     NO_PARENT,
@@ -40,7 +41,6 @@ from kvstore.disk.format import (
     SlotHeader,
 )
 from kvstore.errors import CorruptionError, FormatVersionError
-from kvstore.tensors import CODE_DTYPES
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ from kvstore.io.probe import ENGINES
 from kvstore.io.scheduler import IoSchedule
 
 if TYPE_CHECKING:
-    from kvstore.codecs import CodecSpec
+    from kvstore.codecs.pipeline import CodecSpec
     from kvstore.io.protocol import IOEngine
     from kvstore.keys import Namespace
     from kvstore.remote.config import RemoteConfig
@@ -52,7 +52,7 @@ class StoreOptions:
                    1 GiB (or this, if smaller) and doubles when full, between
                    transactions; past this limit puts fail with ``StoreFullError`` (reads
                    keep working).  Address space, not disk: the file grows as it fills.
-    ``codec``      default :class:`~kvstore.codecs.CodecSpec` for puts (None: raw bytes).
+    ``codec``      default :class:`~kvstore.codecs.pipeline.CodecSpec` for puts (None: raw bytes).
                    FP8 is lossy and opt-in; zstd (after FP8, or over bf16/fp16 byte planes)
                    is lossless.  Reads decode whatever each block was written with.
     ``capacity_bytes`` stored bytes (slots, 4 KiB-rounded) never exceed this, even under

@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore import codecs
 from kvstore.backlog import Backlog
-from kvstore.codecs import CODEC_RAW, CodecSpec
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CODEC_RAW, CodecSpec
+from kvstore.codecs.tensors import CODE_DTYPES, check_value, host_bytes
 from kvstore.deletes import DeleteWatch
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
@@ -44,7 +45,6 @@ from kvstore.key_order import KeyOrder, Turn
 from kvstore.keys import check_key, check_keys
 from kvstore.slots import PlanMismatch, PutItem
 from kvstore.stats import PutResult
-from kvstore.tensors import CODE_DTYPES, check_value, host_bytes
 from kvstore.transfers import device_values_to_host
 
 if TYPE_CHECKING:

@@ -16,12 +16,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstore import codecs, native_slots, result_buffers
-from kvstore.codecs import CODEC_RAW, CodecSpec
+from kvstore import native_slots
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs import result_buffers
+from kvstore.codecs.pipeline import CODEC_RAW, CodecSpec
+from kvstore.codecs.tensors import CODE_DTYPES, encoded_payload
 from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, round_up
 from kvstore.errors import CorruptionError, FormatVersionError, UnsupportedTensorError
 from kvstore.io.arena import ArenaRun
-from kvstore.tensors import CODE_DTYPES, encoded_payload
 
 
 class ToDevice(Protocol):

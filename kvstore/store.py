@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from kvstore.codecs import CodecSpec
+from kvstore.codecs.pipeline import CodecSpec
 from kvstore.deletes import DeleteWatches
 from kvstore.disk.format import PAGE
 from kvstore.disk.lock import LOCK_FILE
@@ -262,7 +262,7 @@ class Store:
         With ``out``, block ``i`` is written into ``out[i]`` (same dtype and number of
         elements; any shape, contiguous or not, on any device) and that tensor is
         returned; ``out[i] = None`` allocates as usual.  New tensors of 256 KiB and more
-        are in recycled memory (:mod:`kvstore.result_buffers`): ordinary writable CPU
+        are in recycled memory (:mod:`kvstore.codecs.result_buffers`): ordinary writable CPU
         tensors whose storage cannot grow (``resize_`` past their size raises).
         """
         with self._operation(), self.latency.time("get"):

@@ -19,7 +19,7 @@ import anyio
 import torch
 
 from kvstore import native_slots
-from kvstore.codecs import CODEC_RAW, CodecSpec
+from kvstore.codecs.pipeline import CODEC_RAW, CodecSpec
 from kvstore.disk.format import PAGE, IndexEntry, round_up
 from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.io.arena import Arena, ArenaRun

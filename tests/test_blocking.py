@@ -17,7 +17,7 @@ import torch
 import kvstore
 import kvstore.remote
 from kvstore import blocking
-from kvstore.codecs import CodecSpec
+from kvstore.codecs.pipeline import CodecSpec
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 ROOT = Path(__file__).resolve().parents[1]

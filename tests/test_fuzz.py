@@ -363,9 +363,9 @@ def test_codec_mutated_payloads(data: bytes) -> None:
 
 
 def _valid_slot(payload: bytes, key: bytes = bytes(range(16))) -> bytes:
-    from kvstore.codecs import CODEC_RAW
+    from kvstore.codecs.pipeline import CODEC_RAW
+    from kvstore.codecs.tensors import DTYPE_CODES
     from kvstore.disk.format import crc32c
-    from kvstore.tensors import DTYPE_CODES
 
     header = SlotHeader(key=key, parent=None, codec=CODEC_RAW, dtype=DTYPE_CODES[torch.uint8],
                         shape=(len(payload),), payload_len=len(payload), raw_len=len(payload),

@@ -5,7 +5,7 @@ Every ``import`` / ``from ... import`` in ``kvstore/`` counts, at module level, 
 functions (deferred imports) and under ``TYPE_CHECKING``: a deferred or type-only import
 still says that one module knows the other, and a circle of such knowledge is what made
 the store and its remote adapter one piece.  ``from kvstore import codecs`` counts as an
-import of ``kvstore.codecs``, not of the package's ``__init__``.  No new dependency: the
+import of ``kvstore.codecs.pipeline``, not of the package's ``__init__``.  No new dependency: the
 graph comes from the standard ``ast`` module.
 """
 
@@ -104,10 +104,10 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 # ("remote" is floor 2, "remote.config" floor 0).  Extend by adding names.
 FLOORS: dict[int, str] = {
     # 0: words: errors, the on-disk format, keys, plain values; no behaviour to speak of
-    0: "errors disk.format keys disk.permissions tensors latency totals _native.lib _native "
-       "result_buffers remote.config remote.stats",
+    0: "errors disk.format keys disk.permissions codecs.tensors latency totals _native.lib _native "
+       "codecs.result_buffers remote.config remote.stats",
     # 1: mechanisms: I/O engines and buffers, the index, codecs, slot bytes, extent files
-    1: "io codecs fp8_kernels slots native_slots index index_writer free_map eviction "
+    1: "io codecs.pipeline codecs.fp8_kernels slots native_slots index index_writer free_map eviction "
        "disk.extents disk.lock group_sync quarantine_table",
     # 2: the store's parts: space, transfers, tiers' machinery, options, the GPU path
     2: "allocator transfers memory_tier prefetch backlog deletes operations stats options "
@@ -232,7 +232,7 @@ def test_import_kvstore_leaves_the_optional_parts_unloaded() -> None:
 # being split are listed with their current size, and may only shrink.
 CLASS_LINES = 350
 FILE_LINES = 600
-LONGER_FILES = {"kvstore/codecs.py": 1000}
+LONGER_FILES = {"kvstore/codecs/pipeline.py": 1000}
 BEING_SPLIT: dict[str, int] = {}
 
 

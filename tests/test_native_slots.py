@@ -25,12 +25,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore import native_slots, slots
-from kvstore.codecs import CodecSpec
+from kvstore.codecs.pipeline import CodecSpec
+from kvstore.codecs.tensors import CODE_DTYPES, DTYPE_CODES
 from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, crc32c
 from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.slots import PutItem
-from kvstore.tensors import CODE_DTYPES, DTYPE_CODES
 
 pytestmark = pytest.mark.skipif(not native_slots.available(),
                                 reason=f"no compiled slot kernels: {native_slots.reason()}")
@@ -178,7 +178,7 @@ def test_kvstore_crc32c_forces_the_path(path: str) -> None:
         "import crc32c, torch\n"
         "from kvstore import native_slots, slots\n"
         "from kvstore.io.arena import Arena\n"
-        "from kvstore.tensors import DTYPE_CODES\n"
+        "from kvstore.codecs.tensors import DTYPE_CODES\n"
         "print(native_slots.crc_path(), '|', native_slots.reason())\n"
         "data = torch.randint(0, 256, (100_000,), dtype=torch.uint8)\n"
         "item = slots.PutItem(bytes(16), None, data, DTYPE_CODES[torch.uint8], (100_000,))\n"

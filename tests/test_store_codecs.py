@@ -12,7 +12,7 @@ import torch
 
 import kvstore
 from kvstore import fsck
-from kvstore.codecs import CodecSpec, KVLayout
+from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
@@ -75,7 +75,7 @@ async def test_a_batch_encoded_over_the_cores_decodes_like_blocks_encoded_one_by
     """Batches of 1 MiB and more are encoded by one worker thread per core; every block
     must come back exactly as the codec encodes it alone (no block mixed up with
     another's payload, no thread sharing a codec context)."""
-    from kvstore import codecs
+    from kvstore.codecs import pipeline as codecs
 
     values = [make_tensor(torch.bfloat16, (2, 2, 64, 8, 64), i) for i in range(9)]  # 9 x 256 KiB
     ks = keys(9)
@@ -134,7 +134,7 @@ async def test_a_block_fp8_cannot_scale_is_stored_raw_after_the_put_is_placed_ag
 async def test_planned_fp8_puts_store_what_encoding_first_stores(tmp_path: Path) -> None:
     """The same blocks put with sizes planned (FP8) and encoded first (FP8 + zstd falls
     back to plain FP8 here when zstd does not shrink it, so compare decoded values)."""
-    from kvstore import codecs
+    from kvstore.codecs import pipeline as codecs
 
     values = fp16_blocks(6)
     ks = keys(6)

@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import native_slots, slots
+from kvstore.codecs.tensors import DTYPE_CODES
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES
 from kvstore.errors import StoreIOError
 from kvstore.io.arena import Arena
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.slots import PutItem
-from kvstore.tensors import DTYPE_CODES
 from kvstore.transfers import LONE_OFFLOAD_BYTES, OFFLOAD_BYTES, Transfers, offloaded
 from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within, until
 

@@ -1,8 +1,8 @@
 /*
- * FP8 codec kernels for kvstore.codecs (CPU).  Plain C, no Python headers: loaded with
+ * FP8 codec kernels for kvstore.codecs.pipeline (CPU).  Plain C, no Python headers: loaded with
  * ctypes, which releases the GIL for the duration of every call.
  *
- * The algorithm is the one in kvstore/codecs.py's module docstring; this file only makes
+ * The algorithm is the one in kvstore/codecs/pipeline.py's module docstring; this file only makes
  * its element-wise steps fast.  Python keeps the per-group scale logic (small arrays) and
  * calls three row kernels.  A "row" is one vector along the last axis (head_dim); k[r] is
  * the scale exponent of row r, already expanded from its group.

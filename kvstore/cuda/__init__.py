@@ -16,7 +16,7 @@ when it is not, every function here runs its CPU path with identical results:
 * :mod:`kvstore.cuda.device`  -- streams, device buffers, async copies whose completion
   is awaited through an eventfd (no blocked thread, no polling);
 * :mod:`kvstore.cuda.paged`   -- gather/scatter between vLLM paged caches and staging;
-* :mod:`kvstore.cuda.fp8`     -- FP8 encode/decode, byte-identical to kvstore.codecs.
+* :mod:`kvstore.cuda.fp8`     -- FP8 encode/decode, byte-identical to kvstore.codecs.pipeline.
 
 Submodules
 ----------

@@ -78,7 +78,7 @@ class SaveBatch(_Batch):
         self._encode = encode
 
     def payloads(self) -> list[tuple[int, U8] | None]:
-        """``(codec id, payload)`` per block, as :func:`kvstore.codecs.encode` makes
+        """``(codec id, payload)`` per block, as :func:`kvstore.codecs.pipeline.encode` makes
         them from the same values (after :meth:`wait`); needs a mover with a codec.
         ``None`` for a block the codec would store losslessly (a finite value FP8
         scales cannot reach: the GPU path does not keep its raw bytes; counted in

@@ -10,7 +10,7 @@
 * :func:`to_host` copies CUDA values of a put into page-locked staging (a process-wide
   :class:`~kvstore.cuda.staging.StagingPool`, registered once) and awaits the copies;
   the CPU tensors it returns hand their staging back when the last of them dies (a
-  weak reference, as :mod:`kvstore.result_buffers` does), so the put path needs no
+  weak reference, as :mod:`kvstore.codecs.result_buffers` does), so the put path needs no
   release call.  A put whose values do not fit the staging now gets ordinary host
   memory for the rest (counted in :func:`stats`): slower, never blocked.
 
@@ -31,11 +31,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstore.codecs.tensors import DTYPE_CODES
 from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.device import DeviceBuffer, Notice, on_device
 from kvstore.cuda.staging import Lease, StagingPool
-from kvstore.tensors import DTYPE_CODES
 
 __all__ = ["DeviceCopies", "close", "enabled_for", "stats", "to_host"]
 
@@ -160,7 +160,7 @@ class DeviceCopies:
                dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         """An FP8 payload (no zstd stage) in the page-locked arena: its scales and codes
         copied to the GPU and dequantised there into ``out`` (``kvstore/cuda/fp8.py``'s
-        kernel, bytes identical to ``kvstore.codecs.decode``), all enqueued on the copy
+        kernel, bytes identical to ``kvstore.codecs.pipeline.decode``), all enqueued on the copy
         stream: half the bytes over the bus of a decoded block.  False for other codecs
         (the caller decodes on the host)."""
         if codec & 0x10 or not gpu_fp8._is_fp8(codec, dtype):

@@ -1,6 +1,6 @@
-"""FP8 encode/decode on the GPU, producing exactly :func:`kvstore.codecs.encode`'s payloads.
+"""FP8 encode/decode on the GPU, producing exactly :func:`kvstore.codecs.pipeline.encode`'s payloads.
 
-The payload format and the quantisation algorithm are kvstore/codecs.py's (its module
+The payload format and the quantisation algorithm are kvstore/codecs/pipeline.py's (its module
 docstring); this module maps them onto the kernels in ``cuda_ext/fp8.cu``:
 
 * the scale groups of a block become one int32 per *row* (a vector along the last axis):
@@ -25,8 +25,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstore import codecs
-from kvstore.codecs import FP8_E4M3, FP8_E5M2, CodecSpec
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import FP8_E4M3, FP8_E5M2, CodecSpec
 from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.paged import cuda_index
 
@@ -168,7 +168,7 @@ def _encode_on_current_device(lib: Library, ptr: int, dtype: torch.dtype,
 
 
 def encode(t: torch.Tensor, spec: CodecSpec) -> tuple[int, U8]:
-    """Same result as :func:`kvstore.codecs.encode`; a CUDA tensor is quantised on its
+    """Same result as :func:`kvstore.codecs.pipeline.encode`; a CUDA tensor is quantised on its
     device (current torch stream) when the library is usable, else the codec runs."""
     if t.device.type == "cuda" and runtime().usable and \
             _fp8_applies(t.dtype, tuple(t.shape), spec):
@@ -184,7 +184,7 @@ def encode(t: torch.Tensor, spec: CodecSpec) -> tuple[int, U8]:
 
 def _parse(codec: int, payload: codecs.Payload, dtype: torch.dtype,
            shape: tuple[int, ...]) -> tuple[ScaleGroups, npt.NDArray[np.int8], U8]:
-    """The codec's own payload parser (:func:`kvstore.codecs.parse_fp8_payload`: the same
+    """The codec's own payload parser (:func:`kvstore.codecs.pipeline.parse_fp8_payload`: the same
     checks, the same CorruptionError cases), then the kernels' row -> scale map of the
     groups it parsed (the codec's own plan, :func:`_groups`)."""
     parsed = codecs.parse_fp8_payload(codec, payload, dtype, shape)
@@ -243,7 +243,7 @@ def decode_device(codec: int, payload: codecs.Payload, dtype: torch.dtype,
 
 def decode(codec: int, payload: codecs.Payload, dtype: torch.dtype, shape: tuple[int, ...],
            device: torch.device | str = "cpu") -> torch.Tensor:
-    """:func:`kvstore.codecs.decode` onto ``device``: FP8 payloads are dequantised by the
+    """:func:`kvstore.codecs.pipeline.decode` onto ``device``: FP8 payloads are dequantised by the
     kernel straight into a CUDA tensor when the library is usable, else on the CPU."""
     device = torch.device(device)
     if device.type == "cuda" and runtime().usable and _is_fp8(codec, dtype):

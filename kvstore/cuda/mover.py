@@ -24,7 +24,7 @@ With an FP8 codec the layers are gathered into a device scratch of whole blocks
 instead; ``end_save`` quantises each block there (``cuda_ext/fp8.cu``, the codec's
 algorithm) and copies only the FP8 payload (header space, scales, codes) and the status
 word to staging: half the bytes over PCIe.  ``batch.payloads()`` are then byte-identical
-to :func:`kvstore.codecs.encode` of the same block (a block the codec would store
+to :func:`kvstore.codecs.pipeline.encode` of the same block (a block the codec would store
 losslessly is copied raw and encoded on the host, as the codec does).
 
 Load (per step)::
@@ -67,7 +67,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvstore.codecs import CodecSpec
+from kvstore.codecs.pipeline import CodecSpec
 from kvstore.cuda import paged
 from kvstore.cuda._lib import Library
 from kvstore.cuda.batches import LoadBatch, SaveBatch

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore import codecs
-from kvstore.codecs import CodecSpec
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec
 from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.cuda import paged
 from kvstore.cuda._lib import Library, runtime

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvstore import codecs
+from kvstore.codecs import pipeline as codecs
 from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.cuda import paged
 from kvstore.cuda._lib import Library

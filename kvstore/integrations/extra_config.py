@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from kvstore.codecs import CodecSpec
+from kvstore.codecs.pipeline import CodecSpec
 from kvstore.disk import permissions
 from kvstore.io.probe import ENGINES
 from kvstore.io.scheduler import IoSchedule

@@ -15,10 +15,10 @@ from contextlib import suppress
 import torch
 
 from kvstore.blocking import BlockingStore
+from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda.mover import SaveBatch
 from kvstore.integrations.vllm_config import ConnectorConfig
 from kvstore.store import PutResult
-from kvstore.tensors import encoded_block
 
 __all__ = ["BackgroundSaves"]
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from kvstore import codecs
-from kvstore.codecs import CodecSpec
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec
 from kvstore.cuda.mover import Mover
 from kvstore.cuda.paged import Layout
 from kvstore.integrations.vllm_config import ConnectorConfig

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from kvstore import codecs
-from kvstore.codecs import CodecSpec
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec
+from kvstore.codecs.tensors import CODE_DTYPES, check_out
 from kvstore.deletes import DeleteWatch
 from kvstore.disk.format import IndexEntry
 from kvstore.errors import BlockTooLargeError, CapacityError, CorruptionError, KVStoreError
 from kvstore.remote import objects
 from kvstore.remote.blocks import RemoteBlock
 from kvstore.remote.tier import InFlight
-from kvstore.tensors import CODE_DTYPES, check_out
 
 if TYPE_CHECKING:
     from kvstore.remote.tier import RemoteTier

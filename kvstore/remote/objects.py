@@ -22,13 +22,14 @@ from typing import cast
 import numpy as np
 import torch
 
-from kvstore import native_slots, result_buffers
-from kvstore.codecs import CODEC_RAW
+from kvstore import native_slots
+from kvstore.codecs import result_buffers
+from kvstore.codecs.pipeline import CODEC_RAW
+from kvstore.codecs.tensors import CODE_DTYPES
 from kvstore.disk.format import SLOT_HEADER_BYTES, SlotHeader
 from kvstore.errors import CorruptionError
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.slots import check_payload, check_slot, deliver
-from kvstore.tensors import CODE_DTYPES
 
 LAYOUT_VERSION = "v1"
 AUTH_MAGIC = b"KVSA"

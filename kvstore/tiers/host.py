@@ -13,7 +13,7 @@ import torch
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from kvstore.codecs import CodecSpec
+    from kvstore.codecs.pipeline import CodecSpec
     from kvstore.deletes import DeleteWatch, DeleteWatches
     from kvstore.disk.format import IndexEntry, SlotHeader
     from kvstore.index import Index

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import anyio
 import torch
 
-from kvstore import result_buffers
+from kvstore.codecs import result_buffers
 from kvstore.disk.format import IndexEntry
 from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.prefetch import Prefetch

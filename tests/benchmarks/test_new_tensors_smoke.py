@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 
 from benchmarks import new_tensors
-from kvstore import result_buffers
+from kvstore.codecs import result_buffers
 
 
 def test_every_kind_of_read_is_measured_and_the_bound_restored(tmp_path: Path) -> None:

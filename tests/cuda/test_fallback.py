@@ -19,8 +19,8 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvstore import codecs
-from kvstore.codecs import CodecSpec, KVLayout
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from kvstore.cuda import _lib, fp8, paged
 from tests.realdata import kv_dir, require_kv_dir
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstore import codecs
-from kvstore.codecs import CodecSpec, KVLayout
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from kvstore.cuda import fp8
 from tests.cuda.standin import StandInLibrary
 

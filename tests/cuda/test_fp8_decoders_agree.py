@@ -1,4 +1,4 @@
-"""Every FP8 decoder is one parser in behaviour: ``kvstore.codecs.decode`` (its compiled
+"""Every FP8 decoder is one parser in behaviour: ``kvstore.codecs.pipeline.decode`` (its compiled
 kernels and its NumPy/torch path), the CUDA decode kernel's CPU twin
 (``fp8.decode_host``) and the GPU path's host side (``fp8.decode_device``, run on the
 stand-in runtime whose "kernel" is that twin) refuse the same payloads with
@@ -23,8 +23,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvstore import codecs, fp8_kernels
-from kvstore.codecs import FP8_E4M3, FP8_E5M2, GRANULARITIES, ZSTD, CodecSpec, KVLayout
+from kvstore.codecs import fp8_kernels
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import FP8_E4M3, FP8_E5M2, GRANULARITIES, ZSTD, CodecSpec, KVLayout
 from kvstore.cuda import _lib, fp8
 from kvstore.errors import CorruptionError
 from tests.cuda.standin import StandInLibrary

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import codecs
-from kvstore.codecs import CodecSpec, KVLayout
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from kvstore.cuda import CudaError, _lib, copies, paged
 from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.cuda.mover import CaptureError, Mover

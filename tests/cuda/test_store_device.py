@@ -22,12 +22,12 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import codecs
-from kvstore.codecs import CodecSpec, KVLayout
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec, KVLayout
+from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda import _lib, copies, paged
 from kvstore.cuda.mover import Mover
 from kvstore.errors import UnsupportedTensorError
-from kvstore.tensors import encoded_block
 from kvstore.transfers import device_values_to_host
 from tests.cuda.standin import OnDevice, StandInGpu
 

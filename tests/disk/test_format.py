@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore import open_blocking
+from kvstore.codecs.tensors import DTYPE_CODES
 from kvstore.disk.format import (
     EXTENT_HEADER_BYTES,
     FORMAT_VERSION,
@@ -39,7 +40,6 @@ from kvstore.disk.format import (
 )
 from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.keys import Namespace, chain_parents
-from kvstore.tensors import DTYPE_CODES
 
 FORMAT_MD = Path(__file__).resolve().parents[2] / "FORMAT.md"
 

@@ -5,7 +5,7 @@ KVSTORE_CUDA_LIB or run `python -m kvstore cuda build`) and a device is present.
 tests/gpu/run_gpu_checks.sh builds the library and runs this module on a GPU machine.
 
 Everything here works with the ctypes library alone (the library's own device
-allocations, comparisons on the CPU against kvstore.codecs and the torch reference), so
+allocations, comparisons on the CPU against kvstore.codecs.pipeline and the torch reference), so
 it runs where torch has no CUDA build; the torch-CUDA paths are checked in addition when
 torch.cuda is available.
 """
@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import codecs, cuda
-from kvstore.codecs import CodecSpec, KVLayout
+from kvstore import cuda
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from kvstore.cuda import fp8, paged
 from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.device import DeviceBuffer, Stream, copy_async

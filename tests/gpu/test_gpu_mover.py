@@ -1,7 +1,7 @@
 """The data mover (kvstore/cuda/mover.py), get_many(out=CUDA) and a put's CUDA values on a
 real GPU, under ``torch.cuda.set_sync_debug_mode("error")`` around the engine-side calls
 (a synchronising torch call raises): saves copied out after each layer's write, loads
-read after their layer's event, FP8 payloads byte-identical to ``kvstore.codecs``.
+read after their layer's event, FP8 payloads byte-identical to ``kvstore.codecs.pipeline``.
 Skipped where CUDA is not usable (tests/cuda covers the same through the stand-in)."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import codecs, cuda
-from kvstore.codecs import CodecSpec, KVLayout
+from kvstore import cuda
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec, KVLayout
+from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda import paged
 from kvstore.cuda.mover import Mover
-from kvstore.tensors import encoded_block
 from kvstore.transfers import device_values_to_host
 
 pytestmark = [

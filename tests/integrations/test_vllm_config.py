@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.codecs import CodecSpec
+from kvstore.codecs.pipeline import CodecSpec
 from kvstore.integrations.extra_config import INTEGRATION_SETS, STORE_KEYS
 from kvstore.integrations.sglang_config import BackendConfig
 from kvstore.integrations.vllm_config import CODECS, ConnectorConfig

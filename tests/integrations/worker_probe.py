@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kvstore import codecs
+from kvstore.codecs import pipeline as codecs
 from kvstore.cuda import _lib, copies, mover_core, paged
 from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.integrations.vllm_config import ConnectorConfig

@@ -22,7 +22,7 @@ import torch
 
 import kvstore
 from kvstore import fsck
-from kvstore.codecs import CodecSpec
+from kvstore.codecs.pipeline import CodecSpec
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.errors import RemoteAuthError
@@ -64,7 +64,7 @@ _WRITER = """
 import json, sys, anyio, torch
 sys.path.insert(0, sys.argv[1])
 import kvstore
-from kvstore.codecs import CodecSpec
+from kvstore.codecs.pipeline import CodecSpec
 from kvstore.remote import RemoteConfig
 from tests.conformance import NS, SMALL_EXTENT, keys
 from tests.remote.test_tier import value, parents

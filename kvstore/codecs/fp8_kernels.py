@@ -1,6 +1,6 @@
 """ctypes binding for the compiled FP8 row kernels (``kvstore/_native/fp8.c``).
 
-The kernels are an optional speed-up of :mod:`kvstore.codecs`: the install builds them
+The kernels are an optional speed-up of :mod:`kvstore.codecs.pipeline`: the install builds them
 when a C compiler is present, and the codec falls back to its NumPy/torch path (same
 bits, several times slower) when they are missing.  ``KVSTORE_NATIVE_CODECS=0`` in the
 environment turns them off, e.g. to rule them out while debugging.
@@ -115,7 +115,7 @@ def decode_rows(codes: npt.NDArray[np.uint8], k: npt.NDArray[np.int8], fmt: int,
     block (its last axis is the vector along which ``k`` is constant).  ``finite=True``
     promises no NaN/Inf codes (the payload's flag) and takes a faster kernel; a broken
     promise gives wrong numbers, never an out-of-bounds access, which is why
-    :func:`kvstore.codecs.parse_fp8_payload` refuses a payload whose flag breaks it."""
+    :func:`kvstore.codecs.pipeline.parse_fp8_payload` refuses a payload whose flag breaks it."""
     assert _lib is not None
     code, rows, dim = _check(out)
     if codes.dtype != np.uint8 or codes.size != out.numel() or not codes.flags.c_contiguous:

@@ -1,4 +1,4 @@
-"""kvstore.codecs: bit-exact FP8 against torch's conversion, lossless round trips,
+"""kvstore.codecs.pipeline: bit-exact FP8 against torch's conversion, lossless round trips,
 corruption handling, and attention-output accuracy on real SmolLM2 activations."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore import codecs, fp8_kernels
-from kvstore.codecs import (
+from kvstore.codecs import fp8_kernels
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import (
     CODEC_RAW,
     FP8_E4M3,
     FP8_E5M2,

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import codecs, fp8_kernels
-from kvstore.codecs import CodecSpec, KVLayout
+from kvstore.codecs import fp8_kernels
+from kvstore.codecs import pipeline as codecs
+from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from tests.realdata import kv_dir
 
 needs_kernels = pytest.mark.skipif(not fp8_kernels.available(), reason=fp8_kernels.reason())

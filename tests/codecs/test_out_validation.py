@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvstore
+from kvstore.codecs.tensors import check_out_tensor
 from kvstore.errors import KVStoreError, OutputMismatchError
-from kvstore.tensors import check_out_tensor
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 pytestmark = pytest.mark.anyio

@@ -107,7 +107,7 @@ How it is made fast (CPU)
 
 Pure ``tensor.to(float8)`` runs at ~1 GB/s here, slower than the disk.  When the
 install could compile them, C row kernels (``kvstore/_native/fp8.c``, bound by
-:mod:`kvstore.fp8_kernels`; AVX2 and baseline builds picked at load time) do the
+:mod:`kvstore.codecs.fp8_kernels`; AVX2 and baseline builds picked at load time) do the
 element-wise work in one pass each -- integer amax, then multiply-and-round, or
 table-lookup-multiply-and-round for decode -- and release the GIL.  Python keeps only
 the per-group scale logic, on arrays ``head_dim`` times smaller.  Otherwise, or with
@@ -174,9 +174,9 @@ import numpy.typing as npt
 import torch
 import zstandard
 
-from kvstore import fp8_kernels, result_buffers
+from kvstore.codecs import fp8_kernels, result_buffers
+from kvstore.codecs.tensors import check_out_tensor
 from kvstore.errors import CorruptionError
-from kvstore.tensors import check_out_tensor
 
 __all__ = [
     "CODEC_RAW",

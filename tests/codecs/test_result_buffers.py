@@ -1,4 +1,4 @@
-"""Recycled memory for new result tensors (``kvstore.result_buffers``): memory comes back
+"""Recycled memory for new result tensors (``kvstore.codecs.result_buffers``): memory comes back
 only when nothing sees it any more, a get never writes into a tensor a caller still
 holds, the pool stays within its bound, and a slab returned while the pool's lock is
 held (a collection inside an allocation) neither deadlocks nor is lost."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import result_buffers
-from kvstore.codecs import CodecSpec
-from kvstore.result_buffers import MIN_BYTES, ResultBuffers
+from kvstore.codecs import result_buffers
+from kvstore.codecs.pipeline import CodecSpec
+from kvstore.codecs.result_buffers import MIN_BYTES, ResultBuffers
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 SHAPE = (4, MIN_BYTES // 8)  # bfloat16: MIN_BYTES exactly
