@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import loadavg  # noqa: E402
-from kvstore import native_slots  # noqa: E402
+from kvstore.io import native_slots  # noqa: E402
 
 SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("2 MiB", 2 << 20)]
 SAMPLE_BYTES = 16 << 20

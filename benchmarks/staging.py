@@ -1,13 +1,13 @@
 """Slot staging and verification: the compiled kernels (kvstore/_native/slots.c) vs the
-Python path of kvstore.slots, side by side in one run.
+Python path of kvstore.io.slots, side by side in one run.
 
 What is measured
 ----------------
-* ``stage``: ``kvstore.slots.stage_all`` over one chunk of raw float16 blocks (the
+* ``stage``: ``kvstore.io.slots.stage_all`` over one chunk of raw float16 blocks (the
   store's chunk: at most 8 MiB, or one larger block), i.e. header build, CRC32C of the
   staged payload, copy into the arena, zeroed padding.  Each block has its own source
   tensor, so nothing is served from cache that would not be in a real put.
-* ``verify``: ``kvstore.slots.verify_copy_all`` over the chunk just staged, i.e. header
+* ``verify``: ``kvstore.io.slots.verify_copy_all`` over the chunk just staged, i.e. header
   checks, CRC32C and the copy out into a new tensor (``out=None``) and into a caller's
   contiguous tensor (``out=``).
 * GB/s of payload bytes (decimal GB), the median of ``--reps`` timed passes after one
@@ -37,11 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore import native_slots, slots  # noqa: E402
 from kvstore.codecs.tensors import DTYPE_CODES  # noqa: E402
 from kvstore.disk.format import IndexEntry  # noqa: E402
+from kvstore.io import native_slots, slots  # noqa: E402
 from kvstore.io.arena import Arena, ArenaRun  # noqa: E402
-from kvstore.slots import PutItem  # noqa: E402
+from kvstore.io.slots import PutItem  # noqa: E402
 
 CHUNK_BYTES = 8 << 20       # the store's chunk with its default 256 MiB arena
 SIZES = [("64 KiB", 64 << 10), ("2 MiB", 2 << 20), ("32 MiB", 32 << 20)]

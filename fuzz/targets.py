@@ -49,7 +49,6 @@ from fuzz.mutate import (
     apply_ops,
     ops_from,
 )
-from kvstore import slots
 from kvstore.codecs import pipeline as codecs
 from kvstore.disk.format import (
     KEY_BYTES,
@@ -68,6 +67,7 @@ from kvstore.disk.format import (
     unpack_u64,
 )
 from kvstore.errors import KVStoreError
+from kvstore.io import slots
 from kvstore.keys import Namespace
 
 Target = Callable[[bytes], None]
@@ -207,7 +207,7 @@ def _mutated_target(name: str) -> Target:
 
 def check_slot_verifier(slot: bytes) -> bool:
     """``slot`` (a header, then payload bytes) through the one slot verifier the store's
-    reads and fsck share (:func:`kvstore.slots.check_slot`, :func:`~kvstore.slots.check_payload`),
+    reads and fsck share (:func:`kvstore.io.slots.check_slot`, :func:`~kvstore.io.slots.check_payload`),
     called as they call it: without expectations, and with the key and index entry the
     header claims.  Only kvstore errors may escape; a slot that passes is the header the
     reference decoder reads, with a known codec and dtype, and its payload's CRC32C.

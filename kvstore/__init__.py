@@ -38,7 +38,7 @@ from kvstore.options import StoreOptions
 from kvstore.store import PutResult, Store, StoreStats, open
 
 # Optional parts load only when used: kvstore.cuda with the first store that page-locks
-# its staging arena (kvstore.page_locking), the remote tier's client with the first store
+# its staging arena (kvstore.io.page_locking), the remote tier's client with the first store
 # opened with remote=..., kvstore.metrics and the engine integrations when imported.
 
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from kvstore.disk.extents import fsync_dir
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, SlotHeader, round_up
 from kvstore.errors import CorruptionError, KVStoreError
-from kvstore.slots import check_payload, check_slot
+from kvstore.io.slots import check_payload, check_slot
 
 __all__ = ["SCAN_CHUNK", "ExtentReader", "Unreadable", "extend", "is_extent_name",
            "remove_file", "rewrite", "verified_slots", "verify_slot", "zero_page"]

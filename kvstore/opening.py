@@ -20,14 +20,12 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from kvstore import page_locking
 from kvstore.allocator import Allocator
 from kvstore.disk import permissions, store_files
 from kvstore.disk.extents import EXTENT_DIR, extent_path
 from kvstore.disk.format import new_store_uuid, unpack_u64
 from kvstore.disk.lock import StoreLock
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
-from kvstore.group_sync import GroupSync
 from kvstore.index import (
     META_EXTENT_BYTES,
     META_SEQ,
@@ -38,18 +36,20 @@ from kvstore.index import (
     init_meta,
     record_namespace,
 )
+from kvstore.io import page_locking
 from kvstore.io.arena import Arena
+from kvstore.io.group_sync import GroupSync
 from kvstore.io.probe import probe
 from kvstore.io.protocol import IOEngine
 from kvstore.io.scheduler import IoScheduler
 from kvstore.io.threads import ThreadPoolEngine
+from kvstore.io.transfers import Transfers
 from kvstore.keys import Namespace
 from kvstore.memory_tier import MemoryTier
 from kvstore.operations import Health
 from kvstore.options import StoreOptions
 from kvstore.stats import COUNTERS
 from kvstore.totals import Totals
-from kvstore.transfers import Transfers
 
 __all__ = ["INDEX_DIR", "StoreParts"]
 

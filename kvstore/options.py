@@ -63,7 +63,7 @@ class StoreOptions:
                    space.
     ``page_lock_staging`` page-lock the staging arena (register it with CUDA as
                    host memory the GPU can DMA to and from, what torch calls "pinned";
-                   :mod:`kvstore.page_locking`), so gets land where the GPU copies them
+                   :mod:`kvstore.io.page_locking`), so gets land where the GPU copies them
                    from directly: None (default) when CUDA is usable, True requires it
                    (CudaError if not), False never.  Unregistered at close.
                    ``stats().cuda`` says what happened.  ``pin_staging`` is its

@@ -9,11 +9,11 @@
 2. wait out the puts and deletes of the same keys that started before it, decide again
    without yielding; copy the values of the blocks it writes that lie on a GPU into
    page-locked host memory (stream-ordered, awaited:
-   ``kvstore.transfers.device_values_to_host``);
+   ``kvstore.io.transfers.device_values_to_host``);
 3. reserve space in the allocator (nothing durable changes);
 4. stage header + payload in the arena, CRC32C over the staged bytes, and write every
-   slot (O_DIRECT), encoding FP8 chunks as they are staged (``kvstore/transfers.py``);
-5. fdatasync every extent written, shared with concurrent puts (``kvstore/group_sync.py``);
+   slot (O_DIRECT), encoding FP8 chunks as they are staged (``kvstore/io/transfers.py``);
+5. fdatasync every extent written, shared with concurrent puts (``kvstore/io/group_sync.py``);
 6. one LMDB write transaction: index entries in, their ranges out of the durable free
    map, sequence counter up; commit (fsync);
 7. acknowledge; then queue the remote upload and cache the blocks in memory.
@@ -41,11 +41,11 @@ from kvstore.deletes import DeleteWatch
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
 from kvstore.index import ChainCut, Txn
+from kvstore.io.slots import PlanMismatch, PutItem
+from kvstore.io.transfers import device_values_to_host
 from kvstore.key_order import KeyOrder, Turn
 from kvstore.keys import check_key, check_keys
-from kvstore.slots import PlanMismatch, PutItem
 from kvstore.stats import PutResult
-from kvstore.transfers import device_values_to_host
 
 if TYPE_CHECKING:
     from kvstore.opening import StoreParts

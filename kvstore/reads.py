@@ -37,9 +37,9 @@ from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
 from kvstore.errors import CorruptionError, KVStoreError
 from kvstore.io.coalesce import READ_RETRY_DELAYS_S
 from kvstore.io.scheduler import PREFETCH, as_class
+from kvstore.io.slots import check_payload, check_slot
+from kvstore.io.transfers import Failed, ReadCounts
 from kvstore.quarantine_table import CORRUPT, OK, UNREADABLE, Quarantined, same_slot
-from kvstore.slots import check_payload, check_slot
-from kvstore.transfers import Failed, ReadCounts
 
 if TYPE_CHECKING:
     from kvstore.io.aligned import AlignedBuffer

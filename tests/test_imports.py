@@ -107,11 +107,11 @@ FLOORS: dict[int, str] = {
     0: "errors disk.format keys disk.permissions codecs.tensors latency totals _native.lib _native "
        "codecs.result_buffers remote.config remote.stats",
     # 1: mechanisms: I/O engines and buffers, the index, codecs, slot bytes, extent files
-    1: "io codecs.pipeline codecs.fp8_kernels slots native_slots index index_writer free_map eviction "
-       "disk.extents disk.lock group_sync quarantine_table",
+    1: "io codecs.pipeline codecs.fp8_kernels io.slots io.native_slots index index_writer free_map eviction "
+       "disk.extents disk.lock io.group_sync quarantine_table",
     # 2: the store's parts: space, transfers, tiers' machinery, options, the GPU path
-    2: "allocator transfers memory_tier prefetch backlog deletes operations stats options "
-       "page_locking pinning cuda remote",
+    2: "allocator io.transfers memory_tier prefetch backlog deletes operations stats options "
+       "io.page_locking pinning cuda remote",
     # 3: the store: the coordinator, its call paths, and the tiers it hands a port to
     3: "store opening put_path get_path reads tiers remote.adapter rechecks scrub",
     # 4: users of the store: the package's front, the blocking bridge, tools, engines

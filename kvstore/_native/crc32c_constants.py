@@ -2,7 +2,7 @@
 the folding method itself, in plain Python (polynomial arithmetic over GF(2) on ints).
 
 Run ``python kvstore/_native/crc32c_constants.py``: it prints the C initialisers that
-``slots.c`` holds (``tests/test_native_slots.py`` checks that they agree) after checking,
+``slots.c`` holds (``tests/io/test_native_slots.py`` checks that they agree) after checking,
 on random messages, that a model of the C code's folding gives the bitwise CRC32C.
 
 The method is that of Intel's whitepaper "Fast CRC Computation for Generic Polynomials

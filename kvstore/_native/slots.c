@@ -1,12 +1,12 @@
 /*
- * Slot staging and verification for kvstore.slots (CPU): the per-byte work of a put
+ * Slot staging and verification for kvstore.io.slots (CPU): the per-byte work of a put
  * (header build, CRC32C, copy into the arena) and of a get (header checks, CRC32C, copy
  * out), a whole chunk of slots per call.  Plain C, no Python headers: loaded with ctypes
- * (kvstore/native_slots.py), which releases the GIL for the duration of every call, so a
+ * (kvstore/io/native_slots.py), which releases the GIL for the duration of every call, so a
  * chunk is staged or verified in parallel with the event loop and other threads.
  *
  * The slot header layout is FORMAT.md, "Slot" (kvstore/disk/format.py, SlotHeader, is the
- * reference implementation; tests/test_native_slots.py holds this file to it byte for
+ * reference implementation; tests/io/test_native_slots.py holds this file to it byte for
  * byte):
  *
  *   0x00 magic "KVSB" | 0x04 u16 version | 0x06 u16 header_len (256) | 0x08 key[16]
@@ -19,7 +19,7 @@
  *
  * CRC32C (Castagnoli, reflected polynomial 0x82f63b78, initial and final XOR 0xffffffff,
  * the `crc32c` package's convention, continuable: crc(b, crc(a)) == crc(a + b)), by one
- * of three paths, chosen once when kvstore/native_slots.py loads the library
+ * of three paths, chosen once when kvstore/io/native_slots.py loads the library
  * (kvs_crc32c_select: the faster of the two hardware paths on 64 KiB, timed there and
  * then, or the one KVSTORE_CRC32C names):
  *   - "crc32" (x86-64 with SSE4.2): the crc32 instruction on three independent streams
@@ -425,7 +425,7 @@ uint32_t kvs_crc32c_copy(uint32_t crc, const void *buf, void *dst, size_t len, i
                   path_supported(path) ? path : CRC_TABLE);
 }
 
-/* One slot of a batch, filled by kvstore/native_slots.py (_DESC there mirrors it:
+/* One slot of a batch, filled by kvstore/io/native_slots.py (_DESC there mirrors it:
  * 160 bytes, natural alignment, no implicit padding). */
 typedef struct {
     uint64_t slot;          /* address of the slot's first byte (in the arena) */

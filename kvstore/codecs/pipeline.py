@@ -575,7 +575,7 @@ def planned_nbytes(shape: tuple[int, ...], dtype: torch.dtype, spec: CodecSpec) 
     before its values are read, or None where it is not (no FP8, zstd, or a shape FP8
     does not serve).  ``prepare`` can still differ for one input: values too large for
     the scale exponents fall back to the lossless raw payload; a writer that sized a slot
-    from this plan compares the two (``kvstore.slots.PutItem``).  Lets a store reserve
+    from this plan compares the two (``kvstore.io.slots.PutItem``).  Lets a store reserve
     FP8 slots before encoding and quantise chunk by chunk, overlapped with the writes.
     Raises what ``prepare`` raises for a layout that does not fit ``shape``."""
     want = codec_id(spec)

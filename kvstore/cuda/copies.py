@@ -2,10 +2,10 @@
 ``Store.get_many(out=...)``: no ``synchronize``, completion awaited through the eventfd.
 
 * :class:`DeviceCopies` collects the host -> device copies of one read chunk
-  (``kvstore.slots.deliver`` enqueues them straight from the verified arena run: one
+  (``kvstore.io.slots.deliver`` enqueues them straight from the verified arena run: one
   DMA from the page-locked arena, no host copy), each on kvstore's copy stream of the
   tensor's device after an event recorded on the current torch stream of the thread
-  (whatever that stream queued into the tensor comes first); ``kvstore.transfers``
+  (whatever that stream queued into the tensor comes first); ``kvstore.io.transfers``
   awaits :meth:`DeviceCopies.wait` before the arena run is reused.
 * :func:`to_host` copies CUDA values of a put into page-locked staging (a process-wide
   :class:`~kvstore.cuda.staging.StagingPool`, registered once) and awaits the copies;
@@ -151,7 +151,7 @@ class DeviceCopies:
 
     def copy(self, dst: torch.Tensor, src_address: int, nbytes: int, keep: object) -> None:
         """``to_device``, keeping ``keep`` (the host source) alive until :meth:`wait`
-        (``kvstore.slots.ToDevice``)."""
+        (``kvstore.io.slots.ToDevice``)."""
         if keep is not None:
             self._keep.append(keep)
         self.to_device(dst, src_address, nbytes)
@@ -243,7 +243,7 @@ class DeviceCopies:
 
     @property
     def sink(self) -> DeviceCopies:
-        """What ``kvstore.slots.deliver`` enqueues through (``kvstore.slots.ToDevice``)."""
+        """What ``kvstore.io.slots.deliver`` enqueues through (``kvstore.io.slots.ToDevice``)."""
         return self
 
     async def wait(self) -> None:

@@ -87,7 +87,7 @@ async def _wait_for(streams: Iterable[torch.cuda.Stream]) -> None:
 
 
 class TorchCopies:
-    """The host -> device copies of one read chunk (``kvstore.slots.ToDevice``), awaited
+    """The host -> device copies of one read chunk (``kvstore.io.slots.ToDevice``), awaited
     together by :meth:`wait` before the arena runs they read from are reused."""
 
     def __init__(self) -> None:

@@ -7,7 +7,7 @@ extent file but without the 4 KiB padding, optionally followed by a 40-byte
 authentication trailer (``KVSA``, version, algorithm, HMAC-SHA256).  Every object read
 is verified here before a byte is used: header CRC, the key it should hold, codec and
 dtype known, payload CRC32C, length, and - with an ``hmac_key`` - the tag.  The checks
-are the slot verifier's own (``kvstore.slots.check_slot`` / ``check_payload``); only
+are the slot verifier's own (``kvstore.io.slots.check_slot`` / ``check_payload``); only
 the trailer is new.
 """
 
@@ -22,14 +22,14 @@ from typing import cast
 import numpy as np
 import torch
 
-from kvstore import native_slots
 from kvstore.codecs import result_buffers
 from kvstore.codecs.pipeline import CODEC_RAW
 from kvstore.codecs.tensors import CODE_DTYPES
 from kvstore.disk.format import SLOT_HEADER_BYTES, SlotHeader
 from kvstore.errors import CorruptionError
+from kvstore.io import native_slots
 from kvstore.io.arena import Arena, ArenaRun
-from kvstore.slots import check_payload, check_slot, deliver
+from kvstore.io.slots import check_payload, check_slot, deliver
 
 LAYOUT_VERSION = "v1"
 AUTH_MAGIC = b"KVSA"
@@ -120,7 +120,7 @@ def read_only_tensor(data: ObjectBytes) -> torch.Tensor:
 
 class _Buffer:
     """Object bytes shaped like the staging arena, so that the slot decoder
-    (``kvstore.slots.deliver``) decodes remote blocks exactly like local ones."""
+    (``kvstore.io.slots.deliver``) decodes remote blocks exactly like local ones."""
 
     def __init__(self, data: ObjectBytes) -> None:
         self.view = memoryview(data)

@@ -25,9 +25,9 @@ import torch
 
 from kvstore.codecs import result_buffers
 from kvstore.disk.format import IndexEntry
+from kvstore.io.transfers import device_copies, offloaded
 from kvstore.memory_tier import Cached, MemoryTier
 from kvstore.prefetch import Prefetch
-from kvstore.transfers import device_copies, offloaded
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -105,7 +105,7 @@ class MemoryRoom:
         """Copy taken hits into ``out`` tensors or new ones (recycled memory, as every
         get's new tensors); on a worker thread when large.  A contiguous CUDA ``out``
         gets one copy enqueued from the (page-locked) region on kvstore's copy stream,
-        awaited through the eventfd (:func:`kvstore.transfers.device_copies`), never a
+        awaited through the eventfd (:func:`kvstore.io.transfers.device_copies`), never a
         synchronize; the hits stay marked as read until it completed."""
         copies = device_copies() if any(_device_out(outs[i]) for i, _ in hits) else None
         sink = None if copies is None else copies.sink

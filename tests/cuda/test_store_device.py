@@ -28,7 +28,7 @@ from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda import _lib, copies, paged
 from kvstore.cuda.mover import Mover
 from kvstore.errors import UnsupportedTensorError
-from kvstore.transfers import device_values_to_host
+from kvstore.io.transfers import device_values_to_host
 from tests.cuda.standin import OnDevice, StandInGpu
 
 pytestmark = pytest.mark.anyio

@@ -21,7 +21,7 @@ from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda import paged
 from kvstore.cuda.mover import Mover
-from kvstore.transfers import device_values_to_host
+from kvstore.io.transfers import device_values_to_host
 
 pytestmark = [
     pytest.mark.skipif(not cuda.available(), reason=f"no CUDA: {cuda.reason()}"),

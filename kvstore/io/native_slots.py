@@ -6,8 +6,8 @@ releases the GIL for the call, so a chunk is staged or verified in parallel with
 event loop and other threads.  Python only packs one 160-byte descriptor per slot
 (``_DESC``, the C struct ``kvs_slot``) and reads the results back.
 
-The kernels are an optional speed-up of :mod:`kvstore.slots`: the install builds them
-when a C compiler is present, and ``kvstore.slots`` falls back to its Python path (same
+The kernels are an optional speed-up of :mod:`kvstore.io.slots`: the install builds them
+when a C compiler is present, and ``kvstore.io.slots`` falls back to its Python path (same
 bytes on disk, same verification results and errors) when they are missing.
 ``KVSTORE_NATIVE_SLOTS=0`` in the environment turns them off, e.g. to rule them out
 while debugging.
@@ -54,7 +54,7 @@ __all__ = ["available", "reason", "hardware_crc", "crc_path", "crc_paths", "crc3
 _ABI_VERSION = 3
 _CRC_ENV = "KVSTORE_CRC32C"
 class StagedSlot(Protocol):
-    """What :func:`stage` needs of one block of a put (``kvstore.slots.PutItem`` is
+    """What :func:`stage` needs of one block of a put (``kvstore.io.slots.PutItem`` is
     one): its own type here, so that this binding does not import the module that
     calls it."""
 
@@ -149,7 +149,7 @@ _load()
 
 
 def available() -> bool:
-    """Whether the compiled kernels are loaded (else ``kvstore.slots`` runs in Python)."""
+    """Whether the compiled kernels are loaded (else ``kvstore.io.slots`` runs in Python)."""
     return _lib is not None
 
 
@@ -236,7 +236,7 @@ def _run_address(run: ArenaRun) -> int:
 
 
 def stage(chunk: Sequence[tuple[StagedSlot, ArenaRun]]) -> None:
-    """Stage every slot of ``chunk`` (same bytes as ``kvstore.slots.stage``) in one call:
+    """Stage every slot of ``chunk`` (same bytes as ``kvstore.io.slots.stage``) in one call:
     encoded payloads are first written into their runs by the codec, raw ones are copied
     by the kernel, which checksums the staged bytes in the same pass."""
     assert _lib is not None
@@ -289,7 +289,7 @@ def verify(batch: Sequence[tuple[ArenaRun, bytes, IndexEntry, int, int, bool]]
     ``dst_len`` bytes is copied to address ``dst`` (0: verify only).  ``fresh`` says
     nobody sees ``dst`` unless the slot verifies, which lets the kernel copy and checksum
     in one pass; otherwise a corrupt payload never reaches ``dst``.  The checks and their
-    order, and the errors, are those of ``kvstore.slots.check_slot`` and ``check_payload``.
+    order, and the errors, are those of ``kvstore.io.slots.check_slot`` and ``check_payload``.
     """
     assert _lib is not None
     if not batch:

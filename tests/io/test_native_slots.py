@@ -1,5 +1,5 @@
-"""The compiled slot kernels (kvstore/_native/slots.c via kvstore.native_slots) against
-the Python path of kvstore.slots, which is their specification.
+"""The compiled slot kernels (kvstore/_native/slots.c via kvstore.io.native_slots) against
+the Python path of kvstore.io.slots, which is their specification.
 
 Staging must give the same bytes on disk, byte for byte (header, payload, zeroed padding)
 and the same payload CRC; verification the same result for every slot: the same tensor,
@@ -24,13 +24,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore import native_slots, slots
 from kvstore.codecs.pipeline import CodecSpec
 from kvstore.codecs.tensors import CODE_DTYPES, DTYPE_CODES
 from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, crc32c
 from kvstore.errors import CorruptionError, FormatVersionError
+from kvstore.io import native_slots, slots
 from kvstore.io.arena import Arena, ArenaRun
-from kvstore.slots import PutItem
+from kvstore.io.slots import PutItem
 
 pytestmark = pytest.mark.skipif(not native_slots.available(),
                                 reason=f"no compiled slot kernels: {native_slots.reason()}")
@@ -86,7 +86,7 @@ def _entry(item: PutItem, offset: int = 4096) -> IndexEntry:
 
 
 PATHS = native_slots.crc_paths() if native_slots.available() else []
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _random(n: int, seed: int) -> np.ndarray:
@@ -176,7 +176,7 @@ def test_kvstore_crc32c_forces_the_path(path: str) -> None:
     # staging uses it: a slot staged there carries the package's CRC.
     done = _forced(path, (
         "import crc32c, torch\n"
-        "from kvstore import native_slots, slots\n"
+        "from kvstore.io import native_slots, slots\n"
         "from kvstore.io.arena import Arena\n"
         "from kvstore.codecs.tensors import DTYPE_CODES\n"
         "print(native_slots.crc_path(), '|', native_slots.reason())\n"
@@ -194,7 +194,7 @@ def test_kvstore_crc32c_forces_the_path(path: str) -> None:
 
 
 def test_kvstore_crc32c_refuses_an_unknown_path() -> None:
-    done = _forced("fast", "import kvstore.native_slots")
+    done = _forced("fast", "import kvstore.io.native_slots")
     assert done.returncode != 0
     assert "KVSTORE_CRC32C='fast' is not a CRC32C path: use auto, table, crc32, pclmul" \
         in done.stderr
@@ -468,7 +468,7 @@ def test_the_store_runs_without_the_kernels(tmp_path: object) -> None:
     """KVSTORE_NATIVE_SLOTS=0 (as if no compiler): the Python path, same round trip."""
     code = (
         "import torch, kvstore\n"
-        "from kvstore import native_slots\n"
+        "from kvstore.io import native_slots\n"
         "assert not native_slots.available(), native_slots.reason()\n"
         "ns = kvstore.Namespace(model='m', dtype='float16', block_size=4)\n"
         f"with kvstore.open_blocking({str(tmp_path)!r}, namespace=ns, extent_bytes=1 << 22) as s:\n"

@@ -1,4 +1,4 @@
-"""Large blocks staged and written a piece at a time (kvstore/transfers.py): the slot's
+"""Large blocks staged and written a piece at a time (kvstore/io/transfers.py): the slot's
 bytes are those of one staged whole (both CRC32C paths), pieces go to the device while
 later ones are still being staged, the header page last; a cancelled or failed transfer
 gives its staging back and fails with the engine's error, not a task-group wrapper."""
@@ -17,14 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import native_slots, slots
 from kvstore.codecs.tensors import DTYPE_CODES
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES
 from kvstore.errors import StoreIOError
+from kvstore.io import native_slots, slots
 from kvstore.io.arena import Arena
 from kvstore.io.protocol import IOEngine, IoOp
-from kvstore.slots import PutItem
-from kvstore.transfers import LONE_OFFLOAD_BYTES, OFFLOAD_BYTES, Transfers, offloaded
+from kvstore.io.slots import PutItem
+from kvstore.io.transfers import LONE_OFFLOAD_BYTES, OFFLOAD_BYTES, Transfers, offloaded
 from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within, until
 
 KEY, PARENT = bytes(range(16)), bytes(range(100, 116))

@@ -3,7 +3,7 @@ a slot read back against its index entry before a byte reaches the caller (G2).
 
 Slot layout: FORMAT.md, "Slots".  The store stages and verifies through this module only.
 The per-byte work runs in the compiled kernels of ``kvstore/_native/slots.c`` (through
-``kvstore.native_slots``: one call per chunk, GIL released) when they are built; the
+``kvstore.io.native_slots``: one call per chunk, GIL released) when they are built; the
 Python code here is the reference they are tested against and the fallback without them.
 """
 
@@ -16,20 +16,20 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstore import native_slots
 from kvstore.codecs import pipeline as codecs
 from kvstore.codecs import result_buffers
 from kvstore.codecs.pipeline import CODEC_RAW, CodecSpec
 from kvstore.codecs.tensors import CODE_DTYPES, encoded_payload
 from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader, crc32c, round_up
 from kvstore.errors import CorruptionError, FormatVersionError, UnsupportedTensorError
+from kvstore.io import native_slots
 from kvstore.io.arena import ArenaRun
 
 
 class ToDevice(Protocol):
     """Fills contiguous CUDA outputs by enqueued work, waited for by its owner before the
     arena runs are reused (``kvstore.cuda.copies.DeviceCopies``, handed in by
-    ``kvstore.transfers``; this module stays below the GPU path and never imports it)."""
+    ``kvstore.io.transfers``; this module stays below the GPU path and never imports it)."""
 
     def copy(self, out: torch.Tensor, address: int, nbytes: int, keep: object) -> None:
         """Enqueue ``nbytes`` from host ``address`` into ``out`` (``keep``: alive until
@@ -190,7 +190,7 @@ def encode_all(items: list[PutItem], spec: CodecSpec) -> None:
 
 
 def stage_all(chunk: list[tuple[PutItem, ArenaRun]], *, native: bool | None = None) -> None:
-    """Stage a chunk: one call into the compiled kernels (``kvstore.native_slots``, GIL
+    """Stage a chunk: one call into the compiled kernels (``kvstore.io.native_slots``, GIL
     released) when they are built, else ``stage`` per slot.  Same bytes either way;
     ``native`` forces a path (tests and benchmarks compare them).  Planned blocks are
     encoded first, here (``PlanMismatch`` if one does not fit its plan)."""

@@ -18,14 +18,14 @@ from typing import Any, NamedTuple, TypeVar
 import anyio
 import torch
 
-from kvstore import native_slots
 from kvstore.codecs.pipeline import CODEC_RAW, CodecSpec
 from kvstore.disk.format import PAGE, IndexEntry, round_up
 from kvstore.errors import CorruptionError, FormatVersionError
+from kvstore.io import native_slots
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.io.coalesce import reread_failed
 from kvstore.io.protocol import IOEngine, IoOp
-from kvstore.slots import (
+from kvstore.io.slots import (
     PutItem,
     ToDevice,
     check_payload,
@@ -434,8 +434,8 @@ def verify_slots(batch: Sequence[tuple[ArenaRun, bytes, IndexEntry]]
                  ) -> list[CorruptionError | FormatVersionError | None]:
     """Check slots read into the arena against their entries (header, then payload
     CRC32C), copying nothing: the compiled checker in one call when it is built (no
-    destination: verify only), else :func:`kvstore.slots.check_slot` and
-    :func:`~kvstore.slots.check_payload`.  None for each slot that checks out."""
+    destination: verify only), else :func:`kvstore.io.slots.check_slot` and
+    :func:`~kvstore.io.slots.check_payload`.  None for each slot that checks out."""
     if native_slots.available():
         return [r if isinstance(r, Exception) else None for r in
                 native_slots.verify([(run, key, entry, 0, 0, False) for run, key, entry in batch])]

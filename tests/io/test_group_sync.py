@@ -1,4 +1,4 @@
-"""Group sync (kvstore/group_sync.py): callers that arrive while an fdatasync runs share
+"""Group sync (kvstore/io/group_sync.py): callers that arrive while an fdatasync runs share
 the next one, never the running one; a failed sync fails everyone who needed it; a
 cancelled leader still finishes the sync its followers wait for.  Real engines and files,
 the syncs held at a gate (``tests/concurrency.py``), on asyncio and trio."""
@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from kvstore.errors import StoreIOError
-from kvstore.group_sync import GroupSync
+from kvstore.io.group_sync import GroupSync
 from kvstore.io.protocol import IOEngine
 from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within, until
 

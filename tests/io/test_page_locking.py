@@ -18,12 +18,12 @@ import pytest
 
 import kvstore
 import kvstore.store
-from kvstore import page_locking
+from kvstore.io import page_locking
 from kvstore.io.arena import Arena
 from kvstore.options import StoreOptions
 from tests.conformance import NS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Recorder:
@@ -104,7 +104,7 @@ def test_pin_staging_is_a_deprecated_alias(tmp_path: Path, recorder: _Recorder) 
 
 def test_the_old_module_names_still_work(recorder: _Recorder) -> None:
     sys.modules.pop("kvstore.pinning", None)
-    with pytest.warns(DeprecationWarning, match="kvstore.page_locking"):
+    with pytest.warns(DeprecationWarning, match="kvstore.io.page_locking"):
         pinning = importlib.import_module("kvstore.pinning")
     assert pinning.default_pinner() is recorder
     pinning.set_default_pinner(None)
