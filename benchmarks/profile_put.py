@@ -53,7 +53,7 @@ CATEGORIES = [
                                                           "native_slots", "stage_slots")),
     ("staging: Python fallback / torch copies", ("copy_", "crc32c", "build_header",
                                                  "stage_slot", "host_bytes")),
-    ("LMDB commit (writer thread)", ("commit_puts", "_commit (kvstore/index.py)",
+    ("LMDB commit (writer thread)", ("commit_puts", "_commit (kvstore/index/index.py)",
                                      "IndexWriter", "add_block", "take_range")),
     ("device I/O submission / reaping", ("uring.py", "threads.py", "_submit", "_reap")),
     ("page faults / zeroing (arena)", ("arena.py",)),

@@ -42,7 +42,7 @@ and the stored blocks it deduplicated against, so eviction never cuts a chain un
 child that is being written.  An eviction that chose its blocks *before* a put protected
 them can still commit after the put's decision; the put's commit therefore checks, in its
 own transaction, that what it deduplicated against is still stored, and redoes the put
-otherwise (:class:`~kvstore.index.ChainCut`).
+otherwise (:class:`~kvstore.index.index.ChainCut`).
 
 The LMDB ``free`` table is the durable free map; this module keeps its runtime mirror.
 A reserved range leaves the durable map in the transaction that indexes its block, so a
@@ -66,8 +66,8 @@ import anyio
 from kvstore.disk.extents import create_extent_file, remove_new_extent_file
 from kvstore.disk.format import PAGE, IndexEntry
 from kvstore.errors import CapacityError
-from kvstore.eviction import ChainTables, evictable_bytes
-from kvstore.index import Index, IndexWriter, Touched, Txn
+from kvstore.index.eviction import ChainTables, evictable_bytes
+from kvstore.index.index import Index, IndexWriter, Touched, Txn
 
 logger = logging.getLogger("kvstore.store")
 

@@ -6,7 +6,7 @@ files nobody references) or *damage* (something the store never produces on its 
 a bad sector, a bug, a file edited by hand):
 
 1. Take the store lock; open the LMDB index (every page checked before LMDB maps it:
-   kvstore/index_file.py; no link followed: store_files.py); check the format.  (else exit 2)
+   kvstore/index/file.py; no link followed: store_files.py); check the format.  (else exit 2)
 2. Extent files: none is a link or not a regular file (damage: unsafe-extent-file; never
    read through; repair removes a link, never its target, and drops the extent's
    blocks).  Every extent in the ``extents`` table exists, has its recorded size and
@@ -107,7 +107,7 @@ from kvstore.fsck_files import (
 )
 from kvstore.fsck_rebuild import rebuild_index
 from kvstore.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, ProgressFn, Report
-from kvstore.index import (
+from kvstore.index.index import (
     META_EXTENT_BYTES,
     META_NAMESPACE_PREFIX,
     META_NEXT_EXTENT,
@@ -117,7 +117,7 @@ from kvstore.index import (
     IndexWriter,
     Txn,
 )
-from kvstore.quarantine_table import OK
+from kvstore.index.quarantine import OK
 
 
 def check(path: str, *, repair: bool = False, deep: bool = False,

@@ -39,7 +39,7 @@ from kvstore.disk.store_files import unsafe_reason
 from kvstore.errors import KVStoreError
 from kvstore.fsck_files import ExtentReader, Unreadable, is_extent_name, verified_slots
 from kvstore.fsck_report import DAMAGE, Finding, ProgressFn, Report
-from kvstore.index import META_NEXT_EXTENT, META_SEQ, Index, IndexWriter, Txn, init_meta
+from kvstore.index.index import META_NEXT_EXTENT, META_SEQ, Index, IndexWriter, Txn, init_meta
 
 __all__ = ["rebuild_index"]
 

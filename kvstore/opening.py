@@ -26,7 +26,7 @@ from kvstore.disk.extents import EXTENT_DIR, extent_path
 from kvstore.disk.format import new_store_uuid, unpack_u64
 from kvstore.disk.lock import StoreLock
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
-from kvstore.index import (
+from kvstore.index.index import (
     META_EXTENT_BYTES,
     META_SEQ,
     META_UUID,
@@ -36,6 +36,7 @@ from kvstore.index import (
     init_meta,
     record_namespace,
 )
+from kvstore.index.totals import Totals
 from kvstore.io import page_locking
 from kvstore.io.arena import Arena
 from kvstore.io.group_sync import GroupSync
@@ -49,7 +50,6 @@ from kvstore.memory_tier import MemoryTier
 from kvstore.operations import Health
 from kvstore.options import StoreOptions
 from kvstore.stats import COUNTERS
-from kvstore.totals import Totals
 
 __all__ = ["INDEX_DIR", "StoreParts"]
 

@@ -40,7 +40,7 @@ from kvstore.codecs.tensors import CODE_DTYPES, check_value, host_bytes
 from kvstore.deletes import DeleteWatch
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
-from kvstore.index import ChainCut, Txn
+from kvstore.index.index import ChainCut, Txn
 from kvstore.io.slots import PlanMismatch, PutItem
 from kvstore.io.transfers import device_values_to_host
 from kvstore.key_order import KeyOrder, Turn

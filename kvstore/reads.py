@@ -8,7 +8,7 @@ either way out of the index in the same pass (quarantine), so that no lookup
 promises it again.  A read that failed with an I/O error is first tried again, alone
 (:func:`kvstore.io.coalesce.reread_failed`): one flaky block never costs its
 neighbours in a merged read.  Quarantine is a suspicion, not a verdict
-(:mod:`kvstore.quarantine_table`): :meth:`VerifiedReads.recheck` reads quarantined
+(:mod:`kvstore.index.quarantine`): :meth:`VerifiedReads.recheck` reads quarantined
 slots again and puts back what verifies.  Forms:
 
 * :meth:`VerifiedReads.read`: blocks decoded into tensors (a get, a prefetch),
@@ -35,11 +35,11 @@ import torch
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
 from kvstore.errors import CorruptionError, KVStoreError
+from kvstore.index.quarantine import CORRUPT, OK, UNREADABLE, Quarantined, same_slot
 from kvstore.io.coalesce import READ_RETRY_DELAYS_S
 from kvstore.io.scheduler import PREFETCH, as_class
 from kvstore.io.slots import check_payload, check_slot
 from kvstore.io.transfers import Failed, ReadCounts
-from kvstore.quarantine_table import CORRUPT, OK, UNREADABLE, Quarantined, same_slot
 
 if TYPE_CHECKING:
     from kvstore.io.aligned import AlignedBuffer
@@ -139,7 +139,7 @@ class VerifiedReads:
             self._counters["quarantined_blocks"] += len(fresh)
             return
         # A key with an older copy in quarantine: read that copy now; the transaction
-        # keeps whichever copy verifies (kvstore.quarantine_table).
+        # keeps whichever copy verifies (kvstore.index.quarantine).
         displaced = {k: e for k, (e, _) in parts.index.quarantine_records.of(list(moving)).items()
                      if not same_slot(e, moving[k][0])}
         seen = {}

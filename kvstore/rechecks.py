@@ -28,7 +28,7 @@ from kvstore.io.scheduler import PREFETCH, as_class
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from kvstore.index import Index
+    from kvstore.index.index import Index
     from kvstore.operations import Health, Operations
     from kvstore.reads import VerifiedReads
 

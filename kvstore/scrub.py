@@ -42,7 +42,7 @@ import anyio
 import anyio.lowlevel
 
 from kvstore.disk.format import KEY_BYTES, IndexEntry, pack_u64, unpack_u64
-from kvstore.index import META_SCRUB_COMPLETED, META_SCRUB_CURSOR, Index, Txn
+from kvstore.index.index import META_SCRUB_COMPLETED, META_SCRUB_CURSOR, Index, Txn
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup

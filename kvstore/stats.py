@@ -18,7 +18,7 @@ __all__ = ["COUNTERS", "PutResult", "StoreStats", "io_fields", "memory_fields", 
            "scrub_fields"]
 
 # Counters of one open Store, by the calls that add to them (StoreStats fields of the
-# same names); kvstore/totals.py persists some of them across opens.
+# same names); kvstore/index/totals.py persists some of them across opens.
 COUNTERS = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes", "gets", "hits",
             "misses", "read_bytes", "corrupt_blocks", "read_errors", "deletes",
             "evicted_blocks", "evicted_bytes", "put_payload_bytes", "put_retries",
@@ -97,7 +97,7 @@ class StoreStats:
     remote: dict[str, Any] = field(default_factory=dict)  # RemoteStats.as_dict(); {}: no remote
     commits: int = 0
     namespaces: list[str] = field(default_factory=list)
-    # Since the store was created, all processes (kvstore/totals.py); the counters above
+    # Since the store was created, all processes (kvstore/index/totals.py); the counters above
     # (puts ... evicted_bytes) count only this Store object since it was opened.
     totals: dict[str, int] = field(default_factory=dict)
     cuda: str = ""  # GPU path of the staging arena (kvstore.cuda.pinned.ArenaPin)

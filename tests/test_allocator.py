@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvstore.allocator import Allocator, FreeSpace, ReadEpochs
 from kvstore.disk.format import PAGE, IndexEntry, free_key, pack_u64
 from kvstore.errors import IndexCorruptionError
-from kvstore.index import META_SEQ, Index, IndexWriter, init_meta
+from kvstore.index.index import META_SEQ, Index, IndexWriter, init_meta
 from tests.concurrency import run_within, until
 
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 8)), min_size=1, max_size=60)

@@ -225,9 +225,9 @@ def test_a_full_index_map_grows_then_fails_with_a_store_error(
     """Bug 5: lmdb.MapFullError escaped raw from group-commit jobs.  The map grows (between
     transactions) up to ``index_map_bytes``; past that a StoreFullError names the limit,
     and reads keep working."""
-    import kvstore.index
+    import kvstore.index.index
 
-    monkeypatch.setattr(kvstore.index, "INITIAL_MAP_BYTES", 128 << 10, raising=False)
+    monkeypatch.setattr(kvstore.index.index, "INITIAL_MAP_BYTES", 128 << 10, raising=False)
     limit = 512 << 10
     tiny = [make_tensor(torch.uint8, (16,), i) for i in range(64)]
 

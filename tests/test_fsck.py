@@ -19,7 +19,7 @@ import kvstore
 from kvstore import fsck
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, free_key, pack_u64
-from kvstore.index import META_SEQ
+from kvstore.index.index import META_SEQ
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 N = 12

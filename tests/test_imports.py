@@ -104,11 +104,11 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 # ("remote" is floor 2, "remote.config" floor 0).  Extend by adding names.
 FLOORS: dict[int, str] = {
     # 0: words: errors, the on-disk format, keys, plain values; no behaviour to speak of
-    0: "errors disk.format keys disk.permissions codecs.tensors latency totals _native.lib _native "
+    0: "errors disk.format keys disk.permissions codecs.tensors latency index.totals _native.lib _native "
        "codecs.result_buffers remote.config remote.stats",
     # 1: mechanisms: I/O engines and buffers, the index, codecs, slot bytes, extent files
-    1: "io codecs.pipeline codecs.fp8_kernels io.slots io.native_slots index index_writer free_map eviction "
-       "disk.extents disk.lock io.group_sync quarantine_table",
+    1: "io codecs.pipeline codecs.fp8_kernels io.slots io.native_slots index.index index.writer index.free_map index.eviction "
+       "disk.extents disk.lock io.group_sync index.quarantine",
     # 2: the store's parts: space, transfers, tiers' machinery, options, the GPU path
     2: "allocator io.transfers memory_tier prefetch backlog deletes operations stats options "
        "io.page_locking pinning cuda remote",

@@ -26,7 +26,7 @@ from tests.test_full_disk import Filler, small_fs  # noqa: F401 - small_fs: a fi
 SMALL = torch.zeros(16, dtype=torch.uint8)  # one 4 KiB slot; 256 of them: many index pages
 
 
-@pytest.mark.xfail(strict=True, reason="kvstore/index_writer.lmdb_error maps LMDB's EIO for "
+@pytest.mark.xfail(strict=True, reason="kvstore.index.writer.lmdb_error maps LMDB's EIO for "
                    "a short write on a nearly full disk to StoreIOError (read-only)")
 def test_a_commit_that_half_fits_is_store_full_and_the_store_goes_on(
         small_fs: Path) -> None:  # noqa: F811 - the fixture imported above

@@ -17,7 +17,7 @@ import torch
 import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import FORMAT_VERSION, SLOT_HEADER_BYTES, crc32c
-from kvstore.index import META_FORMAT
+from kvstore.index.index import META_FORMAT
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 pytestmark = pytest.mark.anyio

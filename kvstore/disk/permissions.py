@@ -13,7 +13,7 @@ runs the engine, as a database's data directory is.
    bits from the creation mode, so a path is never more open than ``M`` at any moment;
    the explicit ``chmod`` restores bits a strict umask took away (the owner needs
    ``rw`` to reopen a file).  LMDB's two files are created the same way (empty, by
-   kvstore, before LMDB opens them: :func:`kvstore.index_file.open_environment`).
+   kvstore, before LMDB opens them: :func:`kvstore.index.file.open_environment`).
    Nothing is created or opened through a symbolic link (``O_EXCL``, ``O_NOFOLLOW``;
    :mod:`kvstore.disk.store_files`).
 3. A mode other than the default is recorded in the index (meta record ``file_mode``,

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from kvstore.codecs.pipeline import CodecSpec
     from kvstore.deletes import DeleteWatch, DeleteWatches
     from kvstore.disk.format import IndexEntry, SlotHeader
-    from kvstore.index import Index
+    from kvstore.index.index import Index
     from kvstore.io.aligned import AlignedBuffer
     from kvstore.operations import Health, Operations
     from kvstore.put_path import PutPath

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
     from kvstore.deletes import DeleteWatch
-    from kvstore.index import Index
+    from kvstore.index.index import Index
     from kvstore.io.scheduler import IoScheduler
     from kvstore.latency import Latency
     from kvstore.operations import Operations

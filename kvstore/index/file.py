@@ -47,7 +47,7 @@ import lmdb
 
 from kvstore.disk import permissions, store_files
 from kvstore.errors import IndexCorruptionError, from_os_error
-from kvstore.index_writer import lmdb_error
+from kvstore.index.writer import lmdb_error
 
 __all__ = ["IndexMeta", "check_data_file", "open_environment"]
 

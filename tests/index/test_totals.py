@@ -1,4 +1,4 @@
-"""Store-lifetime totals (kvstore/totals.py): persisted in the index, summed over opens;
+"""Store-lifetime totals (kvstore/index/totals.py): persisted in the index, summed over opens;
 the per-open counters of ``stats()`` start at 0 on every open."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry
-from kvstore.totals import TOTAL_NAMES
+from kvstore.index.totals import TOTAL_NAMES
 from tests.conformance import NS, keys, make_tensor
 
 BLOCK = (4096,)  # float16: 8 KiB payload, a 12 KiB slot

@@ -3,7 +3,7 @@ pinned (``Store.pin``) or protected block, never a block with stored children (s
 loses its tail before its head and never gets a hole).
 
 A read of the index's tables inside the caller's write transaction; the caller
-(:meth:`kvstore.index.Index.evict`) unindexes what this chose, in the same transaction.
+(:meth:`kvstore.index.index.Index.evict`) unindexes what this chose, in the same transaction.
 :func:`evictable_bytes` says how much evicting could ever free (a store opened with a
 smaller capacity checks it before evicting anything).
 """

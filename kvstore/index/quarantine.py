@@ -53,7 +53,7 @@ class Quarantined:
 
 
 class IndexPort(Protocol):
-    """What the records need of :class:`kvstore.index.Index` (it passes itself)."""
+    """What the records need of :class:`kvstore.index.index.Index` (it passes itself)."""
 
     blocks: Any
     quarantine: Any

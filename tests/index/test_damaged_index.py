@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.index_file import read_meta
+from kvstore.index.file import read_meta
 from tests.conformance import NS, make_tensor, same
 
 N = 200

@@ -5,7 +5,7 @@ Runs are kept maximal: giving a range back merges it with the runs it touches, a
 taking a range splits the run that holds it.  A range that is not wholly free when
 taken, or that overlaps a free run when given back, means the allocation map and the
 index disagree: :class:`~kvstore.errors.IndexCorruptionError` (fsck repairs it).  Every
-change runs in the caller's write transaction (:class:`kvstore.index.Index` owns it), in
+change runs in the caller's write transaction (:class:`kvstore.index.index.Index` owns it), in
 the same one as the index change it belongs to.
 """
 

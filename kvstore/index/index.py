@@ -14,7 +14,7 @@ it belongs to, so space is never both free and referenced after a crash.
 
 LMDB allows one write transaction at a time, bound to the thread that began it
 (py-lmdb ChangeLog 2.3.0).  All of kvstore's write transactions run on one dedicated
-thread with group commit (:class:`~kvstore.index_writer.IndexWriter`, re-exported
+thread with group commit (:class:`~kvstore.index.writer.IndexWriter`, re-exported
 here), which translates LMDB's errors and grows the memory map (``set_mapsize``, between
 transactions, while no reader is inside one) up to the store's ``index_map_bytes``.
 Reads use short read-only transactions on the calling thread; LMDB reads never block on
@@ -23,8 +23,8 @@ the writer.
 Every transaction the store needs is a method here (``commit_puts``, ``delete_blocks``,
 ``evict``, ``quarantine``, ``pin``, ``add_extent``), and so is every repair fsck makes,
 so no caller builds one over raw tables.  Two parts have a module of their own: the
-free table's runs (:mod:`kvstore.free_map`, ``take_range`` / ``give_range`` here) and
-the choice of eviction victims (:mod:`kvstore.eviction`, ``evict`` here).
+free table's runs (:mod:`kvstore.index.free_map`, ``take_range`` / ``give_range`` here) and
+the choice of eviction victims (:mod:`kvstore.index.eviction`, ``evict`` here).
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ from kvstore.disk.format import (
     unpack_u64,
 )
 from kvstore.errors import FormatVersionError, IndexCorruptionError
-from kvstore.eviction import ChainTables, lru_leaves
-from kvstore.free_map import FreeMap
-from kvstore.index_file import open_environment
-from kvstore.index_writer import IndexWriter, lmdb_error
-from kvstore.quarantine_table import QuarantineTable
+from kvstore.index.eviction import ChainTables, lru_leaves
+from kvstore.index.file import open_environment
+from kvstore.index.free_map import FreeMap
+from kvstore.index.quarantine import QuarantineTable
+from kvstore.index.writer import IndexWriter, lmdb_error
 
 __all__ = ["INITIAL_MAP_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
            "META_NEXT_EXTENT", "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ",
@@ -132,7 +132,7 @@ class Index:
                  file_mode: int = permissions.FILE_MODE, verify: bool = False) -> None:
         """Open (or create) the index at ``path`` (``PATH/index``).  The directory and
         LMDB's two files must be the store's own, not links (:mod:`kvstore.disk.store_files`),
-        and ``data.mdb`` is checked before LMDB maps it (:mod:`kvstore.index_file`;
+        and ``data.mdb`` is checked before LMDB maps it (:mod:`kvstore.index.file`;
         ``verify=True``, fsck's, walks every page).  Damage is
         :class:`~kvstore.errors.IndexCorruptionError`; nothing LMDB raises escapes."""
         self.path = path
@@ -322,7 +322,7 @@ class Index:
               scan_limit: int = 1 << 20) -> list[tuple[bytes, IndexEntry]]:
         """Unindex least-recently-used blocks that have no stored children and are not
         pinned or protected, until ``need`` bytes are freed (or nothing more qualifies):
-        at most one block more than needed (:func:`kvstore.eviction.lru_leaves` chooses
+        at most one block more than needed (:func:`kvstore.index.eviction.lru_leaves` chooses
         them).  Recent gets' last use is applied first."""
         if touched:
             self.apply_touched(txn, touched)
@@ -368,7 +368,7 @@ class Index:
 
     # ------------------------------------------------------------------ quarantine, scrub
     # A quarantine record is a suspicion, not a verdict: its slot keeps its space and goes
-    # back into the index when a re-read verifies it (kvstore/quarantine_table.py).
+    # back into the index when a re-read verifies it (kvstore/index/quarantine.py).
 
     @cached_property
     def quarantine_records(self) -> QuarantineTable:

@@ -1,4 +1,4 @@
-"""Quarantine records (kvstore/quarantine_table.py): why a block left the index, and what
+"""Quarantine records (kvstore/index/quarantine.py): why a block left the index, and what
 happens when a key has two copies that failed.
 
 A key has one record.  When its newer copy fails while an older one is still
