@@ -15,7 +15,7 @@ after another (a saturating closed loop: the scrub's worst case for the gets).
 Reported per repetition: the stream's throughput with the scrub / without (the cost is
 1 - that ratio), get latency p50/p99 both ways, and what the scrub read meanwhile (its
 rate yields to gets: under a saturating stream it reads one batch per
-``kvstore.scrub.PATIENCE_S``); then min / median / max of the ratios.  Results go to
+``kvstore.core.scrub.PATIENCE_S``); then min / median / max of the ratios.  Results go to
 ``--out-dir/scrub_get_cost_at_<commit>.md`` and ``.json``.  ``--no-io-scheduling`` opens
 the store with ``io_scheduling=False`` (no read-first scheduler: the scrub's reads go at
 once, so it reads at its full rate and only the rate bounds its cost); its results go to
@@ -43,7 +43,7 @@ import anyio  # noqa: E402
 import torch  # noqa: E402
 
 import kvstore  # noqa: E402
-import kvstore.scrub  # noqa: E402
+import kvstore.core.scrub  # noqa: E402
 from benchmarks.common import machine_info, parse_size, percentile, summary  # noqa: E402
 
 MIB = 1 << 20
@@ -127,7 +127,7 @@ async def measure(root: str, args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python benchmarks/scrub_cost.py", *sys.argv[1:]]),
         "commit": _commit(), "engine": engine, "blocks": n, "block_bytes": args.block,
         "batch": args.batch, "callers": args.callers, "seconds": args.seconds,
-        "rate_bytes_per_s": args.rate, "patience_s": kvstore.scrub.PATIENCE_S,
+        "rate_bytes_per_s": args.rate, "patience_s": kvstore.core.scrub.PATIENCE_S,
         "io_scheduling": args.io_scheduling,
         "reps": reps, "ratio": summary(ratios),
         "scrub_MBps": summary([r["scrub"]["scrub_MBps"] for r in reps]),
@@ -191,7 +191,7 @@ def main() -> int:
     p.add_argument("--callers", type=int, default=1)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--reps", type=int, default=6)
-    p.add_argument("--rate", type=parse_size, default=kvstore.scrub.DEFAULT_SCRUB_BYTES_PER_S)
+    p.add_argument("--rate", type=parse_size, default=kvstore.core.scrub.DEFAULT_SCRUB_BYTES_PER_S)
     p.add_argument("--no-io-scheduling", dest="io_scheduling", action="store_false",
                    help="no read-first scheduler (the scrub reads at its full rate)")
     p.add_argument("--out-dir", default=None, help="write scrub_get_cost_at_<commit>.md/.json")

@@ -17,7 +17,7 @@ After ``close()`` every call raises :class:`~kvstore.errors.StoreClosedError`, a
 racing the close from another thread (``close()`` waits for calls already inside);
 properties still answer, as ``Store``'s do.
 
-Order and cancellation (:mod:`kvstore.handoff`): calls reach the loop in the order they
+Order and cancellation (:mod:`kvstore._handoff`): calls reach the loop in the order they
 were made (one thread's ``submit(put(K))`` and then ``delete(K)``, blocking or
 submitted, take effect in that order).  A call whose future's ``cancel()`` returned
 True never runs; once the loop has taken a call, ``cancel()`` returns False and the
@@ -55,16 +55,17 @@ import anyio
 import torch
 from anyio.from_thread import BlockingPortal
 
+from kvstore._handoff import Handoff
+
 # imported at run time (store.py imports them all anyway), so that the annotations
 # resolve for typing.get_type_hints and the API docs
 from kvstore.codecs.pipeline import CodecSpec
+from kvstore.core.scrub import DEFAULT_SCRUB_BYTES_PER_S, ProgressFn, ScrubReport
 from kvstore.errors import StoreClosedError, StoreForkedError
-from kvstore.handoff import Handoff
 from kvstore.keys import Namespace
 from kvstore.options import StoreOptions
 from kvstore.prefetch import Prefetch
 from kvstore.remote.config import RemoteConfig
-from kvstore.scrub import DEFAULT_SCRUB_BYTES_PER_S, ProgressFn, ScrubReport
 from kvstore.store import PutResult, Store, StoreStats
 from kvstore.store import open as open_async
 
@@ -246,7 +247,7 @@ class BlockingStore:
         call made after it by the same thread reaches the loop after it.  Cancelling:
         ``cancel()`` returns True only while the loop has not taken the call, which then
         never runs; once it started, ``cancel()`` returns False and the call runs to its
-        end (``kvstore/handoff.py``).  Admitted like every call; ``close()`` waits for it
+        end (``kvstore/_handoff.py``).  Admitted like every call; ``close()`` waits for it
         to finish before it closes the store."""
         future = self._admit(submitted=True)
         self._handoff.hand_over(partial(fn, *args), future, at_once=True)

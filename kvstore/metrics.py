@@ -53,8 +53,8 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from kvstore.blocking import BlockingStore
+from kvstore.core.latency import HistogramSnapshot
 from kvstore.errors import KVStoreError
-from kvstore.latency import HistogramSnapshot
 from kvstore.store import Store, StoreStats
 
 try:

@@ -98,7 +98,7 @@ class StoreOptions:
                    open, every stored block is read again and verified (header, payload
                    CRC32C) at most N bytes/s, gets first, a pass after another (at
                    most one a minute), resuming after a restart where it stopped; what
-                   fails is quarantined, what heals is put back (:mod:`kvstore.scrub`).
+                   fails is quarantined, what heals is put back (:mod:`kvstore.core.scrub`).
                    Pick N as stored bytes / how often every block should be checked
                    (64 MiB/s: 1 TiB in ~4.5 h).  ``Store.scrub`` runs one pass on demand.
     ``remote``     a :class:`~kvstore.remote.RemoteConfig`: the shared S3 tier behind

@@ -1,11 +1,11 @@
 """The async block store: the public ``open()`` and ``Store``, a coordinator.
 
-``Store`` opens its parts (:mod:`kvstore.opening`), guards every call (closed,
-read-only: :mod:`kvstore.operations`), and hands it to the path that does the work:
+``Store`` opens its parts (:mod:`kvstore.core.opening`), guards every call (closed,
+read-only: :mod:`kvstore.core.operations`), and hands it to the path that does the work:
 
-* puts: :mod:`kvstore.put_path` (validate, dedup, backlog, reserve, stage + write,
+* puts: :mod:`kvstore.core.puts` (validate, dedup, backlog, reserve, stage + write,
   fdatasync, commit, acknowledge);
-* gets: :mod:`kvstore.get_path`, reading through :mod:`kvstore.reads` (every verified
+* gets: :mod:`kvstore.core.gets`, reading through :mod:`kvstore.core.reads` (every verified
   read of a slot, in a read epoch, quarantining what fails);
 * the memory tier and prefetch: :mod:`kvstore.tiers.memory`; the remote tier:
   :mod:`kvstore.remote` through its adapter; both reach the store only through the
@@ -33,27 +33,27 @@ import anyio
 import torch
 
 from kvstore.codecs.pipeline import CodecSpec
-from kvstore.deletes import DeleteWatches
-from kvstore.disk.format import PAGE
-from kvstore.disk.lock import LOCK_FILE
-from kvstore.errors import KVStoreError
-from kvstore.get_path import GetPath
-from kvstore.keys import check_keys
-from kvstore.latency import Latency
-from kvstore.opening import INDEX_DIR, StoreParts
-from kvstore.operations import Operations
-from kvstore.options import StoreOptions
-from kvstore.prefetch import Prefetch
-from kvstore.put_path import PutPath
-from kvstore.reads import VerifiedReads
-from kvstore.rechecks import Rechecks
-from kvstore.scrub import (
+from kvstore.core.deletes import DeleteWatches
+from kvstore.core.gets import GetPath
+from kvstore.core.latency import Latency
+from kvstore.core.opening import INDEX_DIR, StoreParts
+from kvstore.core.operations import Operations
+from kvstore.core.puts import PutPath
+from kvstore.core.reads import VerifiedReads
+from kvstore.core.rechecks import Rechecks
+from kvstore.core.scrub import (
     DEFAULT_SCRUB_BYTES_PER_S,
     ProgressFn,
     Scrubber,
     ScrubReport,
     scrub_state,
 )
+from kvstore.disk.format import PAGE
+from kvstore.disk.lock import LOCK_FILE
+from kvstore.errors import KVStoreError
+from kvstore.keys import check_keys
+from kvstore.options import StoreOptions
+from kvstore.prefetch import Prefetch
 from kvstore.stats import (
     PutResult,
     StoreStats,
@@ -101,7 +101,7 @@ class Store:
             self._deletes = DeleteWatches()  # promotions fetching (remote tier)
             self.reads = VerifiedReads(parts)
             # Quarantine is a suspicion: unreadable blocks are read again later
-            # (kvstore/rechecks.py), every stored slot by the scrub (kvstore/scrub.py).
+            # (kvstore/core/rechecks.py), every stored slot by the scrub (kvstore/core/scrub.py).
             self.rechecks = Rechecks(index=self.index, reads=self.reads, ops=self._ops,
                                      health=self._health, task_group=lambda: self._background)
             self.reads.on_unreadable = self.rechecks.schedule
@@ -307,7 +307,7 @@ class Store:
         still waiting for backlog room or capacity, or the remote tier promoting a
         fetched block in the background) lands first, and one that starts after it
         lands after it: a delete that returned is never undone by a put that started
-        before it (``kvstore/key_order.py``)."""
+        before it (``kvstore/core/key_order.py``)."""
         with self._operation(write=True):
             keys = check_keys(keys)
             self._deletes.deleting(keys)  # promotions fetching: skip these keys
@@ -349,7 +349,7 @@ class Store:
     async def scrub(self, *, rate_bytes_per_s: float | None = DEFAULT_SCRUB_BYTES_PER_S,
                     progress: ProgressFn | None = None, restart: bool = False) -> ScrubReport:
         """Verify every stored block (header and payload CRC32C, nothing decoded) beside
-        live traffic, and every quarantined one again; see :mod:`kvstore.scrub`.
+        live traffic, and every quarantined one again; see :mod:`kvstore.core.scrub`.
 
         Runs one pass, or the rest of the pass an earlier scrub (in this or an earlier
         open, or the background scrub) stopped in (``restart=True``: from the first

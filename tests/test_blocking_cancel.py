@@ -1,5 +1,5 @@
 """Cancellation points and order of the blocking facade (kvstore/blocking.py,
-kvstore/handoff.py): a call whose future says cancelled never takes effect, a call that
+kvstore/_handoff.py): a call whose future says cancelled never takes effect, a call that
 started says so (``cancel()`` returns False), and one thread's calls reach the loop in
 the order it made them.
 

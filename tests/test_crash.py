@@ -154,7 +154,7 @@ def test_read_error_is_a_miss_not_a_failure(tmp_path: Path) -> None:
     served by the same get (issue 41: a failed read is tried again alone before the
     block is given up); one that persists is a miss and takes the block out of the index
     in the same pass (issue 35: a block kept as a hit was loaded again for ever;
-    tests/test_read_retries.py, tests/test_unreadable.py)."""
+    tests/core/test_read_retries.py, tests/test_unreadable.py)."""
     disk = SimulatedDisk()
 
     async def run() -> None:

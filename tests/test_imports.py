@@ -104,16 +104,16 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 # ("remote" is floor 2, "remote.config" floor 0).  Extend by adding names.
 FLOORS: dict[int, str] = {
     # 0: words: errors, the on-disk format, keys, plain values; no behaviour to speak of
-    0: "errors disk.format keys disk.permissions codecs.tensors latency index.totals _native.lib _native "
+    0: "errors disk.format keys disk.permissions codecs.tensors core.latency index.totals _native.lib _native "
        "codecs.result_buffers remote.config remote.stats",
     # 1: mechanisms: I/O engines and buffers, the index, codecs, slot bytes, extent files
     1: "io codecs.pipeline codecs.fp8_kernels io.slots io.native_slots index.index index.writer index.free_map index.eviction "
        "disk.extents disk.lock io.group_sync index.quarantine",
     # 2: the store's parts: space, transfers, tiers' machinery, options, the GPU path
-    2: "allocator io.transfers memory_tier prefetch backlog deletes operations stats options "
+    2: "core.allocator io.transfers memory_tier prefetch core.backlog core.deletes core.operations stats options "
        "io.page_locking pinning cuda remote",
     # 3: the store: the coordinator, its call paths, and the tiers it hands a port to
-    3: "store opening put_path get_path reads tiers remote.adapter rechecks scrub",
+    3: "store core.opening core.puts core.gets core.reads tiers remote.adapter core.rechecks core.scrub",
     # 4: users of the store: the package's front, the blocking bridge, tools, engines
     4: "__init__ __main__ blocking metrics fsck fsck_files fsck_rebuild fsck_report cli "
        "integrations",

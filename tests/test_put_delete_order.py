@@ -1,4 +1,4 @@
-"""Puts and deletes of one key take effect in the order they started (kvstore/key_order.py),
+"""Puts and deletes of one key take effect in the order they started (kvstore/core/key_order.py),
 whatever either waits for on its way: room in the backlog, earlier calls of the key,
 capacity.  Each scenario is the interleaving that broke it, set up at gates (no sleeps),
 on asyncio and trio.

@@ -1,7 +1,7 @@
 """``python -m kvstore scrub PATH [--rate R] [--restart] [--json]``: read every stored
 block of a store again and verify it (slot header against its index entry, payload
 CRC32C), read every quarantined block again, at a bounded rate (``Store.scrub``,
-kvstore/scrub.py).  What fails is quarantined (a miss from then on, listed by fsck);
+kvstore/core/scrub.py).  What fails is quarantined (a miss from then on, listed by fsck);
 a quarantined block that verifies is put back.  It resumes where an earlier scrub of the
 store stopped (interrupted, or the store's background scrub), ``--restart`` starts a
 fresh pass.  The store must not be open elsewhere (it takes the store's lock, as fsck).
@@ -38,7 +38,7 @@ def parse_rate(text: str) -> float | None:
 
 
 def add_parser(sub: Any) -> None:
-    from kvstore.scrub import DEFAULT_SCRUB_BYTES_PER_S
+    from kvstore.core.scrub import DEFAULT_SCRUB_BYTES_PER_S
 
     default = f"{DEFAULT_SCRUB_BYTES_PER_S >> 20}M"
     p = sub.add_parser("scrub", help="verify every stored block (resumes where it stopped)")

@@ -5,7 +5,7 @@ Quarantine is a suspicion, not a verdict.  A record says why its block left the 
 (FORMAT.md, "IndexEntry"): it *could not be read* (an I/O error after retries, a short
 read, a missing extent file; flag ``ENTRY_FLAG_UNREADABLE``) or it *failed
 verification* (header or payload checksum).  Either way its slot keeps its space;
-re-reads (:mod:`kvstore.rechecks` for the unreadable ones, every scrub pass and fsck
+re-reads (:mod:`kvstore.core.rechecks` for the unreadable ones, every scrub pass and fsck
 for all) put a block that verifies back into the index, and nothing that verifies is
 freed while it is the only copy of its block.
 

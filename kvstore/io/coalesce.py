@@ -32,7 +32,7 @@ from kvstore.io.protocol import IoOp
 # each op goes alone: the error may belong to one neighbour), a short pause before the
 # second (a path failover or a device reset clears in milliseconds).  Two retries bound
 # what a dead sector costs a get (~5 ms); what a retry cannot read is quarantined as
-# *unreadable* and read again later (kvstore/rechecks.py, the scrub, fsck).
+# *unreadable* and read again later (kvstore/core/rechecks.py, the scrub, fsck).
 READ_RETRY_DELAYS_S = (0.0, 0.005)
 
 # Large enough to amortise a device op.  Bigger requests move more per second on the disks

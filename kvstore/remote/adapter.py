@@ -13,7 +13,7 @@ through the :class:`~kvstore.tiers.host.TierHost` it was given.
   reads back exactly what the remote one did.
   Promotion is best effort (a read-only or full store still answers from the remote).
 * An upload reads its block back through ``TierHost.read_slot`` (a verified slot, in
-  the upload worker's own reused buffer: :meth:`kvstore.reads.VerifiedReads.read_slot`).
+  the upload worker's own reused buffer: :meth:`kvstore.core.reads.VerifiedReads.read_slot`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from kvstore.codecs import pipeline as codecs
 from kvstore.codecs.pipeline import CodecSpec
 from kvstore.codecs.tensors import CODE_DTYPES, check_out
-from kvstore.deletes import DeleteWatch
+from kvstore.core.deletes import DeleteWatch
 from kvstore.disk.format import IndexEntry
 from kvstore.errors import BlockTooLargeError, CapacityError, CorruptionError, KVStoreError
 from kvstore.remote import objects

@@ -14,13 +14,13 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
     from kvstore.codecs.pipeline import CodecSpec
-    from kvstore.deletes import DeleteWatch, DeleteWatches
+    from kvstore.core.deletes import DeleteWatch, DeleteWatches
+    from kvstore.core.operations import Health, Operations
+    from kvstore.core.puts import PutPath
+    from kvstore.core.reads import VerifiedReads
     from kvstore.disk.format import IndexEntry, SlotHeader
     from kvstore.index.index import Index
     from kvstore.io.aligned import AlignedBuffer
-    from kvstore.operations import Health, Operations
-    from kvstore.put_path import PutPath
-    from kvstore.reads import VerifiedReads
     from kvstore.stats import PutResult
 
 __all__ = ["TierHost"]

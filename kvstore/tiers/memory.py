@@ -32,12 +32,12 @@ from kvstore.prefetch import Prefetch
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from kvstore.deletes import DeleteWatch
+    from kvstore.core.deletes import DeleteWatch
+    from kvstore.core.latency import Latency
+    from kvstore.core.operations import Operations
+    from kvstore.core.reads import VerifiedReads
     from kvstore.index.index import Index
     from kvstore.io.scheduler import IoScheduler
-    from kvstore.latency import Latency
-    from kvstore.operations import Operations
-    from kvstore.reads import VerifiedReads
 
 __all__ = ["Block", "Hits", "MemoryRoom"]
 

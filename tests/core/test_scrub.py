@@ -1,5 +1,5 @@
 """The scrub: every stored slot read again and verified beside live traffic
-(``Store.scrub``, ``open(scrub_bytes_per_s=...)``, kvstore/scrub.py).
+(``Store.scrub``, ``open(scrub_bytes_per_s=...)``, kvstore/core/scrub.py).
 
 It finds exactly the damaged blocks and nothing else, puts back a quarantined block that
 reads whole again, resumes where it stopped after a restart, stops cleanly when
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvstore
-import kvstore.scrub
+import kvstore.core.scrub
 from kvstore import fsck
 from kvstore.disk.format import IndexEntry
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
@@ -129,7 +129,7 @@ def test_a_block_quarantined_by_an_io_error_is_restored_by_the_next_scrub(
 @pytest.mark.parametrize("kind", ENGINES)
 def test_an_unreadable_block_is_read_again_in_the_background_and_restored(
         tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No scrub: the store reads it again after a backoff (kvstore/rechecks.py)."""
+    """No scrub: the store reads it again after a backoff (kvstore/core/rechecks.py)."""
     async def scenario() -> None:
         faults = ReadFaults()
         ks = _keys(8)
@@ -148,7 +148,7 @@ def test_an_unreadable_block_is_read_again_in_the_background_and_restored(
 @pytest.mark.parametrize("kind", ENGINES)
 def test_a_cancelled_scrub_resumes_where_it_stopped_after_a_restart(
         tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvstore.scrub, "BATCH_BLOCKS", 10)
+    monkeypatch.setattr(kvstore.core.scrub, "BATCH_BLOCKS", 10)
 
     async def scenario() -> None:
         await _fill(tmp_path, kind, 100)
@@ -183,12 +183,12 @@ def test_a_cancelled_scrub_resumes_where_it_stopped_after_a_restart(
 @pytest.mark.parametrize("kind", ["io_uring", "threads"])
 def test_closing_the_store_stops_a_scrub_with_its_place_saved(
         tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvstore.scrub, "BATCH_BLOCKS", 10)
+    monkeypatch.setattr(kvstore.core.scrub, "BATCH_BLOCKS", 10)
 
     async def scenario() -> None:
         await _fill(tmp_path, kind, 50)
         engine = GatedEngine(real_engine(kind, tmp_path))
-        reports: list[kvstore.scrub.ScrubReport] = []
+        reports: list[kvstore.core.scrub.ScrubReport] = []
         gates = []
 
         async def scrub() -> None:  # after its first batch, its next read is held
@@ -210,7 +210,7 @@ def test_closing_the_store_stops_a_scrub_with_its_place_saved(
     anyio.run(scenario)
 
 
-async def _scrub_into(store: kvstore.Store, reports: list[kvstore.scrub.ScrubReport]) -> None:
+async def _scrub_into(store: kvstore.Store, reports: list[kvstore.core.scrub.ScrubReport]) -> None:
     reports.append(await store.scrub(rate_bytes_per_s=None))
 
 
@@ -220,7 +220,7 @@ def test_a_scrub_read_held_while_blocks_are_deleted_put_and_evicted(
     """The batch was looked up, then its blocks were deleted and evicted and new puts
     wanted their space: the read epoch keeps the space until the scrub's read ended, so
     nothing is reported bad, nothing is quarantined, and every block stored reads back."""
-    monkeypatch.setattr(kvstore.scrub, "BATCH_BLOCKS", 20)
+    monkeypatch.setattr(kvstore.core.scrub, "BATCH_BLOCKS", 20)
 
     async def scenario() -> None:
         slot = 20 << 10
@@ -231,7 +231,7 @@ def test_a_scrub_read_held_while_blocks_are_deleted_put_and_evicted(
             await store.put_many(ks, [_value(i) for i in range(40)])
             batch = sorted(ks)[:20]
             gate = engine.gate("read")
-            reports: list[kvstore.scrub.ScrubReport] = []
+            reports: list[kvstore.core.scrub.ScrubReport] = []
             async with anyio.create_task_group() as tg:
                 tg.start_soon(lambda: _scrub_into(store, reports))
                 await gate.entered.wait()  # its first batch (20 blocks) is being read
@@ -266,7 +266,7 @@ def test_a_scrub_read_held_while_blocks_are_deleted_put_and_evicted(
 def test_a_scrub_beside_puts_deletes_and_evictions_on_the_simulated_disk(
         tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeded interleavings: every op waits a random number of scheduling points."""
-    monkeypatch.setattr(kvstore.scrub, "BATCH_BLOCKS", 7)
+    monkeypatch.setattr(kvstore.core.scrub, "BATCH_BLOCKS", 7)
 
     async def scenario() -> None:
         rng = random.Random(seed)
@@ -288,7 +288,7 @@ def test_a_scrub_beside_puts_deletes_and_evictions_on_the_simulated_disk(
             first = _keys(50)
             await store.put_many(first, [_value(i) for i in range(50)])
             values.update({k: i for i, k in enumerate(first)})
-            reports: list[kvstore.scrub.ScrubReport] = []
+            reports: list[kvstore.core.scrub.ScrubReport] = []
             async with anyio.create_task_group() as tg:
                 tg.start_soon(churn)
                 for _ in range(3):

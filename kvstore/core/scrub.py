@@ -47,10 +47,10 @@ from kvstore.index.index import META_SCRUB_COMPLETED, META_SCRUB_CURSOR, Index, 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
+    from kvstore.core.opening import StoreParts
+    from kvstore.core.operations import Operations
+    from kvstore.core.reads import VerifiedReads
     from kvstore.io.scheduler import IoScheduler
-    from kvstore.opening import StoreParts
-    from kvstore.operations import Operations
-    from kvstore.reads import VerifiedReads
 
 __all__ = ["DEFAULT_SCRUB_BYTES_PER_S", "ScrubReport", "Scrubber", "key_fraction",
            "save_scrub_state", "scrub_state"]

@@ -16,7 +16,7 @@ or reports itself cancelled, never both.
   there: a thread's ``submit(put(K))`` then ``delete(K)`` reach the loop in that order.
   The loop starts tasks in the order it is handed them (asyncio's ready queue, the
   facade's loop), and each call registers what orders it against others
-  (``kvstore/key_order.py``) in its first step.
+  (``kvstore/core/key_order.py``) in its first step.
 """
 
 from __future__ import annotations

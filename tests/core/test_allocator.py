@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.allocator import Allocator, FreeSpace, ReadEpochs
+from kvstore.core.allocator import Allocator, FreeSpace, ReadEpochs
 from kvstore.disk.format import PAGE, IndexEntry, free_key, pack_u64
 from kvstore.errors import IndexCorruptionError
 from kvstore.index.index import META_SEQ, Index, IndexWriter, init_meta

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from kvstore.allocator import Allocator
+from kvstore.core.allocator import Allocator
+from kvstore.core.operations import Health
 from kvstore.disk import permissions, store_files
 from kvstore.disk.extents import EXTENT_DIR, extent_path
 from kvstore.disk.format import new_store_uuid, unpack_u64
@@ -47,7 +48,6 @@ from kvstore.io.threads import ThreadPoolEngine
 from kvstore.io.transfers import Transfers
 from kvstore.keys import Namespace
 from kvstore.memory_tier import MemoryTier
-from kvstore.operations import Health
 from kvstore.options import StoreOptions
 from kvstore.stats import COUNTERS
 

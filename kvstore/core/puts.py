@@ -2,9 +2,9 @@
 
 1. validate every key, parent and value before any I/O; decide dedup; then, in the
    same step (before any await), take its place in line on its keys
-   (``kvstore/key_order.py``: a delete started after it waits for it) and protect its
+   (``kvstore/core/key_order.py``: a delete started after it waits for it) and protect its
    keys and their parents from eviction, and take its backlog turn
-   (``kvstore/backlog.py``: a background put is dropped whole, a foreground one waits
+   (``kvstore/core/backlog.py``: a background put is dropped whole, a foreground one waits
    its turn);
 2. wait out the puts and deletes of the same keys that started before it, decide again
    without yielding; copy the values of the blocks it writes that lie on a GPU into
@@ -33,22 +33,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.backlog import Backlog
 from kvstore.codecs import pipeline as codecs
 from kvstore.codecs.pipeline import CODEC_RAW, CodecSpec
 from kvstore.codecs.tensors import CODE_DTYPES, check_value, host_bytes
-from kvstore.deletes import DeleteWatch
+from kvstore.core.backlog import Backlog
+from kvstore.core.deletes import DeleteWatch
+from kvstore.core.key_order import KeyOrder, Turn
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
 from kvstore.index.index import ChainCut, Txn
 from kvstore.io.slots import PlanMismatch, PutItem
 from kvstore.io.transfers import device_values_to_host
-from kvstore.key_order import KeyOrder, Turn
 from kvstore.keys import check_key, check_keys
 from kvstore.stats import PutResult
 
 if TYPE_CHECKING:
-    from kvstore.opening import StoreParts
+    from kvstore.core.opening import StoreParts
     from kvstore.tiers.memory import MemoryRoom
 
 __all__ = ["PutPath", "check_fits"]
@@ -78,7 +78,7 @@ class PutPath:
         self._counters = parts.counters
         self.codec = codec  # the store's default
         self.durable = durable
-        # puts in flight beyond backlog_bytes drop background puts (kvstore/backlog.py)
+        # puts in flight beyond backlog_bytes drop background puts (kvstore/core/backlog.py)
         self.backlog = Backlog(backlog_bytes)
         self._memory = memory
         # puts and deletes in flight per key, in the order they started

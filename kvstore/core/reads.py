@@ -42,8 +42,8 @@ from kvstore.io.slots import check_payload, check_slot
 from kvstore.io.transfers import Failed, ReadCounts
 
 if TYPE_CHECKING:
+    from kvstore.core.opening import StoreParts
     from kvstore.io.aligned import AlignedBuffer
-    from kvstore.opening import StoreParts
 
 __all__ = ["Failed", "VerifiedReads"]
 
@@ -117,7 +117,7 @@ class VerifiedReads:
         index, in the same pass that found them, so that no lookup promises them again
         (a lookup that promised what a load cannot deliver made vLLM retry the load for
         ever).  Their space stays allocated: an unreadable block is read again later
-        (:mod:`kvstore.rechecks`), every quarantined one by the scrub and fsck, and put
+        (:mod:`kvstore.core.rechecks`), every quarantined one by the scrub and fsck, and put
         back if it verifies.  ``quarantined_blocks`` counts blocks moved (each once,
         however many reads failed on it).  One warning per pass names the store and the
         first cause."""

@@ -5,7 +5,7 @@
    hits (served only if the index still names the same block), note what the remote
    tier already holds of the misses, and begin the disk read's epoch;
 3. read the rest from disk, verified, quarantining what fails
-   (:class:`kvstore.reads.VerifiedReads`); copy the memory hits out;
+   (:class:`kvstore.core.reads.VerifiedReads`); copy the memory hits out;
 4. remote tier: fetch the local misses, decode them, promote them in the background;
 5. cache what came from disk in memory, record last use for eviction, count.
 
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.codecs.tensors import CODE_DTYPES, check_out, check_writable_out
-from kvstore.put_path import check_fits
+from kvstore.core.puts import check_fits
 
 if TYPE_CHECKING:
-    from kvstore.opening import StoreParts
-    from kvstore.reads import VerifiedReads
+    from kvstore.core.opening import StoreParts
+    from kvstore.core.reads import VerifiedReads
     from kvstore.remote.adapter import RemoteAdapter
     from kvstore.tiers.memory import Hits, MemoryRoom
 

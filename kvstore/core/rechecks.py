@@ -28,9 +28,9 @@ from kvstore.io.scheduler import PREFETCH, as_class
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
+    from kvstore.core.operations import Health, Operations
+    from kvstore.core.reads import VerifiedReads
     from kvstore.index.index import Index
-    from kvstore.operations import Health, Operations
-    from kvstore.reads import VerifiedReads
 
 __all__ = ["RECHECK_DELAYS_S", "Rechecks"]
 

@@ -1,4 +1,4 @@
-"""Latency histograms (kvstore/latency.py): bucket edges, cumulative snapshots, failures
+"""Latency histograms (kvstore/core/latency.py): bucket edges, cumulative snapshots, failures
 counted, and the store timing its batch calls."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.latency import BUCKETS, Latency
+from kvstore.core.latency import BUCKETS, Latency
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor
 
 pytestmark = pytest.mark.anyio

@@ -1,0 +1,11 @@
+"""The store's call paths, below the coordinator ``kvstore.store.Store``: its parts opened
+and closed in order (``opening``), space (``allocator``), puts (``puts``, with
+``backlog`` and ``key_order``), gets (``gets``) over verified reads (``reads``),
+deletes' watches (``deletes``), calls in flight and health (``operations``), reads
+retried and restored (``rechecks``), the background scrub (``scrub``) and call
+latencies (``latency``).  It may import :mod:`kvstore.index`, :mod:`kvstore.io`,
+:mod:`kvstore.disk`, :mod:`kvstore.codecs` and the public values it works with
+(``kvstore.keys``, ``kvstore.options``, ``kvstore.stats``, ``kvstore.errors``); its
+reaches into the memory and remote tiers are listed in tests/test_imports.py as
+imports to remove.
+"""
