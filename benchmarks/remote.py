@@ -31,9 +31,10 @@ import torch
 import kvstore
 from benchmarks.common import timed
 from kvstore.codecs import result_buffers
-from kvstore.remote import RemoteConfig, objects
-from kvstore.remote.client import ObjectClient
-from tests.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster, weed_binary
+from kvstore.remote import RemoteConfig
+from kvstore.tiers.remote import objects
+from kvstore.tiers.remote.client import ObjectClient
+from tests.tiers.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster, weed_binary
 
 NS = kvstore.Namespace(model="bench-remote", dtype="bfloat16", block_size=16)
 

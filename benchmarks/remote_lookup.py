@@ -32,7 +32,7 @@ from benchmarks.remote import run_on_cluster
 from kvstore.integrations.vllm_async_lookup import Lookups
 from kvstore.integrations.vllm_config import DEFAULT_REMOTE_LOOKUP_WAIT_S
 from kvstore.remote import RemoteConfig
-from tests.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster
+from tests.tiers.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster
 
 NS = kvstore.Namespace(model="bench-remote-lookup", dtype="bfloat16", block_size=16)
 

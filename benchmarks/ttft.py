@@ -363,7 +363,7 @@ def save_stall_lines(data: dict[str, Any]) -> list[str]:
 def remote_warm(args: argparse.Namespace, work: Path, base: dict[str, Any],
                 machine: dict[str, Any]) -> str:
     """An empty node warmed from the cluster vs recomputing.  A loopback
-    SeaweedFS cluster (tests/remote/cluster.py); life ``cluster-fill`` computes the
+    SeaweedFS cluster (tests/tiers/remote/cluster.py); life ``cluster-fill`` computes the
     prompts on node A (store + remote: uploads in the background, drained at close);
     life ``cluster`` is node B: a new process with an empty local store and the same
     bucket, each prompt after a prefix-cache reset, so every full block is fetched from
@@ -371,7 +371,7 @@ def remote_warm(args: argparse.Namespace, work: Path, base: dict[str, Any],
     store behind the load."""
     import uuid
 
-    from tests.remote.cluster import BUCKET, SeaweedCluster, weed_binary
+    from tests.tiers.remote.cluster import BUCKET, SeaweedCluster, weed_binary
 
     weed = weed_binary()
     if weed is None:

@@ -10,7 +10,7 @@ signatures), and the same properties.  The differences are the ones blocking ask
 
 * ``aclose()`` is ``close()`` (and ``with open_blocking(...) as store:``);
 * ``prefetch(keys)`` returns a :class:`BlockingPrefetch` instead of an awaitable
-  :class:`~kvstore.prefetch.Prefetch`: ``handle.wait()`` blocks until it ended and
+  :class:`~kvstore.tiers.memory.prefetch.Prefetch`: ``handle.wait()`` blocks until it ended and
   returns the blocks that arrived, ``handle.cancel()`` stops it.
 
 After ``close()`` every call raises :class:`~kvstore.errors.StoreClosedError`, also one
@@ -64,10 +64,10 @@ from kvstore.core.scrub import DEFAULT_SCRUB_BYTES_PER_S, ProgressFn, ScrubRepor
 from kvstore.errors import StoreClosedError, StoreForkedError
 from kvstore.keys import Namespace
 from kvstore.options import StoreOptions
-from kvstore.prefetch import Prefetch
-from kvstore.remote.config import RemoteConfig
 from kvstore.store import PutResult, Store, StoreStats
 from kvstore.store import open as open_async
+from kvstore.tiers.memory.prefetch import Prefetch
+from kvstore.tiers.remote.config import RemoteConfig
 
 T = TypeVar("T")
 
@@ -349,7 +349,7 @@ class BlockingStore:
 
 class BlockingPrefetch:
     """What :meth:`BlockingStore.prefetch` returns: the blocking face of
-    :class:`~kvstore.prefetch.Prefetch` (same counters; ``wait()`` instead of ``await``).
+    :class:`~kvstore.tiers.memory.prefetch.Prefetch` (same counters; ``wait()`` instead of ``await``).
 
     Once the prefetch has ended, ``wait()`` answers without the store, also after the
     store was closed (closing cancels and ends every prefetch in flight)."""

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvstore.codecs.pipeline import CodecSpec
     from kvstore.io.protocol import IOEngine
     from kvstore.keys import Namespace
-    from kvstore.remote.config import RemoteConfig
+    from kvstore.tiers.remote.config import RemoteConfig
 
 __all__ = ["StoreOptions"]
 
@@ -85,7 +85,7 @@ class StoreOptions:
                    gets of CPU tensors; a get served from it does no disk I/O.
                    Least-recently-used leaves are evicted first; pinned blocks (``Store.pin``)
                    stay.  See
-                   :mod:`kvstore.memory_tier`.
+                   :mod:`kvstore.tiers.memory.tier`.
     ``prefetch_share`` the most of ``memory_bytes`` that prefetched blocks not yet read
                    by a get may take (``Store.prefetch``).
     ``io_scheduling`` True (default): reads a caller awaits go before background writes,
@@ -107,7 +107,7 @@ class StoreOptions:
                    get_many / match_prefix / prefetch are fetched (verified, under a
                    deadline) and promoted here.  Refused credentials raise
                    ``RemoteAuthError`` here; an unreachable cluster does not (fast
-                   misses until it answers).  See :mod:`kvstore.remote.tier`.
+                   misses until it answers).  See :mod:`kvstore.tiers.remote.tier`.
     """
 
     namespace: Namespace | None = None

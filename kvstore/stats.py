@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvstore.io.scheduler import IoScheduler
-    from kvstore.memory_tier import MemoryTier
+    from kvstore.tiers.memory.tier import MemoryTier
 
 __all__ = ["COUNTERS", "PutResult", "StoreStats", "io_fields", "memory_fields", "ratios",
            "scrub_fields"]

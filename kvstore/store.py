@@ -7,7 +7,7 @@ read-only: :mod:`kvstore.core.operations`), and hands it to the path that does t
   fdatasync, commit, acknowledge);
 * gets: :mod:`kvstore.core.gets`, reading through :mod:`kvstore.core.reads` (every verified
   read of a slot, in a read epoch, quarantining what fails);
-* the memory tier and prefetch: :mod:`kvstore.tiers.memory`; the remote tier:
+* the memory tier and prefetch: :mod:`kvstore.tiers.memory.room`; the remote tier:
   :mod:`kvstore.remote` through its adapter; both reach the store only through the
   :class:`~kvstore.tiers.host.TierHost` it hands them;
 * deletes, pins, lookups: here, a few lines each over the index.
@@ -53,7 +53,6 @@ from kvstore.disk.lock import LOCK_FILE
 from kvstore.errors import KVStoreError
 from kvstore.keys import check_keys
 from kvstore.options import StoreOptions
-from kvstore.prefetch import Prefetch
 from kvstore.stats import (
     PutResult,
     StoreStats,
@@ -63,15 +62,16 @@ from kvstore.stats import (
     scrub_fields,
 )
 from kvstore.tiers.host import TierHost
-from kvstore.tiers.memory import MemoryRoom
+from kvstore.tiers.memory.prefetch import Prefetch
+from kvstore.tiers.memory.room import MemoryRoom
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
     from kvstore.keys import Namespace
-    from kvstore.remote.adapter import RemoteAdapter
-    from kvstore.remote.config import RemoteConfig
-    from kvstore.remote.tier import RemoteTier
+    from kvstore.tiers.remote.adapter import RemoteAdapter
+    from kvstore.tiers.remote.config import RemoteConfig
+    from kvstore.tiers.remote.tier import RemoteTier
 
 __all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
 
@@ -94,7 +94,7 @@ class Store:
             self.scheduler, self.syncs = parts.scheduler, parts.syncs
             self.file_mode, self.store_uuid = parts.file_mode, parts.store_uuid
             self.extent_bytes, self.lost_extents = parts.extent_bytes, parts.lost_extents
-            self.memory = parts.memory  # the memory tier's cache (kvstore.memory_tier), or None
+            self.memory = parts.memory  # the memory tier's cache (kvstore.tiers.memory.tier), or None
             self._ops, self._health = Operations(self.path), parts.health
             self.latency = Latency(("get", "put", "prefetch"))  # (kvstore.metrics exports them)
             self._background: TaskGroup | None = None  # open() runs background work here
@@ -130,9 +130,9 @@ class Store:
 
     def _open_remote(self, config: RemoteConfig, namespace: Namespace | None) -> None:
         """Remote tier: objects are named by namespace, so one is needed.  Checks the
-        credentials now (kvstore/remote/tier.py ``check_access``)."""
-        from kvstore.remote.adapter import RemoteAdapter
-        from kvstore.remote.tier import RemoteTier
+        credentials now (kvstore/tiers/remote/tier.py ``check_access``)."""
+        from kvstore.tiers.remote.adapter import RemoteAdapter
+        from kvstore.tiers.remote.tier import RemoteTier
 
         if namespace is None:
             raise ValueError("open(remote=...) needs namespace=...: remote objects are "
@@ -274,7 +274,7 @@ class Store:
 
     def prefetch(self, keys: Sequence[bytes]) -> Prefetch:
         """Start bringing blocks into the memory tier and return at once; see
-        :mod:`kvstore.prefetch`.  Bounded: prefetched blocks not yet read by a get never
+        :mod:`kvstore.tiers.memory.prefetch`.  Bounded: prefetched blocks not yet read by a get never
         take more than ``prefetch_share`` of ``memory_bytes``, and a prefetch never evicts
         a pinned block or one being read.  Needs ``open(memory_bytes=...)``."""
         self._check_open()

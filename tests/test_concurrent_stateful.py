@@ -82,12 +82,12 @@ from kvstore.io.simulated import (
     SimulatedEngine,
     is_simulated_crash,
 )
-from kvstore.remote.config import RemoteConfig
+from kvstore.tiers.remote.config import RemoteConfig
 from tests.concurrency import LiveChild, SnapshotReader, lock_descriptors, run_within
 from tests.conformance import NS, make_tensor, same
 from tests.read_faults import ReadFaults, _FailingOps, faulty_engine
-from tests.remote.slow_s3 import SlowS3
 from tests.test_full_disk import Filler, small_fs  # noqa: F401 - small_fs: a fixture
+from tests.tiers.remote.slow_s3 import SlowS3
 
 STATS: dict[str, int] = {"machines": 0, "rounds": 0, "tasks": 0, "cancellations": 0,
                          "closes_in_flight": 0, "crashes": 0, "scheduling_points": 0,

@@ -105,15 +105,15 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 FLOORS: dict[int, str] = {
     # 0: words: errors, the on-disk format, keys, plain values; no behaviour to speak of
     0: "errors disk.format keys disk.permissions codecs.tensors core.latency index.totals _native.lib _native "
-       "codecs.result_buffers remote.config remote.stats",
+       "codecs.result_buffers tiers.remote.config tiers.remote.stats",
     # 1: mechanisms: I/O engines and buffers, the index, codecs, slot bytes, extent files
     1: "io codecs.pipeline codecs.fp8_kernels io.slots io.native_slots index.index index.writer index.free_map index.eviction "
        "disk.extents disk.lock io.group_sync index.quarantine",
     # 2: the store's parts: space, transfers, tiers' machinery, options, the GPU path
-    2: "core.allocator io.transfers memory_tier prefetch core.backlog core.deletes core.operations stats options "
+    2: "core.allocator io.transfers tiers.memory.tier tiers.memory.prefetch core.backlog core.deletes core.operations stats options "
        "io.page_locking pinning cuda remote",
     # 3: the store: the coordinator, its call paths, and the tiers it hands a port to
-    3: "store core.opening core.puts core.gets core.reads tiers remote.adapter core.rechecks core.scrub",
+    3: "store core.opening core.puts core.gets core.reads tiers tiers.remote.adapter core.rechecks core.scrub",
     # 4: users of the store: the package's front, the blocking bridge, tools, engines
     4: "__init__ __main__ blocking metrics fsck fsck_files fsck_rebuild fsck_report cli "
        "integrations",
@@ -215,7 +215,7 @@ def test_import_kvstore_leaves_the_optional_parts_unloaded() -> None:
     """CUDA (with the first store that page-locks), the remote tier's machinery (with
     the first store opened with ``remote=``), metrics (prometheus_client) and the engine
     integrations load only for those who use them.  The remote tier's options and stats
-    (plain values, ``kvstore.remote.config`` / ``.stats``) may load: ``kvstore.blocking``
+    (plain values, ``kvstore.tiers.remote.config`` / ``.stats``) may load: ``kvstore.blocking``
     imports ``RemoteConfig`` at run time (for ``attach_remote``'s annotation only)."""
     code = ("import sys, kvstore; print(' '.join(sorted(m for m in sys.modules if "
             "m.startswith(('kvstore.cuda', 'kvstore.remote.', 'kvstore.metrics', "
@@ -223,7 +223,7 @@ def test_import_kvstore_leaves_the_optional_parts_unloaded() -> None:
             ")))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    loaded = set(out.stdout.split()) - {"kvstore.remote.config", "kvstore.remote.stats"}
+    loaded = set(out.stdout.split()) - {"kvstore.tiers.remote.config", "kvstore.tiers.remote.stats"}
     assert loaded == set()
 
 

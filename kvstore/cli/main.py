@@ -35,7 +35,7 @@ commands:
                [--sample N | --all] [--json]
       Verify remote-tier objects of the store's namespaces in the S3 bucket (a random
       sample, or all): CRC32C, key, and the HMAC tag with --hmac-key-file
-      (kvstore/remote/check.py). Credentials from the AWS environment. fsck never
+      (kvstore/tiers/remote/check.py). Credentials from the AWS environment. fsck never
       looks at the remote. Exit 0 all good, 1 bad objects listed, 2 cannot run.
   cuda build [--out PATH] [--archs 80;90] / cuda status [--json]
       Compile the CUDA library with nvcc (kvstore/cuda/build.py); say whether the GPU

@@ -1,5 +1,5 @@
 """``python -m kvstore remote check PATH``: verify remote objects of the store's
-namespaces (kvstore/remote/check.py says what is checked)."""
+namespaces (kvstore/tiers/remote/check.py says what is checked)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ async def _namespaces(path: str) -> list[bytes]:
 
 
 def cmd_remote(args: argparse.Namespace) -> int:
-    from kvstore.remote.check import check
-    from kvstore.remote.config import RemoteConfig, read_hmac_key_file
+    from kvstore.tiers.remote.check import check
+    from kvstore.tiers.remote.config import RemoteConfig, read_hmac_key_file
 
     require_store(args.path)
     hmac_key = None

@@ -26,8 +26,8 @@ from kvstore.core.puts import check_fits
 if TYPE_CHECKING:
     from kvstore.core.opening import StoreParts
     from kvstore.core.reads import VerifiedReads
-    from kvstore.remote.adapter import RemoteAdapter
-    from kvstore.tiers.memory import Hits, MemoryRoom
+    from kvstore.tiers.memory.room import Hits, MemoryRoom
+    from kvstore.tiers.remote.adapter import RemoteAdapter
 
 __all__ = ["GetPath"]
 

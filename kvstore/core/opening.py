@@ -47,9 +47,9 @@ from kvstore.io.scheduler import IoScheduler
 from kvstore.io.threads import ThreadPoolEngine
 from kvstore.io.transfers import Transfers
 from kvstore.keys import Namespace
-from kvstore.memory_tier import MemoryTier
 from kvstore.options import StoreOptions
 from kvstore.stats import COUNTERS
+from kvstore.tiers.memory.tier import MemoryTier
 
 __all__ = ["INDEX_DIR", "StoreParts"]
 

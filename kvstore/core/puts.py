@@ -49,7 +49,7 @@ from kvstore.stats import PutResult
 
 if TYPE_CHECKING:
     from kvstore.core.opening import StoreParts
-    from kvstore.tiers.memory import MemoryRoom
+    from kvstore.tiers.memory.room import MemoryRoom
 
 __all__ = ["PutPath", "check_fits"]
 

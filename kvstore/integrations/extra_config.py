@@ -25,7 +25,7 @@ from kvstore.disk import permissions
 from kvstore.io.probe import ENGINES
 from kvstore.io.scheduler import IoSchedule
 from kvstore.options import StoreOptions
-from kvstore.remote.config import RemoteConfig, read_hmac_key_file
+from kvstore.tiers.remote.config import RemoteConfig, read_hmac_key_file
 
 __all__ = ["CODECS", "INTEGRATION_SETS", "SECRETS", "STORE_KEYS", "codec_name", "file_mode",
            "refuse_integration_keys", "remote_config", "store_open_options", "store_options"]

@@ -20,7 +20,7 @@ from kvstore.integrations.extra_config import (
     store_options,
 )
 from kvstore.options import StoreOptions
-from kvstore.remote.config import RemoteConfig
+from kvstore.tiers.remote.config import RemoteConfig
 
 __all__ = ["CODECS", "ConnectorConfig"]
 

@@ -1,14 +1,9 @@
-"""The shared remote tier on an S3-compatible cluster (``open(remote=RemoteConfig(...))``).
-
-Modules: ``config`` (the options), ``objects`` (object names and bytes: FORMAT.md,
-"Remote objects"), ``client`` (the obstore wrapper), ``breaker`` (circuit breaker),
-``slots`` (requests in flight, counted until each returns),
-``tier`` (upload queue, verified reads under a deadline), ``local`` (the store's
-hooks), ``check`` (``python -m kvstore remote check``), ``stats`` (``RemoteStats``).
-``RemoteConfig`` and ``RemoteStats`` import without the ``remote`` extra installed.
+"""The name users import the remote tier's options by: ``from kvstore.remote import
+RemoteConfig`` (and ``RemoteStats``).  The tier itself lives in
+:mod:`kvstore.tiers.remote`; this package only re-exports its two plain values.
 """
 
-from kvstore.remote.config import RemoteConfig
-from kvstore.remote.stats import RemoteStats
+from kvstore.tiers.remote.config import RemoteConfig
+from kvstore.tiers.remote.stats import RemoteStats
 
 __all__ = ["RemoteConfig", "RemoteStats"]

@@ -1,4 +1,8 @@
-"""The tiers around the local store: host memory in front of it (:mod:`kvstore.tiers.memory`)
-and a shared remote behind it (:mod:`kvstore.remote`, through its adapter).  A tier
-talks to the store only through :class:`kvstore.tiers.host.TierHost`, which the store
-hands it at construction."""
+"""What sits beside the local store: the port a tier is handed (``host``:
+:class:`~kvstore.tiers.host.TierHost`), host memory in front of the store
+(:mod:`kvstore.tiers.memory`) and the shared remote behind it
+(:mod:`kvstore.tiers.remote`).  A tier may import the port, :mod:`kvstore.core`,
+:mod:`kvstore.index`, :mod:`kvstore.io`, :mod:`kvstore.codecs` and
+:mod:`kvstore.disk`; the store's own modules import no tier except through the
+imports listed in tests/test_imports.py.
+"""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.remote.config import HMAC_KEY_FILE_BYTES, read_hmac_key_file
+from kvstore.tiers.remote.config import HMAC_KEY_FILE_BYTES, read_hmac_key_file
 from tests.cli.conftest import Run
 
 

@@ -14,7 +14,7 @@ from kvstore.integrations.sglang_config import BackendConfig
 from kvstore.integrations.vllm_config import CODECS, ConnectorConfig
 from kvstore.io.scheduler import IoSchedule
 from kvstore.options import StoreOptions
-from kvstore.remote.config import RemoteConfig
+from kvstore.tiers.remote.config import RemoteConfig
 
 
 def test_only_path_is_required(tmp_path: Path) -> None:

@@ -20,11 +20,11 @@ from tests.integrations.test_vllm import (
     tiny_model,
     tokens,
 )
-from tests.remote.cluster import BUCKET, SeaweedCluster
-from tests.remote.conftest import seaweed
+from tests.tiers.remote.cluster import BUCKET, SeaweedCluster
+from tests.tiers.remote.conftest import seaweed
 
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM venv")
-__all__ = ["seaweed", "tiny_model"]  # fixtures shared with test_vllm and tests/remote
+__all__ = ["seaweed", "tiny_model"]  # fixtures shared with test_vllm and tests/tiers/remote
 
 
 def test_an_empty_node_is_warmed_from_the_cluster(tmp_path: Path, tiny_model: Path,

@@ -1,10 +1,10 @@
-"""The circuit breaker (kvstore/remote/breaker.py) on a clock the test moves."""
+"""The circuit breaker (kvstore/tiers/remote/breaker.py) on a clock the test moves."""
 
 from __future__ import annotations
 
 import threading
 
-from kvstore.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvstore.tiers.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
 class Clock:

@@ -1,5 +1,5 @@
 """The remote tier against a cluster that is slow or hung (issue 31, item 5): a real
-HTTP server on loopback (tests/remote/slow_s3.py) that holds requests until the test
+HTTP server on loopback (tests/tiers/remote/slow_s3.py) that holds requests until the test
 releases them, and counts what reaches it.
 
 What must hold while the cluster does not answer:
@@ -25,11 +25,11 @@ import anyio
 import pytest
 
 from kvstore.remote import RemoteConfig
-from kvstore.remote.tier import RemoteTier
+from kvstore.tiers.remote.tier import RemoteTier
 from tests.concurrency import until
 from tests.conformance import NS, keys, same
-from tests.remote.slow_s3 import SlowS3, client_threads
-from tests.remote.test_tier import open_store, parents, value
+from tests.tiers.remote.slow_s3 import SlowS3, client_threads
+from tests.tiers.remote.test_tier import open_store, parents, value
 
 pytestmark = pytest.mark.anyio
 CONCURRENCY = 4

@@ -4,7 +4,7 @@ failure nor retried, a deleted bucket does not take the caller's code down with 
 upload workers, and a promotion whose batch the local store refuses for one block
 stores the others.
 
-A real S3 endpoint on loopback (tests/remote/slow_s3.py) that answers the objects named
+A real S3 endpoint on loopback (tests/tiers/remote/slow_s3.py) that answers the objects named
 in ``refuse`` with the error given there and serves every other; nothing held, no
 sleeps.
 """
@@ -19,12 +19,12 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.remote import objects
+from kvstore.tiers.remote import objects
 from tests.concurrency import DEADLINE, until
 from tests.conformance import NS, keys, make_tensor, same
-from tests.remote.slow_s3 import SlowS3
-from tests.remote.test_slow_cluster import slow_config
-from tests.remote.test_tier import open_store, parents, value
+from tests.tiers.remote.slow_s3 import SlowS3
+from tests.tiers.remote.test_slow_cluster import slow_config
+from tests.tiers.remote.test_tier import open_store, parents, value
 
 pytestmark = pytest.mark.anyio
 

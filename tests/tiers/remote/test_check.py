@@ -1,4 +1,4 @@
-"""``python -m kvstore remote check`` (kvstore/remote/check.py) on the real cluster."""
+"""``python -m kvstore remote check`` (kvstore/tiers/remote/check.py) on the real cluster."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 
 from kvstore import fsck
 from kvstore.cli.main import main
-from kvstore.remote import objects
-from kvstore.remote.client import ObjectClient
+from kvstore.tiers.remote import objects
+from kvstore.tiers.remote.client import ObjectClient
 from tests.conformance import NS, keys
-from tests.remote.cluster import SeaweedCluster
-from tests.remote.test_tier import config, fresh_prefix, open_store, parents, value
+from tests.tiers.remote.cluster import SeaweedCluster
+from tests.tiers.remote.test_tier import config, fresh_prefix, open_store, parents, value
 
 pytestmark = pytest.mark.anyio
 

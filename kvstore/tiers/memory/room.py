@@ -1,7 +1,7 @@
 """The memory tier's room in a store: serving hits, filling after verified reads and
 durable puts, and prefetching (``open(memory_bytes=N)``).
 
-:class:`MemoryRoom` puts :class:`kvstore.memory_tier.MemoryTier` (the bounded cache
+:class:`MemoryRoom` puts :class:`kvstore.tiers.memory.tier.MemoryTier` (the bounded cache
 itself) to work for the call paths:
 
 * a get takes its hits with :meth:`MemoryRoom.take` in the same step as its index
@@ -11,7 +11,7 @@ itself) to work for the call paths:
 * a put caches what it made durable (write-through, lossless codecs only);
 * :meth:`prefetch` starts bringing blocks in from disk (and, with a remote tier, from
   the remote first) in the store's background task group and returns a
-  :class:`~kvstore.prefetch.Prefetch` handle at once.
+  :class:`~kvstore.tiers.memory.prefetch.Prefetch` handle at once.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from kvstore.codecs import result_buffers
 from kvstore.disk.format import IndexEntry
 from kvstore.io.transfers import device_copies, offloaded
-from kvstore.memory_tier import Cached, MemoryTier
-from kvstore.prefetch import Prefetch
+from kvstore.tiers.memory.prefetch import Prefetch
+from kvstore.tiers.memory.tier import Cached, MemoryTier
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -47,7 +47,7 @@ Hits = list[tuple[int, Cached]]  # position in the get, the cached copy (marked 
 
 
 class MissingBlocks(Protocol):
-    """What a prefetch asks of the remote tier (:class:`kvstore.remote.adapter.
+    """What a prefetch asks of the remote tier (:class:`kvstore.tiers.remote.adapter.
     RemoteAdapter`): a watch of deletes taken when the prefetch is asked for, and the
     fetch and promotion of the blocks absent locally, under it."""
 

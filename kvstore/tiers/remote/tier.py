@@ -1,20 +1,20 @@
 """The remote tier: a bounded upload queue behind local durable puts, verified reads on
 local misses under a deadline, and a circuit breaker in front of both.
 
-* Writes (:mod:`kvstore.remote.uploads`, :class:`~kvstore.remote.uploads.Uploads`):
+* Writes (:mod:`kvstore.tiers.remote.uploads`, :class:`~kvstore.tiers.remote.uploads.Uploads`):
   ``enqueue(keys)`` after a put committed locally queues the keys (not the bytes); a
   worker reads each block back from the local store, verified, and writes it with a
   conditional PUT (``If-None-Match: *``), so concurrent stores never overwrite each
   other.  Keys known to be in the bucket are not queued again.  Local eviction and
   delete never touch the bucket.
 * Reads: ``fetch(keys, chain=...)`` GETs objects on ``concurrency`` worker threads that
-  each take the next key (``kvstore.remote.fetch``), verify it
-  (``kvstore.remote.objects.verify``) and decode it there, and gives up at
+  each take the next key (``kvstore.tiers.remote.fetch``), verify it
+  (``kvstore.tiers.remote.objects.verify``) and decode it there, and gives up at
   ``read_deadline_s``; with ``chain=True`` nothing after the first miss is taken.  A
   bad object is a miss, counted, never returned.
-* The breaker (``kvstore.remote.breaker``): while it is open, every call is a fast miss
+* The breaker (``kvstore.tiers.remote.breaker``): while it is open, every call is a fast miss
   and uploads wait; the local store is never slowed down by an unreachable cluster.
-* Slots (``kvstore.remote.slots``): at most ``concurrency`` requests are in flight at
+* Slots (``kvstore.tiers.remote.slots``): at most ``concurrency`` requests are in flight at
   the cluster, reads and uploads together, counted until each request returns: a
   request a read abandoned at its deadline keeps its slot (and its thread) until the
   cluster answers it or ``request_timeout_s`` ends it.  A read waits for a slot within
@@ -43,15 +43,15 @@ import anyio
 import anyio.abc
 
 from kvstore.errors import RemoteError
-from kvstore.remote import objects
-from kvstore.remote.blocks import Finish, RemoteBlock
-from kvstore.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from kvstore.remote.client import ObjectClient, Unavailable
-from kvstore.remote.config import RemoteConfig
-from kvstore.remote.fetch import FetchRun
-from kvstore.remote.slots import RequestSlots, Slot
-from kvstore.remote.stats import RemoteStats
-from kvstore.remote.uploads import BreakerOpen, KnownKeys, SlotReader, Uploads, breaker_open
+from kvstore.tiers.remote import objects
+from kvstore.tiers.remote.blocks import Finish, RemoteBlock
+from kvstore.tiers.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvstore.tiers.remote.client import ObjectClient, Unavailable
+from kvstore.tiers.remote.config import RemoteConfig
+from kvstore.tiers.remote.fetch import FetchRun
+from kvstore.tiers.remote.slots import RequestSlots, Slot
+from kvstore.tiers.remote.stats import RemoteStats
+from kvstore.tiers.remote.uploads import BreakerOpen, KnownKeys, SlotReader, Uploads, breaker_open
 
 __all__ = ["BreakerOpen", "InFlight", "RemoteTier", "SlotReader"]
 
@@ -96,12 +96,12 @@ class RemoteTier:
                                 self._slots, self._stats, self._known, read_slot,
                                 self._wake_if_idle)
         # Fetched blocks whose local put (promotion) runs in the background: served from
-        # here meanwhile (kvstore/remote/adapter.py), so a get right after a match_prefix
+        # here meanwhile (kvstore/tiers/remote/adapter.py), so a get right after a match_prefix
         # does not fetch them again.
         self.promoting: dict[bytes, RemoteBlock] = {}
         self._promotions = 0  # background promotions running
         # Keys a read is fetching now: another read of them waits for that fetch
-        # (kvstore/remote/adapter.py), so concurrent lookups of a shared prefix send one
+        # (kvstore/tiers/remote/adapter.py), so concurrent lookups of a shared prefix send one
         # request per block, not one each.
         self.fetching: dict[bytes, InFlight] = {}
         self._idle: anyio.Event | None = None
@@ -250,7 +250,7 @@ class RemoteTier:
     async def fetch(self, keys: Sequence[bytes], *, chain: bool, then: Finish | None = None
                     ) -> list[RemoteBlock | None]:
         """Fetch and verify ``keys`` (``concurrency`` requests at a time, under the read
-        deadline; ``kvstore.remote.fetch``); None for a miss.  ``chain``: keys are one
+        deadline; ``kvstore.tiers.remote.fetch``); None for a miss.  ``chain``: keys are one
         chain in order; stop at the first miss (the result is then a prefix).
         ``then(index, block)`` runs on a worker thread for each object whose header
         verified; it must check the payload CRC32C (``objects.decode(...,
@@ -334,6 +334,6 @@ class RemoteTier:
 
     def enqueue(self, keys: Sequence[bytes]) -> None:
         """Queue locally durable blocks for upload (never waits; drops when full;
-        :mod:`kvstore.remote.uploads`)."""
+        :mod:`kvstore.tiers.remote.uploads`)."""
         if self.usable:
             self._uploads.enqueue(keys)

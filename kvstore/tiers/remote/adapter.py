@@ -32,13 +32,13 @@ from kvstore.codecs.tensors import CODE_DTYPES, check_out
 from kvstore.core.deletes import DeleteWatch
 from kvstore.disk.format import IndexEntry
 from kvstore.errors import BlockTooLargeError, CapacityError, CorruptionError, KVStoreError
-from kvstore.remote import objects
-from kvstore.remote.blocks import RemoteBlock
-from kvstore.remote.tier import InFlight
+from kvstore.tiers.remote import objects
+from kvstore.tiers.remote.blocks import RemoteBlock
+from kvstore.tiers.remote.tier import InFlight
 
 if TYPE_CHECKING:
-    from kvstore.remote.tier import RemoteTier
     from kvstore.tiers.host import TierHost
+    from kvstore.tiers.remote.tier import RemoteTier
 
 __all__ = ["Held", "RemoteAdapter"]
 

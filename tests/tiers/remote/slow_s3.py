@@ -1,5 +1,5 @@
 """A small, real S3 endpoint on 127.0.0.1 that holds requests until the test lets them go:
-a slow or hung cluster, for tests/remote/test_slow_cluster.py.
+a slow or hung cluster, for tests/tiers/remote/test_slow_cluster.py.
 
 It speaks what obstore's ``S3Store`` sends kvstore's client (path-style, signatures not
 checked): GET / HEAD / PUT of an object (``If-None-Match: *`` answered with 412 when the

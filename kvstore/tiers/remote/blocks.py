@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.disk.format import SlotHeader
-from kvstore.remote import objects
+from kvstore.tiers.remote import objects
 
 __all__ = ["Finish", "RemoteBlock"]
 

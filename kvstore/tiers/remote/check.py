@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvstore.errors import CorruptionError, FormatVersionError, RemoteError
-from kvstore.remote import objects
-from kvstore.remote.client import ObjectClient, Unavailable
-from kvstore.remote.config import RemoteConfig
+from kvstore.tiers.remote import objects
+from kvstore.tiers.remote.client import ObjectClient, Unavailable
+from kvstore.tiers.remote.config import RemoteConfig
 
 
 @dataclass

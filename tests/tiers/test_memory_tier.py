@@ -1,4 +1,4 @@
-"""The host-memory tier (kvstore/memory_tier.py) on its own and inside a real store: hits
+"""The host-memory tier (kvstore/tiers/memory/tier.py) on its own and inside a real store: hits
 do no disk I/O; a deleted, evicted-on-disk, quarantined or re-put block is never served
 from memory; leaf-first LRU eviction; pinned blocks and blocks being read stay; fills
 raced by a discard are dropped; the region bounds RSS."""
@@ -17,7 +17,7 @@ import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.io.protocol import IOEngine, IoOp
-from kvstore.memory_tier import MemoryTier
+from kvstore.tiers.memory.tier import MemoryTier
 from tests.concurrency import GatedEngine, real_engine, resident_bytes
 from tests.conformance import NS, keys, make_tensor, same
 

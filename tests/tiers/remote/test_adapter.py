@@ -1,4 +1,4 @@
-"""Where the remote tier meets the local store (kvstore/remote/adapter.py), under
+"""Where the remote tier meets the local store (kvstore/tiers/remote/adapter.py), under
 concurrency: reads of the same blocks at once send one request per block, a read whose
 fetcher is cancelled fetches for itself, and a get that a promotion overtakes is served
 from the fetched block, not fetched again.  A real SeaweedFS cluster; the S3 requests
@@ -16,11 +16,11 @@ import pytest
 
 import kvstore
 from kvstore.remote import RemoteConfig
-from kvstore.remote.client import ObjectClient
+from kvstore.tiers.remote.client import ObjectClient
 from tests.concurrency import DEADLINE, GatedEngine, real_engine, until
 from tests.conformance import NS, SMALL_EXTENT, keys, same
-from tests.remote.cluster import SeaweedCluster
-from tests.remote.test_tier import config, fresh_prefix, open_store, parents, value
+from tests.tiers.remote.cluster import SeaweedCluster
+from tests.tiers.remote.test_tier import config, fresh_prefix, open_store, parents, value
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""Remote objects (kvstore/remote/objects.py, FORMAT.md "Remote objects"): the local
+"""Remote objects (kvstore/tiers/remote/objects.py, FORMAT.md "Remote objects"): the local
 slot's bytes, verified on read; anything else is refused with the reason."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from kvstore.disk.format import SLOT_HEADER_BYTES, SlotHeader, crc32c
 from kvstore.errors import CorruptionError
-from kvstore.remote import objects
+from kvstore.tiers.remote import objects
 from tests.conformance import NS, keys, make_tensor, same
 
 DIGEST = NS.digest

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.remote.cluster import SeaweedCluster, weed_binary
+from tests.tiers.remote.cluster import SeaweedCluster, weed_binary
 
 TIMES: dict[str, float] = {}
 

@@ -15,9 +15,9 @@ import pytest
 import kvstore
 from tests.concurrency import DEADLINE, GatedEngine, real_engine, until
 from tests.conformance import NS, SMALL_EXTENT, keys, same
-from tests.remote.cluster import SeaweedCluster
-from tests.remote.test_adapter import Cancellable, bucket_with, hold_gets
-from tests.remote.test_tier import open_store, value
+from tests.tiers.remote.cluster import SeaweedCluster
+from tests.tiers.remote.test_adapter import Cancellable, bucket_with, hold_gets
+from tests.tiers.remote.test_tier import open_store, value
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ block that could not be uploaded goes to the back of the queue, up to three atte
 One block's failure is its own: an object the cluster refuses (a 4xx about it) is
 given up at once without counting against the breaker, and any other error of one
 block is counted (``upload_failed``) and logged, never raised out of the workers.
-Local eviction and delete never touch the bucket.  :class:`~kvstore.remote.tier.RemoteTier`
+Local eviction and delete never touch the bucket.  :class:`~kvstore.tiers.remote.tier.RemoteTier`
 owns one and starts it in the store's task group.
 """
 
@@ -31,12 +31,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from kvstore.disk.format import SlotHeader
 from kvstore.errors import RemoteError
 from kvstore.io.aligned import AlignedBuffer
-from kvstore.remote import objects
-from kvstore.remote.breaker import OPEN, CircuitBreaker
-from kvstore.remote.client import ObjectClient, Refused, Unavailable
-from kvstore.remote.config import RemoteConfig
-from kvstore.remote.slots import RequestSlots
-from kvstore.remote.stats import RemoteStats
+from kvstore.tiers.remote import objects
+from kvstore.tiers.remote.breaker import OPEN, CircuitBreaker
+from kvstore.tiers.remote.client import ObjectClient, Refused, Unavailable
+from kvstore.tiers.remote.config import RemoteConfig
+from kvstore.tiers.remote.slots import RequestSlots
+from kvstore.tiers.remote.stats import RemoteStats
 
 __all__ = ["BreakerOpen", "KnownKeys", "SlotReader", "Uploads", "breaker_open"]
 

@@ -12,7 +12,7 @@ on them.
   the taking of later keys (those already in flight are discarded): the result is a
   prefix, as a chain walk needs, without waiting for a window of requests to finish.
 * Slots: each thread is started with a request slot the event loop took for it
-  (``kvstore.remote.slots``) and gives it back when it ends, after its last request
+  (``kvstore.tiers.remote.slots``) and gives it back when it ends, after its last request
   returned: a thread whose request outlived the deadline keeps its slot until then, so
   the requests in flight at the cluster never exceed ``concurrency``.
 * Deadline: the caller cancels (``read_deadline_s``) and calls ``close()``; a thread in
@@ -34,11 +34,11 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kvstore.errors import CorruptionError, FormatVersionError, RemoteError
-from kvstore.remote import objects
-from kvstore.remote.blocks import Finish, RemoteBlock
-from kvstore.remote.breaker import CircuitBreaker
-from kvstore.remote.client import ObjectClient, Refused, Unavailable
-from kvstore.remote.slots import Slot
+from kvstore.tiers.remote import objects
+from kvstore.tiers.remote.blocks import Finish, RemoteBlock
+from kvstore.tiers.remote.breaker import CircuitBreaker
+from kvstore.tiers.remote.client import ObjectClient, Refused, Unavailable
+from kvstore.tiers.remote.slots import Slot
 
 
 class FetchRun:

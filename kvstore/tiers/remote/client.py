@@ -36,7 +36,7 @@ from obstore.exceptions import (
 from obstore.store import S3Store
 
 from kvstore.errors import RemoteAuthError, RemoteError
-from kvstore.remote.config import RemoteConfig
+from kvstore.tiers.remote.config import RemoteConfig
 
 _REFUSALS = ("403 Forbidden", "401 Unauthorized", "SignatureDoesNotMatch",
              "InvalidAccessKeyId", "AccessDenied")

@@ -1,4 +1,4 @@
-"""The remote tier against a real SeaweedFS cluster (tests/remote/cluster.py): fleet
+"""The remote tier against a real SeaweedFS cluster (tests/tiers/remote/cluster.py): fleet
 sharing across processes, a volume server killed, the S3 gateway stopped, corrupt and
 foreign objects, refused credentials."""
 
@@ -26,14 +26,15 @@ from kvstore.codecs.pipeline import CodecSpec
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.errors import RemoteAuthError
-from kvstore.remote import RemoteConfig, objects
-from kvstore.remote.client import ObjectClient
+from kvstore.remote import RemoteConfig
+from kvstore.tiers.remote import objects
+from kvstore.tiers.remote.client import ObjectClient
 from tests.concurrency import until
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
-from tests.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster
+from tests.tiers.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster
 
 pytestmark = pytest.mark.anyio
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SHAPE = (16, 1024)  # bf16: 32 KiB blocks
 
 
@@ -67,7 +68,7 @@ import kvstore
 from kvstore.codecs.pipeline import CodecSpec
 from kvstore.remote import RemoteConfig
 from tests.conformance import NS, SMALL_EXTENT, keys
-from tests.remote.test_tier import value, parents
+from tests.tiers.remote.test_tier import value, parents
 
 async def main(path, endpoint, prefix, n):
     ks = keys(n)
