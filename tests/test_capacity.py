@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
+from kvstore.tools import fsck
 from tests.conformance import NS, make_tensor, same
 
 pytestmark = pytest.mark.anyio

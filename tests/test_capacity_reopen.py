@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvstore
-from kvstore import fsck
+from kvstore.tools import fsck
 from tests.conformance import NS, make_tensor
 
 SLOT = 8192  # every block below is 6000 bytes: one 8 KiB slot

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
 from kvstore.errors import BlockTooLargeError, StoreClosedError, StoreFullError
+from kvstore.tools import fsck
 from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within, until
 from tests.conformance import NS, make_tensor, same
 

@@ -63,7 +63,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
 import kvstore
-from kvstore import fsck
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import (
@@ -83,6 +82,7 @@ from kvstore.io.simulated import (
     is_simulated_crash,
 )
 from kvstore.tiers.remote.config import RemoteConfig
+from kvstore.tools import fsck
 from tests.concurrency import LiveChild, SnapshotReader, lock_descriptors, run_within
 from tests.conformance import NS, make_tensor, same
 from tests.read_faults import ReadFaults, _FailingOps, faulty_engine

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine, is_simulated_crash
+from kvstore.tools import fsck
 from tests.conformance import NS, make_tensor, same
 
 STATS: dict[str, int] = {"workloads": 0, "crash_points": 0, "crash_states": 0,

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
 from kvstore.disk.extents import EXTENT_DIR
 from kvstore.io.probe import probe
+from kvstore.tools import fsck
 from tests.conformance import NS, make_tensor, same
 
 EXTENT = 16 << 20

@@ -115,7 +115,7 @@ FLOORS: dict[int, str] = {
     # 3: the store: the coordinator, its call paths, and the tiers it hands a port to
     3: "store core.opening core.puts core.gets core.reads tiers tiers.remote.adapter core.rechecks core.scrub",
     # 4: users of the store: the package's front, the blocking bridge, tools, engines
-    4: "__init__ __main__ blocking metrics fsck fsck_files fsck_rebuild fsck_report cli "
+    4: "__init__ __main__ blocking metrics tools.fsck tools.fsck_files tools.fsck_rebuild tools.fsck_report tools.cli "
        "integrations",
 }
 

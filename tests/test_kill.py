@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
 from kvstore.disk.format import crc32c
+from kvstore.tools import fsck
 
 WRITER = textwrap.dedent("""
     import os, random, sys, anyio, torch, kvstore

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
+from kvstore.tools import fsck
 from tests.concurrency import DEADLINE, GatedEngine
 from tests.read_faults import ReadFaults, faulty_engine
 

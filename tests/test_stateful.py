@@ -30,7 +30,6 @@ from hypothesis.stateful import (
 )
 
 import kvstore
-from kvstore import fsck
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.io.simulated import (
@@ -39,6 +38,7 @@ from kvstore.io.simulated import (
     SimulatedEngine,
     is_simulated_crash,
 )
+from kvstore.tools import fsck
 from tests.conformance import NS, make_tensor, same
 
 STATS: dict[str, int] = {"machines": 0, "steps": 0, "restarts": 0, "crashes": 0, "faults": 0,

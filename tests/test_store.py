@@ -223,8 +223,8 @@ async def test_a_block_large_enough_to_go_in_pieces_reads_back_and_fscks_clean(
         tmp_path: Path, engine: str) -> None:
     """Blocks of two pieces or more (kvstore/io/transfers.py) are staged and written a piece
     at a time: the slot on disk is the one fsck and every read verify."""
-    from kvstore import fsck
     from kvstore.io.transfers import PIECE_BYTES
+    from kvstore.tools import fsck
 
     shapes = [(2 * PIECE_BYTES // 4 + 1,), (3 * PIECE_BYTES // 2 + 1023, 2)]  # float32
     values = [make_tensor(torch.float32, shape, i) for i, shape in enumerate(shapes)]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
 from kvstore.codecs.pipeline import CodecSpec, KVLayout
+from kvstore.tools import fsck
 from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 

@@ -23,9 +23,9 @@ import torch
 
 import kvstore
 from kvstore.disk.extents import extent_path
-from kvstore.fsck import check
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.tools.fsck import check
 from tests.concurrency import real_engine
 
 ENGINES = ["io_uring", "threads", "simulated"]

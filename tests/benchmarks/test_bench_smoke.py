@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from benchmarks import bench
-from kvstore.cli.main import main as cli_main
+from kvstore.tools.cli.main import main as cli_main
 
 KVSTORE = ["kvstore io_uring raw", "kvstore io_uring fp8", "kvstore threads raw",
            "kvstore threads fp8"]

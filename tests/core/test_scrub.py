@@ -18,9 +18,9 @@ import torch
 
 import kvstore
 import kvstore.core.scrub
-from kvstore import fsck
 from kvstore.disk.format import IndexEntry
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.tools import fsck
 from tests.concurrency import GatedEngine, real_engine, until
 from tests.conformance import flip_payload_bit
 from tests.read_faults import ENGINES, ReadFaults, open_faulty

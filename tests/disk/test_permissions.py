@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
-from kvstore.cli.demo import MANIFEST, write_manifest
-from kvstore.cli.main import main as cli
 from kvstore.disk import permissions
 from kvstore.integrations.vllm_config import ConnectorConfig
+from kvstore.tools import fsck
+from kvstore.tools.cli.demo import MANIFEST, write_manifest
+from kvstore.tools.cli.main import main as cli
 from tests.conformance import NS, keys, make_tensor
 
 EXTENT = 1 << 20

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
-from kvstore.cli.demo import DemoPathError, check_removable, write_manifest
 from kvstore.disk.extents import extent_path
 from kvstore.io.probe import probe
 from kvstore.io.protocol import EngineWrapper, IOEngine
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.tools import fsck
+from kvstore.tools.cli.demo import DemoPathError, check_removable, write_manifest
 from tests.conformance import NS, make_tensor, same
 
 EXTENT = 256 << 10

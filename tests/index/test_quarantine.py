@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
 from kvstore.disk.format import (
     ENTRY_FLAG_UNREADABLE,
     IndexEntry,
     encode_quarantined,
     quarantined_unreadable,
 )
+from kvstore.tools import fsck
 from tests.conformance import flip_payload_bit
 from tests.read_faults import ENGINES, ReadFaults, open_faulty
 

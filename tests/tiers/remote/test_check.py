@@ -8,10 +8,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from kvstore import fsck
-from kvstore.cli.main import main
 from kvstore.tiers.remote import objects
 from kvstore.tiers.remote.client import ObjectClient
+from kvstore.tools import fsck
+from kvstore.tools.cli.main import main
 from tests.conformance import NS, keys
 from tests.tiers.remote.cluster import SeaweedCluster
 from tests.tiers.remote.test_tier import config, fresh_prefix, open_store, parents, value

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
 from kvstore.codecs.pipeline import CodecSpec
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
@@ -29,6 +28,7 @@ from kvstore.errors import RemoteAuthError
 from kvstore.remote import RemoteConfig
 from kvstore.tiers.remote import objects
 from kvstore.tiers.remote.client import ObjectClient
+from kvstore.tools import fsck
 from tests.concurrency import until
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 from tests.tiers.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster

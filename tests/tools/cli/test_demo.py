@@ -1,4 +1,4 @@
-"""``python -m kvstore demo`` (kvstore/cli/demo.py): it never deletes what it did not
+"""``python -m kvstore demo`` (kvstore/tools/cli/demo.py): it never deletes what it did not
 create, says where its data is, and ends with one verdict line."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import fsck
-from kvstore.cli.demo import MANIFEST, WORKLOADS, blocks_bytes, extent_bytes_for, sessions
+from kvstore.tools import fsck
+from kvstore.tools.cli.demo import MANIFEST, WORKLOADS, blocks_bytes, extent_bytes_for, sessions
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def demo(*args: str) -> subprocess.CompletedProcess[str]:

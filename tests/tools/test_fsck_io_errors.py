@@ -2,7 +2,7 @@
 and ``--repair`` never writes over what it could not read.
 
 The reads fail through the seam the other fsck tests use (``tests/read_faults.py``:
-``preadv`` of ``kvstore.fsck_files`` fails with EIO where a :class:`ReadFaults` aims).
+``preadv`` of ``kvstore.tools.fsck_files`` fails with EIO where a :class:`ReadFaults` aims).
 Before, an unreadable extent header or a page of free space under ``--deep`` ended the
 check with the raw ``OSError`` (the command: "error: Input/output error", exit 2, no
 report), and so did ``--rebuild-index``.  Writes that fail (``--repair`` on an
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-import kvstore.fsck_files
-from kvstore import fsck
-from kvstore.cli.main import main
+import kvstore.tools.fsck_files
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import PAGE, IndexEntry
+from kvstore.tools import fsck
+from kvstore.tools.cli.main import main
 from tests.conformance import same
 from tests.read_faults import ReadFaults, _FaultyOs
-from tests.test_fsck import VALUES, N, build, read_back
+from tests.tools.test_fsck import VALUES, N, build, read_back
 
 
 @contextmanager
@@ -37,7 +37,7 @@ def failing(path: Path, extent: int, offset: int, length: int) -> Iterator[ReadF
     """fsck's reads of ``[offset, offset + length)`` of the extent file fail with EIO."""
     faults = ReadFaults(extent_path(str(path), extent), offset, length)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(kvstore.fsck_files, "os", _FaultyOs(faults))
+        m.setattr(kvstore.tools.fsck_files, "os", _FaultyOs(faults))
         yield faults
 
 

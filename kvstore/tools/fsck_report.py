@@ -1,7 +1,7 @@
 """What ``python -m kvstore fsck`` reports: findings, each *reclaimable* (what a crash
 legitimately leaves behind), *damage* (what the store never produces on its own: a bad
 sector, a bug, a file edited by hand) or a *note* (listed, not a problem), and the
-report with the process exit code they make (kvstore/fsck.py runs the checks)."""
+report with the process exit code they make (kvstore/tools/fsck.py runs the checks)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvstore.cli.main import main
+from kvstore.tools.cli.main import main
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``python -m kvstore stats`` (kvstore/cli/stats.py): human units, the store's totals,
+"""``python -m kvstore stats`` (kvstore/tools/cli/stats.py): human units, the store's totals,
 per-process counters labelled, exact numbers and namespaces as objects in --json."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import anyio
 import torch
 
 import kvstore
-from tests.cli.conftest import Run
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor
+from tests.tools.cli.conftest import Run
 
 
 def test_stats_human_units_totals_and_json(cli: Callable[..., Run], tmp_path: Path) -> None:

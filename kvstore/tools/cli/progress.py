@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from kvstore.cli.units import human_bytes
+from kvstore.tools.cli.units import human_bytes
 
 
 class Progress:

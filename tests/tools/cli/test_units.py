@@ -1,11 +1,11 @@
-"""Human units (kvstore/cli/units.py) and the byte progress bar (kvstore/cli/progress.py)."""
+"""Human units (kvstore/tools/cli/units.py) and the byte progress bar (kvstore/tools/cli/progress.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvstore.cli.progress import Progress
-from kvstore.cli.units import human_bytes
+from kvstore.tools.cli.progress import Progress
+from kvstore.tools.cli.units import human_bytes
 
 
 def test_human_units() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from kvstore.cli.paths import CliError, require_store
+from kvstore.tools.cli.paths import CliError, require_store
 
 
 def add_parser(sub: Any) -> None:

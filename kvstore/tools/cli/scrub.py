@@ -20,8 +20,8 @@ from typing import Any
 
 import anyio
 
-from kvstore.cli.paths import require_store
-from kvstore.cli.units import human_bytes
+from kvstore.tools.cli.paths import require_store
+from kvstore.tools.cli.units import human_bytes
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_scrub(args: argparse.Namespace) -> int:
     import kvstore
-    from kvstore.cli.progress import Progress
+    from kvstore.tools.cli.progress import Progress
 
     require_store(args.path)
     bars: list[Progress] = []

@@ -1,4 +1,4 @@
-"""fsck's reads and writes of extent files (kvstore/fsck.py checks, fsck_rebuild.py
+"""fsck's reads and writes of extent files (kvstore/tools/fsck.py checks, fsck_rebuild.py
 rebuilds).
 
 Reads are aligned and, where the file system allows, ``O_DIRECT`` (what the device

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import fsck
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, free_key, pack_u64
 from kvstore.index.index import META_SEQ
+from kvstore.tools import fsck
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 N = 12

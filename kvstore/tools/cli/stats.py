@@ -10,8 +10,8 @@ from typing import Any
 
 import anyio
 
-from kvstore.cli.paths import require_store
-from kvstore.cli.units import human_bytes
+from kvstore.tools.cli.paths import require_store
+from kvstore.tools.cli.units import human_bytes
 
 # Per-process counters: what the Store object opened by this command did (a stats
 # command opens the store afresh, so they are 0 there; a library caller's stats() has

@@ -68,7 +68,7 @@ or read-only disk) is a finding of its own (repair-failed, with its errno) and l
 its finding unfixed; an index transaction that fails changes nothing in the index
 (repair-failed; run it again).
 
-``rebuild_index`` recreates the index from the extent files alone: kvstore/fsck_rebuild.py.
+``rebuild_index`` recreates the index from the extent files alone: kvstore/tools/fsck_rebuild.py.
 """
 
 from __future__ import annotations
@@ -94,19 +94,6 @@ from kvstore.disk.format import (
 from kvstore.disk.lock import StoreLock
 from kvstore.disk.store_files import check_dir, unsafe_reason
 from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
-from kvstore.fsck_files import (
-    ExtentReader,
-    Unreadable,
-    extend,
-    is_extent_name,
-    remove_file,
-    rewrite,
-    verified_slots,
-    verify_slot,
-    zero_page,
-)
-from kvstore.fsck_rebuild import rebuild_index
-from kvstore.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, ProgressFn, Report
 from kvstore.index.index import (
     META_EXTENT_BYTES,
     META_NAMESPACE_PREFIX,
@@ -118,6 +105,19 @@ from kvstore.index.index import (
     Txn,
 )
 from kvstore.index.quarantine import OK
+from kvstore.tools.fsck_files import (
+    ExtentReader,
+    Unreadable,
+    extend,
+    is_extent_name,
+    remove_file,
+    rewrite,
+    verified_slots,
+    verify_slot,
+    zero_page,
+)
+from kvstore.tools.fsck_rebuild import rebuild_index
+from kvstore.tools.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, ProgressFn, Report
 
 
 def check(path: str, *, repair: bool = False, deep: bool = False,

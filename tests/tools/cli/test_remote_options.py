@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.tiers.remote.config import HMAC_KEY_FILE_BYTES, read_hmac_key_file
-from tests.cli.conftest import Run
+from tests.tools.cli.conftest import Run
 
 
 def test_an_endless_key_file_is_refused(tmp_path: Path, cli: Callable[..., Run]) -> None:

@@ -1,4 +1,4 @@
-"""``python -m kvstore scrub`` (kvstore/cli/scrub.py): checks every block, exit 1 with the
+"""``python -m kvstore scrub`` (kvstore/tools/cli/scrub.py): checks every block, exit 1 with the
 damaged ones quarantined, a JSON report, rates in human units, resuming by default; and
 ``stats`` says when a pass last completed."""
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.cli.scrub import parse_rate
-from tests.cli.conftest import Run
+from kvstore.tools.cli.scrub import parse_rate
 from tests.conformance import SMALL_EXTENT, flip_payload_bit, keys, make_tensor
+from tests.tools.cli.conftest import Run
 
 
 def _fill(path: Path, n: int) -> list[kvstore.disk.format.IndexEntry]:

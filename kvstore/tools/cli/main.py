@@ -2,7 +2,7 @@
 
 commands:
   fsck PATH [--repair] [--deep] [--json] [--rebuild-index]
-      Check a closed store (the numbered steps are in kvstore/fsck.py): format, extent
+      Check a closed store (the numbered steps are in kvstore/tools/fsck.py): format, extent
       files, allocation map vs index, every slot header, every quarantined block read
       again whole (--repair puts back what verifies, never erases it); with --deep also
       every payload's CRC32C and free space. --repair fixes what it finds (a second run finds nothing);
@@ -14,7 +14,7 @@ commands:
   scrub PATH [--rate R] [--restart] [--json]
       Read every stored block again and verify it (header, payload CRC32C), and every
       quarantined one, at a bounded rate (default 64M bytes/s; 0: none), with a progress
-      bar; quarantines what fails, puts back what verifies (kvstore/cli/scrub.py).
+      bar; quarantines what fails, puts back what verifies (kvstore/tools/cli/scrub.py).
       Resumes where an earlier scrub stopped (--restart: a fresh pass). Exit 0 all
       verified, 1 blocks failed (now quarantined), 2 cannot run, 130 interrupted.
   stats PATH [--json]
@@ -51,10 +51,11 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from kvstore.cli.paths import CliError, require_store
-from kvstore.cli.stats import cmd_stats
+from kvstore.tools.cli.paths import CliError, require_store
+from kvstore.tools.cli.stats import cmd_stats
 
 # fsck's progress stages the CLI draws, and how: --deep's one bar is over payload bytes
 # (the slow part); the free-space scan that follows has no bar of its own.
@@ -64,8 +65,8 @@ _BARS = {"payloads": ("fsck --deep: payloads", "bytes", 256 << 20),
 
 
 def _cmd_fsck(args: argparse.Namespace) -> int:
-    from kvstore import fsck
-    from kvstore.cli.progress import Progress
+    from kvstore.tools import fsck
+    from kvstore.tools.cli.progress import Progress
 
     bars: dict[str, Progress] = {}
 
@@ -115,7 +116,7 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     # benchmarks/ lives next to the package in a source checkout (an editable install,
     # as the README's install line makes); it is not shipped in a wheel.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(Path(__file__).resolve().parents[3])  # kvstore/tools/cli/main.py -> the checkout
     if not os.path.exists(os.path.join(root, "benchmarks", "bench.py")):
         print("benchmarks/ is not installed with the package; run from a source checkout "
               "(pip install -e .)", file=sys.stderr)
@@ -174,17 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd_stats)
-    from kvstore.cli.scrub import add_parser as add_scrub
+    from kvstore.tools.cli.scrub import add_parser as add_scrub
 
     add_scrub(sub)
-    from kvstore.cli.demo import add_parser as add_demo
+    from kvstore.tools.cli.demo import add_parser as add_demo
 
     add_demo(sub)
     p = sub.add_parser("bench", help="benchmark against fio and the peers (source checkout)",
                        add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=_cmd_bench)
-    from kvstore.cli.remote import add_parser as add_remote
+    from kvstore.tools.cli.remote import add_parser as add_remote
 
     add_remote(sub)
     p = sub.add_parser("cuda", help="build the CUDA library / show whether it is used")

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import kvstore
-import kvstore.fsck
-import kvstore.fsck_files
-from kvstore import fsck
+import kvstore.tools.fsck
+import kvstore.tools.fsck_files
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import IndexEntry
+from kvstore.tools import fsck
 from tests.read_faults import ReadFaults, _FaultyOs, open_faulty
 
 KEYS = [bytes([0x21 + i]) * 16 for i in range(4)]
@@ -71,7 +71,7 @@ def _repair_unable_to_read(path: Path, entry: IndexEntry, monkeypatch: pytest.Mo
     faults = ReadFaults()
     faults.aim(str(path), entry)
     with monkeypatch.context() as m:
-        m.setattr(kvstore.fsck_files, "os", _FaultyOs(faults))
+        m.setattr(kvstore.tools.fsck_files, "os", _FaultyOs(faults))
         return fsck.check(str(path), repair=True)
 
 

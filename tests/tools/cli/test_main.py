@@ -1,5 +1,5 @@
-"""``python -m kvstore`` (kvstore/cli/main.py): plain-text help, --version, errors in the
-CLI user's words (JSON under --json); kvstore/cli/paths.py says what is wrong with a path."""
+"""``python -m kvstore`` (kvstore/tools/cli/main.py): plain-text help, --version, errors in the
+CLI user's words (JSON under --json); kvstore/tools/cli/paths.py says what is wrong with a path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import kvstore
-from tests.cli.conftest import Run
+from tests.tools.cli.conftest import Run
 
 
 def test_help_is_plain_text_and_version_is_there(cli: Callable[..., Run]) -> None:

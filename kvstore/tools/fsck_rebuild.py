@@ -8,7 +8,7 @@ extent files alone (every slot describes itself).
    extent or, by majority, another store.  A header that cannot be read (an I/O error)
    is damage: the file is rebuilt all the same, as the extent its name says, of its
    file size, in the majority's store, so that its slots are not lost for one sector.
-3. Scan every extent for slots whose header and payload verify (kvstore/fsck_files.py,
+3. Scan every extent for slots whose header and payload verify (kvstore/tools/fsck_files.py,
    ``verified_slots``); the newest sequence number wins per key.  A range that cannot be
    read is damage, reported with its errno, and stays out of the free space: no put
    writes over it before a later rebuild, once it reads, can find what it holds.
@@ -37,9 +37,9 @@ from kvstore.disk.format import (
 from kvstore.disk.lock import StoreLock
 from kvstore.disk.store_files import unsafe_reason
 from kvstore.errors import KVStoreError
-from kvstore.fsck_files import ExtentReader, Unreadable, is_extent_name, verified_slots
-from kvstore.fsck_report import DAMAGE, Finding, ProgressFn, Report
 from kvstore.index.index import META_NEXT_EXTENT, META_SEQ, Index, IndexWriter, Txn, init_meta
+from kvstore.tools.fsck_files import ExtentReader, Unreadable, is_extent_name, verified_slots
+from kvstore.tools.fsck_report import DAMAGE, Finding, ProgressFn, Report
 
 __all__ = ["rebuild_index"]
 

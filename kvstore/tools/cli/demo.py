@@ -37,11 +37,11 @@ import anyio
 import torch
 
 import kvstore
-from kvstore.cli.progress import Progress
-from kvstore.cli.units import disk_usage, human_bytes
 from kvstore.disk import permissions, store_files
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, crc32c, round_up
 from kvstore.errors import UnsafePathError
+from kvstore.tools.cli.progress import Progress
+from kvstore.tools.cli.units import disk_usage, human_bytes
 
 BLOCK_TOKENS = 16
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -1,1 +1,0 @@
-"""``python -m kvstore``: the maintenance and demo CLI (see :mod:`kvstore.cli.main`)."""

@@ -1,0 +1,6 @@
+"""What operators run: the offline check and repair (``fsck``) and the command line
+(:mod:`kvstore.tools.cli`, ``python -m kvstore`` and the ``kvstore`` script).  It may
+import the public API (``kvstore``), :mod:`kvstore.core`, :mod:`kvstore.index`,
+:mod:`kvstore.disk`, :mod:`kvstore.io`, :mod:`kvstore.tiers.remote`,
+:mod:`kvstore.codecs` and :mod:`kvstore.cuda`.
+"""
