@@ -1,6 +1,6 @@
 """How long a prefix lookup that goes to the remote tier holds vLLM's scheduler thread:
 answered synchronously (``lookup_wait_ms: null``) against the connector's wait budget
-(``kvstore.integrations.vllm_async_lookup.Lookups``, 5 ms by default with a remote).
+(``kvstore.integrations.vllm.scheduler.async_lookup.Lookups``, 5 ms by default with a remote).
 
 On a loopback SeaweedFS cluster (the remote tests' fixture), store A saves ``chains``
 chains of ``blocks`` blocks and uploads them; store B, with an empty local disk and the
@@ -29,8 +29,8 @@ import torch
 
 import kvstore
 from benchmarks.remote import run_on_cluster
-from kvstore.integrations.vllm_async_lookup import Lookups
-from kvstore.integrations.vllm_config import DEFAULT_REMOTE_LOOKUP_WAIT_S
+from kvstore.integrations.vllm.config import DEFAULT_REMOTE_LOOKUP_WAIT_S
+from kvstore.integrations.vllm.scheduler.async_lookup import Lookups
 from kvstore.remote import RemoteConfig
 from tests.tiers.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster
 

@@ -1,7 +1,7 @@
 """The data mover: paged KV blocks between an engine's per-layer cache tensors and
 page-locked staging, layer by layer, on streams of kvstore's own, never blocking the
 host on the GPU.  Independent of any engine: the vLLM connector
-(:mod:`kvstore.integrations.vllm_worker`) and the GPU checks (``tests/gpu``) use it.
+(:mod:`kvstore.integrations.vllm.worker.side`) and the GPU checks (``tests/gpu``) use it.
 
 Save (per engine step)::
 

@@ -19,7 +19,7 @@ import torch
 
 import kvstore
 from kvstore.disk import permissions
-from kvstore.integrations.vllm_config import ConnectorConfig
+from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.tools import fsck
 from kvstore.tools.cli.demo import MANIFEST, write_manifest
 from kvstore.tools.cli.main import main as cli

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the sglang package the HiCache backend tests (tests/integrations/test_sglang.py)
+# Install the sglang package the HiCache backend tests (tests/integrations/sglang/test_sglang.py)
 # run against, into an existing virtual environment:
 #
 #   tests/integrations/install_sglang.sh [PYTHON]     (default: the active python)

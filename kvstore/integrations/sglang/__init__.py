@@ -1,0 +1,25 @@
+"""kvstore as SGLang HiCache's storage backend: the backend class SGLang's dynamic
+backend loader instantiates (``backend``: ``KVStoreHiCache``) and its options and rank
+directories (``config``: ``BackendConfig``, importable without SGLang).  It may import
+the public API, :mod:`kvstore.codecs`, the remote tier's options and
+:mod:`kvstore.integrations.common`.  SGLang names the backend by this package
+(``"module_path": "kvstore.integrations.sglang"``), so its public names are re-exported
+here, imported on first use: ``config`` imports without SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.integrations.sglang.backend import KVStoreHiCache, KVStoreStorageStats
+
+__all__ = ["KVStoreHiCache", "KVStoreStorageStats"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from kvstore.integrations.sglang import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

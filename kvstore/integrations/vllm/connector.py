@@ -1,0 +1,328 @@
+"""A vLLM (v1) KV connector that keeps the prefix cache in a kvstore store.
+
+Turn it on with one config entry::
+
+    LLM(model, kv_transfer_config={
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"path": "/nvme/kvstore"},
+    })
+
+Design
+------
+*Keys.*  vLLM already hashes every full block of a request (a chained hash over the
+prefix, covering the LoRA adapter's name, multimodal inputs and cache salt).  The
+scheduler side sees those hashes; it carries ``(block id, block hash)`` pairs to the
+worker in the step metadata, and both sides turn a hash into a store key with
+:meth:`Namespace.engine_key`.  The namespace holds what makes KV of one engine unusable
+by another (:mod:`kvstore.integrations.vllm.scope` lists it): a fingerprint of the
+weights loaded, the model config as vLLM applied it (overrides, RoPE, quantisation),
+model and KV cache dtypes, the codec class, block size, the physical layout of the paged
+KV tensors (shape, stride order, platform), the layer names, the tensor-parallel rank
+and vLLM's hash algorithm (reproducible across processes with the default sha256, so a
+restarted engine finds its blocks again).  A request with a LoRA adapter has its hashes
+bound to a fingerprint of the adapter's files (vLLM hashes only its name and path).
+
+*One stored block per vLLM block*, holding that block of every layer
+(``[layers, *block shape]``): a hit means the whole block is there for all layers, and a
+chain is ``parent``-linked in the store, so eviction never leaves holes.
+
+*One store, opened by the worker.*  A store directory is locked by one ``Store``; the
+worker opens it (so a path that cannot be opened stops the engine at start, saying
+why) and sets the namespace when its KV tensors are registered, from their real shape
+and strides.  The scheduler asks how many blocks after its local prefix-cache hit are
+stored (``match_prefix``: an index lookup, no data read) without ever computing a key:
+when the worker is in the same process (vLLM's default for one GPU worker, or
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) it shares the worker's handle; otherwise (the
+multiprocess executor, vLLM's default on CPU) it asks the worker over a local socket
+(:mod:`kvstore.integrations.vllm.lookup`), which answers only the scheduler of its own
+engine and key scope.
+
+*Tensor/pipeline parallel.*  Each rank (worker process) keeps its own shard of every
+block in a store of its own, ``path/rank-R-of-W`` (:mod:`kvstore.integrations.vllm.ranks`
+says why directories, not namespaces in one store).  The scheduler asks every rank's
+lookup server and takes the minimum: a block is a hit only when every rank has it.  Each
+rank loads its shard and reports its own failed blocks; vLLM unions them and finishes a
+request's load only when every rank reported it, then recomputes from the first block
+any rank failed.
+
+*Saves* never wait for the disk: the scheduler keeps, per request, how far its blocks
+were planned for saving, and lists every full block after that mark whose KV is
+computed by the end of the step and whose hash is known (with async scheduling a
+decode block's hash is known a step later: it is planned then); the worker drops those
+already stored and copies the rest out of the paged KV
+(per layer in ``save_kv_layer``, once the layer's attention ran; any layer not seen
+there in ``wait_for_save``) into a staging tensor it hands to a background
+``put_many``.  The step waits only for that copy.  The copy frees vLLM to
+reuse the blocks at once, so ``request_finished`` never delays freeing.  Pending saves
+are bounded (``max_pending_save_bytes``); at shutdown and at exit they are finished.
+
+*Loads* are asynchronous: a request with a hit waits in vLLM's
+``WAITING_FOR_REMOTE_KVS`` while other requests keep running; the worker reads its blocks
+in the background (``start_load_kv`` starts the read into a private buffer), and once
+the read is done (``get_finished``) copies the verified leading blocks into the paged KV
+cache and reports the request finished.  A lookup claims no more blocks than the load
+staging holds, and a load that finds the staging busy waits for room instead of failing
+(:mod:`kvstore.integrations.vllm.worker.loads`).  kvstore answers a block that fails its
+checksum as a miss (and quarantines it); the first failed block and everything after it
+are reported through ``get_block_ids_with_load_errors`` in the same step, and vLLM
+recomputes from there (this needs ``kv_load_failure_policy="recompute"``, checked at
+start).  vLLM registers an async-loaded request's blocks in its own prefix cache only
+when the load is finished, and only up to the verified prefix: a block that failed to
+load is never a local cache hit for a later request, even if its own request is aborted
+before recomputing it (with synchronous loads vLLM caches the blocks when it allocates
+them).  No forward ever reads a block that failed to load, so nothing computed from one
+is saved.  Wrong KV therefore never reaches a served token or the store.
+
+With ``async_loads`` off, loads are synchronous: the lookup itself reads and verifies
+the hit blocks (the scheduler waits; with the multiprocess engine the worker's lookup
+server reads them) and claims only the verified prefix, since vLLM adds a synchronously
+loaded request's blocks to its own prefix cache when it allocates them, before the load.
+The worker copies those blocks into the paged KV in ``start_load_kv``, before the
+forward of the step that scheduled the request.  Should a read-ahead be gone by then
+(not in vLLM's order of calls), the blocks are read there, and a failed one is reported
+through ``get_block_ids_with_load_errors`` as above; nothing that step computed is saved.
+
+With the memory tier (``memory_bytes``) and ``prefetch`` on, a lookup that finds stored
+blocks starts bringing them into memory at once (``Store.prefetch``), so the load that
+vLLM schedules later is served from RAM.  Saves are droppable by default
+(``background_saves``): under write backpressure (``backlog_bytes``) a save is dropped
+whole and counted, never waited for.
+
+*Weight updates* (``reset_cache``): the key scope moves to the new weights'; while
+vLLM's own prefix cache was not cleared (vLLM refuses its reset while requests hold
+blocks), requests that reuse it are neither loaded into nor saved
+(:mod:`kvstore.integrations.vllm.scheduler.stale`).
+
+*Metrics.*  Hits are reported with the ``disk`` cache-hit source, so vLLM's
+``prompt_tokens_by_source`` and connector prefix-cache metrics show them; the connector's
+own numbers (lookups, loaded/failed blocks, load time, save outcomes, bytes, store use,
+corruption) reach vLLM's ``/metrics`` and its "KV Transfer metrics" log line through
+vLLM's connector stats hooks (:mod:`kvstore.integrations.vllm.metrics`).
+
+*Code.*  This module holds the class vLLM instantiates, :class:`KVStoreConnector`, which
+checks the config, derives the key scope and hands each call to its role's half: the
+scheduler side in :mod:`kvstore.integrations.vllm.scheduler.side`, the worker side in
+:mod:`kvstore.integrations.vllm.worker.side`.  They share only the step metadata vLLM passes
+between them (:mod:`kvstore.integrations.vllm.metadata`); the open store and the
+connector's counters are :mod:`kvstore.integrations.vllm.worker.shared`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
+from kvstore.integrations.vllm.metrics import (
+    SCHEDULER_COUNTERS,
+    STORE_COUNTERS,
+    STORE_GAUGES,
+    KVStoreConnectorStats,
+    KVStorePromMetrics,
+)
+from kvstore.integrations.vllm.scheduler.side import SchedulerSide
+from kvstore.integrations.vllm.scope import model_scope, scope_digest
+from kvstore.integrations.vllm.worker.shared import all_connector_stats, connector_stats
+from kvstore.integrations.vllm.worker.side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata",
+           "all_connector_stats", "connector_stats"]
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """The connector class vLLM instantiates, once per role: it checks the config, derives
+    the key scope both roles share, and hands every call to its role's half
+    (:class:`~kvstore.integrations.vllm.scheduler.side.SchedulerSide` or
+    :class:`~kvstore.integrations.vllm.worker.side.WorkerSide`), which share nothing but the
+    step metadata vLLM passes between them."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to preemption is a later cache miss, so a
+        # preempted request need not be recomputed on its account.
+        return False
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ValueError(
+                "kvstore connector: set kv_transfer_config kv_load_failure_policy="
+                "'recompute'. A block that fails its checksum is answered as a miss; vLLM "
+                "must recompute it rather than fail the request.")
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError(
+                "kvstore connector: models with several KV cache groups (hybrid "
+                "attention) are not supported; one stored block holds every layer")
+        engine_id = str(transfer.engine_id)
+        # Everything but the KV tensor layout: both sides derive it from the config, and
+        # compare it at the lookup handshake.
+        scope = model_scope(vllm_config, config)
+        digest = scope_digest(scope)
+        self._rank = str(vllm_config.parallel_config.rank)
+        self._released = False
+        self._reported: dict[str, int] = {}  # counters as last reported to vLLM
+        self._reported_store: dict[str, int] = {}
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.WORKER:
+            self._worker = WorkerSide(self, vllm_config, kv_cache_config, config, scope,
+                                      digest, engine_id)
+        else:
+            self._scheduler = SchedulerSide(vllm_config, config, scope, digest, engine_id)
+
+    @property
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("kvstore connector: scheduler method called on a worker")
+        return self._scheduler
+
+    @property
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("kvstore connector: worker method called on the scheduler side")
+        return self._worker
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        """See :meth:`SchedulerSide.reset_cache`; vLLM resets the scheduler's, and the
+        workers follow the step metadata."""
+        return None if self._scheduler is None else self._scheduler.reset_cache()
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool (scheduler side): ``reset_cache`` reads it to know whether
+        vLLM's own prefix cache was cleared (:mod:`kvstore.integrations.vllm.scheduler.stale`)."""
+        if self._scheduler is not None:
+            self._scheduler.bind_pool(gpu_block_pool)
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind_connector_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._work.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        self._work.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._work.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._work.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work.get_block_ids_with_load_errors()
+
+    # ------------------------------------------------------------------ vLLM metrics
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        """What changed since the last call (vLLM asks every step, on the scheduler and
+        on every worker, and sums them: see :mod:`kvstore.integrations.vllm.metrics`).  None when nothing
+        did, so idle steps cost nothing."""
+        samples: list[float] = []
+        if self._worker is None:
+            counts, rank = dict(self._sched.counts), "scheduler"
+        else:
+            shared = self._worker.store
+            with shared._lock:
+                counts = {k: v for k, v in shared.counters.items()
+                          if k not in SCHEDULER_COUNTERS}
+                samples, shared.load_seconds = shared.load_seconds, []
+            rank = self._rank
+        delta = {k: v - self._reported.get(k, 0) for k, v in counts.items()
+                 if v != self._reported.get(k, 0)}
+        if not delta and not samples:
+            return None
+        self._reported = counts
+        stats = KVStoreConnectorStats()
+        stats.add(rank, delta, load_seconds=samples)
+        if self._worker is not None:  # the store's own numbers, sampled when something changed
+            shared = self._worker.store
+            store = shared.stats()
+            stats.set_gauges(rank, {g: store[g] for g in STORE_GAUGES})
+            totals = {c: int(store[c]) for c in STORE_COUNTERS}
+            stats.add(rank, {f"store_{c}": n - self._reported_store.get(c, 0)
+                             for c, n in totals.items() if n != self._reported_store.get(c, 0)})
+            self._reported_store = totals
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVStoreConnectorStats | None:
+        return KVStoreConnectorStats(data=data) if data is not None else KVStoreConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues)
+
+    # ------------------------------------------------------------------ both
+
+    def shutdown(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,127 @@
+"""The vLLM connector's saves in flight: background puts on the store's loop
+(:meth:`kvstore.blocking.BlockingStore.submit`), kept until they finish, counted into
+the connector's counters, bounded by ``max_pending_save_bytes``.  Part of the worker's
+:class:`~kvstore.integrations.vllm.worker.shared.SharedStore`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import suppress
+
+import torch
+
+from kvstore.blocking import BlockingStore
+from kvstore.codecs.tensors import encoded_block
+from kvstore.cuda.mover import SaveBatch
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.store import PutResult
+
+__all__ = ["BackgroundSaves"]
+
+
+class BackgroundSaves:
+    """A connector's background puts until they are over.
+
+    ``count(**deltas)`` adds to the connector's counters; ``warn(what, message, *args)``
+    logs a failure once per kind."""
+
+    def __init__(self, store: BlockingStore, config: ConnectorConfig,
+                 count: Callable[..., None], warn: Callable[..., None]) -> None:
+        self._blocking = store
+        self._config = config
+        self._count = count
+        self._warn = warn
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Future[PutResult], int]] = []
+        self._pending_bytes = 0
+
+    def submit_save(self, batch: SaveBatch, keys: list[bytes], parents: list[bytes | None],
+                    nbytes: int) -> None:
+        """Put a step's blocks once the mover's copy-out of ``batch`` is done (awaited on
+        the store's loop through the copy-done eventfd); never waits itself: the staging
+        bound is the backpressure (a save that found none was dropped at its start).
+        The staging goes back when the put is over, whatever became of it."""
+        store, background = self._blocking.store, self._config.background_saves
+
+        async def put() -> PutResult:
+            try:
+                await batch.wait()
+                start = time.perf_counter_ns()
+                try:
+                    put_keys, values, put_parents = _values(batch, keys, parents)
+                    if len(put_keys) < len(keys):
+                        self._count(save_dropped_blocks=len(keys) - len(put_keys))
+                    return await store.put_many(put_keys, values, parents=put_parents,
+                                                background=background)
+                finally:
+                    self._count(save_io_ns=time.perf_counter_ns() - start)
+            finally:
+                batch.release()
+
+        self._keep(self._blocking.submit(put), len(keys), nbytes)
+
+    def _keep(self, future: Future[PutResult], n: int, nbytes: int) -> None:
+        future.add_done_callback(lambda f: self._done(f, n))
+        with self._lock:
+            self._pending.append((future, nbytes))
+            self._pending_bytes += nbytes
+
+    def _done(self, future: Future[PutResult], n: int) -> None:
+        if future.cancelled():
+            self._count(save_failed_blocks=n)
+            return
+        error = future.exception()
+        if error is None:
+            result = future.result()
+            # A droppable save the store refused under backpressure: a later miss.
+            self._count(saved_blocks=result.written, save_dedup_blocks=result.deduplicated,
+                        saved_bytes=result.bytes_written, save_dropped_blocks=result.dropped)
+        else:
+            # A full or read-only store loses a cache fill, never correctness.
+            self._count(save_failed_blocks=n)
+            self._warn(type(error).__name__, "kvstore connector: saving %d blocks failed "
+                       "(%s: %s); later saves may fail the same way",
+                       n, type(error).__name__, error)
+
+    def _reap(self, block_until: int | None = None) -> None:
+        """Drop finished saves; with ``block_until``, wait for the oldest until at most
+        that many bytes are pending (None: wait for all)."""
+        while True:
+            with self._lock:
+                self._pending = [(f, b) for f, b in self._pending if not f.done()]
+                self._pending_bytes = sum(b for _, b in self._pending)
+                if not self._pending or (block_until is not None
+                                         and self._pending_bytes <= max(block_until, 0)):
+                    return
+                oldest = self._pending[0][0]
+            with suppress(Exception):  # a failed save is counted and logged by _done
+                oldest.result()
+
+    def flush(self) -> None:
+        """Wait for every save in flight."""
+        self._reap(block_until=None)
+
+
+def _values(batch: SaveBatch, keys: list[bytes], parents: list[bytes | None]
+            ) -> tuple[list[bytes], list[torch.Tensor], list[bytes | None]]:
+    """A finished save's keys, values and parents: its staged blocks, or, quantised on
+    the GPU, their FP8 payloads (``EncodedBlock``: stored as they are, byte-identical to
+    the store's own encoder); a block FP8 cannot take (the codec would store it raw) is
+    left out, and so are the blocks after it in its chain."""
+    mover = batch.mover
+    if not (mover.cuda and mover.codec is not None):
+        return keys, batch.blocks(), parents
+    out_keys: list[bytes] = []
+    values: list[torch.Tensor] = []
+    out_parents: list[bytes | None] = []
+    for key, parent, payload in zip(keys, parents, batch.payloads()):
+        if payload is None:
+            break
+        out_keys.append(key)
+        out_parents.append(parent)
+        values.append(encoded_block(payload[0], payload[1], mover.dtype, mover.block_shape))
+    return out_keys, values, out_parents
