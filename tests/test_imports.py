@@ -1,22 +1,22 @@
-"""The package's import graph has no circles and no upward imports, and optional parts
-stay unloaded.
+"""The package's import graph has no circles, every folder imports only what its rule
+allows, and optional parts stay unloaded.
 
 Every ``import`` / ``from ... import`` in ``kvstore/`` counts, at module level, inside
 functions (deferred imports) and under ``TYPE_CHECKING``: a deferred or type-only import
 still says that one module knows the other, and a circle of such knowledge is what made
-the store and its remote adapter one piece.  ``from kvstore import codecs`` counts as an
-import of ``kvstore.codecs.pipeline``, not of the package's ``__init__``.  No new dependency: the
-graph comes from the standard ``ast`` module.
+the store and its remote adapter one piece.  ``from kvstore import x`` counts as an
+import of ``kvstore.x`` when that is a module, else of the package ``kvstore`` itself.
+No new dependency: the graph comes from the standard ``ast`` module.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +47,12 @@ def _imported(node: ast.AST, module: str, is_package: bool, mods: dict[str, Path
             yield full if full in mods else base
 
 
-def import_graph(package_dir: Path) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (anywhere in its source)."""
+def import_graph(package_dir: Path, *, ancestors: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (anywhere in its source).  A module's
+    import of a package above it (``import kvstore`` in ``kvstore.tools.cli.demo``) is
+    left out unless ``ancestors``: it is no circle of ideas (every submodule's import
+    runs its packages' ``__init__``), but the folder rules count it (the top package is
+    the public API, which a lower folder must not use)."""
     mods = _modules(package_dir)
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for module, path in mods.items():
@@ -57,8 +61,7 @@ def import_graph(package_dir: Path) -> dict[str, set[str]]:
             for name in _imported(node, module, path.name == "__init__.py", mods):
                 while name and name not in mods:  # an attribute of a module: the module
                     name = name.rpartition(".")[0]
-                # a module importing its own package's __init__ is not a circle of ideas
-                if name and name != module and not module.startswith(name + "."):
+                if name and name != module and (ancestors or not module.startswith(name + ".")):
                     graph[module].add(name)
     return graph
 
@@ -99,65 +102,147 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# floor -> kvstore's modules on it, relative to the package ("__init__" is the package
-# itself).  A name covers the module and everything below it; the longest name wins
-# ("remote" is floor 2, "remote.config" floor 0).  Extend by adding names.
-FLOORS: dict[int, str] = {
-    # 0: words: errors, the on-disk format, keys, plain values; no behaviour to speak of
-    0: "errors disk.format keys disk.permissions codecs.tensors core.latency index.totals _native.lib _native "
-       "codecs.result_buffers tiers.remote.config tiers.remote.stats",
-    # 1: mechanisms: I/O engines and buffers, the index, codecs, slot bytes, extent files
-    1: "io codecs.pipeline codecs.fp8_kernels io.slots io.native_slots index.index index.writer index.free_map index.eviction "
-       "disk.extents disk.lock io.group_sync index.quarantine",
-    # 2: the store's parts: space, transfers, tiers' machinery, options, the GPU path
-    2: "core.allocator io.transfers tiers.memory.tier tiers.memory.prefetch core.backlog core.deletes core.operations stats options "
-       "io.page_locking pinning cuda remote",
-    # 3: the store: the coordinator, its call paths, and the tiers it hands a port to
-    3: "store core.opening core.puts core.gets core.reads tiers tiers.remote.adapter core.rechecks core.scrub",
-    # 4: users of the store: the package's front, the blocking bridge, tools, engines
-    4: "__init__ __main__ blocking metrics tools.fsck tools.fsck_files tools.fsck_rebuild tools.fsck_report tools.cli "
-       "integrations",
+# One rule per folder: folder -> what its modules may import besides their own folder.
+# An entry is a folder with a rule of its own (its modules, not its subfolders: those
+# have rules of their own and are named when allowed) or a single module (with what
+# lies below it).  ``kvstore`` is the top folder: the public API (``store``, ``blocking``,
+# ``metrics``, ``__init__``, ...), which may import everything.  The public modules a
+# lower folder uses (``errors``, ``keys``, ``options``, ``stats``) have a rule each:
+# they sit below the call paths that take them.  Every folder may import
+# ``kvstore.errors`` (``WORDS``).  docs/architecture.md has the same table in prose.
+WORDS = ("kvstore.errors",)
+PUBLIC = ("kvstore", "kvstore.errors", "kvstore.keys", "kvstore.options", "kvstore.stats")
+TIER_PARTS = ("kvstore.core", "kvstore.index", "kvstore.io", "kvstore.codecs", "kvstore.disk")
+RULES: dict[str, tuple[str, ...] | None] = {
+    "kvstore": None,  # the public API: anything
+    "kvstore.errors": (),
+    "kvstore.keys": ("kvstore.disk",),
+    "kvstore.options": ("kvstore.keys", "kvstore.disk", "kvstore.codecs", "kvstore.io",
+                        "kvstore.tiers.remote.config"),
+    "kvstore.stats": ("kvstore.io",),
+    "kvstore.remote": ("kvstore.tiers.remote.config", "kvstore.tiers.remote.stats"),
+    "kvstore.integrations": (),
+    "kvstore.integrations.common": (*PUBLIC, "kvstore.codecs", "kvstore.tiers.remote.config"),
+    "kvstore.integrations.sglang": (*PUBLIC, "kvstore.codecs", "kvstore.tiers.remote.config",
+                                    "kvstore.integrations.common"),
+    # the vLLM level: the connector (both roles) and what both roles share
+    "kvstore.integrations.vllm": (*PUBLIC, "kvstore.codecs", "kvstore.tiers.remote.config",
+                                  "kvstore.integrations.common",
+                                  "kvstore.integrations.vllm.scheduler",
+                                  "kvstore.integrations.vllm.worker"),
+    # never the worker side, never kvstore.cuda (also not through another module:
+    # test_the_vllm_scheduler_side_never_reaches_the_worker_side_or_cuda)
+    "kvstore.integrations.vllm.scheduler": (*PUBLIC, "kvstore.integrations.common",
+                                            "kvstore.integrations.vllm"),
+    "kvstore.integrations.vllm.worker": (*PUBLIC, "kvstore.codecs", "kvstore.cuda",
+                                         "kvstore.integrations.common",
+                                         "kvstore.integrations.vllm"),
+    "kvstore.tools": ("kvstore", "kvstore.core", "kvstore.index", "kvstore.disk", "kvstore.io",
+                      "kvstore.tiers.remote", "kvstore.codecs", "kvstore.cuda"),
+    "kvstore.tools.cli": ("kvstore", "kvstore.tools", "kvstore.core", "kvstore.index",
+                          "kvstore.disk", "kvstore.io", "kvstore.tiers.remote",
+                          "kvstore.codecs", "kvstore.cuda"),
+    "kvstore.tiers": (*TIER_PARTS, "kvstore.stats"),  # host.py: the port
+    "kvstore.tiers.memory": ("kvstore.tiers", *TIER_PARTS),
+    "kvstore.tiers.remote": ("kvstore.tiers", *TIER_PARTS),
+    "kvstore.core": ("kvstore.index", "kvstore.io", "kvstore.disk", "kvstore.codecs",
+                     "kvstore.keys", "kvstore.options", "kvstore.stats"),
+    "kvstore.cuda": ("kvstore.io.arena", "kvstore.codecs"),
+    "kvstore.index": ("kvstore.disk",),
+    "kvstore.io": ("kvstore.disk", "kvstore.codecs", "kvstore._native"),
+    "kvstore.codecs": ("kvstore.disk.format", "kvstore._native"),
+    "kvstore.disk": (),
+    "kvstore._native": (),
+}
+
+# Imports that break their folder's rule today, each to be removed by the change named
+# beside it.  The list is exact: an entry whose import is gone fails the test too.
+KNOWN_WRONG_WAY: dict[tuple[str, str], str] = {
+    ("kvstore.core.opening", "kvstore.tiers.memory.tier"):
+        "the store's parts build the memory tier's cache: the tier is to be built behind "
+        "its port (tiers/host.py)",
+    ("kvstore.core.puts", "kvstore.tiers.memory.room"):
+        "a put fills the memory tier (type only): through the tier's port",
+    ("kvstore.core.gets", "kvstore.tiers.memory.room"):
+        "a get takes memory hits (type only): through the tier's port",
+    ("kvstore.core.gets", "kvstore.tiers.remote.adapter"):
+        "a get fetches remote misses (type only): through the tier's port",
+    ("kvstore.stats", "kvstore.tiers.memory.tier"):
+        "memory_fields reads the memory tier (type only): the tier is to report its own",
+    ("kvstore.io.transfers", "kvstore.cuda"):
+        "device copies chosen here (deferred): to be handed in by the store",
+    ("kvstore.io.transfers", "kvstore.cuda.copies"):
+        "device copies chosen here (deferred): to be handed in by the store",
+    ("kvstore.io.transfers", "kvstore.cuda.torch_copies"):
+        "device copies chosen here (deferred): to be handed in by the store",
+    ("kvstore.io.page_locking", "kvstore.cuda.pinned"):
+        "the default page locker (deferred): to be handed in by the store",
+    ("kvstore.integrations.common.extra_config", "kvstore.io.probe"):
+        "the engine names: from the public options",
+    ("kvstore.integrations.common.extra_config", "kvstore.io.scheduler"):
+        "IoSchedule: public as kvstore.IoSchedule",
+    ("kvstore.integrations.common.extra_config", "kvstore.disk.permissions"):
+        "file_mode parsing: from the public options",
+    ("kvstore.integrations.vllm.ranks", "kvstore.disk.permissions"):
+        "rank directories: one rule for both engines (integrations/common)",
+    ("kvstore.integrations.vllm.scheduler.side", "kvstore.integrations.vllm.worker.shared"):
+        "the scheduler shares the worker's open store (SharedStore): the vLLM split by role",
 }
 
 
-def floor_table(package: str, floors: Mapping[int, str]) -> dict[str, int]:
-    """Dotted name -> floor, from a table like :data:`FLOORS`."""
-    return {package if name == "__init__" else f"{package}.{name}": floor
-            for floor, names in floors.items() for name in names.split()}
-
-
-def floor_of(module: str, table: Mapping[str, int]) -> int | None:
-    """The floor of the longest listed name that is ``module`` or a package above it
-    (the package itself only by its own entry); None when nothing covers it."""
+def rule_of(module: str, rules: Mapping[str, object]) -> str:
+    """The folder (or module) whose rule covers ``module``: the longest rule name that
+    is ``module`` or a package above it."""
     name = module
-    while name:
-        if name in table and (name == module or "." in name):
-            return table[name]
+    while name not in rules:
         name = name.rpartition(".")[0]
-    return None
+        if not name:
+            raise KeyError(f"no rule covers {module}")
+    return name
 
 
-def upward_imports(graph: dict[str, set[str]], table: Mapping[str, int]
-                   ) -> tuple[list[str], dict[str, str]]:
-    """The imports from a floor to a higher one, and the modules no floor covers (each
-    with the floors that would fit it: at or above what it imports, at or below its
-    importers)."""
-    upward, unlisted = [], {}
-    for module in sorted(graph):
-        here = floor_of(module, table)
-        if here is None:
-            low = max((f for m in graph[module] if (f := floor_of(m, table)) is not None),
-                      default=0)
-            high = min((f for m, imported in graph.items() if module in imported
-                        if (f := floor_of(m, table)) is not None), default=max(table.values()))
-            unlisted[module] = f"floor {low}" + (f"..{high}" if high > low else "") \
-                if low <= high else f"no floor: imports floor {low}, imported by floor {high}"
-            continue
-        for imported in sorted(graph[module]):
-            there = floor_of(imported, table)
-            if there is not None and there > here:
-                upward.append(f"{module} (floor {here}) imports {imported} (floor {there})")
-    return upward, unlisted
+def allowed(module: str, imported: str, rules: Mapping[str, tuple[str, ...] | None],
+            words: Iterable[str] = WORDS) -> bool:
+    here, there = rule_of(module, rules), rule_of(imported, rules)
+    may = rules[here]
+    if may is None or here == there:
+        return True
+    entries = (*may, *words)
+    return there in entries or any(imported == e or imported.startswith(e + ".")
+                                   for e in entries if e not in rules)
+
+
+def wrong_way(graph: Mapping[str, set[str]], rules: Mapping[str, tuple[str, ...] | None],
+              words: Iterable[str] = WORDS) -> set[tuple[str, str]]:
+    """Every import a folder's rule does not allow, as (importer, imported)."""
+    return {(m, i) for m, imported in graph.items() for i in imported
+            if not allowed(m, i, rules, tuple(words))}
+
+
+def reachable(graph: Mapping[str, set[str]], starts: Iterable[str],
+              skip: Iterable[tuple[str, str]] = ()) -> set[str]:
+    """The modules ``starts`` import, directly or through others (not through
+    ``skip``'s edges)."""
+    skipped, seen = set(skip), set()
+    todo = list(starts)
+    while todo:
+        m = todo.pop()
+        for i in graph.get(m, ()):
+            if i not in seen and (m, i) not in skipped:
+                seen.add(i)
+                todo.append(i)
+    return seen
+
+
+def scheduler_reaches(graph: Mapping[str, set[str]], skip: Iterable[tuple[str, str]] = ()
+                      ) -> list[str]:
+    """The vLLM worker side's and kvstore.cuda's modules the scheduler side imports,
+    directly or through any other module."""
+    side = "kvstore.integrations.vllm.scheduler"
+    starts = [m for m in graph if m == side or m.startswith(side + ".")]
+    return sorted(m for m in reachable(graph, starts, skip)
+                  if m.startswith(("kvstore.integrations.vllm.worker", "kvstore.cuda"))
+                  or m == "kvstore.cuda")
 
 
 def test_the_package_has_no_import_circles() -> None:
@@ -178,75 +263,156 @@ def test_a_deliberate_circle_is_found(tmp_path: Path) -> None:
     assert circles(import_graph(pkg)) == []
 
 
-def test_no_module_imports_from_a_higher_floor() -> None:
-    upward, unlisted = upward_imports(import_graph(ROOT / "kvstore"),
-                                      floor_table("kvstore", FLOORS))
-    if unlisted:
-        warnings.warn("modules on no floor yet (add them to FLOORS in tests/test_imports.py): "
-                      + "; ".join(f"{m}: {fit}" for m, fit in unlisted.items()), stacklevel=1)
-    assert upward == []
+def test_every_folder_has_a_rule() -> None:
+    folders = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "kvstore").rglob("__init__.py")}
+    mods = _modules(ROOT / "kvstore")
+    assert sorted(folders - set(RULES)) == []
+    # every rule and every entry names a folder or a module that exists
+    assert sorted(r for r in RULES if r not in folders and r not in mods) == []
+    assert sorted(e for may in RULES.values() for e in may or () if e not in mods) == []
 
 
-def test_a_deliberate_upward_import_is_found(tmp_path: Path) -> None:
+def test_every_folder_imports_only_what_its_rule_allows() -> None:
+    found = wrong_way(import_graph(ROOT / "kvstore", ancestors=True), RULES)
+    assert sorted(found - set(KNOWN_WRONG_WAY)) == []  # a new wrong-way import
+    assert sorted(set(KNOWN_WRONG_WAY) - found) == []  # fixed: take it off the list
+
+
+def test_the_vllm_scheduler_side_never_reaches_the_worker_side_or_cuda() -> None:
+    graph = import_graph(ROOT / "kvstore", ancestors=True)
+    known = [e for e in KNOWN_WRONG_WAY if e[0].startswith("kvstore.integrations.vllm.")]
+    assert scheduler_reaches(graph, skip=known) == []
+
+
+def test_a_deliberate_wrong_way_import_is_found(tmp_path: Path) -> None:
+    """The rules on a synthetic package: a lower folder importing a higher one is found
+    wherever the import is (module level, deferred, type-only), and so is an import of
+    the top package's public API from below."""
     pkg = tmp_path / "pkg"
-    (pkg / "low").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("from pkg.top import run\n")
-    (pkg / "low" / "__init__.py").write_text("")
+    for d in ("low", "mid", "mid/inner"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from pkg.mid.api import run\n")
+    (pkg / "errs.py").write_text("class E(Exception): ...\n")
+    (pkg / "low" / "words.py").write_text("from pkg.errs import E\n")
+    (pkg / "mid" / "api.py").write_text("from pkg.low import words\n")
+    (pkg / "mid" / "inner" / "x.py").write_text("from pkg.low.words import E\n")
+    rules: dict[str, tuple[str, ...] | None] = {
+        "pkg": None, "pkg.errs": (), "pkg.low": (), "pkg.mid": ("pkg.low",),
+        "pkg.mid.inner": ("pkg.low.words",)}
+    graph = import_graph(pkg, ancestors=True)
+    assert wrong_way(graph, rules, words=("pkg.errs",)) == set()
+    for source in ("from pkg.mid import api\n",  # module level
+                   "def f():\n    from pkg.mid.api import run\n",  # deferred
+                   "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from pkg.mid.inner import x\n",  # type-only, into a subfolder
+                   "import pkg\n"):  # the top package (its public API)
+        (pkg / "low" / "words.py").write_text(source)
+        found = wrong_way(import_graph(pkg, ancestors=True), rules, words=("pkg.errs",))
+        assert {m for m, _ in found} == {"pkg.low.words"}, source
+    # a folder allowed a module of another may not import its siblings
     (pkg / "low" / "words.py").write_text("X = 1\n")
-    (pkg / "middle.py").write_text("from pkg.low.words import X\n")
-    (pkg / "top.py").write_text("from pkg import middle\n")
-    (pkg / "new.py").write_text("from pkg import middle\n")  # on no floor yet
-    floors = {0: "low", 1: "middle", 2: "top __init__"}
-    table = floor_table("pkg", floors)
-    assert upward_imports(import_graph(pkg), table) == ([], {"pkg.new": "floor 1..2"})
-    # a deferred import of a higher floor (the way a circle starts) counts
-    (pkg / "low" / "words.py").write_text("X = 1\ndef f():\n    from pkg.middle import Y\n")
-    assert upward_imports(import_graph(pkg), table)[0] == [
-        "pkg.low.words (floor 0) imports pkg.middle (floor 1)"]
-    # and so does a type-only one, also from a module on no floor to a lower one's...
-    (pkg / "low" / "words.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import new\n")
-    assert upward_imports(import_graph(pkg), table) == (
-        [], {"pkg.new": "no floor: imports floor 1, imported by floor 0"})
-    assert circles(import_graph(pkg)) == [["pkg.low.words", "pkg.middle", "pkg.new"]]
+    (pkg / "low" / "other.py").write_text("Y = 1\n")
+    (pkg / "mid" / "inner" / "x.py").write_text("from pkg.low.other import Y\n")
+    assert wrong_way(import_graph(pkg, ancestors=True), rules, words=("pkg.errs",)) == {
+        ("pkg.mid.inner.x", "pkg.low.other")}
+
+
+def _copy_of_the_package(tmp_path: Path) -> Path:
+    copy = tmp_path / "kvstore"
+    shutil.copytree(ROOT / "kvstore", copy,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.c"))
+    return copy
+
+
+def test_the_real_rules_catch_a_wrong_way_import_added_to_the_package(tmp_path: Path) -> None:
+    """A copy of the package with one import added against the rules: the disk layer
+    reaching up into the call paths (deferred, inside a function), the index importing
+    the public API, the vLLM scheduler side importing kvstore.cuda, and a module the
+    scheduler shares with the worker (vLLM level) importing the worker side."""
+    cases = {
+        "disk/format.py": ("def _up():\n    from kvstore.core import opening\n",
+                           {("kvstore.disk.format", "kvstore.core.opening")}),
+        "index/totals.py": ("import kvstore\n", {("kvstore.index.totals", "kvstore")}),
+        "integrations/vllm/scheduler/stale.py": (
+            "from kvstore.cuda import mover\n",
+            {("kvstore.integrations.vllm.scheduler.stale", "kvstore.cuda.mover")}),
+    }
+    for path, (line, expected) in cases.items():
+        copy = _copy_of_the_package(tmp_path / path.replace("/", "_"))
+        target = copy / path
+        target.write_text(target.read_text() + "\n" + line)
+        found = wrong_way(import_graph(copy, ancestors=True), RULES)
+        assert found - set(KNOWN_WRONG_WAY) == expected, path
+    # through a module at the vLLM level (allowed to import the worker side, for the
+    # connector): the scheduler imports it, so it reaches the worker side
+    copy = _copy_of_the_package(tmp_path / "through")
+    target = copy / "integrations" / "vllm" / "metrics.py"
+    target.write_text(target.read_text() + "\nfrom kvstore.integrations.vllm.worker import loads\n")
+    graph = import_graph(copy, ancestors=True)
+    assert wrong_way(graph, RULES) - set(KNOWN_WRONG_WAY) == set()  # each step is allowed
+    known = [e for e in KNOWN_WRONG_WAY if e[0].startswith("kvstore.integrations.vllm.")]
+    reached = scheduler_reaches(graph, skip=known)
+    assert "kvstore.integrations.vllm.worker.loads" in reached
+    assert "kvstore.cuda.mover" in reached
 
 
 def test_import_kvstore_leaves_the_optional_parts_unloaded() -> None:
     """CUDA (with the first store that page-locks), the remote tier's machinery (with
     the first store opened with ``remote=``), metrics (prometheus_client) and the engine
-    integrations load only for those who use them.  The remote tier's options and stats
-    (plain values, ``kvstore.tiers.remote.config`` / ``.stats``) may load: ``kvstore.blocking``
-    imports ``RemoteConfig`` at run time (for ``attach_remote``'s annotation only)."""
+    integrations load only for those who use them.  The remote tier's options (a plain
+    value, ``kvstore.tiers.remote.config``) may load, with its (empty) packages:
+    ``kvstore.blocking`` imports ``RemoteConfig`` at run time (for ``attach_remote``'s
+    annotation only)."""
     code = ("import sys, kvstore; print(' '.join(sorted(m for m in sys.modules if "
-            "m.startswith(('kvstore.cuda', 'kvstore.remote.', 'kvstore.metrics', "
-            "'kvstore.integrations', 'obstore', 'prometheus_client', 'vllm', 'sglang'"
+            "m.startswith(('kvstore.cuda', 'kvstore.remote', 'kvstore.tiers.remote', "
+            "'kvstore.metrics', 'kvstore.integrations', 'obstore', 'prometheus_client', "
+            "'vllm', 'sglang'"
             ")))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    loaded = set(out.stdout.split()) - {"kvstore.tiers.remote.config", "kvstore.tiers.remote.stats"}
+    loaded = set(out.stdout.split()) - {"kvstore.tiers.remote", "kvstore.tiers.remote.config",
+                                        "kvstore.tiers.remote.stats"}
     assert loaded == set()
 
 
-# The house's size limits (issue 32): a class a reader can hold in mind, a file one
-# sitting can read.  Files that stay one concern may be longer, by name; modules still
-# being split are listed with their current size, and may only shrink.
-CLASS_LINES = 350
-FILE_LINES = 600
-LONGER_FILES = {"kvstore/codecs/pipeline.py": 1000}
-BEING_SPLIT: dict[str, int] = {}
+# The house's size limits: a class a reader can hold in mind, a file one sitting can
+# read.  The modules still over them are listed with their current size, to be split
+# by concern; a listed one may only shrink, and leaves the list once it is within the
+# limits (the list is exact).
+CLASS_LINES = 300
+FILE_LINES = 500
+OVER_THE_LIMITS: dict[str, int] = {
+    "kvstore/codecs/pipeline.py": 951,  # spec, FP8, zstd byte planes, parsing
+    "kvstore/tools/fsck.py": 553,  # the checks and the repairs
+    "kvstore/tools/fsck.py:_Checker": 334,
+    "kvstore/index/index.py:Index": 339,
+    "kvstore/store.py:Store": 314,
+    "kvstore/tiers/remote/adapter.py:RemoteAdapter": 313,
+    "kvstore/integrations/vllm/worker/shared.py:SharedStore": 325,
+    "kvstore/integrations/sglang/backend.py:KVStoreHiCache": 304,
+}
 
 
-def test_no_class_or_file_over_the_limits() -> None:
-    over = []
+def sizes() -> dict[str, int]:
+    """Every file's and class's size in lines under ``kvstore/``, keyed like
+    :data:`OVER_THE_LIMITS` (``path`` and ``path:Class``)."""
+    found = {}
     for path in sorted((ROOT / "kvstore").rglob("*.py")):
         name = path.relative_to(ROOT).as_posix()
         source = path.read_text()
-        lines = source.count("\n")
-        if lines > max(LONGER_FILES.get(name, FILE_LINES), BEING_SPLIT.get(name, 0)):
-            over.append(f"{name}: {lines} lines")
+        found[name] = source.count("\n")
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ClassDef):
-                size = (node.end_lineno or node.lineno) - node.lineno + 1
-                if size > max(CLASS_LINES, BEING_SPLIT.get(f"{name}:{node.name}", 0)):
-                    over.append(f"{name}: class {node.name} {size} lines")
-    assert over == []
+                found[f"{name}:{node.name}"] = (node.end_lineno or node.lineno) - node.lineno + 1
+    return found
+
+
+def test_no_class_or_file_over_the_limits() -> None:
+    found = sizes()
+    over = {name: n for name, n in found.items()
+            if n > (CLASS_LINES if ":" in name else FILE_LINES)}
+    assert {n: size for n, size in over.items() if n not in OVER_THE_LIMITS} == {}
+    assert {n: size for n, size in over.items() if size > OVER_THE_LIMITS.get(n, size)} == {}
+    assert sorted(set(OVER_THE_LIMITS) - set(over)) == []  # within the limits: off the list

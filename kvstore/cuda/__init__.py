@@ -21,6 +21,10 @@ when it is not, every function here runs its CPU path with identical results:
 Submodules
 ----------
 ``build``  nvcc invocation; ``_lib`` the ctypes binding and the probe.
+
+It may import :mod:`kvstore.io.arena` (the staging it page-locks) and
+:mod:`kvstore.codecs` (the payloads its FP8 kernels match); the vLLM worker side and
+the command line import it, the store only on first use (page-locking, device copies).
 """
 
 from __future__ import annotations

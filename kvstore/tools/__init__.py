@@ -1,4 +1,6 @@
-"""What operators run: the offline check and repair (``fsck``) and the command line
+"""What operators run: the offline check and repair (``fsck``, with the index rebuilt
+from the extents in ``fsck_rebuild``, its file reads and writes in ``fsck_files`` and its
+findings in ``fsck_report``) and the command line
 (:mod:`kvstore.tools.cli`, ``python -m kvstore`` and the ``kvstore`` script).  It may
 import the public API (``kvstore``), :mod:`kvstore.core`, :mod:`kvstore.index`,
 :mod:`kvstore.disk`, :mod:`kvstore.io`, :mod:`kvstore.tiers.remote`,
