@@ -96,7 +96,6 @@ STATS: dict[str, int] = {"machines": 0, "rounds": 0, "tasks": 0, "cancellations"
                          "forks_in_flight": 0, "forks_while_opening": 0, "child_reads": 0,
                          "child_refusals": 0, "small_fs_machines": 0, "full_rounds": 0,
                          "index_full_refusals": 0, "full_refusals": 0, "puts_after_full": 0,
-                         "short_write_eio": 0,
                          "real_engine_machines": 0, "read_faults": 0, "read_faults_hit": 0,
                          "persistent_read_faults": 0, "blocks_restored": 0, "scrubs": 0}
 
@@ -335,7 +334,6 @@ class ConcurrentMachine(RuleBasedStateMachine):
         if full is not None:
             sync_fault = 0  # a failed sync makes the store read-only: one failure a round
         extra: list[tuple[tuple[tuple[Any, ...], int | None], tuple[str, Any]]] = []
-        self.short_writes = 0
         outcomes: list[tuple[str, Any]] = [("unfinished", None)] * len(tasks)
         round_stats: dict[str, int] = {}
         # Keys no put of this round touches: once a delete of one has returned, no later
@@ -429,8 +427,7 @@ class ConcurrentMachine(RuleBasedStateMachine):
                                 tg.start_soon(free_later, full)
                         if self.full is not None and state[0] == "open":
                             self.full.free()
-                            if not self.short_writes:
-                                await self.put_again(store, tasks, outcomes, extra)
+                            await self.put_again(store, tasks, outcomes, extra)
                         if state[0] == "open":
                             state[0] = "closing"
             except BaseException as e:
@@ -485,7 +482,7 @@ class ConcurrentMachine(RuleBasedStateMachine):
             STATS["rounds"] += 1
             STATS["tasks"] += len(tasks)
             STATS["scheduling_points"] += self.disk.yields - yields_before
-            if not faulty and not self.short_writes:  # nothing made the store read-only
+            if not faulty:  # nothing made the store read-only
                 assert not any(isinstance(r, ReadOnlyError) for _, r in outcomes), \
                     "the store turned read-only without a failed write"
             self.account(tasks + [t for t, _ in extra], outcomes + [o for _, o in extra],
@@ -515,17 +512,7 @@ class ConcurrentMachine(RuleBasedStateMachine):
             STATS["full_refusals"] += 1
             STATS["index_full_refusals"] += "index" in str(e)
             return True
-        if full and isinstance(e, StoreIOError) and e.errno == errno.EIO \
-                and "mdb_txn_commit" in str(e):
-            # A known defect, pinned by tests/test_nearly_full_disk.py (strict xfail): a
-            # commit that half fits a nearly full disk is LMDB's short write, EIO, taken
-            # for an I/O error: the store fails closed (read-only) until it is reopened.
-            # Counted; the rest of the round may then be refused with ReadOnlyError, and
-            # the store is not asked to take writes again in this open.
-            self.short_writes += 1
-            STATS["short_write_eio"] += 1
-            return True
-        return isinstance(e, refusals + ((ReadOnlyError,) if full else ()))
+        return isinstance(e, refusals)
 
     async def put_again(self, store: kvstore.Store, tasks: list[tuple[tuple[Any, ...], int | None]],
                         outcomes: list[tuple[str, Any]],

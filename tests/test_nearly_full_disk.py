@@ -6,7 +6,8 @@ short count into ``EIO`` ("short write, filesystem full?", mdb.c).  So a commit 
 several pages on a disk with a few free blocks fails with errno EIO, not ENOSPC, and the
 store took it for an I/O error: ``StoreIOError`` and read-only for as long as it stays
 open, although freeing space is all it needs (found by the concurrent state machine's
-full-disk rounds).  The loop-mounted file system and its filler are those of tests/test_full_disk.py,
+full-disk rounds).  An EIO at a commit on a file system left (nearly) full is now
+``StoreFullError`` and the store goes on (kvstore.index.writer._file_system_full).  The loop-mounted file system and its filler are those of tests/test_full_disk.py,
 the reader of another process that makes the commit need new pages tests/concurrency.py's.
 """
 
@@ -26,8 +27,6 @@ from tests.test_full_disk import Filler, small_fs  # noqa: F401 - small_fs: a fi
 SMALL = torch.zeros(16, dtype=torch.uint8)  # one 4 KiB slot; 256 of them: many index pages
 
 
-@pytest.mark.xfail(strict=True, reason="kvstore.index.writer.lmdb_error maps LMDB's EIO for "
-                   "a short write on a nearly full disk to StoreIOError (read-only)")
 def test_a_commit_that_half_fits_is_store_full_and_the_store_goes_on(
         small_fs: Path) -> None:  # noqa: F811 - the fixture imported above
     path = small_fs / "store"

@@ -193,11 +193,33 @@ _DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+# Below this much free space, LMDB's EIO is taken for a short write (see _file_system_full).
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def _file_system_full(index_path: str) -> bool:
+    """Whether the index's file system is (nearly) out of space.
+
+    LMDB turns a short ``pwritev`` of a commit's pages, which is what a disk with room
+    for some of them and not all gives, into ``EIO`` ("short write, filesystem full?",
+    mdb.c) and aborts the transaction: the meta page was not written, so nothing of the
+    commit is visible and the environment goes on.  The short write itself used up the
+    last free blocks, so an ``EIO`` with (almost) nothing free is a full disk, and the
+    store answers StoreFullError instead of turning read-only.  A device's own EIO on a
+    disk with room stays StoreIOError."""
+    try:
+        st = os.statvfs(index_path)
+    except OSError:
+        return False
+    free_blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may use reserve
+    return free_blocks * st.f_frsize < _NEARLY_FULL_BYTES
+
+
 def lmdb_error(e: Exception, what: str, index_path: str) -> KVStoreError:
     """An ``lmdb.Error`` as the store's typed error, keeping LMDB's errno (py-lmdb's
     ``code``): damage (a page of the wrong kind, a page not found, not an LMDB file)
     is :class:`IndexCorruptionError` pointing at ``fsck --rebuild-index``; no room on
-    the file system is :class:`StoreFullError` (the store goes on); the rest is
+    the file system (ENOSPC, or LMDB's EIO for a short write on a disk left full) is :class:`StoreFullError` (the store goes on); the rest is
     :class:`StoreIOError` with the kernel's errno (EIO for LMDB's own codes)."""
     if isinstance(e, KVStoreError):
         return e
@@ -207,7 +229,7 @@ def lmdb_error(e: Exception, what: str, index_path: str) -> KVStoreError:
         return IndexCorruptionError(
             f"{what}: the LMDB index at {index_path} is damaged ({e}); run `python -m "
             f"kvstore fsck {store} --rebuild-index` to rebuild it from the extent files")
-    if code in _NO_ROOM:
+    if code in _NO_ROOM or (code == errno.EIO and _file_system_full(index_path)):
         return StoreFullError(code, f"{what}: no room for the index on its file system "
                               f"({os.strerror(code)}); nothing of it was applied. Free disk "
                               "space (or delete blocks), then retry")
