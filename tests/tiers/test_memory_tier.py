@@ -17,7 +17,7 @@ import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.io.protocol import IOEngine, IoOp
-from kvstore.tiers.memory.tier import MemoryTier
+from kvstore.tiers.memory.cache import MemoryCache
 from tests.concurrency import GatedEngine, real_engine, resident_bytes
 from tests.conformance import NS, keys, make_tensor, same
 
@@ -30,11 +30,11 @@ def block(i: int) -> torch.Tensor:
     return make_tensor(torch.uint8, (BLOCK,), i)
 
 
-def tier(blocks: int, pinned: Sequence[bytes] = ()) -> MemoryTier:
-    return MemoryTier(blocks * BLOCK, lambda ks: {k for k in ks if k in pinned})
+def tier(blocks: int, pinned: Sequence[bytes] = ()) -> MemoryCache:
+    return MemoryCache(blocks * BLOCK, lambda ks: {k for k in ks if k in pinned})
 
 
-def add(t: MemoryTier, key: bytes, parent: bytes | None, i: int = 0, seq: int = 1) -> bool:
+def add(t: MemoryCache, key: bytes, parent: bytes | None, i: int = 0, seq: int = 1) -> bool:
     return t.insert(key, parent, block(i), torch.uint8, (BLOCK,), seq)
 
 
