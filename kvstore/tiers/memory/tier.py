@@ -72,7 +72,7 @@ class MemoryTier:
         self._prefetches: set[Prefetch] = set()
 
     def close(self) -> None:
-        """Unregistered before the region is unmapped."""
+        """The region: unregistered from CUDA (if it was page-locked), then unmapped."""
         try:
             self._lock.close()
         finally:
