@@ -17,6 +17,8 @@ import torch
 import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
+from kvstore.io import page_locking
+from kvstore.io.arena import Arena
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.tiers.memory.cache import MemoryCache
 from tests.concurrency import GatedEngine, real_engine, resident_bytes
@@ -319,3 +321,32 @@ async def test_prefetch_without_the_memory_tier_says_what_to_do(tmp_path: Path) 
     async with kvstore.open(tmp_path, namespace=NS, extent_bytes=4 << 20) as store:
         with pytest.raises(ValueError, match="memory_bytes"):
             store.prefetch(keys(1))
+
+
+class _Locker:
+    """A page locker that records what it is asked to lock and unlock."""
+
+    status = "test locker"
+
+    def __init__(self) -> None:
+        self.locked: list[int] = []
+        self.unlocked = 0
+
+    def __call__(self, region: Arena, mode: bool | None) -> _Locker:
+        self.locked.append(region.size)
+        return self
+
+    def close(self) -> None:
+        self.unlocked += 1
+
+
+async def test_the_tier_page_locks_its_region_and_unlocks_it_at_close(tmp_path: Path) -> None:
+    locker = _Locker()
+    page_locking.set_default_page_locker(locker)
+    try:
+        async with kvstore.open(tmp_path, namespace=NS, extent_bytes=4 << 20,
+                                staging_bytes=1 << 20, memory_bytes=2 << 20):
+            assert sorted(locker.locked) == [1 << 20, 2 << 20]  # the arena, the region
+        assert locker.unlocked == 2
+    finally:
+        page_locking.set_default_page_locker(None)
