@@ -3,8 +3,8 @@ coordinates once it is open.
 
 :class:`StoreParts` takes the lock, opens (or initialises) the index, settles the file
 mode and the namespace, picks the I/O engine, opens the extent files, maps and
-page-locks the staging arena, and builds the allocator, the transfers and the shared
-fdatasync (the store attaches its tiers to :attr:`StoreParts.tiers`); a store that uses more than ``capacity_bytes``
+page-locks the staging arena, holds the tiers the store attaches, builds the allocator,
+the transfers and the shared fdatasync; a store that uses more than ``capacity_bytes``
 evicts down to it before it serves.  Every file it opens is the store's own, never a
 link (:mod:`kvstore.disk.store_files`).  Every step that acquires something registers
 its release; a failure part-way releases what was acquired, last first.  Runs on a
