@@ -1,8 +1,8 @@
 """What a store reports: :class:`StoreStats` (``Store.stats()``), :class:`PutResult`
 (``put_many``), the per-open counters every call path adds to (:data:`COUNTERS`), and
-the fields its optional layers add (the memory tier, the I/O scheduler).  Stats live here, apart from the call
-paths: ``Store`` counts, this module reports (``kvstore.metrics`` exports the same
-fields to Prometheus).
+the fields the I/O scheduler adds (the memory tier reports its own fields:
+``MemoryTier.stats_fields``).  Stats live here, apart from the call paths: ``Store``
+counts, this module reports (``kvstore.metrics`` exports the same fields to Prometheus).
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvstore.io.scheduler import IoScheduler
-    from kvstore.tiers.memory.tier import MemoryTier
 
-__all__ = ["COUNTERS", "PutResult", "StoreStats", "io_fields", "memory_fields", "ratios",
-           "scrub_fields"]
+__all__ = ["COUNTERS", "PutResult", "StoreStats", "io_fields", "ratios", "scrub_fields"]
 
 # Counters of one open Store, by the calls that add to them (StoreStats fields of the
 # same names); kvstore/index/totals.py persists some of them across opens.
@@ -132,14 +130,6 @@ def io_fields(sched: IoScheduler | None) -> dict[str, Any]:
         return {}
     return {"io_deferred": dict(sched.deferred), "io_queue_depth": dict(sched.waiting),
             "io_backlog_bytes": dict(sched.inflight), "io_busy_flushes": sched.flushes}
-
-
-def memory_fields(m: MemoryTier | None) -> dict[str, int]:
-    """The memory tier's numbers ({} when it is off)."""
-    if m is None:
-        return {}
-    return {"memory_capacity_bytes": m.capacity_bytes, "memory_used_bytes": m.used_bytes,
-            "memory_blocks": len(m), "memory_evicted_blocks": m.evicted_blocks}
 
 
 def scrub_fields(progress: float, completed_us: int | None) -> dict[str, float | None]:

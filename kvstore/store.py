@@ -7,9 +7,10 @@ read-only: :mod:`kvstore.core.operations`), and hands it to the path that does t
   fdatasync, commit, acknowledge);
 * gets: :mod:`kvstore.core.gets`, reading through :mod:`kvstore.core.reads` (every verified
   read of a slot, in a read epoch, quarantining what fails);
-* the memory tier and prefetch: :mod:`kvstore.tiers.memory.room`; the remote tier:
-  :mod:`kvstore.remote` through its adapter; both reach the store only through the
-  :class:`~kvstore.tiers.host.TierHost` it hands them;
+* the memory tier and prefetch: :mod:`kvstore.tiers.memory.tier`; the remote tier:
+  :mod:`kvstore.tiers.remote` through its adapter; both reach the store only through the
+  :class:`~kvstore.tiers.host.TierHost` it hands them, and the paths reach them only
+  through :mod:`kvstore.core.tier_ports`;
 * deletes, pins, lookups: here, a few lines each over the index.
 
 Every public call runs as one tracked operation: ``aclose()`` refuses new ones
@@ -57,13 +58,12 @@ from kvstore.stats import (
     PutResult,
     StoreStats,
     io_fields,
-    memory_fields,
     ratios,
     scrub_fields,
 )
 from kvstore.tiers.host import TierHost
 from kvstore.tiers.memory.prefetch import Prefetch
-from kvstore.tiers.memory.room import MemoryRoom
+from kvstore.tiers.memory.tier import MemoryTier
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -94,7 +94,6 @@ class Store:
             self.scheduler, self.syncs = parts.scheduler, parts.syncs
             self.file_mode, self.store_uuid = parts.file_mode, parts.store_uuid
             self.extent_bytes, self.lost_extents = parts.extent_bytes, parts.lost_extents
-            self.memory = parts.memory  # the memory tier's cache (kvstore.tiers.memory.tier), or None
             self._ops, self._health = Operations(self.path), parts.health
             self.latency = Latency(("get", "put", "prefetch"))  # (kvstore.metrics exports them)
             self._background: TaskGroup | None = None  # open() runs background work here
@@ -106,18 +105,21 @@ class Store:
                                      health=self._health, task_group=lambda: self._background)
             self.reads.on_unreadable = self.rechecks.schedule
             self.scrubber = Scrubber(parts, self.reads, self._ops, lambda: self._background)
-            self.memory_room: MemoryRoom | None = None
-            if parts.memory is not None:
-                self.memory_room = MemoryRoom(
-                    parts.memory, index=self.index, reads=self.reads, counters=parts.counters,
-                    ops=self._ops, latency=self.latency, scheduler=self.scheduler,
-                    prefetch_share=opts.prefetch_share, task_group=lambda: self._background)
+            self._tiers = parts.tiers
             self.puts = PutPath(parts, codec=opts.codec, durable=opts.sync,
-                                backlog_bytes=opts.backlog_bytes, memory=self.memory_room)
-            self._gets = GetPath(parts, self.reads, self.memory_room)
+                                backlog_bytes=opts.backlog_bytes, tiers=self._tiers)
+            self._gets = GetPath(parts, self.reads, self._tiers)
             self._host = TierHost(index=self.index, reads=self.reads, puts=self.puts,
                                   deletes=self._deletes, ops=self._ops, health=self._health,
-                                  task_group=lambda: self._background)
+                                  task_group=lambda: self._background,
+                                  counters=parts.counters, latency=self.latency,
+                                  scheduler=self.scheduler, tiers=self._tiers)
+            self._memory: MemoryTier | None = None
+            if opts.memory_bytes:  # closed with the parts (StoreParts.tiers)
+                self._memory = MemoryTier(self._host, opts.memory_bytes, opts.prefetch_share,
+                                          opts.page_lock_staging)
+                self._tiers.attach_memory(self._memory)
+            self.memory = self._memory.cache if self._memory is not None else None  # (its cache)
             self.remote: RemoteTier | None = None
             self._remote: RemoteAdapter | None = None
             if opts.remote is not None:
@@ -140,10 +142,8 @@ class Store:
         tier = RemoteTier(config, namespace.digest, self._host.read_slot)
         tier.check_access()
         adapter = RemoteAdapter(tier, self._host)
-        self.remote, self._remote, self._gets.remote = tier, adapter, adapter
-        self.puts.after_commit = tier.enqueue
-        if self.memory_room is not None:
-            self.memory_room.remote = adapter
+        self._tiers.attach_remote(adapter)
+        self.remote, self._remote = tier, adapter
 
     async def attach_remote(self, config: RemoteConfig, namespace: Namespace) -> None:
         """Put the shared remote tier behind this open store, for a caller that learns
@@ -183,8 +183,8 @@ class Store:
         if self._ops.closed:
             return
         self._ops.closed = True
-        if self.memory_room is not None:  # background reads: stopped, not waited out
-            self.memory_room.cancel_prefetches()
+        if self._memory is not None:  # background reads: stopped, not waited out
+            self._memory.cancel_prefetches()
         self.scrubber.cancel()  # scrubs persist their cursor and return
         self.rechecks.cancel()
         with anyio.CancelScope(shield=True):
@@ -267,8 +267,8 @@ class Store:
         """
         with self._operation(), self.latency.time("get"):
             keys = check_keys(keys)
-            if self.memory_room is not None:  # only the prefetch reads of these keys
-                await self.memory_room.landed(keys)
+            if self._memory is not None:  # only the prefetch reads of these keys
+                await self._memory.landed(keys)
             with self._foreground():
                 return await self._gets.get_many(keys, out)
 
@@ -278,10 +278,10 @@ class Store:
         take more than ``prefetch_share`` of ``memory_bytes``, and a prefetch never evicts
         a pinned block or one being read.  Needs ``open(memory_bytes=...)``."""
         self._check_open()
-        if self.memory_room is None or self._background is None:
+        if self._memory is None or self._background is None:
             raise ValueError("prefetch needs the memory tier: open the store with "
                              "memory_bytes=N (bytes of host RAM for cached blocks)")
-        return self.memory_room.prefetch(list(dict.fromkeys(check_keys(keys))))
+        return self._memory.prefetch(list(dict.fromkeys(check_keys(keys))))
 
     # ------------------------------------------------------------------ queries, delete
 
@@ -313,8 +313,7 @@ class Store:
             self._deletes.deleting(keys)  # promotions fetching: skip these keys
             async with self.puts.turn(keys):  # after the puts that started before it
                 freed = await self.writer.run(lambda txn: self.index.delete_blocks(txn, keys))
-                if self.memory_room is not None:
-                    self.memory_room.forget(keys)
+                self._tiers.forget(keys)
                 self.allocator.release(freed)
                 self._parts.counters["deletes"] += len(freed)
                 return len(freed)
@@ -373,7 +372,7 @@ class Store:
         counts = self.index.counts()
         remote = {"remote": self.remote.stats().as_dict()} if self.remote is not None else {}
         extra: dict[str, Any] = {**parts.counters, **ratios(parts.counters),
-                                 **memory_fields(parts.memory), **io_fields(self.scheduler),
+                                 **self._tiers.stats_fields(), **io_fields(self.scheduler),
                                  **scrub_fields(self.scrubber.progress,
                                                 scrub_state(self.index)[1]),
                                  **remote}

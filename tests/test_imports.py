@@ -158,17 +158,6 @@ RULES: dict[str, tuple[str, ...] | None] = {
 # Imports that break their folder's rule today, each to be removed by the change named
 # beside it.  The list is exact: an entry whose import is gone fails the test too.
 KNOWN_WRONG_WAY: dict[tuple[str, str], str] = {
-    ("kvstore.core.opening", "kvstore.tiers.memory.tier"):
-        "the store's parts build the memory tier's cache: the tier is to be built behind "
-        "its port (tiers/host.py)",
-    ("kvstore.core.puts", "kvstore.tiers.memory.room"):
-        "a put fills the memory tier (type only): through the tier's port",
-    ("kvstore.core.gets", "kvstore.tiers.memory.room"):
-        "a get takes memory hits (type only): through the tier's port",
-    ("kvstore.core.gets", "kvstore.tiers.remote.adapter"):
-        "a get fetches remote misses (type only): through the tier's port",
-    ("kvstore.stats", "kvstore.tiers.memory.tier"):
-        "memory_fields reads the memory tier (type only): the tier is to report its own",
     ("kvstore.io.transfers", "kvstore.cuda"):
         "device copies chosen here (deferred): to be handed in by the store",
     ("kvstore.io.transfers", "kvstore.cuda.copies"):
@@ -389,7 +378,6 @@ OVER_THE_LIMITS: dict[str, int] = {
     "kvstore/tools/fsck.py:_Checker": 334,
     "kvstore/index/index.py:Index": 339,
     "kvstore/store.py:Store": 314,
-    "kvstore/tiers/remote/adapter.py:RemoteAdapter": 313,
     "kvstore/integrations/vllm/worker/shared.py:SharedStore": 325,
     "kvstore/integrations/sglang/backend.py:KVStoreHiCache": 304,
 }

@@ -5,7 +5,6 @@ deletes' watches (``deletes``), calls in flight and health (``operations``), rea
 retried and restored (``rechecks``), the background scrub (``scrub``) and call
 latencies (``latency``).  It may import :mod:`kvstore.index`, :mod:`kvstore.io`,
 :mod:`kvstore.disk`, :mod:`kvstore.codecs` and the public values it works with
-(``kvstore.keys``, ``kvstore.options``, ``kvstore.stats``, ``kvstore.errors``); its
-reaches into the memory and remote tiers are listed in tests/test_imports.py as
-imports to remove.
+(``kvstore.keys``, ``kvstore.options``, ``kvstore.stats``, ``kvstore.errors``).  It
+reaches the memory and remote tiers only through the Protocols of ``tier_ports``.
 """

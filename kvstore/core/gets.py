@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,8 +26,7 @@ from kvstore.core.puts import check_fits
 if TYPE_CHECKING:
     from kvstore.core.opening import StoreParts
     from kvstore.core.reads import VerifiedReads
-    from kvstore.tiers.memory.room import Hits, MemoryRoom
-    from kvstore.tiers.remote.adapter import RemoteAdapter
+    from kvstore.core.tier_ports import Tiers
 
 __all__ = ["GetPath"]
 
@@ -35,15 +34,13 @@ __all__ = ["GetPath"]
 class GetPath:
     """The gets of one open store (see the module docstring)."""
 
-    def __init__(self, parts: StoreParts, reads: VerifiedReads,
-                 memory: MemoryRoom | None) -> None:
-        self._parts, self._reads, self._memory = parts, reads, memory
+    def __init__(self, parts: StoreParts, reads: VerifiedReads, tiers: Tiers) -> None:
+        self._parts, self._reads, self._tiers = parts, reads, tiers
         self._counters = parts.counters
-        self.remote: RemoteAdapter | None = None  # set when a remote tier is attached
 
     async def get_many(self, keys: list[bytes], out: Sequence[torch.Tensor | None] | None
                        ) -> list[torch.Tensor | None]:
-        parts, memory, remote = self._parts, self._memory, self.remote
+        parts, memory, remote = self._parts, self._tiers.memory, self._tiers.remote
         outs: list[torch.Tensor | None] = [None] * len(keys) if out is None else list(out)
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} out tensors")
@@ -59,7 +56,7 @@ class GetPath:
                 check_out(o, entry.dtype, (entry.raw_len // CODE_DTYPES[entry.dtype].itemsize,))
         self._counters["gets"] += 1
         results: list[torch.Tensor | None] = [None] * len(keys)
-        hits: Hits = []
+        hits: Any = None  # the memory tier's, held until released
         from_disk = entries
         if memory is not None:
             hits, from_disk = memory.take(keys, entries)
@@ -71,7 +68,7 @@ class GetPath:
                 assert memory is not None
                 await memory.copy_out(hits, outs, results)
         finally:
-            if memory is not None:
+            if memory is not None and hits is not None:
                 memory.release(hits)
         if remote is not None:  # local misses, fetched and promoted
             assert held is not None

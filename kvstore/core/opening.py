@@ -3,7 +3,7 @@ coordinates once it is open.
 
 :class:`StoreParts` takes the lock, opens (or initialises) the index, settles the file
 mode and the namespace, picks the I/O engine, opens the extent files, maps and
-page-locks the staging arena (and the memory tier's region), and builds the allocator,
+page-locks the staging arena, holds the tiers the store attaches, builds the allocator,
 the transfers and the shared fdatasync; a store that uses more than ``capacity_bytes``
 evicts down to it before it serves.  Every file it opens is the store's own, never a
 link (:mod:`kvstore.disk.store_files`).  Every step that acquires something registers
@@ -22,6 +22,7 @@ from typing import Any
 
 from kvstore.core.allocator import Allocator
 from kvstore.core.operations import Health
+from kvstore.core.tier_ports import Tiers
 from kvstore.disk import permissions, store_files
 from kvstore.disk.extents import EXTENT_DIR, extent_path
 from kvstore.disk.format import new_store_uuid, unpack_u64
@@ -49,7 +50,6 @@ from kvstore.io.transfers import Transfers
 from kvstore.keys import Namespace
 from kvstore.options import StoreOptions
 from kvstore.stats import COUNTERS
-from kvstore.tiers.memory.tier import MemoryTier
 
 __all__ = ["INDEX_DIR", "StoreParts"]
 
@@ -80,7 +80,7 @@ class StoreParts:
         try:
             self._open_index(opts)
             self._open_engine(opts)
-            self._open_memory(opts)
+            self._open_tiers()
             self._open_paths(opts)
         except BaseException:
             self.close()
@@ -177,18 +177,11 @@ class StoreParts:
         self.arena_lock = page_locking.default_page_locker()(self.arena, opts.page_lock_staging)
         self._cleanups.append(self.arena_lock.close)
 
-    def _open_memory(self, opts: StoreOptions) -> None:
-        self.memory: MemoryTier | None = None
-        if not opts.memory_bytes:
-            return
-        self.memory = MemoryTier(opts.memory_bytes, self.index.pinned)
-        self._cleanups.append(self.memory.close)
-        # Zero its pages now, off the get path (the first fill of a fresh region ran
-        # at page-zeroing speed): it is a cache, it fills anyway.
-        self.memory.region.prefault_all()
-        # page-locked like the arena, so a GPU load from memory goes by DMA
-        memory_lock = page_locking.default_page_locker()(self.memory.region, opts.page_lock_staging)
-        self._cleanups.append(memory_lock.close)
+    def _open_tiers(self) -> None:
+        # The store attaches them (kvstore.core.tier_ports); a memory tier is closed
+        # here, before the engine and the arena.
+        self.tiers = Tiers()
+        self._cleanups.append(self.tiers.close)
 
     def _open_paths(self, opts: StoreOptions) -> None:
         # Reads a caller awaits go before background writes and prefetches.
@@ -202,17 +195,11 @@ class StoreParts:
             lost_extents=self.lost_extents,
             capacity_bytes=opts.capacity_bytes, file_mode=self.file_mode,
             counters=self.counters, on_new_extent=self.open_extent,
-            on_evicted=self._forget_in_memory,
+            on_evicted=self.tiers.forget,
             ride_along=self.flush_totals_in)
         # Capacity is a bound at every instant: a store reopened with a smaller one
         # evicts down to it now, before it serves (or refuses to open: pinned blocks).
         self.allocator.fit_capacity()
-
-    def _forget_in_memory(self, keys: list[bytes]) -> None:
-        """Blocks evicted from disk leave the memory tier too (the space comes back now;
-        a lookup would not serve them anyway: their index entries are gone)."""
-        if self.memory is not None:
-            self.memory.discard(keys)
 
     def open_extent(self, extent_id: int) -> None:
         """Open an extent file through the engine: the store's own regular file, not a

@@ -27,7 +27,7 @@ cancelled at any await is either committed (6 had started: it is waited for) or 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -49,7 +49,7 @@ from kvstore.stats import PutResult
 
 if TYPE_CHECKING:
     from kvstore.core.opening import StoreParts
-    from kvstore.tiers.memory.room import MemoryRoom
+    from kvstore.core.tier_ports import Tiers
 
 __all__ = ["PutPath", "check_fits"]
 
@@ -73,18 +73,16 @@ class PutPath:
     """The puts of one open store (see the module docstring)."""
 
     def __init__(self, parts: StoreParts, *, codec: CodecSpec | None, durable: bool,
-                 backlog_bytes: int, memory: MemoryRoom | None) -> None:
+                 backlog_bytes: int, tiers: Tiers) -> None:
         self._parts = parts
         self._counters = parts.counters
         self.codec = codec  # the store's default
         self.durable = durable
         # puts in flight beyond backlog_bytes drop background puts (kvstore/core/backlog.py)
         self.backlog = Backlog(backlog_bytes)
-        self._memory = memory
+        self._tiers = tiers  # the memory tier caches what is durable, the remote uploads it
         # puts and deletes in flight per key, in the order they started
         self.order = KeyOrder()
-        # remote tier: committed keys queued for upload
-        self.after_commit: Callable[[list[bytes]], None] | None = None
 
     async def put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor],
                        parents: Sequence[bytes | None] | None,
@@ -266,10 +264,11 @@ class PutPath:
             await parts.writer.run(parts.with_totals(commit))
             committed = True
             allocator.committed(items)
-            if self.after_commit is not None:  # remote tier: uploaded in the background
-                self.after_commit([item.key for item in items])
-            if self._memory is not None:  # write-through: only what is durable
-                await self._memory.fill([
+            memory, remote = self._tiers.memory, self._tiers.remote
+            if remote is not None:  # uploaded in the background
+                remote.enqueue([item.key for item in items])
+            if memory is not None:  # write-through: only what is durable
+                await memory.fill([
                     (item.key, item.parent, item.data, CODE_DTYPES[item.dtype], item.shape,
                      item.seq) for item in items if codecs.is_lossless(item.codec)])
         except StoreIOError as e:

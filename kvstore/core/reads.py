@@ -124,8 +124,7 @@ class VerifiedReads:
         parts = self._parts
         bad = [*corrupt, *unreadable]
         self._counters["corrupt_blocks"] += len(corrupt)
-        if parts.memory is not None:
-            parts.memory.discard([key for key, _, _ in bad])
+        parts.tiers.forget([key for key, _, _ in bad])
         logger.warning(
             "kvstore %s: %d block(s) failed verification and %d could not be read; "
             "quarantined (answered as misses until a re-read verifies them; `python -m "

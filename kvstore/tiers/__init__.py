@@ -3,6 +3,7 @@
 (:mod:`kvstore.tiers.memory`) and the shared remote behind it
 (:mod:`kvstore.tiers.remote`).  A tier may import the port, :mod:`kvstore.core`,
 :mod:`kvstore.index`, :mod:`kvstore.io`, :mod:`kvstore.codecs` and
-:mod:`kvstore.disk`; the store's own modules import no tier except through the
-imports listed in tests/test_imports.py.
+:mod:`kvstore.disk`; the store's call paths import no tier: they reach one through
+the Protocols of :mod:`kvstore.core.tier_ports`, and ``kvstore.store`` builds the
+tiers and attaches them there.
 """

@@ -1,7 +1,8 @@
-"""The host-memory tier (kvstore/tiers/memory/tier.py) on its own and inside a real store: hits
-do no disk I/O; a deleted, evicted-on-disk, quarantined or re-put block is never served
-from memory; leaf-first LRU eviction; pinned blocks and blocks being read stay; fills
-raced by a discard are dropped; the region bounds RSS."""
+"""The host-memory tier: its cache (kvstore/tiers/memory/cache.py) on its own, and the
+tier (kvstore/tiers/memory/tier.py) inside a real store: hits do no disk I/O; a deleted,
+evicted-on-disk, quarantined or re-put block is never served from memory; leaf-first
+LRU eviction; pinned blocks and blocks being read stay; fills raced by a discard are
+dropped; the region bounds RSS."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import torch
 import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
+from kvstore.io import page_locking
+from kvstore.io.arena import Arena
 from kvstore.io.protocol import IOEngine, IoOp
-from kvstore.tiers.memory.tier import MemoryTier
+from kvstore.tiers.memory.cache import MemoryCache
 from tests.concurrency import GatedEngine, real_engine, resident_bytes
 from tests.conformance import NS, keys, make_tensor, same
 
@@ -30,21 +33,21 @@ def block(i: int) -> torch.Tensor:
     return make_tensor(torch.uint8, (BLOCK,), i)
 
 
-def tier(blocks: int, pinned: Sequence[bytes] = ()) -> MemoryTier:
-    return MemoryTier(blocks * BLOCK, lambda ks: {k for k in ks if k in pinned})
+def cache(blocks: int, pinned: Sequence[bytes] = ()) -> MemoryCache:
+    return MemoryCache(blocks * BLOCK, lambda ks: {k for k in ks if k in pinned})
 
 
-def add(t: MemoryTier, key: bytes, parent: bytes | None, i: int = 0, seq: int = 1) -> bool:
+def add(t: MemoryCache, key: bytes, parent: bytes | None, i: int = 0, seq: int = 1) -> bool:
     return t.insert(key, parent, block(i), torch.uint8, (BLOCK,), seq)
 
 
-# ------------------------------------------------------------------ the tier alone
+# ------------------------------------------------------------------ the cache alone
 
 
 def test_eviction_takes_least_recently_used_leaves_and_keeps_a_chains_head() -> None:
     a, b, c, d = keys(4)
     x, y = keys(2, 100)
-    t = tier(3)
+    t = cache(3)
     assert add(t, a, None) and add(t, b, a) and add(t, c, b)
     # d's parent c is protected and a, b have cached children: nothing may go
     assert not add(t, d, c)
@@ -61,7 +64,7 @@ def test_eviction_takes_least_recently_used_leaves_and_keeps_a_chains_head() -> 
 
 def test_pinned_blocks_and_blocks_being_read_are_not_evicted() -> None:
     a, b, c = keys(3, 200)
-    t = tier(2, pinned=[a])
+    t = cache(2, pinned=[a])
     assert add(t, a, None) and add(t, b, None)
     reading = t.lookup(b, 1)
     assert reading is not None
@@ -74,7 +77,7 @@ def test_pinned_blocks_and_blocks_being_read_are_not_evicted() -> None:
 
 def test_a_block_discarded_while_read_keeps_its_bytes_until_the_read_ends() -> None:
     (a,) = keys(1, 300)
-    t = tier(1)
+    t = cache(1)
     assert add(t, a, None, i=7)
     cached = t.lookup(a, 1)
     assert cached is not None
@@ -89,7 +92,7 @@ def test_a_block_discarded_while_read_keeps_its_bytes_until_the_read_ends() -> N
 
 def test_a_fill_raced_by_a_discard_is_dropped_and_a_stale_seq_is_not_served() -> None:
     (a,) = keys(1, 400)
-    t = tier(2)
+    t = cache(2)
     got = t.reserve(a, BLOCK)
     assert got is not None
     token, run = got
@@ -318,3 +321,32 @@ async def test_prefetch_without_the_memory_tier_says_what_to_do(tmp_path: Path) 
     async with kvstore.open(tmp_path, namespace=NS, extent_bytes=4 << 20) as store:
         with pytest.raises(ValueError, match="memory_bytes"):
             store.prefetch(keys(1))
+
+
+class _Locker:
+    """A page locker that records what it is asked to lock and unlock."""
+
+    status = "test locker"
+
+    def __init__(self) -> None:
+        self.locked: list[int] = []
+        self.unlocked = 0
+
+    def __call__(self, region: Arena, mode: bool | None) -> _Locker:
+        self.locked.append(region.size)
+        return self
+
+    def close(self) -> None:
+        self.unlocked += 1
+
+
+async def test_the_tier_page_locks_its_region_and_unlocks_it_at_close(tmp_path: Path) -> None:
+    locker = _Locker()
+    page_locking.set_default_page_locker(locker)
+    try:
+        async with kvstore.open(tmp_path, namespace=NS, extent_bytes=4 << 20,
+                                staging_bytes=1 << 20, memory_bytes=2 << 20):
+            assert sorted(locker.locked) == [1 << 20, 2 << 20]  # the arena, the region
+        assert locker.unlocked == 2
+    finally:
+        page_locking.set_default_page_locker(None)

@@ -1,6 +1,7 @@
-"""The host-memory tier in front of the local store: its bounded cache in an arena
-region (``tier``: ``MemoryTier``), the store's use of it for hits, fills and prefetch
-(``room``: ``MemoryRoom``) and the prefetch handle (``prefetch``).  It may import the
+"""The host-memory tier in front of the local store: the tier (``tier``:
+``MemoryTier``: hits, fills, forgetting, prefetch, behind the call paths' port
+:class:`kvstore.core.tier_ports.MemoryPort`), its bounded cache in one region of host
+RAM (``cache``: ``MemoryCache``) and the prefetch handle (``prefetch``).  It may import the
 tier port (:mod:`kvstore.tiers.host`), :mod:`kvstore.core`, :mod:`kvstore.index`,
 :mod:`kvstore.io`, :mod:`kvstore.codecs` and :mod:`kvstore.disk`.
 """

@@ -11,8 +11,8 @@ serves them from memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import anyio
@@ -58,8 +58,19 @@ class Prefetch:
     def __await__(self) -> Generator[Any, None, int]:
         return self.wait().__await__()
 
-    def _finish(self) -> None:
-        self._done.set()
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Around the prefetch's work (the memory tier's): :meth:`cancel` stops it (also a
+        cancel that came before it began), and however it ends, the handle is done."""
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                if self.cancelled:
+                    scope.cancel()
+                yield
+        finally:
+            self._scope = None
+            self._done.set()
 
     def __repr__(self) -> str:
         state = "done" if self.done else "running"

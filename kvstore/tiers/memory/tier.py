@@ -1,225 +1,252 @@
-"""The host-memory tier: verified blocks in one bounded region of host RAM, in front of
-the extents (``open(memory_bytes=N)``).
+"""The host-memory tier of a store (``open(memory_bytes=N)``): serving hits, filling
+after verified reads and durable puts, forgetting what left the disk, and prefetching.
 
-What it holds: the *decoded* bytes a get would return (so a memory hit is one copy,
-no decode), with the dtype, shape and index ``seq`` of the entry they came from.  It is
-filled by puts once they are durable (write-through: a put is still acknowledged only
-when it is on disk; blocks of a lossy codec are not cached by puts, because a get
-returns their decoded values, not the caller's) and by gets and prefetches after the
-slot was verified.
+:class:`MemoryTier` builds its bounded cache (:class:`kvstore.tiers.memory.cache.
+MemoryCache`, in a region page-locked like the staging arena) and puts it to work for
+the call paths, which reach it through :class:`kvstore.core.tier_ports.MemoryPort`; it
+reaches the store only through the :class:`~kvstore.tiers.host.TierHost` it is handed:
 
-Never a stale block: the store serves a memory copy only when the index still names the
-same block (same ``seq``) at lookup time, so a delete, a disk eviction, a quarantine or
-a re-put is never answered from memory even if its ``discard`` has not run yet; the
-store also discards on each of those, so the space comes back at once.
-
-Space: one page-aligned anonymous mapping of ``memory_bytes`` (the staging arena's
-allocator: first-fit runs, page-rounded), allocated at open and registered as pinned
-memory when the CUDA path is usable, so GPU loads go by DMA.  RSS stays within
-``memory_bytes`` plus ~200 bytes of bookkeeping per cached block.  When a block does not
-fit, least-recently-used blocks are evicted *leaf first* (a block whose child is cached
-stays, as on disk: a cached prefix never loses its head before its tail), never a pinned
-block (the store's pins) nor one being copied out or being filled; if that frees too
-little the block is simply not cached (the tier is a cache: nothing waits for it).
+* a get takes its hits with :meth:`MemoryTier.take` in the same step as its index
+  lookup (a hit is served only if the index still names the same block, same ``seq``;
+  taken hits are marked as read, so they are not evicted until :meth:`release`), copies
+  them out with :meth:`copy_out`, and caches what it read from disk with :meth:`fill`;
+* a put caches what it made durable (write-through, lossless codecs only);
+* a block evicted, quarantined or deleted on disk is dropped with :meth:`forget` (one
+  method for the three);
+* :meth:`prefetch` starts bringing blocks in from disk (and, with a remote tier, from
+  the remote first) in the store's background task group and returns a
+  :class:`~kvstore.tiers.memory.prefetch.Prefetch` handle at once.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
+import anyio
 import torch
 
-from kvstore.io.arena import Arena, ArenaRun
+from kvstore.codecs import result_buffers
+from kvstore.core.tier_ports import Block
+from kvstore.disk.format import IndexEntry
+from kvstore.io import page_locking
+from kvstore.io.transfers import device_copies, offloaded
+from kvstore.tiers.memory.cache import Cached, MemoryCache
+from kvstore.tiers.memory.prefetch import Prefetch
 
-PinnedKeys = Callable[[Sequence[bytes]], set[bytes]]
+if TYPE_CHECKING:
+    from kvstore.core.deletes import DeleteWatch
+    from kvstore.tiers.host import TierHost
+
+__all__ = ["Hits", "MemoryTier"]
+
+Hits = list[tuple[int, Cached]]  # position in the get, the cached copy (marked as read)
 
 
-@dataclass(eq=False)
-class Cached:
-    """One block in memory."""
-
-    key: bytes
-    parent: bytes | None
-    run: ArenaRun
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    seq: int
-    readers: int = 0  # copies out in flight: not evictable, run freed after the last
-    dead: bool = False  # discarded while being read: free the run when readers reach 0
-    prefetched: bool = False  # brought in by a prefetch and not read by a get since
-
-    def view(self) -> torch.Tensor:
-        """The cached bytes as a tensor of the block's dtype and shape (no copy)."""
-        return self.run.tensor[:self.nbytes].view(self.dtype).view(self.shape)
+def _device_out(out: torch.Tensor | None) -> bool:
+    return out is not None and out.device.type == "cuda" and out.is_contiguous()
 
 
 class MemoryTier:
-    """Bounded cache of verified blocks in host RAM; see the module docstring."""
+    """The memory tier of one open store (see the module docstring); ``close()``
+    releases its region."""
 
-    def __init__(self, nbytes: int, pinned_keys: PinnedKeys) -> None:
-        self.region = Arena(nbytes)
-        self.capacity_bytes = self.region.size
-        self._pinned_keys = pinned_keys
-        self._blocks: OrderedDict[bytes, Cached] = OrderedDict()  # least recently used first
-        self._children: Counter[bytes] = Counter()  # cached children per cached parent key
-        self._filling: dict[bytes, int] = {}  # key -> fill token (insert in progress)
-        self._filling_prefetch: dict[int, int] = {}  # token -> run bytes, prefetch fills
-        self._tokens = 0
-        self.used_bytes = 0  # run bytes of cached blocks (page-rounded)
-        self.prefetched_bytes = 0  # of which brought by prefetch and not read since
-        self.evicted_blocks = 0
-        self.not_cached = 0  # blocks that found no room (nothing evictable)
+    def __init__(self, host: TierHost, nbytes: int, prefetch_share: float,
+                 page_lock: bool | None) -> None:
+        """``nbytes`` of host RAM (``memory_bytes``); prefetched blocks not yet read take
+        at most ``prefetch_share`` of it; ``page_lock``: as ``page_lock_staging``."""
+        self._host = host
+        self._prefetch_share = prefetch_share
+        self.cache = MemoryCache(nbytes, host.pinned)
+        try:
+            # Zero its pages now, off the get path (the first fill of a fresh region ran
+            # at page-zeroing speed): it is a cache, it fills anyway.
+            self.cache.region.prefault_all()
+            # page-locked like the staging arena, so a GPU load from memory goes by DMA
+            self._lock = page_locking.default_page_locker()(self.cache.region, page_lock)
+        except BaseException:
+            self.cache.close()
+            raise
+        self.prefetching: dict[bytes, anyio.Event] = {}  # key -> set when its read landed
+        self._prefetches: set[Prefetch] = set()
 
-    def __len__(self) -> int:
-        return len(self._blocks)
+    def close(self) -> None:
+        """The region: unregistered from CUDA (if it was page-locked), then unmapped."""
+        try:
+            self._lock.close()
+        finally:
+            self.cache.close()
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
+    def stats_fields(self) -> dict[str, int]:
+        """Its fields of ``StoreStats``."""
+        c = self.cache
+        return {"memory_capacity_bytes": c.capacity_bytes, "memory_used_bytes": c.used_bytes,
+                "memory_blocks": len(c), "memory_evicted_blocks": c.evicted_blocks}
 
-    # ------------------------------------------------------------------ lookups
+    # ------------------------------------------------------------------ gets
 
-    def lookup(self, key: bytes, seq: int) -> Cached | None:
-        """The cached copy of the block the index names with ``seq`` (marked used), or
-        None.  A copy of another ``seq`` (the key was deleted and put again) is dropped."""
-        cached = self._blocks.get(key)
-        if cached is None:
-            return None
-        if cached.seq != seq:
-            self.discard([key])
-            return None
-        self._blocks.move_to_end(key)
-        if cached.prefetched:
-            cached.prefetched = False
-            self.prefetched_bytes -= cached.run.length
-        return cached
+    def take(self, keys: Sequence[bytes], entries: Sequence[IndexEntry | None]
+             ) -> tuple[Hits, list[IndexEntry | None]]:
+        """The hits among ``entries`` (marked as read) and the entries left for the
+        disk.  No await: call it in the step of the index lookup (a deleted, evicted or
+        re-put key is never answered)."""
+        hits: Hits = []
+        from_disk = list(entries)
+        for i, (key, entry) in enumerate(zip(keys, entries)):
+            if entry is not None and (cached := self.cache.lookup(key, entry.seq)):
+                self.cache.begin_read(cached)
+                hits.append((i, cached))
+                from_disk[i] = None
+        self._host.count("memory_misses", sum(e is not None for e in from_disk))
+        return hits, from_disk
 
-    def begin_read(self, cached: Cached) -> None:
-        cached.readers += 1
+    def release(self, hits: Hits) -> None:
+        for _, cached in hits:
+            self.cache.end_read(cached)
 
-    def end_read(self, cached: Cached) -> None:
-        cached.readers -= 1
-        if cached.dead and not cached.readers:
-            self.region.release(cached.run)
+    async def copy_out(self, hits: Hits, outs: Sequence[torch.Tensor | None],
+                       results: list[torch.Tensor | None]) -> None:
+        """Copy taken hits into ``out`` tensors or new ones (recycled memory, as every
+        get's new tensors); on a worker thread when large.  A contiguous CUDA ``out``
+        gets one copy enqueued from the (page-locked) region on kvstore's copy stream,
+        awaited through the eventfd (:func:`kvstore.io.transfers.device_copies`), never a
+        synchronize; the hits stay marked as read until it completed."""
+        copies = device_copies() if any(_device_out(outs[i]) for i, _ in hits) else None
+        sink = None if copies is None else copies.sink
+        on_host: Hits = []
+        for i, cached in hits:
+            o = outs[i]
+            if sink is not None and o is not None and _device_out(o):
+                src = cached.view()
+                sink.copy(o, src.data_ptr(), cached.nbytes, None)
+                results[i] = o
+            else:
+                on_host.append((i, cached))
+
+        def copy_all() -> None:
+            for i, cached in on_host:
+                src, o = cached.view(), outs[i]
+                if o is None:
+                    results[i] = result_buffers.empty(tuple(src.shape), src.dtype).copy_(src)
+                else:
+                    results[i] = o.copy_(src.reshape(o.shape))
+
+        try:
+            await offloaded(sum(c.nbytes for _, c in on_host), copy_all)
+        finally:
+            if copies:  # (also when cancelled: the GPU reads the region until then)
+                with anyio.CancelScope(shield=True):
+                    await copies.wait()
+        self._host.count("memory_hits", len(hits))
+        self._host.count("memory_read_bytes", sum(c.nbytes for _, c in hits))
 
     # ------------------------------------------------------------------ filling
 
-    def reserve(self, key: bytes, nbytes: int, protect: Iterable[bytes] = (), *,
-                prefetch_limit: int | None = None) -> tuple[int, ArenaRun] | None:
-        """Room for ``key`` (evicting if needed), or None if it cannot be cached now.
-        ``protect``: keys not to evict for it (the block's parent).  The caller fills
-        the run (on any thread) and then calls :meth:`publish` or :meth:`abandon`."""
-        if key in self._blocks or key in self._filling or nbytes > self.capacity_bytes:
-            return None
-        if prefetch_limit is not None and self.prefetched_bytes + \
-                sum(self._filling_prefetch.values()) + nbytes > prefetch_limit:
-            return None
-        run = self.region.try_acquire(nbytes)
-        if run is None:
-            run = self._evict_for(nbytes, set(protect) | {key})
-            if run is None:
-                self.not_cached += 1
-                return None
-        self._tokens += 1
-        self._filling[key] = self._tokens
-        if prefetch_limit is not None:
-            self._filling_prefetch[self._tokens] = run.length
-        return self._tokens, run
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """Blocks evicted, quarantined or deleted on disk: dropped now (their space comes
+        back at once), and a fill of them in progress is not published.  A lookup would
+        not serve them anyway (their index entries are gone or name another ``seq``)."""
+        self.cache.discard(keys)
 
-    def publish(self, token: int, run: ArenaRun, *, key: bytes, parent: bytes | None,
-                nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], seq: int,
-                prefetched: bool = False) -> bool:
-        """Make a filled run visible; False (and the run freed) if the key was discarded
-        while it was being filled (a delete or eviction raced the fill)."""
-        self._filling_prefetch.pop(token, None)
-        if self._filling.get(key) != token:
-            self.region.release(run)
-            return False
-        del self._filling[key]
-        self._blocks[key] = Cached(key, parent, run, nbytes, dtype, shape, seq,
-                                   prefetched=prefetched)
-        self.used_bytes += run.length
-        if prefetched:
-            self.prefetched_bytes += run.length
-        if parent is not None:
-            self._children[parent] += 1
-        return True
+    async def fill(self, blocks: Sequence[Block], *, prefetched: bool = False,
+                   limit: int | None = None) -> int:
+        """Cache verified (or just durable) blocks: room is taken on the event loop, the
+        bytes copied on a worker thread when large, then published unless a delete or an
+        eviction discarded the key meanwhile.  Returns how many were cached."""
+        memory = self.cache
+        fills = []
+        for key, parent, data, dtype, shape, seq in blocks:
+            got = memory.reserve(key, data.numel(), () if parent is None else (parent,),
+                                 prefetch_limit=limit)
+            if got is not None:
+                fills.append((got, key, parent, data, dtype, shape, seq))
+        if not fills:
+            return 0
 
-    def abandon(self, token: int, run: ArenaRun, key: bytes) -> None:
-        self._filling_prefetch.pop(token, None)
-        if self._filling.get(key) == token:
-            del self._filling[key]
-        self.region.release(run)
+        def copy_all() -> None:
+            for (_, run), _k, _p, data, *_ in fills:
+                run.tensor[:data.numel()].copy_(data)
 
-    def insert(self, key: bytes, parent: bytes | None, data: torch.Tensor, dtype: torch.dtype,
-               shape: tuple[int, ...], seq: int, *, prefetched: bool = False,
-               prefetch_limit: int | None = None) -> bool:
-        """Copy ``data`` (the block's bytes, flat uint8) in now, on this thread."""
-        nbytes = data.numel()
-        got = self.reserve(key, nbytes, () if parent is None else (parent,),
-                           prefetch_limit=prefetch_limit)
-        if got is None:
-            return False
-        token, run = got
-        run.tensor[:nbytes].copy_(data)
-        return self.publish(token, run, key=key, parent=parent, nbytes=nbytes, dtype=dtype,
-                            shape=shape, seq=seq, prefetched=prefetched)
+        try:
+            await offloaded(sum(f[3].numel() for f in fills), copy_all)
+        except BaseException:
+            for (token, run), key, *_ in fills:
+                memory.abandon(token, run, key)
+            raise
+        return sum(memory.publish(token, run, key=key, parent=parent, nbytes=data.numel(),
+                                  dtype=dtype, shape=shape, seq=seq, prefetched=prefetched)
+                   for (token, run), key, parent, data, dtype, shape, seq in fills)
 
-    # ------------------------------------------------------------------ removal
+    # ------------------------------------------------------------------ prefetch
 
-    def discard(self, keys: Iterable[bytes]) -> int:
-        """Drop these keys (deleted, evicted or quarantined on disk, or re-put); fills in
-        progress of them are abandoned at publish.  Returns how many were cached."""
-        dropped = 0
-        for key in keys:
-            self._filling.pop(key, None)
-            cached = self._blocks.pop(key, None)
-            if cached is not None:
-                self._drop(cached)
-                dropped += 1
-        return dropped
+    def prefetch_awaited(self) -> AbstractContextManager[None]:
+        """A caller waiting for a prefetch: the scheduler lets prefetch reads go meanwhile."""
+        return self._host.prefetch_awaited()
 
-    def _drop(self, cached: Cached) -> None:
-        self.used_bytes -= cached.run.length
-        if cached.prefetched:
-            self.prefetched_bytes -= cached.run.length
-        if cached.parent is not None:
-            self._children[cached.parent] -= 1
-            if not self._children[cached.parent]:
-                del self._children[cached.parent]
-        if cached.readers:
-            cached.dead = True  # the last reader frees the run
-        else:
-            self.region.release(cached.run)
+    async def landed(self, keys: Sequence[bytes]) -> None:
+        """Until the prefetch reads of ``keys`` landed (a get of them then comes from
+        memory).  Awaited, the prefetch reads go even while other gets run: a stream of
+        them would otherwise hold this get back for as long as it lasted."""
+        if not any(k in self.prefetching for k in keys):
+            return
+        with self.prefetch_awaited():
+            for key in keys:
+                event = self.prefetching.get(key)
+                if event is not None:
+                    await event.wait()
 
-    def _evict_for(self, nbytes: int, protect: set[bytes]) -> ArenaRun | None:
-        """Evict least-recently-used leaves (not pinned, not being read, not protected)
-        until a run of ``nbytes`` fits; None if the evictable blocks cannot make room."""
-        pinned: set[bytes] | None = None
-        while True:
-            victim = None
-            for cached in self._blocks.values():  # least recently used first
-                if cached.readers or cached.key in protect or self._children[cached.key]:
-                    continue
-                if pinned is None:  # one index lookup for every candidate, when needed
-                    pinned = self._pinned_keys(list(self._blocks))
-                if cached.key in pinned:
-                    continue
-                victim = cached
-                break
-            if victim is None:
-                return None
-            del self._blocks[victim.key]
-            self._drop(victim)
-            self.evicted_blocks += 1
-            run = self.region.try_acquire(nbytes)
-            if run is not None:
-                return run
+    def prefetch(self, keys: list[bytes]) -> Prefetch:
+        host = self._host
+        want = [k for k in keys if k not in self.cache and k not in self.prefetching]
+        handle = Prefetch(len(keys), awaited=self.prefetch_awaited)
+        # The promotion starts now, in the caller's view: a delete after this call
+        # returned is not undone by it (its fetch runs later, in the background).
+        watch = host.watch_deletes(want) if host.has_remote else None
+        # (started soon, not now: registered below in this same step)
+        if not host.spawn(lambda: self._run_prefetch(handle, want, watch)):
+            if watch is not None:
+                host.unwatch_deletes(watch)
+            raise ValueError("prefetch needs a store opened with kvstore.open() (its "
+                             "background task group runs the reads)")
+        for key in want:
+            self.prefetching[key] = anyio.Event()
+        self._prefetches.add(handle)
+        return handle
 
-    def close(self) -> None:
-        self._blocks.clear()
-        self._filling.clear()
-        self._filling_prefetch.clear()
-        self.region.close()
+    def cancel_prefetches(self) -> None:
+        """Background reads: stopped, not waited out (the store is closing)."""
+        for handle in list(self._prefetches):
+            handle.cancel()
+
+    async def _run_prefetch(self, handle: Prefetch, keys: list[bytes],
+                            watch: DeleteWatch | None) -> None:
+        """In the store's task group, as one of its calls (``aclose`` waits for it)."""
+        host = self._host
+        with handle.running():
+            try:
+                with host.timed("prefetch"):
+                    await anyio.lowlevel.checkpoint()
+                    if watch is not None:
+                        await host.fetch_missing(keys, watch)
+                    entries = host.lookup(keys)
+                    handle.scheduled = sum(e is not None for e in entries)
+                    results: list[torch.Tensor | None] = [None] * len(keys)
+                    await host.read_blocks(keys, entries, results)
+                    handle.arrived = await self.fill(
+                        [(k, e.parent, r.reshape(-1).view(torch.uint8), r.dtype,
+                          tuple(r.shape), e.seq) for k, e, r in zip(keys, entries, results)
+                         if e is not None and r is not None],
+                        prefetched=True,
+                        limit=int(self.cache.capacity_bytes * self._prefetch_share))
+                    host.count("prefetch_blocks", handle.arrived)
+            except Exception as e:  # noqa: BLE001 - handed to whoever awaits the handle
+                handle.error = e
+            finally:
+                if watch is not None:
+                    host.unwatch_deletes(watch)
+                for key in keys:
+                    landed = self.prefetching.pop(key, None)
+                    if landed is not None:
+                        landed.set()
+                self._prefetches.discard(handle)

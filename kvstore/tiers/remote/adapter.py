@@ -4,21 +4,20 @@ through the :class:`~kvstore.tiers.host.TierHost` it was given.
 
 * ``fill_misses`` (get_many), ``extend_prefix`` (match_prefix), ``fetch_missing``
   (prefetch): fetch what the local store lacks, decode it like a local slot, and
-  promote it: a local durable put (which also fills the memory tier), so the next get
-  is local.  A get or match_prefix does not wait for that put: it runs in the store's
-  background task group (bounded by ``backlog_bytes``, dropped and counted beyond it),
-  and a get meanwhile is served from the fetched copy (``remote.promoting``).  A
-  prefetch waits for it (it is in the background already).  Lossless blocks keep their
-  codec; lossy (FP8) blocks are stored as the tensor the get returned, so a local hit
-  reads back exactly what the remote one did.
-  Promotion is best effort (a read-only or full store still answers from the remote).
+  promote it (:mod:`kvstore.tiers.remote.promotion`: a local durable put, which also
+  fills the memory tier), so the next get is local.  A get or match_prefix does not
+  wait for that put: it runs in the store's background task group (bounded by
+  ``backlog_bytes``, dropped and counted beyond it), and a get meanwhile is served from
+  the fetched copy (``remote.promoting``).  A prefetch waits for it (it is in the
+  background already).  Promotion is best effort (a read-only or full store still
+  answers from the remote).
+* ``enqueue`` (after a put committed): the blocks are uploaded in the background.
 * An upload reads its block back through ``TierHost.read_slot`` (a verified slot, in
   the upload worker's own reused buffer: :meth:`kvstore.core.reads.VerifiedReads.read_slot`).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -26,14 +25,13 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from kvstore.codecs import pipeline as codecs
-from kvstore.codecs.pipeline import CodecSpec
 from kvstore.codecs.tensors import CODE_DTYPES, check_out
 from kvstore.core.deletes import DeleteWatch
 from kvstore.disk.format import IndexEntry
-from kvstore.errors import BlockTooLargeError, CapacityError, CorruptionError, KVStoreError
+from kvstore.errors import CorruptionError
 from kvstore.tiers.remote import objects
 from kvstore.tiers.remote.blocks import RemoteBlock
+from kvstore.tiers.remote.promotion import Promotions
 from kvstore.tiers.remote.tier import InFlight
 
 if TYPE_CHECKING:
@@ -41,15 +39,6 @@ if TYPE_CHECKING:
     from kvstore.tiers.remote.tier import RemoteTier
 
 __all__ = ["Held", "RemoteAdapter"]
-
-_log = logging.getLogger("kvstore.remote")
-_RAW = CodecSpec()
-_ZSTD = CodecSpec(zstd=True)
-
-
-def _spec_for(codec: int) -> CodecSpec:
-    return _ZSTD if codec == codecs.CODEC_RAW | codecs.ZSTD else _RAW
-
 
 def _decode(block: RemoteBlock, out: torch.Tensor | None, *, check: bool = False
             ) -> torch.Tensor:
@@ -88,81 +77,11 @@ class RemoteAdapter:
     def __init__(self, tier: RemoteTier, host: TierHost) -> None:
         self.tier = tier
         self._host = host
+        self._promotions = Promotions(tier, host)
 
-    async def _promote(self, blocks: Sequence[tuple[RemoteBlock, torch.Tensor]], *,
-                       background: bool, watch: DeleteWatch | None = None) -> None:
-        """Store fetched blocks locally (grouped by codec).  Best effort: a block that is
-        not stored (backpressure for a ``background`` put, a full or read-only store) is
-        fetched again next time.  ``watch``: registered before the fetch began; keys
-        deleted since are not stored (the delete returned: the promotion must not undo it)."""
-        remote = self.tier
-        if not blocks:
-            return
-        if not self._host.accepts_writes:
-            remote._stats.promotion_dropped += len(blocks)
-            return
-        groups: dict[int, list[tuple[RemoteBlock, torch.Tensor]]] = {}
-        for block, value in blocks:
-            spec_id = block.header.codec if codecs.is_lossless(block.header.codec) else 0
-            groups.setdefault(spec_id, []).append((block, value))
-        for codec, group in groups.items():
-            await self._promote_group(group, codec, background=background, watch=watch)
-
-    async def _promote_group(self, group: Sequence[tuple[RemoteBlock, torch.Tensor]],
-                             codec: int, *, background: bool, watch: DeleteWatch | None
-                             ) -> None:
-        """One local put of blocks of one codec.  A put refuses its batch whole for one
-        block that does not fit this store (written by a store with larger extents or
-        staging) or for a batch over ``capacity_bytes``: the blocks then go one by one,
-        so that one block's refusal does not drop its neighbours."""
-        remote = self.tier
-        try:
-            result = await self._host.promote(
-                [b.key for b, _ in group], [v for _, v in group],
-                [b.header.parent for b, _ in group], _spec_for(codec),
-                background=background, skip_deleted=watch)
-        except (BlockTooLargeError, CapacityError):
-            if len(group) == 1:
-                remote._stats.promotion_dropped += 1
-                return
-            for one in group:
-                await self._promote_group([one], codec, background=background, watch=watch)
-            return
-        except KVStoreError:
-            remote._stats.promotion_dropped += len(group)
-            return
-        remote._stats.promoted_blocks += result.written
-        remote._stats.promotion_dropped += result.dropped
-
-    def _promote_soon(self, blocks: list[tuple[RemoteBlock, torch.Tensor]],
-                      watch: DeleteWatch) -> bool:
-        """Promote in the store's background task group: the caller has its blocks now,
-        the local durable put (staging, fdatasync, index commit) runs behind it.  Until it
-        lands the blocks are served from ``remote.promoting``; under backpressure the put
-        is dropped (counted), never queued without bound.  ``aclose`` waits for it.  True
-        if it started (the task then ends ``watch``)."""
-        remote = self.tier
-        if not blocks:
-            return False
-        fetched = [block for block, _ in blocks]
-
-        async def promote() -> None:
-            try:
-                await self._promote(blocks, background=True, watch=watch)
-            except Exception:  # noqa: BLE001 - best effort, in the background
-                # (raised, it would cancel the store's background task group, and with
-                # it the caller's code inside ``open()``)
-                _log.exception("kvstore: promoting %d fetched blocks failed", len(blocks))
-                remote._stats.promotion_dropped += len(blocks)
-            finally:
-                self._host.unwatch_deletes(watch)
-                remote.promotion_done(fetched)
-
-        if not self._host.spawn(promote):  # not opened through kvstore.open()
-            remote._stats.promotion_dropped += len(blocks)
-            return False
-        remote.promotion_started(fetched)  # (before the task runs: it starts soon)
-        return True
+    def enqueue(self, keys: Sequence[bytes]) -> None:
+        """Blocks a put just made durable: queued for upload (never waits)."""
+        self.tier.enqueue(keys)
 
     def watch_deletes(self, keys: Sequence[bytes]) -> DeleteWatch:
         """A prefetch, when it is asked for: deletes of ``keys`` from now on are not
@@ -266,9 +185,9 @@ class RemoteAdapter:
             elif value is not None:
                 promote.append((block, value))
         if promote_now:
-            await self._promote(promote, background=False, watch=watch)
+            await self._promotions.promote(promote, background=False, watch=watch)
             return values, False
-        return values, self._promote_soon(promote, watch)
+        return values, self._promotions.promote_soon(promote, watch)
 
     def held_blocks(self, keys: Sequence[bytes], entries: Sequence[IndexEntry | None]
                     ) -> Held:
@@ -320,7 +239,7 @@ class RemoteAdapter:
                 else:  # (a key twice in this read finds its own fetch registered)
                     joined.append((i, block))
                     if id(block) not in mine:  # not a duplicate key of this read's own fetch
-                        remote._stats.joined += 1
+                        remote.count_joined()
             try:
                 got = await self._fetch_own([keys[i] for i in own], [outs[i] for i in own],
                                             inflights, chain=chain, promote_now=promote_now,

@@ -12,7 +12,7 @@ on them.
   the taking of later keys (those already in flight are discarded): the result is a
   prefix, as a chain walk needs, without waiting for a window of requests to finish.
 * Slots: each thread is started with a request slot the event loop took for it
-  (``kvstore.tiers.remote.slots``) and gives it back when it ends, after its last request
+  (``kvstore.tiers.remote.request_slots``) and gives it back when it ends, after its last request
   returned: a thread whose request outlived the deadline keeps its slot until then, so
   the requests in flight at the cluster never exceed ``concurrency``.
 * Deadline: the caller cancels (``read_deadline_s``) and calls ``close()``; a thread in
@@ -38,7 +38,7 @@ from kvstore.tiers.remote import objects
 from kvstore.tiers.remote.blocks import Finish, RemoteBlock
 from kvstore.tiers.remote.breaker import CircuitBreaker
 from kvstore.tiers.remote.client import ObjectClient, Refused, Unavailable
-from kvstore.tiers.remote.slots import Slot
+from kvstore.tiers.remote.request_slots import RequestSlot
 
 
 class FetchRun:
@@ -74,7 +74,7 @@ class FetchRun:
             self._closed = True
             return len(self._out), self._returned == 0
 
-    def work(self, slot: Slot) -> None:
+    def work(self, slot: RequestSlot) -> None:
         """On a worker thread: take keys until none is left (or the fetch is closed);
         ``slot`` is given back when the last request returned."""
         if not slot.claim():

@@ -14,10 +14,10 @@ local misses under a deadline, and a circuit breaker in front of both.
   bad object is a miss, counted, never returned.
 * The breaker (``kvstore.tiers.remote.breaker``): while it is open, every call is a fast miss
   and uploads wait; the local store is never slowed down by an unreachable cluster.
-* Slots (``kvstore.tiers.remote.slots``): at most ``concurrency`` requests are in flight at
-  the cluster, reads and uploads together, counted until each request returns: a
-  request a read abandoned at its deadline keeps its slot (and its thread) until the
-  cluster answers it or ``request_timeout_s`` ends it.  A read waits for a slot within
+* Request slots (``kvstore.tiers.remote.request_slots``): at most ``concurrency``
+  requests are in flight at the cluster, reads and uploads together, counted until
+  each request returns: a request a read abandoned at its deadline keeps its slot (and
+  its thread) until the cluster answers it or ``request_timeout_s`` ends it.  A read waits for a slot within
   its deadline; uploads never take the last one.
 
 What a slow cluster costs a get: at most one ``read_deadline_s`` (a get never waits
@@ -49,7 +49,7 @@ from kvstore.tiers.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvstore.tiers.remote.client import ObjectClient, Unavailable
 from kvstore.tiers.remote.config import RemoteConfig
 from kvstore.tiers.remote.fetch import FetchRun
-from kvstore.tiers.remote.slots import RequestSlots, Slot
+from kvstore.tiers.remote.request_slots import RequestSlot, RequestSlots
 from kvstore.tiers.remote.stats import RemoteStats
 from kvstore.tiers.remote.uploads import BreakerOpen, KnownKeys, SlotReader, Uploads, breaker_open
 
@@ -215,6 +215,15 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ stats
 
+    def count_promotions(self, *, written: int = 0, dropped: int = 0) -> None:
+        """Fetched blocks stored locally, or not (:mod:`kvstore.tiers.remote.promotion`)."""
+        self._stats.promoted_blocks += written
+        self._stats.promotion_dropped += dropped
+
+    def count_joined(self) -> None:
+        """A block a read took from another read's fetch (not requested twice)."""
+        self._stats.joined += 1
+
     def stats(self) -> RemoteStats:
         s = RemoteStats(**self._stats.as_dict())
         b = self.breaker
@@ -236,7 +245,7 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ requests
 
-    async def _fetch_thread(self, run: FetchRun, slot: Slot) -> None:
+    async def _fetch_thread(self, run: FetchRun, slot: RequestSlot) -> None:
         try:
             # abandon_on_cancel: a deadline returns at once; a thread in a request
             # finishes it alone, takes nothing more and then gives its slot back
@@ -285,7 +294,7 @@ class RemoteTier:
             return [None] * len(keys)
         want = 1 if probing else min(self.config.concurrency, len(keys))
         started = 0
-        slot: Slot | None = first
+        slot: RequestSlot | None = first
         try:
             with anyio.move_on_after(self.config.read_deadline_s):
                 async with anyio.create_task_group() as tg:

@@ -35,7 +35,7 @@ from kvstore.tiers.remote import objects
 from kvstore.tiers.remote.breaker import OPEN, CircuitBreaker
 from kvstore.tiers.remote.client import ObjectClient, Refused, Unavailable
 from kvstore.tiers.remote.config import RemoteConfig
-from kvstore.tiers.remote.slots import RequestSlots
+from kvstore.tiers.remote.request_slots import RequestSlots
 from kvstore.tiers.remote.stats import RemoteStats
 
 __all__ = ["BreakerOpen", "KnownKeys", "SlotReader", "Uploads", "breaker_open"]

@@ -15,7 +15,7 @@ keeps its slot until the cluster answers it or ``request_timeout_s`` ends it.  S
   a caller awaits always has one that background writes cannot take.
 
 Slots are taken on the event loop (:meth:`take_nowait`, :meth:`take`) and given back
-from any thread (:meth:`Slot.release`); a task waiting for one is woken through its
+from any thread (:meth:`RequestSlot.release`); a task waiting for one is woken through its
 event loop's thread-safe call (asyncio ``call_soon_threadsafe``, trio
 ``TrioToken.run_sync_soon``), which never blocks the thread that gives the slot back,
 and does nothing once that loop is gone.
@@ -33,7 +33,7 @@ from collections.abc import Callable
 import anyio
 
 
-class Slot:
+class RequestSlot:
     """One taken slot, given back exactly once: by the thread that used it
     (``claim`` when it starts, ``release`` when its request returned), or by the event
     loop (``drop``) if no thread claimed it (the task was cancelled before its thread
@@ -85,11 +85,11 @@ class RequestSlots:
             oldest = min((t for t, _ in self._held.values()), default=None)
         return 0.0 if oldest is None else time.monotonic() - oldest
 
-    def take_nowait(self, *, upload: bool = False) -> Slot | None:
+    def take_nowait(self, *, upload: bool = False) -> RequestSlot | None:
         with self._lock:
             return self._take_locked(upload)
 
-    async def take(self, *, upload: bool = False) -> Slot:
+    async def take(self, *, upload: bool = False) -> RequestSlot:
         """A slot, waiting (in the caller's cancel scope: a read's deadline) until one
         is given back."""
         call: Callable[[Callable[[], None]], None] | None = None
@@ -110,16 +110,16 @@ class RequestSlots:
                     if wake in self._waiters:
                         self._waiters.remove(wake)
 
-    def _take_locked(self, upload: bool) -> Slot | None:
+    def _take_locked(self, upload: bool) -> RequestSlot | None:
         if len(self._held) >= self.size or (upload and self._uploads >= self.upload_cap):
             return None
         now = time.monotonic()
-        slot = Slot(self, next(self._ids), now)
+        slot = RequestSlot(self, next(self._ids), now)
         self._held[slot._id] = (now, upload)
         self._uploads += upload
         return slot
 
-    def _give(self, slot: Slot, *, claimed: bool) -> None:
+    def _give(self, slot: RequestSlot, *, claimed: bool) -> None:
         with self._lock:
             if slot._state == 2 or (slot._state == 1 and not claimed):
                 return

@@ -1,12 +1,12 @@
-"""Request slots (kvstore/tiers/remote/slots.py): given back once, by the thread that used
-one, or by the event loop when no thread ever started with it."""
+"""Request slots (kvstore/tiers/remote/request_slots.py): given back once, by the
+thread that used one, or by the event loop when no thread ever started with it."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
 
-from kvstore.tiers.remote.slots import RequestSlots
+from kvstore.tiers.remote.request_slots import RequestSlots
 
 
 def test_a_slot_is_given_back_once_by_whoever_ends_its_use() -> None:
