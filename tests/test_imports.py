@@ -175,7 +175,7 @@ KNOWN_WRONG_WAY: dict[tuple[str, str], str] = {
         "device copies chosen here (deferred): to be handed in by the store",
     ("kvstore.io.transfers", "kvstore.cuda.torch_copies"):
         "device copies chosen here (deferred): to be handed in by the store",
-    ("kvstore.io.page_locking", "kvstore.cuda.pinned"):
+    ("kvstore.io.page_locking", "kvstore.cuda.page_locked"):
         "the default page locker (deferred): to be handed in by the store",
     ("kvstore.integrations.common.extra_config", "kvstore.io.probe"):
         "the engine names: from the public options",

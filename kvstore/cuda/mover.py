@@ -16,7 +16,7 @@ Save (per engine step)::
 ``save_layer`` records an event on the compute stream (after the layer's KV write),
 makes the save stream wait for it (a GPU-side wait), gathers the layer's blocks into a
 device scratch of one layer (HBM to HBM, the gather kernel) and copies that scratch with
-one DMA (``cudaMemcpy2DAsync``) into the block-major pinned staging: block ``i`` is
+one DMA (``cudaMemcpy2DAsync``) into the block-major page-locked staging: block ``i`` is
 ``[num_layers, *per_block]`` contiguous, one kvstore block.  No pageable memory, no host
 copy: the store writes the staged block (its CRC32C pass copies it into the I/O arena).
 

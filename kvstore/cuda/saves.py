@@ -165,7 +165,7 @@ class Saves:
                               ids, self._scratch.ptr, stream)
             if core.fp8:   # into the whole-block device scratch; quantised in end
                 dst = self._fp8_blocks.ptr + layer * layer_bytes
-            else:          # one DMA into the block-major pinned staging
+            else:          # one DMA into the block-major page-locked staging
                 dst = batch.lease.address + layer * layer_bytes
                 core.counts.copied_out_bytes += batch.n * layer_bytes
             lib.call("kvc_memcpy2d_async", dst, core.block_bytes, self._scratch.ptr,

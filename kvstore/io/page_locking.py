@@ -45,13 +45,13 @@ class _NotLocked:
 
 
 def page_lock_arena(arena: Arena, mode: bool | None) -> ArenaPageLock:
-    """The default locker: CUDA host registration (:func:`kvstore.cuda.pinned.pin_arena`),
+    """The default locker: CUDA host registration (:func:`kvstore.cuda.page_locked.page_lock_arena`),
     loaded on first use.  ``mode=False`` loads nothing."""
     if mode is False:
         return _NotLocked("cuda: not used (page_lock_staging=False)")
-    from kvstore.cuda.pinned import pin_arena  # the optional CUDA path, loaded when used
+    from kvstore.cuda.page_locked import page_lock_arena as cuda_page_lock  # loaded when used
 
-    return pin_arena(arena, mode)
+    return cuda_page_lock(arena, mode)
 
 
 _installed: PageLocker | None = None
