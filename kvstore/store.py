@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
+from kvstore._cuda_path import CUDA_COPIER, page_locker
 from kvstore.codecs.pipeline import CodecSpec
 from kvstore.core.deletes import DeleteWatches
 from kvstore.core.gets import GetPath
@@ -86,7 +87,7 @@ class Store:
         self.namespace = opts.namespace
         self.durable = opts.sync
         self.codec: CodecSpec | None = opts.codec  # the default (``put_many(codec=)`` overrides)
-        parts = self._parts = StoreParts(self.path, opts)
+        parts = self._parts = StoreParts(self.path, opts, CUDA_COPIER, page_locker())
         try:
             self.index, self.writer, self.engine = parts.index, parts.writer, parts.engine
             self.engine_reason, self.fds, self.arena = parts.engine_reason, parts.fds, parts.arena

@@ -169,14 +169,6 @@ KNOWN_WRONG_WAY: dict[tuple[str, str], str] = {
         "a get fetches remote misses (type only): through the tier's port",
     ("kvstore.stats", "kvstore.tiers.memory.tier"):
         "memory_fields reads the memory tier (type only): the tier is to report its own",
-    ("kvstore.io.transfers", "kvstore.cuda"):
-        "device copies chosen here (deferred): to be handed in by the store",
-    ("kvstore.io.transfers", "kvstore.cuda.copies"):
-        "device copies chosen here (deferred): to be handed in by the store",
-    ("kvstore.io.transfers", "kvstore.cuda.torch_copies"):
-        "device copies chosen here (deferred): to be handed in by the store",
-    ("kvstore.io.page_locking", "kvstore.cuda.page_locked"):
-        "the default page locker (deferred): to be handed in by the store",
     ("kvstore.integrations.common.extra_config", "kvstore.io.probe"):
         "the engine names: from the public options",
     ("kvstore.integrations.common.extra_config", "kvstore.io.scheduler"):

@@ -16,7 +16,13 @@ when it is not, every function here runs its CPU path with identical results:
 * :mod:`kvstore.cuda.device`  -- streams, device buffers, async copies whose completion
   is awaited through an eventfd (no blocked thread, no polling);
 * :mod:`kvstore.cuda.paged`   -- gather/scatter between vLLM paged caches and staging;
-* :mod:`kvstore.cuda.fp8`     -- FP8 encode/decode, byte-identical to kvstore.codecs.pipeline.
+* :mod:`kvstore.cuda.fp8`     -- FP8 encode/decode, byte-identical to kvstore.codecs.pipeline;
+* :mod:`kvstore.cuda.copies`, :mod:`kvstore.cuda.torch_copies` -- the store's
+  stream-ordered copies between its host memory and CUDA tensors, through kvstore's
+  library or, without it, through torch;
+* :mod:`kvstore.cuda.mover` -- the data mover engines use: ``copy_out`` (saves) and
+  ``copy_in`` (loads) over ``mover_core``, ``batches``, ``backpressure`` and
+  ``staging`` (its bounded page-locked staging).
 
 Submodules
 ----------
@@ -24,7 +30,8 @@ Submodules
 
 It may import :mod:`kvstore.io.arena` (the staging it page-locks) and
 :mod:`kvstore.codecs` (the payloads its FP8 kernels match); the vLLM worker side and
-the command line import it, the store only on first use (page-locking, device copies).
+the command line import it, the store only on first use (page-locking, device copies:
+``kvstore._cuda_path``).
 """
 
 from __future__ import annotations

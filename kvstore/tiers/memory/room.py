@@ -25,7 +25,8 @@ import torch
 
 from kvstore.codecs import result_buffers
 from kvstore.disk.format import IndexEntry
-from kvstore.io.transfers import device_copies, offloaded
+from kvstore.io.device_copies import DeviceCopier
+from kvstore.io.transfers import offloaded
 from kvstore.tiers.memory.prefetch import Prefetch
 from kvstore.tiers.memory.tier import Cached, MemoryTier
 
@@ -101,13 +102,13 @@ class MemoryRoom:
             self.memory.end_read(cached)
 
     async def copy_out(self, hits: Hits, outs: Sequence[torch.Tensor | None],
-                       results: list[torch.Tensor | None]) -> None:
+                       results: list[torch.Tensor | None], copier: DeviceCopier) -> None:
         """Copy taken hits into ``out`` tensors or new ones (recycled memory, as every
         get's new tensors); on a worker thread when large.  A contiguous CUDA ``out``
-        gets one copy enqueued from the (page-locked) region on kvstore's copy stream,
-        awaited through the eventfd (:func:`kvstore.io.transfers.device_copies`), never a
-        synchronize; the hits stay marked as read until it completed."""
-        copies = device_copies() if any(_device_out(outs[i]) for i, _ in hits) else None
+        gets one copy enqueued from the (page-locked) region on kvstore's copy stream by
+        ``copier`` (the store's), awaited through the eventfd, never a synchronize; the
+        hits stay marked as read until it completed."""
+        copies = copier.copies() if any(_device_out(outs[i]) for i, _ in hits) else None
         sink = None if copies is None else copies.sink
         on_host: Hits = []
         for i, cached in hits:
