@@ -7,6 +7,10 @@ Public API (everything else is private and may change)::
         await store.put_many(keys, blocks, parents=kvstore.chain_parents(keys))
         n = await store.match_prefix(keys)
         blocks = await store.get_many(keys[:n])
+
+This top folder is the public API (``store``, ``blocking``, ``options``, ``stats``,
+``errors``, ``keys``, ``metrics``) and may import every folder below it; the folders and
+what each may import are in docs/architecture.md (checked by tests/test_imports.py).
 """
 
 from kvstore.blocking import BlockingStore, open_blocking

@@ -98,7 +98,7 @@ class StoreStats:
     # Since the store was created, all processes (kvstore/index/totals.py); the counters above
     # (puts ... evicted_bytes) count only this Store object since it was opened.
     totals: dict[str, int] = field(default_factory=dict)
-    cuda: str = ""  # GPU path of the staging arena (kvstore.cuda.pinned.ArenaPin)
+    cuda: str = ""  # GPU path of the staging arena (kvstore.io.page_locking.ArenaPageLock)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
+from kvstore._cuda_path import CUDA_COPIER, page_locker
 from kvstore.codecs.pipeline import CodecSpec
 from kvstore.core.deletes import DeleteWatches
 from kvstore.core.gets import GetPath
@@ -86,7 +87,8 @@ class Store:
         self.namespace = opts.namespace
         self.durable = opts.sync
         self.codec: CodecSpec | None = opts.codec  # the default (``put_many(codec=)`` overrides)
-        parts = self._parts = StoreParts(self.path, opts)
+        locker = page_locker()
+        parts = self._parts = StoreParts(self.path, opts, CUDA_COPIER, locker)
         try:
             self.index, self.writer, self.engine = parts.index, parts.writer, parts.engine
             self.engine_reason, self.fds, self.arena = parts.engine_reason, parts.fds, parts.arena
@@ -117,7 +119,7 @@ class Store:
             self._memory: MemoryTier | None = None
             if opts.memory_bytes:  # closed with the parts (StoreParts.tiers)
                 self._memory = MemoryTier(self._host, opts.memory_bytes, opts.prefetch_share,
-                                          opts.page_lock_staging)
+                                          opts.page_lock_staging, locker)
                 self._tiers.attach_memory(self._memory)
             self.memory = self._memory.cache if self._memory is not None else None  # (its cache)
             self.remote: RemoteTier | None = None

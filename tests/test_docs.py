@@ -75,16 +75,46 @@ def test_every_page_is_in_the_site_navigation() -> None:
     assert listed - pages == set(), "mkdocs.yml's nav names pages that do not exist"
 
 
-def test_reference_names_only_public_top_level_names() -> None:
-    """The API reference renders `::: kvstore.NAME` for names in kvstore.__all__, never a
-    module path that may move."""
-    import kvstore
+def test_reference_names_only_public_names() -> None:
+    """The API reference renders `::: PACKAGE.NAME` for names in the ``__all__`` of
+    ``kvstore`` or of a public package (the remote tier's options, the engine
+    integrations), never a module path that may move; the integrations' connector, its
+    config and SGLang's backend config are among them."""
+    import importlib
 
     names = re.findall(r"^:::\s+(\S+)", (DOCS / "reference.md").read_text(), re.M)
     assert names
+    public = ("kvstore", "kvstore.remote", "kvstore.integrations.vllm",
+              "kvstore.integrations.sglang")
     for name in names:
-        assert name.startswith("kvstore."), name
-        assert name.removeprefix("kvstore.") in kvstore.__all__, name
+        package, _, attr = name.rpartition(".")
+        assert package in public, name
+        assert attr in importlib.import_module(package).__all__, name
+    assert {"kvstore.integrations.vllm.KVStoreConnector",
+            "kvstore.integrations.vllm.ConnectorConfig",
+            "kvstore.integrations.sglang.BackendConfig"} <= set(names)
+
+
+@pytest.mark.anyio
+async def test_reference_shows_the_stores_public_members_only(tmp_path: Path) -> None:
+    """``Store``'s entry lists its members: every public method and property of the
+    class, the public attributes a store has, and none of its parts."""
+    import kvstore
+
+    text = (DOCS / "reference.md").read_text()
+    block = re.search(r"^::: kvstore\.Store\n\s+options:\n\s+members:\n((?:\s+- \w+\n)+)",
+                      text, re.M)
+    assert block is not None
+    listed = re.findall(r"- (\w+)", block.group(1))
+    assert len(listed) == len(set(listed))
+    on_class = {n for n, v in vars(kvstore.Store).items()
+                if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    assert on_class <= set(listed)
+    async with kvstore.open(tmp_path, extent_bytes=1 << 20, staging_bytes=1 << 20) as store:
+        assert all(hasattr(store, n) for n in listed)
+    for part in ("index", "writer", "engine", "arena", "allocator", "transfers", "puts",
+                 "reads", "memory_room", "scrubber", "rechecks", "latency", "memory"):
+        assert part not in listed
 
 
 def test_readme_starts_with_the_two_commands() -> None:

@@ -158,14 +158,6 @@ RULES: dict[str, tuple[str, ...] | None] = {
 # Imports that break their folder's rule today, each to be removed by the change named
 # beside it.  The list is exact: an entry whose import is gone fails the test too.
 KNOWN_WRONG_WAY: dict[tuple[str, str], str] = {
-    ("kvstore.io.transfers", "kvstore.cuda"):
-        "device copies chosen here (deferred): to be handed in by the store",
-    ("kvstore.io.transfers", "kvstore.cuda.copies"):
-        "device copies chosen here (deferred): to be handed in by the store",
-    ("kvstore.io.transfers", "kvstore.cuda.torch_copies"):
-        "device copies chosen here (deferred): to be handed in by the store",
-    ("kvstore.io.page_locking", "kvstore.cuda.pinned"):
-        "the default page locker (deferred): to be handed in by the store",
     ("kvstore.integrations.common.extra_config", "kvstore.io.probe"):
         "the engine names: from the public options",
     ("kvstore.integrations.common.extra_config", "kvstore.io.scheduler"):

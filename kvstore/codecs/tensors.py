@@ -70,7 +70,7 @@ def check_value(t: object) -> tuple[int, int]:
     """Validate a value for ``put`` without touching its data: (bytes, dtype code).
     Values on a device are not copied here: the put path copies only the blocks it
     writes (deduplicated blocks never leave the device), see
-    :func:`kvstore.io.transfers.device_values_to_host`."""
+    :meth:`kvstore.io.device_copies.DeviceCopier.to_host`."""
     if not isinstance(t, torch.Tensor):
         raise UnsupportedTensorError(f"values must be torch.Tensor, got {type(t).__name__}")
     if t.is_sparse or t.layout != torch.strided:
@@ -90,7 +90,7 @@ def host_bytes(t: torch.Tensor) -> torch.Tensor:
     of its size, its payload travels with it).
 
     A value on a device must have reached the host first
-    (:func:`kvstore.io.transfers.device_values_to_host`: stream-ordered copies, awaited,
+    (:meth:`kvstore.io.device_copies.DeviceCopier.to_host`: stream-ordered copies, awaited,
     never a synchronize): refused here rather than copied by a call that waits for the
     whole device.
     """
@@ -100,7 +100,7 @@ def host_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         raise UnsupportedTensorError(
             f"a value on {t.device} reached the host path uncopied; pass it through "
-            "kvstore.io.transfers.device_values_to_host first")
+            "the store's DeviceCopier.to_host first")
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 

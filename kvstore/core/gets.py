@@ -66,7 +66,7 @@ class GetPath:
             await self._reads.read(keys, from_disk, outs, results)
             if hits:
                 assert memory is not None
-                await memory.copy_out(hits, outs, results)
+                await memory.copy_out(hits, outs, results, parts.transfers.copier)
         finally:
             if memory is not None and hits is not None:
                 memory.release(hits)

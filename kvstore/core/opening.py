@@ -39,9 +39,10 @@ from kvstore.index.index import (
     record_namespace,
 )
 from kvstore.index.totals import Totals
-from kvstore.io import page_locking
 from kvstore.io.arena import Arena
+from kvstore.io.device_copies import DeviceCopier
 from kvstore.io.group_sync import GroupSync
+from kvstore.io.page_locking import PageLocker
 from kvstore.io.probe import probe
 from kvstore.io.protocol import IOEngine
 from kvstore.io.scheduler import IoScheduler
@@ -60,10 +61,14 @@ logger = logging.getLogger("kvstore.store")
 
 class StoreParts:
     """The open parts of one store (see the module docstring); ``close()`` releases
-    them.  Attributes are the parts themselves; ``Store`` exposes the same names."""
+    them.  Attributes are the parts themselves; ``Store`` exposes the same names.
+    ``copier`` and ``page_locker``: the optional GPU path, handed in by the store
+    (core/ never loads it)."""
 
-    def __init__(self, path: str, opts: StoreOptions) -> None:
+    def __init__(self, path: str, opts: StoreOptions, copier: DeviceCopier,
+                 page_locker: PageLocker) -> None:
         self.path = path
+        self._copier, self._page_locker = copier, page_locker
         # what new paths get until the store's recorded mode is known (in the index)
         self.file_mode = permissions.FILE_MODE if opts.file_mode is None else opts.file_mode
         if opts.create:
@@ -174,7 +179,7 @@ class StoreParts:
         # takes ~20 ms for 256 MiB of huge pages).
         self.arena.populate()
         # Page-locked for DMA; unregistered by the cleanup below, which runs before the unmap.
-        self.arena_lock = page_locking.default_page_locker()(self.arena, opts.page_lock_staging)
+        self.arena_lock = self._page_locker(self.arena, opts.page_lock_staging)
         self._cleanups.append(self.arena_lock.close)
 
     def _open_tiers(self) -> None:
@@ -187,7 +192,8 @@ class StoreParts:
         # Reads a caller awaits go before background writes and prefetches.
         schedule = opts.io_schedule()
         self.scheduler = IoScheduler(self.engine, schedule) if schedule is not None else None
-        self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.fds)
+        self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.fds,
+                                   copier=self._copier)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self.allocator = Allocator(
             path=self.path, index=self.index, writer=self.writer, extent_bytes=self.extent_bytes,

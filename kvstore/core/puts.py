@@ -9,7 +9,7 @@
 2. wait out the puts and deletes of the same keys that started before it, decide again
    without yielding; copy the values of the blocks it writes that lie on a GPU into
    page-locked host memory (stream-ordered, awaited:
-   ``kvstore.io.transfers.device_values_to_host``);
+   ``kvstore.io.device_copies.DeviceCopier.to_host``);
 3. reserve space in the allocator (nothing durable changes);
 4. stage header + payload in the arena, CRC32C over the staged bytes, and write every
    slot (O_DIRECT), encoding FP8 chunks as they are staged (``kvstore/io/transfers.py``);
@@ -43,7 +43,6 @@ from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
 from kvstore.index.index import ChainCut, Txn
 from kvstore.io.slots import PlanMismatch, PutItem
-from kvstore.io.transfers import device_values_to_host
 from kvstore.keys import check_key, check_keys
 from kvstore.stats import PutResult
 
@@ -201,13 +200,12 @@ class PutPath:
         return PutResult(len(items), len(keys) - len(items) - n_skipped, written,
                          dropped=n_skipped)
 
-    @staticmethod
-    async def _items(chosen: Sequence[tuple[bytes, bytes | None, torch.Tensor, int]]
+    async def _items(self, chosen: Sequence[tuple[bytes, bytes | None, torch.Tensor, int]]
                      ) -> list[PutItem]:
         """The blocks to write (validated: ``check_value``), their values on the host: a
         value on a GPU is copied now (stream-ordered into page-locked memory, awaited,
         no synchronize: issue 33), once the put knows it writes it."""
-        values = await device_values_to_host([v for _, _, v, _ in chosen])
+        values = await self._parts.transfers.copier.to_host([v for _, _, v, _ in chosen])
         return [PutItem(key, parent, host_bytes(host), code, tuple(value.shape))
                 for (key, parent, value, code), host in zip(chosen, values)]
 

@@ -19,6 +19,7 @@ import torch
 if TYPE_CHECKING:
     from kvstore.core.deletes import DeleteWatch
     from kvstore.disk.format import IndexEntry
+    from kvstore.io.device_copies import DeviceCopier
 
 __all__ = ["Block", "MemoryPort", "RemotePort", "Tiers"]
 
@@ -42,7 +43,7 @@ class MemoryPort(Protocol[HitsT]):
     def release(self, hits: HitsT) -> None: ...
 
     async def copy_out(self, hits: HitsT, outs: Sequence[torch.Tensor | None],
-                       results: list[torch.Tensor | None]) -> None: ...
+                       results: list[torch.Tensor | None], copier: DeviceCopier) -> None: ...
 
     async def fill(self, blocks: Sequence[Block]) -> int:
         """Cache blocks just verified or made durable; how many were cached."""

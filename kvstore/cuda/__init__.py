@@ -1,4 +1,4 @@
-"""kvstore's CUDA path: pinned staging, async copies, paged gather/scatter, FP8 kernels.
+"""kvstore's CUDA path: page-locked staging, async copies, paged gather/scatter, FP8 kernels.
 
 The kernels live in a plain shared library, ``libkvcuda.so``, built from ``cuda_ext/``
 by ``python -m kvstore cuda build`` (see :mod:`kvstore.cuda.build` for where it goes
@@ -10,13 +10,19 @@ Everything works without it.  :func:`available` says whether the GPU path is use
 :func:`reason` why (or why not: not built, no driver, driver too old, no device);
 when it is not, every function here runs its CPU path with identical results:
 
-* :mod:`kvstore.cuda.pinned`  -- the store's staging arena registered as pinned memory
-  (``kvstore.open(..., page_lock_staging=None|True|False)``), bounded, released at close and
-  at exit;
+* :mod:`kvstore.cuda.page_locked` -- the store's staging arena registered as page-locked
+  memory (``kvstore.open(..., page_lock_staging=None|True|False)``), bounded, released at
+  close and at exit;
 * :mod:`kvstore.cuda.device`  -- streams, device buffers, async copies whose completion
   is awaited through an eventfd (no blocked thread, no polling);
 * :mod:`kvstore.cuda.paged`   -- gather/scatter between vLLM paged caches and staging;
-* :mod:`kvstore.cuda.fp8`     -- FP8 encode/decode, byte-identical to kvstore.codecs.pipeline.
+* :mod:`kvstore.cuda.fp8`     -- FP8 encode/decode, byte-identical to kvstore.codecs.pipeline;
+* :mod:`kvstore.cuda.copies`, :mod:`kvstore.cuda.torch_copies` -- the store's
+  stream-ordered copies between its host memory and CUDA tensors, through kvstore's
+  library or, without it, through torch;
+* :mod:`kvstore.cuda.mover` -- the data mover engines use: ``copy_out`` (saves) and
+  ``copy_in`` (loads) over ``mover_core``, ``batches``, ``backpressure`` and
+  ``staging`` (its bounded page-locked staging).
 
 Submodules
 ----------
@@ -24,7 +30,8 @@ Submodules
 
 It may import :mod:`kvstore.io.arena` (the staging it page-locks) and
 :mod:`kvstore.codecs` (the payloads its FP8 kernels match); the vLLM worker side and
-the command line import it, the store only on first use (page-locking, device copies).
+the command line import it, the store only on first use (page-locking, device copies:
+``kvstore._cuda_path``).
 """
 
 from __future__ import annotations
@@ -48,8 +55,11 @@ def reason() -> str:
 
 def stats() -> dict[str, Any]:
     """What is in use: ``path`` is ``"cuda"`` or ``"cpu"``, plus library, device, driver
-    and pinned-memory figures."""
-    from kvstore.cuda.pinned import pool
+    and page-locked memory figures (``page_locked_bytes``, ``page_locked_regions``,
+    ``page_locked_limit_bytes``).  ``pinned_bytes``, ``pinned_regions`` and
+    ``pinned_limit_bytes`` are the same figures under their old names, deprecated: they
+    go in the next release ("pin" means only never-evict, ``Store.pin``)."""
+    from kvstore.cuda.page_locked import pool
 
     rt = runtime()
     p = pool()
@@ -64,6 +74,10 @@ def stats() -> dict[str, Any]:
         "device_count": rt.device_count,
         "driver_version": rt.driver_version,
         "runtime_version": rt.runtime_version,
+        "page_locked_bytes": p.registered_bytes,
+        "page_locked_regions": p.regions,
+        "page_locked_limit_bytes": p.limit_bytes,
+        # deprecated aliases of the three above, for one release
         "pinned_bytes": p.registered_bytes,
         "pinned_regions": p.regions,
         "pinned_limit_bytes": p.limit_bytes,

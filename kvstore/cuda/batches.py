@@ -50,7 +50,7 @@ class _Batch:
             self.mover.retire(self.lease, self.notice)
 
     def staged(self) -> torch.Tensor:
-        """The staging as ``[n, num_layers, *per_block]`` (a pinned CPU view; read it
+        """The staging as ``[n, num_layers, *per_block]`` (a page-locked CPU view; read it
         only once :meth:`wait` returned)."""
         if self._staged is None:
             m = self.mover

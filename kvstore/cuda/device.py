@@ -255,8 +255,8 @@ class DeviceBuffer:
 async def copy_async(dst: int, src: int, nbytes: int, stream: int,
                      lib: Library | None = None) -> None:
     """Copy ``nbytes`` between any two addresses the device can reach (device memory,
-    pinned/registered host memory; the direction follows from the pointers) on
-    ``stream`` and await its completion without blocking the loop.  H2D/D2H from pinned
+    page-locked host memory; the direction follows from the pointers) on
+    ``stream`` and await its completion without blocking the loop.  H2D/D2H from page-locked
     memory is a DMA that overlaps other work; from pageable memory CUDA stages it."""
     lib = lib or require_lib()
     lib.call("kvc_memcpy_async", dst, src, nbytes, stream)

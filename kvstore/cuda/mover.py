@@ -16,7 +16,7 @@ Save (per engine step)::
 ``save_layer`` records an event on the compute stream (after the layer's KV write),
 makes the save stream wait for it (a GPU-side wait), gathers the layer's blocks into a
 device scratch of one layer (HBM to HBM, the gather kernel) and copies that scratch with
-one DMA (``cudaMemcpy2DAsync``) into the block-major pinned staging: block ``i`` is
+one DMA (``cudaMemcpy2DAsync``) into the block-major page-locked staging: block ``i`` is
 ``[num_layers, *per_block]`` contiguous, one kvstore block.  No pageable memory, no host
 copy: the store writes the staged block (its CRC32C pass copies it into the I/O arena).
 
@@ -53,8 +53,8 @@ On CPU tensors (a CPU engine) the same calls run plain copies (torch's
 ``index_select``/``index_copy_``), with no stream or event; everything is done when the
 call returns.
 
-Layout: this module is the facade; the save side is :mod:`kvstore.cuda.saves`, the load
-side :mod:`kvstore.cuda.loads`, the batches :mod:`kvstore.cuda.batches`, what both sides
+Layout: this module is the facade; the save side is :mod:`kvstore.cuda.copy_out`, the
+load side :mod:`kvstore.cuda.copy_in`, the batches :mod:`kvstore.cuda.batches`, what both sides
 share (geometry, streams, lock, counters, the CPU path's copy) :mod:`kvstore.cuda.mover_core`,
 and the backpressure (leases held until their copies ended, the rate cap)
 :mod:`kvstore.cuda.backpressure`.
@@ -71,9 +71,9 @@ from kvstore.codecs.pipeline import CodecSpec
 from kvstore.cuda import paged
 from kvstore.cuda._lib import Library
 from kvstore.cuda.batches import LoadBatch, SaveBatch
-from kvstore.cuda.loads import Loads
+from kvstore.cuda.copy_in import CopyIn
+from kvstore.cuda.copy_out import CopyOut
 from kvstore.cuda.mover_core import CaptureError, MoverCore, MoverStats
-from kvstore.cuda.saves import Saves
 from kvstore.cuda.staging import DeviceStagingPool, StagingPool
 
 __all__ = ["CaptureError", "LoadBatch", "Mover", "MoverStats", "SaveBatch"]
@@ -94,8 +94,8 @@ class Mover:
     ``max_save_bytes_per_s`` / ``max_save_bytes_per_batch``: caps on the copy-out
     (bytes moved device -> host; a save over either is dropped whole, counted).
 
-    A facade: :attr:`saves` (:class:`kvstore.cuda.saves.Saves`) and :attr:`loads`
-    (:class:`kvstore.cuda.loads.Loads`) do the work, on one shared
+    A facade: :attr:`copy_out` (:class:`kvstore.cuda.copy_out.CopyOut`) and
+    :attr:`copy_in` (:class:`kvstore.cuda.copy_in.CopyIn`) do the work, on one shared
     :class:`kvstore.cuda.mover_core.MoverCore`.
     """
 
@@ -134,10 +134,11 @@ class Mover:
                 if core.cuda:
                     core.setup_device()
                     self.save_stream, self.load_stream = core.save_stream, core.load_stream
-                self.saves = Saves(core, self.pool, max_save_bytes_per_s=max_save_bytes_per_s,
-                                   max_save_bytes_per_batch=max_save_bytes_per_batch,
-                                   clock=clock)
-                self.loads = Loads(core, self.load_pool)
+                self.copy_out = CopyOut(core, self.pool,
+                                        max_save_bytes_per_s=max_save_bytes_per_s,
+                                        max_save_bytes_per_batch=max_save_bytes_per_batch,
+                                        clock=clock)
+                self.copy_in = CopyIn(core, self.load_pool)
         except BaseException:
             # (e.g. no device memory for the load staging) nothing stays registered or
             # allocated: the caller may retry with other options
@@ -146,17 +147,17 @@ class Mover:
                 p.close()
             raise
         self.device_loads = isinstance(self.load_pool, DeviceStagingPool)
-        self.max_blocks, self.max_load_blocks = self.saves.max_blocks, self.loads.max_blocks
+        self.max_blocks, self.max_load_blocks = self.copy_out.max_blocks, self.copy_in.max_blocks
 
     # ------------------------------------------------------------------ save
 
     def stored_bytes(self, n: int) -> int:
         """Staging one save of ``n`` blocks takes."""
-        return self.saves.stored_bytes(n)
+        return self.copy_out.stored_bytes(n)
 
     def copied_bytes(self, n: int) -> int:
         """Bytes one save of ``n`` blocks moves device -> host (what the caps count)."""
-        return self.saves.copied_bytes(n)
+        return self.copy_out.copied_bytes(n)
 
     def capturing(self) -> bool:
         """Whether the compute stream captures a CUDA graph now (GPU path only)."""
@@ -165,43 +166,43 @@ class Mover:
     def begin_save(self, block_ids: Sequence[int]) -> SaveBatch | None:
         """Staging for a save of ``block_ids`` (cache block numbers), or None: dropped
         (no room now, or over the rate cap) and counted; never waits."""
-        return self.saves.begin(block_ids)
+        return self.copy_out.begin(block_ids)
 
     def save_layer(self, batch: SaveBatch, layer: int) -> None:
         """Enqueue the copy-out of ``layer``'s blocks, ordered after the work the compute
         stream has queued so far (the layer's KV write).  Returns at once."""
-        self.saves.save_layer(batch, layer)
+        self.copy_out.save_layer(batch, layer)
 
     def end_save(self, batch: SaveBatch) -> None:
         """Enqueue what is left (layers not saved yet, FP8 quantisation and its copy-out)
         and arm the batch's copy-done notice.  Returns at once."""
-        self.saves.end(batch)
+        self.copy_out.end(batch)
 
     # ------------------------------------------------------------------ load
 
     def begin_load(self, n: int) -> LoadBatch | None:
         """Staging for ``n`` blocks coming in (``batch.blocks()``), or None (no room)."""
-        return self.loads.begin(n)
+        return self.copy_in.begin(n)
 
     def load(self, batch: LoadBatch, block_ids: Sequence[int]) -> None:
         """Scatter the first ``len(block_ids)`` staged blocks into the cache at
         ``block_ids``, layer by layer on the load stream, each layer's end recorded for
         :meth:`wait_layer`; then the batch's copy-done notice.  Returns at once (CPU:
         done)."""
-        self.loads.load(batch, block_ids)
+        self.copy_in.load(batch, block_ids)
 
     def load_host(self, blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
         """The CPU path's load from any host tensor ``[n, num_layers, *per_block]``
         (pageable memory cannot be copied asynchronously: refused on the GPU path)."""
-        self.loads.load_host(blocks, block_ids)
+        self.copy_in.load_host(blocks, block_ids)
 
     def wait_layer(self, layer: int) -> None:
         """Make the compute stream wait (on the GPU) for the loads into ``layer``
         enqueued so far; the host does not wait."""
-        self.loads.wait_layer(layer)
+        self.copy_in.wait_layer(layer)
 
     def wait_all_layers(self) -> None:
-        self.loads.wait_all_layers()
+        self.copy_in.wait_all_layers()
 
     # ------------------------------------------------------------------ life
 

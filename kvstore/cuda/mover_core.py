@@ -1,5 +1,5 @@
-"""What the data mover's save side (:mod:`kvstore.cuda.saves`) and load side
-(:mod:`kvstore.cuda.loads`) share: the engine's per-layer cache tensors and their
+"""What the data mover's save side (:mod:`kvstore.cuda.copy_out`) and load side
+(:mod:`kvstore.cuda.copy_in`) share: the engine's per-layer cache tensors and their
 geometry, the CUDA library and device, kvstore's two streams and the event that orders
 them after the compute stream, the device memory and handles to free at close, one lock,
 the counters, the leases waiting for their copies, and the CPU path's copy."""

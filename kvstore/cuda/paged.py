@@ -20,7 +20,7 @@ one kvstore block.
 
 :func:`gather` / :func:`scatter` run the kernel on the caller's torch stream when the
 tensors are on a CUDA device, the staging tensor is memory the kernel can reach (that
-device's, or pinned/registered host memory: :func:`device_can_reach`) and the library
+device's, or page-locked host memory: :func:`device_can_reach`) and the library
 is usable; otherwise the torch reference
 (:func:`gather_reference` / :func:`scatter_reference`, index_select/index_copy_) runs,
 on any device, with identical bytes.  :func:`gather_ptrs` / :func:`scatter_ptrs` take
@@ -38,7 +38,7 @@ import torch
 
 from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.device import on_device
-from kvstore.cuda.pinned import pool
+from kvstore.cuda.page_locked import pool
 
 __all__ = ["LAYOUTS", "Layout", "cuda_index", "device_can_reach", "gather", "gather_ptrs",
            "gather_reference",
@@ -187,7 +187,7 @@ def _use_kernel(layers: Sequence[torch.Tensor]) -> Library | None:
 
 def device_can_reach(t: torch.Tensor, device: torch.device) -> bool:
     """Whether a kernel on CUDA ``device`` may read and write ``t`` (contiguous) through
-    its pointer: memory of that device, or host memory that is pinned (torch's
+    its pointer: memory of that device, or host memory that is page-locked (torch's
     ``pin_memory()``) or inside a range kvstore registered (the staging arena).  Pageable
     host memory is not mapped for the GPU: the kernel would fault, a sticky error that
     leaves the process's CUDA context unusable; another GPU's memory needs peer access
@@ -213,7 +213,7 @@ def gather(layers: Sequence[torch.Tensor],
            block_ids: Sequence[int] | torch.Tensor | npt.NDArray[np.int64], layout: Layout,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy blocks ``block_ids`` of every layer into one staging tensor (module docstring).
-    ``out`` may be a CUDA tensor or pinned host memory the device can reach; the kernel
+    ``out`` may be a CUDA tensor or page-locked host memory the device can reach; the kernel
     is enqueued on torch's current stream (synchronise or await before reading ``out``
     on the host)."""
     axis = _check_layers(layers, layout)

@@ -1,8 +1,8 @@
 """Bounded page-locked staging for the data mover (:mod:`kvstore.cuda.mover`).
 
 One anonymous page-aligned mapping (:class:`kvstore.io.arena.Arena`'s allocator), made
-and, when CUDA is usable, registered as pinned memory *once*, at construction, through
-the process-wide :func:`kvstore.cuda.pinned.pool` (bounded, unregistered at close and at
+and, when CUDA is usable, registered as page-locked memory *once*, at construction, through
+the process-wide :func:`kvstore.cuda.page_locked.pool` (bounded, unregistered at close and at
 exit).  Copies between the GPU and a lease are DMAs; no pageable buffer is involved.
 
 :meth:`StagingPool.try_take` never waits: a caller that finds no room gets ``None`` and
@@ -33,7 +33,7 @@ class StagingStats:
     peak_bytes: int = 0
     leases: int = 0      # leases handed out
     refused: int = 0     # try_take calls that found no room
-    pinned: bool = False
+    page_locked: bool = False
 
 
 class Lease:
@@ -69,14 +69,14 @@ class StagingPool:
         self._stats = StagingStats(capacity_bytes=self.arena.size)
         self._registered = False
         if lib is not None:
-            from kvstore.cuda.pinned import pool
+            from kvstore.cuda.page_locked import pool
 
-            # Registered once, here: never per copy (the LMCache leak: pinned buffers
+            # Registered once, here: never per copy (the LMCache leak: page-locked buffers
             # per request, freed late or never).
             self.arena.populate()
             pool().register(self.arena.address, self.arena.size, owner)
             self._registered = True
-        self._stats.pinned = self._registered
+        self._stats.page_locked = self._registered
         self.closed = False
 
     @property
@@ -109,7 +109,7 @@ class StagingPool:
         with self._lock:
             s = self._stats
             return StagingStats(s.capacity_bytes, s.in_use_bytes, s.peak_bytes, s.leases,
-                                s.refused, s.pinned)
+                                s.refused, s.page_locked)
 
     def close(self) -> None:
         """Unregister (before unmapping) and unmap.  The caller makes sure no copy still
@@ -119,7 +119,7 @@ class StagingPool:
                 return
             self.closed = True
         if self._registered:
-            from kvstore.cuda.pinned import pool
+            from kvstore.cuda.page_locked import pool
 
             self._registered = False
             pool().unregister(self.arena.address)

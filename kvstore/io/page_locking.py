@@ -5,10 +5,12 @@ maps its staging arena (and the memory tier's region).
 (``cudaHostRegister``; torch calls it "pinned").  kvstore says *page-locked* for this and
 keeps *pin* for the never-evict feature (``Store.pin``), so that one word means one thing.
 
-The default locker is :func:`page_lock_arena`: it loads :mod:`kvstore.cuda` on the first
-store that asks for page-locking (``page_lock_staging`` None or True), never on
-``import kvstore`` and never for ``page_lock_staging=False``.  A test or an embedding
-engine with its own page-locking installs another with :func:`set_default_page_locker`.
+io/ names what page-locking gives (:class:`ArenaPageLock`, :data:`PageLocker`) and never
+loads the GPU path: the store hands ``StoreParts`` its locker, CUDA host registration
+(``kvstore._cuda_path.page_lock``, which loads :mod:`kvstore.cuda` on the first
+store that asks for page-locking, never for ``page_lock_staging=False``).  A test or an
+embedding engine with its own page-locking installs another for every store opened from
+then on with :func:`set_default_page_locker`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Protocol
 
 from kvstore.io.arena import Arena
 
-__all__ = ["ArenaPageLock", "PageLocker", "default_page_locker", "page_lock_arena",
+__all__ = ["ArenaPageLock", "NotLocked", "PageLocker", "default_page_locker",
            "set_default_page_locker"]
 
 
@@ -36,7 +38,9 @@ PageLocker = Callable[[Arena, "bool | None"], ArenaPageLock]
 page-lock or raise, None page-locks where it can, False never does."""
 
 
-class _NotLocked:
+class NotLocked:
+    """What a locker gives for memory it did not page-lock: ``status`` says why."""
+
     def __init__(self, status: str) -> None:
         self.status = status
 
@@ -44,26 +48,17 @@ class _NotLocked:
         return
 
 
-def page_lock_arena(arena: Arena, mode: bool | None) -> ArenaPageLock:
-    """The default locker: CUDA host registration (:func:`kvstore.cuda.pinned.pin_arena`),
-    loaded on first use.  ``mode=False`` loads nothing."""
-    if mode is False:
-        return _NotLocked("cuda: not used (page_lock_staging=False)")
-    from kvstore.cuda.pinned import pin_arena  # the optional CUDA path, loaded when used
-
-    return pin_arena(arena, mode)
-
-
 _installed: PageLocker | None = None
 
 
 def set_default_page_locker(locker: PageLocker | None) -> None:
-    """Install the locker every store opened from now on uses (None: the built-in
-    :func:`page_lock_arena` again)."""
+    """Install the locker every store opened from now on uses (None: the store's own,
+    CUDA host registration, again)."""
     global _installed
     _installed = locker
 
 
-def default_page_locker() -> PageLocker:
-    """The locker a store opened now uses."""
-    return _installed if _installed is not None else page_lock_arena
+def default_page_locker() -> PageLocker | None:
+    """The locker installed with :func:`set_default_page_locker`; None when the store
+    uses its own."""
+    return _installed

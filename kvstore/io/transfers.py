@@ -24,6 +24,7 @@ from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.io import native_slots
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.io.coalesce import reread_failed
+from kvstore.io.device_copies import HOST_COPIER, DeviceCopier
 from kvstore.io.protocol import IOEngine, IoOp
 from kvstore.io.slots import (
     PutItem,
@@ -57,58 +58,6 @@ LONE_OFFLOAD_BYTES = 4 << 20
 PIECE_BYTES = 8 << 20
 
 
-class _HostCopies:
-    """Neither kvstore's CUDA library nor torch can drive a device: ``deliver`` copies
-    itself (a tensor that only says it is on a device, e.g. a test's stand-in)."""
-
-    sink = None
-
-    def __bool__(self) -> bool:
-        return False
-
-    async def wait(self) -> None:
-        return
-
-
-def device_copies() -> Any:
-    """The collector of a read chunk's copies into CUDA outputs: kvstore's CUDA library's
-    (:class:`kvstore.cuda.copies.DeviceCopies`: eventfd completion, FP8 decoded on the
-    GPU) when it is usable, else torch's (:class:`kvstore.cuda.torch_copies.TorchCopies`:
-    a side stream, an event waited for on a worker thread).  Imported here, on first
-    use: a store without CUDA outputs never loads kvstore.cuda."""
-    from kvstore.cuda import available
-
-    if available():
-        from kvstore.cuda.copies import DeviceCopies
-
-        return DeviceCopies()
-    from kvstore.cuda import torch_copies
-
-    return torch_copies.TorchCopies() if torch_copies.usable() else _HostCopies()
-
-
-async def device_values_to_host(values: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-    """A put's values with tensors on a device copied to page-locked host memory by
-    stream-ordered copies, awaited, never a synchronize: kvstore's CUDA library's
-    (:func:`kvstore.cuda.copies.to_host`, eventfd) or, without it, torch's
-    (:func:`kvstore.cuda.torch_copies.to_host`).  Host values are returned as they are
-    (``values`` itself when none is on a device).  A value on a device neither can
-    drive (only a stand-in) is copied by torch as it can."""
-    if not any(isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")
-               for v in values):
-        return values
-    from kvstore.cuda import available, torch_copies
-
-    if available():
-        from kvstore.cuda.copies import to_host
-
-        values = await to_host(values)
-    elif torch_copies.usable():
-        values = await torch_copies.to_host(values)
-    return [v.detach().to("cpu") if isinstance(v, torch.Tensor)
-            and v.device.type not in ("cpu", "meta") else v for v in values]
-
-
 async def offloaded(nbytes: int, fn: Callable[..., T], *args: Any, alone: bool = False,
                     limiter: anyio.CapacityLimiter | None = None) -> T:
     """``fn(*args)`` on a worker thread when it touches ``nbytes`` >= OFFLOAD_BYTES (or,
@@ -124,8 +73,9 @@ class Transfers:
     """Moves slots between the caller's blocks, the staging arena and the extent files."""
 
     def __init__(self, engine: IOEngine, arena: Arena, fds: dict[int, int], *,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+                 piece_bytes: int = PIECE_BYTES, copier: DeviceCopier = HOST_COPIER) -> None:
         self.engine, self.arena = engine, arena
+        self.copier = copier  # device copies: the store's (kvstore/io/device_copies.py)
         self._fds = fds  # extent id -> descriptor; the store adds extents as it grows
         # Chunks of a few MiB, so that staging the next overlaps the device moving this one.
         self._chunk_bytes = max(min(arena.size // 4, 8 << 20), PAGE)
@@ -385,7 +335,7 @@ class Transfers:
 
         async def read_chunk(whole: ArenaRun, batch: list[tuple[int, IndexEntry, ArenaRun]]) -> None:
             self._chunks_active += 1
-            copies = device_copies() if device_outs else None
+            copies = self.copier.copies() if device_outs else None
             try:
                 ops = [IoOp(self._fds[e.extent], e.offset, run) for _, e, run in batch]
                 res = await self.engine.read(ops)

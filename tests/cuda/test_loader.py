@@ -17,7 +17,7 @@ from kvstore import cuda
 from kvstore.cuda import _lib
 from kvstore.cuda.build import BuildResult
 from kvstore.cuda.device import DeviceBuffer, Stream
-from kvstore.cuda.pinned import PinnedPool
+from kvstore.cuda.page_locked import PageLockedPool
 from tests.conformance import SMALL_EXTENT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def test_public_probe_is_false_with_a_reason(use_built_runtime: _lib.Runtime) ->
     assert cuda.available() is False
     assert cuda.reason() == use_built_runtime.reason
     s = cuda.stats()
-    assert s["path"] == "cpu" and s["library"] is not None and s["pinned_bytes"] == 0
+    assert s["path"] == "cpu" and s["library"] is not None and s["page_locked_bytes"] == 0
 
 
 def test_device_objects_raise_a_clear_error(use_built_runtime: _lib.Runtime) -> None:
@@ -69,7 +69,7 @@ def test_device_objects_raise_a_clear_error(use_built_runtime: _lib.Runtime) -> 
         DeviceBuffer(16)
     with pytest.raises(cuda.CudaError, match="no usable CUDA device"):
         Stream()
-    pool = PinnedPool(limit_bytes=1 << 20)
+    pool = PageLockedPool(limit_bytes=1 << 20)
     with pytest.raises(cuda.CudaError):
         pool.register(4096, 4096, "test")
     assert pool.registered_bytes == 0 and pool.regions == 0
@@ -97,7 +97,7 @@ async def test_store_falls_back_and_says_why(tmp_path: Path, use_built_runtime: 
         assert store.stats().cuda == "cuda: not used (page_lock_staging=False)"
 
 
-async def test_store_requiring_pinned_staging_refuses_to_open(
+async def test_store_requiring_page_locked_staging_refuses_to_open(
         tmp_path: Path, use_built_runtime: _lib.Runtime) -> None:
     if _has_device(use_built_runtime):
         pytest.skip("this machine has a CUDA device")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.cuda import paged
-from kvstore.cuda.pinned import pool
+from kvstore.cuda.page_locked import pool
 from kvstore.io.arena import Arena
 from tests.cuda.standin import StandInLibrary
 

@@ -22,13 +22,13 @@ import pytest
 import torch
 
 import kvstore
+from kvstore._cuda_path import CUDA_COPIER
 from kvstore.codecs import pipeline as codecs
 from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda import _lib, copies, paged
 from kvstore.cuda.mover import Mover
 from kvstore.errors import UnsupportedTensorError
-from kvstore.io.transfers import device_values_to_host
 from tests.cuda.standin import OnDevice, StandInGpu
 
 pytestmark = pytest.mark.anyio
@@ -112,7 +112,7 @@ async def test_a_puts_device_values_reach_the_host_by_awaited_copies(
     blocks = _blocks(2, 4096, seed=1)
     values = [b.clone().as_subclass(OnDevice) for b in blocks]
     OnDevice.log.clear()
-    staged = await device_values_to_host(values)
+    staged = await CUDA_COPIER.to_host(values)
     assert [type(t) for t in staged] == [torch.Tensor, torch.Tensor]
     assert all(s.device.type == "cpu" and torch.equal(s, b) for s, b in zip(staged, blocks))
     assert gpu_keeping_up.syncs == [] and OnDevice.log == []
@@ -125,7 +125,7 @@ async def test_a_puts_device_values_reach_the_host_by_awaited_copies(
 
 async def test_cpu_values_and_no_library_leave_values_alone(no_library: _lib.Runtime) -> None:
     cpu = _blocks(1, 64)
-    assert await device_values_to_host(cpu) is cpu
+    assert await CUDA_COPIER.to_host(cpu) is cpu
 
 
 async def test_put_many_of_device_tensors_never_synchronises(

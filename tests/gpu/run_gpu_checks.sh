@@ -22,7 +22,7 @@
 #              step under torch.cuda.set_sync_debug_mode("error"): step time saves on/off,
 #              GPU->NVMe and NVMe->GPU GB/s vs pin_memory() copies and fio, FP8 on the GPU;
 #              fails on any synchronising call or an FP8 payload unlike the CPU codec's
-#   benchmark  benchmarks/cuda_transfer.py: NVMe -> GPU through the pinned arena vs
+#   benchmark  benchmarks/cuda_transfer.py: NVMe -> GPU through the page-locked arena vs
 #              get_many + torch pin_memory().to('cuda')
 # Results: benchmarks/results/cuda_gpu_checks.md (+ cuda_mover.md/.json,
 # cuda_transfer.md/.json), written only

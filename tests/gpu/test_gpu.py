@@ -1,4 +1,4 @@
-"""GPU checks: kernels against the CPU reference, pinned arena, no leaks.
+"""GPU checks: kernels against the CPU reference, page-locked arena, no leaks.
 
 Skipped (not failed) unless kvstore.cuda is usable: the library is built (set
 KVSTORE_CUDA_LIB or run `python -m kvstore cuda build`) and a device is present.
@@ -26,7 +26,7 @@ from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from kvstore.cuda import fp8, paged
 from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.device import DeviceBuffer, Stream, copy_async
-from kvstore.cuda.pinned import pool
+from kvstore.cuda.page_locked import pool
 from kvstore.disk.format import SLOT_HEADER_BYTES
 from tests.conformance import SMALL_EXTENT
 from tests.realdata import require_kv_dir
@@ -256,20 +256,20 @@ def test_torch_cuda_gather_scatter(layout: paged.Layout, shape: tuple[int, ...])
         assert torch.equal(d.cpu(), w)
 
 
-# --------------------------------------------------------------------------- pinned arena
+# ---------------------------------------------------------------------- page-locked arena
 
 
 @pytest.mark.anyio
-async def test_pinned_arena_get_then_h2d(tmp_path: Path) -> None:
+async def test_page_locked_arena_get_then_h2d(tmp_path: Path) -> None:
     before = pool().registered_bytes
     block = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)  # 4 MiB of known bytes
     key = bytes(range(16))
     async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT * 4, staging_bytes=16 << 20,
                             page_lock_staging=True) as store:
-        assert store.stats().cuda.startswith("cuda: pinned arena (16777216 bytes) on device")
+        assert store.stats().cuda.startswith("cuda: page-locked arena (16777216 bytes) on device")
         assert pool().registered_bytes == before + store.arena.size
         await store.put(key, block)
-        # the store's read path lands the slot in the (pinned) arena; H2D straight from it
+        # the store's read path lands the slot in the (page-locked) arena; H2D straight from it
         (entry,) = store.index.get_entries([key])
         assert entry is not None
         run = await store.arena.acquire(entry.slot_len)
@@ -360,7 +360,7 @@ async def test_async_copy_completion_does_not_block_the_loop() -> None:
 
 @pytest.mark.anyio
 async def test_open_close_cycles_release_every_registration(tmp_path: Path) -> None:
-    from tests.cuda.test_pinned_hygiene import mapped
+    from tests.cuda.test_page_locked_hygiene import mapped
 
     async def cycles(n: int) -> None:
         for _ in range(n):
@@ -377,17 +377,17 @@ async def test_open_close_cycles_release_every_registration(tmp_path: Path) -> N
     assert after[0] - before[0] < 10 and after[1] - before[1] < (32 << 20), (before, after)
 
 
-def test_pinned_pool_is_bounded() -> None:
-    from kvstore.cuda.pinned import PinnedPool
+def test_page_locked_pool_is_bounded() -> None:
+    from kvstore.cuda.page_locked import PageLockedPool
     from kvstore.io.arena import Arena
 
     arena = Arena(1 << 20)
-    small = PinnedPool(limit_bytes=arena.size - 4096)
+    small = PageLockedPool(limit_bytes=arena.size - 4096)
     try:
-        with pytest.raises(cuda.CudaError, match="pinned-memory limit"):
+        with pytest.raises(cuda.CudaError, match="page-locked memory limit"):
             small.register(arena.address, arena.size, "test arena")
         assert small.regions == 0
-        ok = PinnedPool(limit_bytes=arena.size)
+        ok = PageLockedPool(limit_bytes=arena.size)
         ok.register(arena.address, arena.size, "test arena")
         assert ok.registered_bytes == arena.size
         ok.unregister(arena.address)

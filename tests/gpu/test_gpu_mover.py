@@ -16,12 +16,12 @@ import torch
 
 import kvstore
 from kvstore import cuda
+from kvstore._cuda_path import CUDA_COPIER
 from kvstore.codecs import pipeline as codecs
 from kvstore.codecs.pipeline import CodecSpec, KVLayout
 from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda import paged
 from kvstore.cuda.mover import Mover
-from kvstore.io.transfers import device_values_to_host
 
 pytestmark = [
     pytest.mark.skipif(not cuda.available(), reason=f"no CUDA: {cuda.reason()}"),
@@ -127,7 +127,7 @@ async def test_store_device_paths_never_synchronise(tmp_path: Path) -> None:
     keys = [bytes([i]) * 16 for i in range(3)]
     async with kvstore.open(tmp_path, extent_bytes=64 << 20) as store:
         with no_sync():
-            values = await device_values_to_host(blocks)
+            values = await CUDA_COPIER.to_host(blocks)
         await store.put_many(keys, values)
         outs = [torch.empty_like(b) for b in blocks]
         with no_sync():

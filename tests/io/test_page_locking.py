@@ -1,5 +1,5 @@
-"""Page-locking the staging arena: the store calls whatever locker is installed; the
-default loads kvstore.cuda only when a store asks for page-locking; ``pin_staging`` is the
+"""Page-locking the staging arena: the store calls whatever locker is installed; its own
+(CUDA host registration) loads kvstore.cuda only when a store asks for page-locking; ``pin_staging`` is the
 deprecated old name of ``page_lock_staging``."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 
 import kvstore
 import kvstore.store
+from kvstore import _cuda_path
 from kvstore.io import page_locking
 from kvstore.io.arena import Arena
 from kvstore.options import StoreOptions
@@ -59,8 +60,9 @@ def _open_and_stat(path: Path, **options: object) -> str:
     return anyio.run(main)
 
 
-def test_the_default_locker_is_cudas_loaded_on_first_use() -> None:
-    assert page_locking.default_page_locker() is page_locking.page_lock_arena
+def test_the_stores_own_locker_is_cudas_loaded_on_first_use() -> None:
+    assert page_locking.default_page_locker() is None  # none installed
+    assert _cuda_path.page_locker() is _cuda_path.page_lock
 
 
 def test_the_store_locks_through_the_installed_hook(tmp_path: Path, recorder: _Recorder) -> None:
@@ -108,12 +110,13 @@ def test_the_old_module_names_still_work(recorder: _Recorder) -> None:
         pinning = importlib.import_module("kvstore.pinning")
     assert pinning.default_pinner() is recorder
     pinning.set_default_pinner(None)
-    assert pinning.default_pinner() is page_locking.page_lock_arena
+    assert pinning.default_pinner() is None
+    assert _cuda_path.page_locker() is _cuda_path.page_lock
     assert pinning.ArenaPin is page_locking.ArenaPageLock
 
 
 def test_the_store_does_not_import_the_cuda_package() -> None:
-    for module in (kvstore.store, page_locking):
+    for module in (kvstore.store, _cuda_path, page_locking):
         source = Path(module.__file__ or "").read_text()
         imported = {node.module for node in ast.walk(ast.parse(source))
                     if isinstance(node, ast.ImportFrom) and node.module

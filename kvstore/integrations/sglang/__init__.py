@@ -13,11 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvstore.integrations.sglang.backend import KVStoreHiCache, KVStoreStorageStats
+    from kvstore.integrations.sglang.config import BackendConfig
 
-__all__ = ["KVStoreHiCache", "KVStoreStorageStats"]
+__all__ = ["BackendConfig", "KVStoreHiCache", "KVStoreStorageStats"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "BackendConfig":  # without SGLang
+        from kvstore.integrations.sglang.config import BackendConfig
+
+        return BackendConfig
     if name in __all__:
         from kvstore.integrations.sglang import backend
 

@@ -30,8 +30,9 @@ import torch
 from kvstore.codecs import result_buffers
 from kvstore.core.tier_ports import Block
 from kvstore.disk.format import IndexEntry
-from kvstore.io import page_locking
-from kvstore.io.transfers import device_copies, offloaded
+from kvstore.io.device_copies import DeviceCopier
+from kvstore.io.page_locking import PageLocker
+from kvstore.io.transfers import offloaded
 from kvstore.tiers.memory.cache import Cached, MemoryCache
 from kvstore.tiers.memory.prefetch import Prefetch
 
@@ -53,9 +54,10 @@ class MemoryTier:
     releases its region."""
 
     def __init__(self, host: TierHost, nbytes: int, prefetch_share: float,
-                 page_lock: bool | None) -> None:
+                 page_lock: bool | None, page_locker: PageLocker) -> None:
         """``nbytes`` of host RAM (``memory_bytes``); prefetched blocks not yet read take
-        at most ``prefetch_share`` of it; ``page_lock``: as ``page_lock_staging``."""
+        at most ``prefetch_share`` of it; ``page_lock``: as ``page_lock_staging``, done by
+        ``page_locker`` (the store's)."""
         self._host = host
         self._prefetch_share = prefetch_share
         self.cache = MemoryCache(nbytes, host.pinned)
@@ -64,7 +66,7 @@ class MemoryTier:
             # at page-zeroing speed): it is a cache, it fills anyway.
             self.cache.region.prefault_all()
             # page-locked like the staging arena, so a GPU load from memory goes by DMA
-            self._lock = page_locking.default_page_locker()(self.cache.region, page_lock)
+            self._lock = page_locker(self.cache.region, page_lock)
         except BaseException:
             self.cache.close()
             raise
@@ -106,13 +108,13 @@ class MemoryTier:
             self.cache.end_read(cached)
 
     async def copy_out(self, hits: Hits, outs: Sequence[torch.Tensor | None],
-                       results: list[torch.Tensor | None]) -> None:
+                       results: list[torch.Tensor | None], copier: DeviceCopier) -> None:
         """Copy taken hits into ``out`` tensors or new ones (recycled memory, as every
         get's new tensors); on a worker thread when large.  A contiguous CUDA ``out``
         gets one copy enqueued from the (page-locked) region on kvstore's copy stream,
-        awaited through the eventfd (:func:`kvstore.io.transfers.device_copies`), never a
-        synchronize; the hits stay marked as read until it completed."""
-        copies = device_copies() if any(_device_out(outs[i]) for i, _ in hits) else None
+        by ``copier`` (the store's), awaited through the eventfd, never a synchronize; the
+        hits stay marked as read until it completed."""
+        copies = copier.copies() if any(_device_out(outs[i]) for i, _ in hits) else None
         sink = None if copies is None else copies.sink
         on_host: Hits = []
         for i, cached in hits:

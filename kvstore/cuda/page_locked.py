@@ -1,21 +1,26 @@
-"""Pinned host memory: the staging arena registered with ``cudaHostRegister``.
+"""Page-locked host memory: the staging arena registered with ``cudaHostRegister``.
 
-kvstore never allocates pinned memory of its own: it registers the store's staging
+"Page-locked" is what CUDA calls host memory the device can DMA to and from (torch says
+"pinned"); kvstore keeps *pin* for the never-evict feature (``Store.pin``).
+
+kvstore never allocates page-locked memory of its own: it registers the store's staging
 arena (kvstore/io/arena.py), the same pages io_uring reads into, so a get lands where
 the GPU can DMA it with no extra host copy.  Hygiene, the recurring leak in peers
-(LMCache #1285, #2017: pinned buffers allocated per request, freed late or never):
+(LMCache #1285, #2017: pinned (page-locked) buffers allocated per request, freed late or never):
 
-* bounded: a process-wide :class:`PinnedPool` refuses registrations beyond
-  ``limit_bytes`` (``$KVSTORE_CUDA_PINNED_LIMIT``, default half of physical memory:
-  pinned pages cannot be swapped or reclaimed, so unbounded pinning starves the host);
+* bounded: a process-wide :class:`PageLockedPool` refuses registrations beyond
+  ``limit_bytes`` (``$KVSTORE_CUDA_PAGE_LOCKED_LIMIT``, default half of physical memory:
+  page-locked pages cannot be swapped or reclaimed, so unbounded page-locking starves the
+  host; the old name ``$KVSTORE_CUDA_PINNED_LIMIT`` is read, with a DeprecationWarning,
+  when the new one is unset, for one release);
 * registered once per arena, at open; unregistered at close, *before* the arena is
   unmapped (cudaHostUnregister of an unmapped range fails and leaves driver state);
 * an ``atexit`` hook unregisters whatever is still registered when the process exits
   without closing its stores.
 
-``pin_arena(arena, mode)`` is the store's hook: ``mode=None`` pins when CUDA is usable
-and otherwise just records why not; ``True`` requires it (raises :class:`CudaError`);
-``False`` never pins.  Registration goes through kvstore's CUDA library, or, where it
+``page_lock_arena(arena, mode)`` is the store's page locker: ``mode=None`` page-locks when
+CUDA is usable and otherwise just records why not; ``True`` requires it (raises
+:class:`CudaError`); ``False`` never page-locks.  Registration goes through kvstore's CUDA library, or, where it
 is not built but torch drives a GPU, through torch's binding of the same runtime call
 (``torch.cuda.cudart().cudaHostRegister``): the arena is then still page-locked for the
 copies :mod:`kvstore.cuda.torch_copies` makes from it.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import warnings
 from contextlib import suppress
 from dataclasses import dataclass
 
@@ -33,11 +39,18 @@ from kvstore.cuda._lib import CudaError, runtime
 from kvstore.cuda.device import on_device
 from kvstore.io.arena import Arena
 
-__all__ = ["ArenaPin", "PinnedPool", "pin_arena", "pool"]
+__all__ = ["LIMIT_ENV", "CudaArenaPageLock", "PageLockedPool", "page_lock_arena", "pool"]
+
+LIMIT_ENV = "KVSTORE_CUDA_PAGE_LOCKED_LIMIT"
+# Its name before "pin" came to mean only never-evict: still read for one release.
+_OLD_LIMIT_ENV = "KVSTORE_CUDA_PINNED_LIMIT"
 
 
 def _default_limit() -> int:
-    env = os.environ.get("KVSTORE_CUDA_PINNED_LIMIT")
+    env = os.environ.get(LIMIT_ENV)
+    if not env and (env := os.environ.get(_OLD_LIMIT_ENV)):
+        warnings.warn(f"{_OLD_LIMIT_ENV} is renamed {LIMIT_ENV}; the old name goes in the "
+                      "next release", DeprecationWarning, stacklevel=3)
     if env:
         return int(env)
     try:
@@ -73,7 +86,7 @@ def _torch_call(name: str, *args: int) -> None:
         raise CudaError(name, code, f"CUDA error {code} (through torch's cudart)")
 
 
-class PinnedPool:
+class PageLockedPool:
     """Every host range this process registered, with a byte budget."""
 
     def __init__(self, limit_bytes: int | None = None) -> None:
@@ -107,10 +120,10 @@ class PinnedPool:
                 raise ValueError(f"{owner}: range at {address:#x} is already registered")
             if self.registered_bytes + nbytes > self.limit_bytes:
                 raise CudaError("cudaHostRegister", -1,
-                                f"pinning {nbytes} more bytes for {owner} would exceed the "
-                                f"pinned-memory limit of {self.limit_bytes} bytes "
-                                f"({self.registered_bytes} in use); raise "
-                                "KVSTORE_CUDA_PINNED_LIMIT or use a smaller staging_bytes")
+                                f"page-locking {nbytes} more bytes for {owner} would exceed "
+                                f"the page-locked memory limit of {self.limit_bytes} bytes "
+                                f"({self.registered_bytes} in use); raise {LIMIT_ENV} or "
+                                "use a smaller staging_bytes")
             if via_torch:   # torch's current device; it keeps the thread's as it was
                 _torch_call("cudaHostRegister", address, nbytes, 0)
             else:
@@ -145,51 +158,54 @@ class PinnedPool:
                 self.unregister(address)
 
 
-_pool: PinnedPool | None = None
+_pool: PageLockedPool | None = None
 
 
-def pool() -> PinnedPool:
+def pool() -> PageLockedPool:
     global _pool
     if _pool is None:
-        _pool = PinnedPool()
+        _pool = PageLockedPool()
     return _pool
 
 
-class ArenaPin:
-    """The outcome of :func:`pin_arena`; ``status`` is what ``Store.stats().cuda`` shows."""
+class CudaArenaPageLock:
+    """The outcome of :func:`page_lock_arena` (a
+    :class:`kvstore.io.page_locking.ArenaPageLock`); ``status`` is what
+    ``Store.stats().cuda`` shows."""
 
-    def __init__(self, arena: Arena, status: str, pinned: bool) -> None:
-        self.arena, self.status, self.pinned = arena, status, pinned
+    def __init__(self, arena: Arena, status: str, locked: bool) -> None:
+        self.arena, self.status, self.locked = arena, status, locked
 
     def close(self) -> None:
         """Unregister (before the arena is unmapped).  Idempotent."""
-        if self.pinned:
-            self.pinned = False
+        if self.locked:
+            self.locked = False
             pool().unregister(self.arena.address)
-            self.status = "cuda: arena unpinned (store closed)"
+            self.status = "cuda: arena unlocked (store closed)"
 
 
-def pin_arena(arena: Arena, mode: bool | None) -> ArenaPin:
-    """Register ``arena`` as pinned memory per ``mode`` (module docstring)."""
+def page_lock_arena(arena: Arena, mode: bool | None) -> CudaArenaPageLock:
+    """Register ``arena`` as page-locked memory per ``mode`` (module docstring)."""
     if mode is False:
-        return ArenaPin(arena, "cuda: not used (page_lock_staging=False)", False)
+        return CudaArenaPageLock(arena, "cuda: not used (page_lock_staging=False)", False)
     rt = runtime()
     via_torch = not rt.usable and _torch_cudart() is not None
     if not rt.usable and not via_torch:
         if mode:
             raise CudaError("page_lock_staging=True", -1, rt.reason)
-        return ArenaPin(arena, f"cuda: unavailable ({rt.reason})", False)
+        return CudaArenaPageLock(arena, f"cuda: unavailable ({rt.reason})", False)
     try:
         pool().register(arena.address, arena.size, f"staging arena at {arena.address:#x}")
     except CudaError as e:
         if mode:
             raise
-        return ArenaPin(arena, f"cuda: arena not pinned ({e})", False)
+        return CudaArenaPageLock(arena, f"cuda: arena not page-locked ({e})", False)
     if via_torch:
         import torch
 
-        return ArenaPin(arena, f"cuda: pinned arena ({arena.size} bytes) on device "
-                               f"{torch.cuda.current_device()} through torch (kvstore's "
-                               f"CUDA library: {rt.reason})", True)
-    return ArenaPin(arena, f"cuda: pinned arena ({arena.size} bytes) on device {rt.device} "
-                           f"({rt.device_name})", True)
+        return CudaArenaPageLock(
+            arena, f"cuda: page-locked arena ({arena.size} bytes) on device "
+                   f"{torch.cuda.current_device()} through torch (kvstore's CUDA library: "
+                   f"{rt.reason})", True)
+    return CudaArenaPageLock(arena, f"cuda: page-locked arena ({arena.size} bytes) on device "
+                                    f"{rt.device} ({rt.device_name})", True)

@@ -1,7 +1,7 @@
-"""The data mover's save side (:mod:`kvstore.cuda.mover`): a step's blocks gathered
-layer by layer on the save stream into page-locked staging, or, with an FP8 codec,
-into whole blocks in device memory that ``end`` quantises, copying out only the
-payloads; bounded by the staging and the copy-out rate cap."""
+"""The data mover's copy out of the GPU, its save side (:mod:`kvstore.cuda.mover`): a
+step's blocks gathered layer by layer on the save stream into page-locked staging, or,
+with an FP8 codec, into whole blocks in device memory that ``end`` quantises, copying
+out only the payloads; bounded by the staging and the copy-out rate cap."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from kvstore.cuda.device import Notice
 from kvstore.cuda.mover_core import MoverCore
 from kvstore.cuda.staging import StagingPool
 
-__all__ = ["Saves"]
+__all__ = ["CopyOut"]
 
 _ALIGN = 16
 
@@ -30,7 +30,7 @@ def _up(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-class Saves:
+class CopyOut:
     """Saves of ``core``'s blocks through ``pool``; ``max_save_bytes_per_s`` caps the
     copy-out rate and ``max_save_bytes_per_batch`` one save's copy-out (a save over
     either is dropped whole).  Construct it on the core's device."""
@@ -165,7 +165,7 @@ class Saves:
                               ids, self._scratch.ptr, stream)
             if core.fp8:   # into the whole-block device scratch; quantised in end
                 dst = self._fp8_blocks.ptr + layer * layer_bytes
-            else:          # one DMA into the block-major pinned staging
+            else:          # one DMA into the block-major page-locked staging
                 dst = batch.lease.address + layer * layer_bytes
                 core.counts.copied_out_bytes += batch.n * layer_bytes
             lib.call("kvc_memcpy2d_async", dst, core.block_bytes, self._scratch.ptr,

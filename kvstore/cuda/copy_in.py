@@ -1,6 +1,7 @@
-"""The data mover's load side (:mod:`kvstore.cuda.mover`): staged blocks scattered into
-the cache layer by layer on the load stream, each layer's end recorded in an event the
-compute stream waits on (on the GPU) before attention reads the layer."""
+"""The data mover's copy into the GPU, its load side (:mod:`kvstore.cuda.mover`): staged
+blocks scattered into the cache layer by layer on the load stream, each layer's end
+recorded in an event the compute stream waits on (on the GPU) before attention reads
+the layer."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from kvstore.cuda.device import Notice
 from kvstore.cuda.mover_core import CaptureError, MoverCore
 from kvstore.cuda.staging import DeviceStagingPool, StagingPool
 
-__all__ = ["Loads"]
+__all__ = ["CopyIn"]
 
 
-class Loads:
+class CopyIn:
     """Loads into ``core``'s cache through ``pool`` (page-locked, or device memory on
     the GPU path).  Construct it on the core's device, after ``core.setup_device()``."""
 

@@ -1,8 +1,8 @@
-"""Opening and closing a store many times leaks no mapped (or pinned) memory.
+"""Opening and closing a store many times leaks no mapped (or page-locked) memory.
 
 On this CPU-only machine the registration itself cannot run, so the test measures what
 it can for real: the address space.  The staging arena is the memory that would be
-pinned; if a close failed to unmap it (or the LMDB map, or anything else), the
+page-locked; if a close failed to unmap it (or the LMDB map, or anything else), the
 mapping count and the mapped size of /proc/self/maps would grow with every cycle.
 RSS is not used: it depends on page faults, not on what stays mapped.  The GPU script
 (tests/gpu) repeats the cycles with real registration and checks the pool is empty.
@@ -17,7 +17,7 @@ import torch
 
 import kvstore
 from kvstore.cuda import _lib
-from kvstore.cuda.pinned import pool
+from kvstore.cuda.page_locked import pool
 from tests.conformance import SMALL_EXTENT
 
 pytestmark = pytest.mark.anyio
@@ -54,14 +54,14 @@ async def test_open_close_cycles_do_not_grow_mapped_memory(
         tmp_path: Path, use_built_runtime: _lib.Runtime) -> None:
     await _cycles(tmp_path, 3)                   # warm up: imports, thread pools, caches
     before = mapped()
-    pinned_before = pool().registered_bytes
+    locked_before = pool().registered_bytes
     await _cycles(tmp_path, CYCLES)
     after = mapped()
     # One leaked arena per cycle would be 50 mappings and 400 MiB; allow a little slack
     # for allocator arenas of threads that come and go.
     assert after[0] - before[0] < CYCLES // 5, (before, after)
     assert after[1] - before[1] < STAGING, (before, after)
-    assert pool().registered_bytes == pinned_before    # every registration was released
+    assert pool().registered_bytes == locked_before    # every registration was released
 
 
 async def test_arena_is_unmapped_at_close(tmp_path: Path) -> None:
