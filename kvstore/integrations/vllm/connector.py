@@ -56,8 +56,9 @@ already stored and copies the rest out of the paged KV
 (per layer in ``save_kv_layer``, once the layer's attention ran; any layer not seen
 there in ``wait_for_save``) into a staging tensor it hands to a background
 ``put_many``.  The step waits only for that copy.  The copy frees vLLM to
-reuse the blocks at once, so ``request_finished`` never delays freeing.  Pending saves
-are bounded (``max_pending_save_bytes``); at shutdown and at exit they are finished.
+reuse the blocks at once, so ``request_finished`` never delays freeing.  Saves in flight
+are bounded by their staging (``max_pending_save_bytes``: a save that finds none is
+dropped); at shutdown and at exit they are finished.
 
 *Loads* are asynchronous: a request with a hit waits in vLLM's
 ``WAITING_FOR_REMOTE_KVS`` while other requests keep running; the worker reads its blocks
@@ -105,9 +106,11 @@ vLLM's connector stats hooks (:mod:`kvstore.integrations.vllm.metrics`).
 *Code.*  This module holds the class vLLM instantiates, :class:`KVStoreConnector`, which
 checks the config, derives the key scope and hands each call to its role's half: the
 scheduler side in :mod:`kvstore.integrations.vllm.scheduler.side`, the worker side in
-:mod:`kvstore.integrations.vllm.worker.side`.  They share only the step metadata vLLM passes
-between them (:mod:`kvstore.integrations.vllm.metadata`); the open store and the
-connector's counters are :mod:`kvstore.integrations.vllm.open_store`.
+:mod:`kvstore.integrations.vllm.worker.side`, which is handed the step metadata the
+connector holds.  They share the step metadata vLLM passes between them
+(:mod:`kvstore.integrations.vllm.metadata`) and, in one process, the open store with the
+connector's counters (:mod:`kvstore.integrations.vllm.open_store`); neither side imports
+the other.
 """
 
 from __future__ import annotations
@@ -157,8 +160,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     """The connector class vLLM instantiates, once per role: it checks the config, derives
     the key scope both roles share, and hands every call to its role's half
     (:class:`~kvstore.integrations.vllm.scheduler.side.SchedulerSide` or
-    :class:`~kvstore.integrations.vllm.worker.side.WorkerSide`), which share nothing but the
-    step metadata vLLM passes between them."""
+    :class:`~kvstore.integrations.vllm.worker.side.WorkerSide`, handed the step metadata
+    bound here), which share the step metadata vLLM passes between them and, in one
+    process, the open store."""
 
     _cache_hit_source = CacheHitSource.DISK
 

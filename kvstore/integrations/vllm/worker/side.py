@@ -19,6 +19,10 @@ and an FP8 block is dequantised there, no host copy.  The save staging is bounde
 ``max_save_bytes_per_s`` or ``max_save_bytes_per_step``.  While the engine captures a
 CUDA graph nothing is enqueued: saves are dropped (counted), loads wait or fail
 (recomputed).
+
+This class keeps the KV layout and the key scope and hands each call to its concern:
+the loads (:mod:`kvstore.integrations.vllm.worker.loads`) or the copy-out for saves
+(:mod:`kvstore.integrations.vllm.worker.copy_out`).
 """
 
 from __future__ import annotations
