@@ -21,7 +21,7 @@ from kvstore.blocking import BlockingStore
 from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda.mover import SaveBatch
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.store import PutResult
+from kvstore.stats import PutResult
 
 __all__ = ["BackgroundPuts"]
 
