@@ -257,16 +257,16 @@ class KVStoreConnector(KVConnectorBase_V1):
     # the forward and clears it after): it never reaches back into the connector.
 
     def _bound(self) -> KVStoreConnectorMetadata | None:
-        """The step's metadata, if one is bound."""
+        """The step's metadata, if one of ours is bound."""
         if not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStoreConnectorMetadata)
-        return meta
+        return meta if isinstance(meta, KVStoreConnectorMetadata) else None
 
     def _step(self) -> KVStoreConnectorMetadata:
-        meta = self._bound()
-        assert meta is not None, "kvstore connector: no step metadata bound"
+        """The step's metadata (vLLM binds it before the forward's calls)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
         return meta
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
