@@ -296,53 +296,53 @@ def warn_once(what: str, message: str, *args: object) -> None:
         logger.warning(message, *args)
 
 
-def _join(shared: OpenStore, config: ConnectorConfig, engine_id: str) -> OpenStore:
+def _join(store: OpenStore, config: ConnectorConfig, engine_id: str) -> OpenStore:
     """One more user of an open store (caller holds ``_STORES_LOCK``)."""
-    if shared.engine_id != engine_id:
+    if store.engine_id != engine_id:
         raise ValueError(f"kvstore connector: the store at {config.path!r} is already "
-                         f"used by engine {shared.engine_id!r} in this process; give each "
+                         f"used by engine {store.engine_id!r} in this process; give each "
                          "engine a store directory of its own")
-    if shared.config != config:
+    if store.config != config:
         raise ValueError(f"kvstore connector: the store at {config.path!r} is already "
-                         f"open in this process with other options ({shared.config})")
-    shared.users += 1
-    return shared
+                         f"open in this process with other options ({store.config})")
+    store.users += 1
+    return store
 
 
 def find(config: ConnectorConfig, engine_id: str) -> OpenStore | None:
     """The store a worker of this engine opened at ``config.path`` in this process."""
     with _STORES_LOCK:
-        shared = _STORES.get(os.path.realpath(config.path))
-        return None if shared is None else _join(shared, config, engine_id)
+        store = _STORES.get(os.path.realpath(config.path))
+        return None if store is None else _join(store, config, engine_id)
 
 
 def acquire(config: ConnectorConfig, engine_id: str) -> OpenStore:
     key = os.path.realpath(config.path)
     with _STORES_LOCK:
-        shared = _STORES.get(key)
-        if shared is None:
+        store = _STORES.get(key)
+        if store is None:
             try:
-                shared = OpenStore(config, engine_id)
+                store = OpenStore(config, engine_id)
             except (KVStoreError, OSError, ValueError) as e:
                 raise RuntimeError(
                     f"kvstore connector: cannot open the store at {config.path!r}: "
                     f"{type(e).__name__}: {e}. Check kv_connector_extra_config['path'] "
                     "(a writable directory, not open in another process).") from e
-            _STORES[key] = shared
-            shared.users += 1
-            return shared
-        return _join(shared, config, engine_id)
+            _STORES[key] = store
+            store.users += 1
+            return store
+        return _join(store, config, engine_id)
 
 
-def release(shared: OpenStore) -> None:
+def release(store: OpenStore) -> None:
     with _STORES_LOCK:
-        shared.users -= 1
-        if shared.users > 0:
+        store.users -= 1
+        if store.users > 0:
             return
         for key, value in list(_STORES.items()):
-            if value is shared:
+            if value is store:
                 del _STORES[key]
-    shared.close()
+    store.close()
 
 
 def connector_stats(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -354,15 +354,15 @@ def connector_stats(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``load_failed_blocks`` the ones reported back to vLLM for recomputation.
     """
     with _STORES_LOCK:
-        shared = _STORES.get(os.path.realpath(os.fspath(path)))
-    if shared is None:
+        store = _STORES.get(os.path.realpath(os.fspath(path)))
+    if store is None:
         raise KeyError(f"no kvstore connector has the store at {os.fspath(path)!r} open "
                        "in this process")
-    shared.flush()
-    counters: dict[str, Any] = shared.counters
-    counters["namespace"] = None if shared.namespace is None else \
-        shared.namespace.canonical_json()
-    counters["store"] = shared.stats()
+    store.flush()
+    counters: dict[str, Any] = store.counters
+    counters["namespace"] = None if store.namespace is None else \
+        store.namespace.canonical_json()
+    counters["store"] = store.stats()
     return counters
 
 
@@ -371,5 +371,5 @@ def all_connector_stats() -> list[dict[str, Any]]:
     worker's: one; for ``LLM.collective_rpc`` when the workers are processes of their
     own)."""
     with _STORES_LOCK:
-        paths = [shared.config.path for shared in _STORES.values()]
+        paths = [store.config.path for store in _STORES.values()]
     return [connector_stats(p) for p in paths]

@@ -74,8 +74,8 @@ class SchedulerSide:
         self._client: LookupClient | RankLookups | None = None
         # vLLM builds the workers (which open the stores) before the scheduler: find a
         # single worker in this process, or ask every rank over its lookup socket.
-        self._shared: OpenStore | None = find(config, engine_id) if world == 1 else None
-        if self._shared is None:
+        self._open: OpenStore | None = find(config, engine_id) if world == 1 else None
+        if self._open is None:
             names = [socket_name(d, engine_id) for d in rank_dirs(config.path, world)]
             try:
                 self._client = LookupClient(names[0], engine_id, scope_digest) \
@@ -99,8 +99,8 @@ class SchedulerSide:
     def _count(self, **deltas: int) -> None:
         """Scheduler-side counters (and into the open store's when it is in this
         process, for connector_stats)."""
-        if self._shared is not None:
-            self._shared.count(**deltas)
+        if self._open is not None:
+            self._open.count(**deltas)
         for name, n in deltas.items():
             self.counts[name] += n
 
@@ -158,8 +158,8 @@ class SchedulerSide:
         epoch = self._scope_epoch
         if self._client is not None:
             return self._client.match(hashes, epoch)
-        assert self._shared is not None
-        return self._shared.match_hashes(hashes, epoch)
+        assert self._open is not None
+        return self._open.match_hashes(hashes, epoch)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -299,5 +299,5 @@ class SchedulerSide:
         self._lookups.close()  # before the client and store they ask
         if self._client is not None:
             self._client.close()
-        if self._shared is not None:
-            release(self._shared)
+        if self._open is not None:
+            release(self._open)
