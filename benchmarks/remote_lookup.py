@@ -1,12 +1,12 @@
 """How long a prefix lookup that goes to the remote tier holds vLLM's scheduler thread:
 answered synchronously (``lookup_wait_ms: null``) against the connector's wait budget
-(``kvstore.integrations.vllm.scheduler.async_lookup.Lookups``, 5 ms by default with a remote).
+(``kvstore.integrations.vllm.scheduler.lookup_pool.LookupPool``, 5 ms by default with a remote).
 
 On a loopback SeaweedFS cluster (the remote tests' fixture), store A saves ``chains``
 chains of ``blocks`` blocks and uploads them; store B, with an empty local disk and the
 same bucket, is asked about each chain once, as vLLM's scheduler asks the connector (from
 a thread, through a blocking portal, as the connector does).  Half of the chains
-(alternating) are asked synchronously, half through ``Lookups``; between two asks of a
+(alternating) are asked synchronously, half through ``LookupPool``; between two asks of a
 deferred lookup the "scheduler" runs a step of ``step_ms`` (a sleep: here it stands for
 the model's forward).  Reported per lookup: the longest single hold of the scheduler
 thread (what one step is delayed by), the total hold, and the steps until the answer.
@@ -30,7 +30,7 @@ import torch
 import kvstore
 from benchmarks.remote import run_on_cluster
 from kvstore.integrations.vllm.config import DEFAULT_REMOTE_LOOKUP_WAIT_S
-from kvstore.integrations.vllm.scheduler.async_lookup import Lookups
+from kvstore.integrations.vllm.scheduler.lookup_pool import LookupPool
 from kvstore.remote import RemoteConfig
 from tests.tiers.remote.cluster import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedCluster
 
@@ -76,7 +76,7 @@ def measure(cluster: SeaweedCluster, args: argparse.Namespace, root: str) -> lis
         def match(keys: list[bytes]) -> int:
             return int(portal.call(b.match_prefix, keys))
 
-        lookups = Lookups(match, DEFAULT_REMOTE_LOOKUP_WAIT_S)
+        lookups = LookupPool(match, DEFAULT_REMOTE_LOOKUP_WAIT_S)
         try:
             for i, keys in enumerate(chains):
                 mode = "sync" if i % 2 == 0 else "wait"

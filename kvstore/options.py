@@ -9,8 +9,8 @@ import warnings
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from kvstore.disk import permissions
 from kvstore.disk.format import PAGE
+from kvstore.disk.permissions import check_file_mode
 from kvstore.io.probe import ENGINES
 from kvstore.io.scheduler import IoSchedule
 
@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from kvstore.keys import Namespace
     from kvstore.tiers.remote.config import RemoteConfig
 
-__all__ = ["StoreOptions"]
+# ENGINES (the engine names ``engine`` takes) and check_file_mode (what ``file_mode``
+# takes, checked) are here for the engine integrations, which read them from configs.
+__all__ = ["ENGINES", "StoreOptions", "check_file_mode"]
 
 # Deprecated option names -> their new names (accepted by ``StoreOptions.of``, so by
 # ``open()`` and ``open_blocking()``, for one release).
@@ -159,7 +161,7 @@ class StoreOptions:
             raise TypeError(f"io_scheduling must be True, False or a kvstore.IoSchedule, "
                             f"got {self.io_scheduling!r}")
         if self.file_mode is not None:
-            permissions.check_file_mode(self.file_mode)
+            check_file_mode(self.file_mode)
 
     @property
     def pin_staging(self) -> bool | None:

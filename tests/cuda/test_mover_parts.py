@@ -71,7 +71,7 @@ def test_the_rate_cap_refills_at_its_rate_with_one_second_of_burst() -> None:
 
 def test_a_batch_tells_its_reader_the_mover_s_geometry() -> None:
     # The connector reads batch.mover's cuda, codec, dtype and block_shape
-    # (kvstore/integrations/vllm/worker/shared.py).
+    # (kvstore/integrations/vllm/worker/background_puts.py).
     layers = [torch.zeros(2, 4, 2, 1, 8) for _ in range(3)]
     m = mover.Mover(layers, "kv_first", staging_bytes=1 << 16, lib=None)
     batch = m.begin_save([1, 2])

@@ -20,11 +20,9 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from kvstore import IoSchedule
 from kvstore.codecs.pipeline import CodecSpec
-from kvstore.disk import permissions
-from kvstore.io.probe import ENGINES
-from kvstore.io.scheduler import IoSchedule
-from kvstore.options import StoreOptions
+from kvstore.options import ENGINES, StoreOptions, check_file_mode
 from kvstore.tiers.remote.config import RemoteConfig, read_hmac_key_file
 
 __all__ = ["CODECS", "INTEGRATION_SETS", "SECRETS", "STORE_KEYS", "codec_name", "file_mode",
@@ -166,7 +164,7 @@ def file_mode(value: object, who: str) -> int:
         except ValueError:
             mode = value
     try:
-        return permissions.check_file_mode(mode)
+        return check_file_mode(mode)
     except ValueError as e:
         raise ValueError(f"{who}: {e}") from None
 

@@ -44,7 +44,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,7 +55,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvstore.blocking import BlockingStore, open_blocking
 from kvstore.errors import KVStoreError
-from kvstore.integrations.sglang.config import BackendConfig, rank_dir
+from kvstore.integrations.common.extra_config import store_open_options
+from kvstore.integrations.sglang.config import BackendConfig, rank_store
+from kvstore.integrations.sglang.storage_stats import BatchStats, KVStoreStorageStats
 from kvstore.keys import Namespace
 
 __all__ = ["KVStoreHiCache", "KVStoreStorageStats"]
@@ -67,18 +68,6 @@ _P = "kvstore HiCache backend"
 # Layouts whose ``get_data_page(index, flat=False)`` is a view of one page of the pool.
 _LAYOUTS = {"layer_first", "page_first", "page_first_direct", "page_head"}
 _MARKER_BATCH = 64
-
-
-@dataclass
-class KVStoreStorageStats:
-    """What :meth:`KVStoreHiCache.get_stats` returns where SGLang's ``StorageMetrics``
-    cannot be imported: the same fields, plus ``kvstore`` (the store's counters)."""
-
-    prefetch_pgs: list[int] = field(default_factory=list)
-    backup_pgs: list[int] = field(default_factory=list)
-    prefetch_bandwidth: list[float] = field(default_factory=list)
-    backup_bandwidth: list[float] = field(default_factory=list)
-    kvstore: dict[str, Any] = field(default_factory=dict)
 
 
 class KVStoreHiCache(HiCacheStorage):
@@ -104,21 +93,17 @@ class KVStoreHiCache(HiCacheStorage):
         if not self.model:
             raise ValueError(f'{_P}: no model name: SGLang passed none; set "model" in the '
                              "extra config (it scopes the keys)")
-        self.path = rank_dir(
-            self.config.path, tp_rank=storage_config.tp_rank, tp_size=storage_config.tp_size,
-            pp_rank=storage_config.pp_rank, pp_size=storage_config.pp_size,
-            attn_cp_rank=storage_config.attn_cp_rank,
-            attn_cp_size=storage_config.attn_cp_size,
-            dp_rank=getattr(storage_config, "dp_rank", 0), replicated=self.is_mla)
+        # this rank's directory and share of the engine's capacity
+        self.path, store = rank_store(self.config, storage_config, replicated=self.is_mla)
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
-        self._lock = threading.Lock()  # guards the scope (clear) and the metrics lists
-        self._metrics = KVStoreStorageStats()
+        self._lock = threading.Lock()  # guards the scope (clear)
+        self._batches = BatchStats()
         self._pool: Any = None
         self._ns: Namespace | None = None
         self._segments = 1 if self.is_mla else 2
         self._seg_shape: tuple[int, ...] = ()
         self._page_bytes = 0
-        self._store: BlockingStore = open_blocking(self.path, **self.config.open_options())
+        self._store: BlockingStore = open_blocking(self.path, **store_open_options(store))
         logger.info("%s: store %s (engine %s), model %r", _P, self.path,
                     self._store.stats().engine, self.model)
 
@@ -246,7 +231,8 @@ class KVStoreHiCache(HiCacheStorage):
         ok = self._put(self._keys(keys), self._page_views(host_indices, len(keys)),
                        extra_info)
         if ok and self.enable_metrics:
-            self._record(False, len(keys), time.perf_counter() - start)
+            self._batches.record(False, len(keys), len(keys) * self._page_bytes,
+                                 time.perf_counter() - start)
         return [ok] * len(keys)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -260,7 +246,8 @@ class KVStoreHiCache(HiCacheStorage):
         hits = [all(got[i * self._segments:(i + 1) * self._segments])
                 for i in range(len(keys))]
         if self.enable_metrics:
-            self._record(True, sum(hits), time.perf_counter() - start)
+            self._batches.record(True, sum(hits), sum(hits) * self._page_bytes,
+                                 time.perf_counter() - start)
         return hits
 
     # ------------------------------------------------------------------ pre-v1 calls
@@ -328,19 +315,8 @@ class KVStoreHiCache(HiCacheStorage):
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` (pages and GB/s per batch since the last call)
-        with the store's counters in ``.kvstore``."""
-        with self._lock:
-            taken, self._metrics = self._metrics, KVStoreStorageStats()
-        taken.kvstore = _counters(self._store)
-        try:
-            from sglang.srt.observability.metrics_collector import StorageMetrics
-        except ImportError:  # a partial SGLang install (the tests'): same fields
-            return taken
-        metrics = StorageMetrics(prefetch_pgs=taken.prefetch_pgs, backup_pgs=taken.backup_pgs,
-                                 prefetch_bandwidth=taken.prefetch_bandwidth,
-                                 backup_bandwidth=taken.backup_bandwidth)
-        metrics.kvstore = taken.kvstore
-        return metrics
+        with the store's counters in ``.kvstore`` (:meth:`BatchStats.take`)."""
+        return self._batches.take(self._store)
 
     def close(self) -> None:
         """Close the store (SGLang calls it on detach and shutdown); idempotent.
@@ -375,27 +351,3 @@ class KVStoreHiCache(HiCacheStorage):
             logger.warning("%s: loading %d blocks failed: %s", _P, len(keys), e)
             return [False] * len(keys)
         return [g is not None for g in got]
-
-    def _record(self, get: bool, pages: int, seconds: float) -> None:
-        gbps = pages * self._page_bytes / max(seconds, 1e-9) / 1e9
-        with self._lock:
-            if get:
-                self._metrics.prefetch_pgs.append(pages)
-                self._metrics.prefetch_bandwidth.append(gbps)
-            else:
-                self._metrics.backup_pgs.append(pages)
-                self._metrics.backup_bandwidth.append(gbps)
-
-
-def _counters(store: BlockingStore) -> dict[str, Any]:
-    s = store.stats()
-    names = ("blocks", "stored_bytes", "disk_bytes", "capacity_bytes", "used_bytes", "puts",
-             "put_blocks", "put_bytes", "dedup_blocks", "gets", "hits", "misses", "read_bytes",
-             "corrupt_blocks", "read_errors", "quarantined_blocks", "evicted_blocks",
-             "evicted_bytes", "memory_hits", "dropped_puts", "dropped_blocks", "commits")
-    out: dict[str, Any] = {name: getattr(s, name) for name in names}
-    out["read_only"] = s.read_only
-    out["engine"] = s.engine
-    if s.remote:
-        out["remote"] = dict(s.remote)
-    return out

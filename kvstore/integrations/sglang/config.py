@@ -1,5 +1,6 @@
 """Options of the SGLang HiCache backend (``--hicache-storage-backend-extra-config``),
-checked up front, and where each SGLang rank keeps its store.
+checked up front, and where each SGLang rank keeps its store, with which share of the
+engine's capacity.
 
 Kept apart from :mod:`kvstore.integrations.sglang` so that it imports without SGLang (and
 is unit-tested in the main test environment).  docs/sglang.md has the launch line.
@@ -21,10 +22,11 @@ from kvstore.integrations.common.extra_config import (
     store_open_options,
     store_options,
 )
+from kvstore.integrations.common.ranks import rank_options
 from kvstore.options import StoreOptions
 from kvstore.tiers.remote.config import RemoteConfig
 
-__all__ = ["CODECS", "SGLANG_KEYS", "BackendConfig", "rank_dir"]
+__all__ = ["CODECS", "SGLANG_KEYS", "BackendConfig", "rank_dir", "rank_store"]
 
 # Keys of the extra config that are SGLang's own: the factory's (dynamic loading) and the
 # cache controller's.  Accepted and left to SGLang.
@@ -59,7 +61,9 @@ class BackendConfig:
     logs), attached once the key scope is known.  The backend's own:
 
     ``path``            store directory (created if missing); each SGLang rank process
-                        has its own below it when there are several (:func:`rank_dir`).
+                        has its own below it when there are several (:func:`rank_dir`),
+                        and ``capacity_bytes`` and ``memory_bytes`` are then split
+                        between them (:func:`rank_store`).
     ``background_saves``  False (default): every ``batch_set`` is written before it
                         returns (SGLang's backup thread waits, the forward pass does
                         not).  True: under backpressure (``backlog_bytes``) a batch is
@@ -142,3 +146,20 @@ def rank_dir(path: str, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: in
     if dp_rank:
         parts.append(f"dp{dp_rank}")
     return os.path.join(path, "-".join(parts)) if parts else path
+
+
+def rank_store(config: BackendConfig, storage_config: Any, *, replicated: bool
+               ) -> tuple[str, StoreOptions]:
+    """The store directory of this SGLang rank process (:func:`rank_dir`) and its store
+    options: the engine's capacity and memory tier split between the rank processes
+    that share the disk (TP x PP x attention CP), by the rule of every integration
+    (:func:`kvstore.integrations.common.ranks.rank_options`).  Data-parallel attention
+    groups are not counted: SGLang does not tell a backend how many there are (give
+    ``capacity_bytes`` per group with them)."""
+    sc = storage_config
+    path = rank_dir(config.path, tp_rank=sc.tp_rank, tp_size=sc.tp_size,
+                    pp_rank=sc.pp_rank, pp_size=sc.pp_size, attn_cp_rank=sc.attn_cp_rank,
+                    attn_cp_size=sc.attn_cp_size, dp_rank=getattr(sc, "dp_rank", 0),
+                    replicated=replicated)
+    ranks = (1 if replicated else sc.tp_size) * sc.pp_size * sc.attn_cp_size
+    return path, rank_options(config.store, path, ranks, _P)

@@ -1,6 +1,7 @@
 """The vLLM (v1) KV connector: the class vLLM instantiates (``connector``:
 ``KVStoreConnector``, both roles), what its two sides share (``config``, ``metadata``,
-``metrics``, ``scope``, ``lookup``, ``ranks``) and the two sides
+``metrics``, ``scope``, ``ranks``, the lookup socket ``lookup_socket`` and the open store
+``open_store``) and the two sides
 (:mod:`kvstore.integrations.vllm.scheduler`, :mod:`kvstore.integrations.vllm.worker`).
 Modules at this level may import the public API, :mod:`kvstore.codecs`, the remote
 tier's options and :mod:`kvstore.integrations.common`; the connector also both sides.

@@ -37,7 +37,7 @@ stored (``match_prefix``: an index lookup, no data read) without ever computing 
 when the worker is in the same process (vLLM's default for one GPU worker, or
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) it shares the worker's handle; otherwise (the
 multiprocess executor, vLLM's default on CPU) it asks the worker over a local socket
-(:mod:`kvstore.integrations.vllm.lookup`), which answers only the scheduler of its own
+(:mod:`kvstore.integrations.vllm.lookup_socket`), which answers only the scheduler of its own
 engine and key scope.
 
 *Tensor/pipeline parallel.*  Each rank (worker process) keeps its own shard of every
@@ -56,8 +56,9 @@ already stored and copies the rest out of the paged KV
 (per layer in ``save_kv_layer``, once the layer's attention ran; any layer not seen
 there in ``wait_for_save``) into a staging tensor it hands to a background
 ``put_many``.  The step waits only for that copy.  The copy frees vLLM to
-reuse the blocks at once, so ``request_finished`` never delays freeing.  Pending saves
-are bounded (``max_pending_save_bytes``); at shutdown and at exit they are finished.
+reuse the blocks at once, so ``request_finished`` never delays freeing.  Saves in flight
+are bounded by their staging (``max_pending_save_bytes``: a save that finds none is
+dropped); at shutdown and at exit they are finished.
 
 *Loads* are asynchronous: a request with a hit waits in vLLM's
 ``WAITING_FOR_REMOTE_KVS`` while other requests keep running; the worker reads its blocks
@@ -65,7 +66,7 @@ in the background (``start_load_kv`` starts the read into a private buffer), and
 the read is done (``get_finished``) copies the verified leading blocks into the paged KV
 cache and reports the request finished.  A lookup claims no more blocks than the load
 staging holds, and a load that finds the staging busy waits for room instead of failing
-(:mod:`kvstore.integrations.vllm.worker.loads`).  kvstore answers a block that fails its
+(:mod:`kvstore.integrations.vllm.worker.background_loads`).  kvstore answers a block that fails its
 checksum as a miss (and quarantines it); the first failed block and everything after it
 are reported through ``get_block_ids_with_load_errors`` in the same step, and vLLM
 recomputes from there (this needs ``kv_load_failure_policy="recompute"``, checked at
@@ -105,9 +106,11 @@ vLLM's connector stats hooks (:mod:`kvstore.integrations.vllm.metrics`).
 *Code.*  This module holds the class vLLM instantiates, :class:`KVStoreConnector`, which
 checks the config, derives the key scope and hands each call to its role's half: the
 scheduler side in :mod:`kvstore.integrations.vllm.scheduler.side`, the worker side in
-:mod:`kvstore.integrations.vllm.worker.side`.  They share only the step metadata vLLM passes
-between them (:mod:`kvstore.integrations.vllm.metadata`); the open store and the
-connector's counters are :mod:`kvstore.integrations.vllm.worker.shared`.
+:mod:`kvstore.integrations.vllm.worker.side`, which is handed the step metadata the
+connector holds.  They share the step metadata vLLM passes between them
+(:mod:`kvstore.integrations.vllm.metadata`) and, in one process, the open store with the
+connector's counters (:mod:`kvstore.integrations.vllm.open_store`); neither side imports
+the other.
 """
 
 from __future__ import annotations
@@ -125,15 +128,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.metrics import (
-    SCHEDULER_COUNTERS,
     STORE_COUNTERS,
     STORE_GAUGES,
     KVStoreConnectorStats,
     KVStorePromMetrics,
 )
+from kvstore.integrations.vllm.open_store import all_connector_stats, connector_stats
 from kvstore.integrations.vllm.scheduler.side import SchedulerSide
 from kvstore.integrations.vllm.scope import model_scope, scope_digest
-from kvstore.integrations.vllm.worker.shared import all_connector_stats, connector_stats
 from kvstore.integrations.vllm.worker.side import WorkerSide
 
 if TYPE_CHECKING:
@@ -158,8 +160,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     """The connector class vLLM instantiates, once per role: it checks the config, derives
     the key scope both roles share, and hands every call to its role's half
     (:class:`~kvstore.integrations.vllm.scheduler.side.SchedulerSide` or
-    :class:`~kvstore.integrations.vllm.worker.side.WorkerSide`), which share nothing but the
-    step metadata vLLM passes between them."""
+    :class:`~kvstore.integrations.vllm.worker.side.WorkerSide`, handed the step metadata
+    bound here), which share the step metadata vLLM passes between them and, in one
+    process, the open store."""
 
     _cache_hit_source = CacheHitSource.DISK
 
@@ -195,8 +198,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.WORKER:
-            self._worker = WorkerSide(self, vllm_config, kv_cache_config, config, scope,
-                                      digest, engine_id)
+            self._worker = WorkerSide(vllm_config, kv_cache_config, config, scope, digest,
+                                      engine_id)
         else:
             self._scheduler = SchedulerSide(vllm_config, config, scope, digest, engine_id)
 
@@ -250,21 +253,37 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.bind_connector_metadata(connector_metadata)
 
+    # The worker side is handed the step's metadata bound here (vLLM binds it before
+    # the forward and clears it after): it never reaches back into the connector.
+
+    def _bound(self) -> KVStoreConnectorMetadata | None:
+        """The step's metadata, if one of ours is bound."""
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, KVStoreConnectorMetadata) else None
+
+    def _step(self) -> KVStoreConnectorMetadata:
+        """The step's metadata (vLLM binds it before the forward's calls)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        return meta
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._work.start_load_kv(forward_context, **kwargs)
+        self._work.start_load_kv(self._step())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._work.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        self._work.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        self._work.save_kv_layer(self._step(), layer_name)
 
     def wait_for_save(self) -> None:
-        self._work.wait_for_save()
+        self._work.wait_for_save(self._bound())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._work.get_finished(finished_req_ids)
+        return self._work.get_finished(self._bound())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.get_block_ids_with_load_errors()
@@ -279,11 +298,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._worker is None:
             counts, rank = dict(self._sched.counts), "scheduler"
         else:
-            shared = self._worker.store
-            with shared._lock:
-                counts = {k: v for k, v in shared.counters.items()
-                          if k not in SCHEDULER_COUNTERS}
-                samples, shared.load_seconds = shared.load_seconds, []
+            counts, samples = self._worker.open.take_worker_counts()
             rank = self._rank
         delta = {k: v - self._reported.get(k, 0) for k, v in counts.items()
                  if v != self._reported.get(k, 0)}
@@ -293,8 +308,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         stats = KVStoreConnectorStats()
         stats.add(rank, delta, load_seconds=samples)
         if self._worker is not None:  # the store's own numbers, sampled when something changed
-            shared = self._worker.store
-            store = shared.stats()
+            store = self._worker.open.stats()
             stats.set_gauges(rank, {g: store[g] for g in STORE_GAUGES})
             totals = {c: int(store[c]) for c in STORE_COUNTERS}
             stats.add(rank, {f"store_{c}": n - self._reported_store.get(c, 0)

@@ -42,7 +42,7 @@ from typing import Any
 
 from kvstore.integrations.common.fingerprint import FingerprintError, fingerprint_weights
 from kvstore.integrations.vllm.config import CODECS, ConnectorConfig
-from kvstore.integrations.vllm.lookup import SCOPE_BYTES
+from kvstore.integrations.vllm.lookup_socket import SCOPE_BYTES
 
 __all__ = ["FingerprintError", "LoraScopes", "model_scope", "scope_digest", "scoped_hash"]
 

@@ -89,7 +89,7 @@ def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str,
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvstore.integrations.vllm.worker.loads import BackgroundLoads
+    from kvstore.integrations.vllm.worker.background_loads import BackgroundLoads
 
     gate, started = threading.Event(), threading.Event()
     original = BackgroundLoads.start
@@ -128,7 +128,7 @@ def abort_in_flight(llm: Any, prompt: str, other: str, params: Any) -> dict[str,
             engine.step()
         held = pool.get_num_free_blocks()
         (out,) = llm.generate([other], params, use_tqdm=False)  # the load is still held
-        loading_while_held = len(worker._worker.loads.loading)
+        loading_while_held = len(worker._worker.loads.background.loading)
     finally:
         BackgroundLoads.start = original  # type: ignore[method-assign]
         gate.set()
@@ -314,7 +314,7 @@ def main(spec_path: str, result_path: str) -> None:
         held = result["abort_in_flight"]
         held["free_after"] = llm.llm_engine.engine_core.engine_core.scheduler \
             .kv_cache_manager.block_pool.get_num_free_blocks()
-        held["loading_after"] = len(held.pop("worker")._worker.loads.loading)
+        held["loading_after"] = len(held.pop("worker")._worker.loads.background.loading)
     if spec.get("store") is not None:
         from kvstore.integrations.vllm import connector_stats
 

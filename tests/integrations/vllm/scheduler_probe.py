@@ -41,11 +41,6 @@ class _Log(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-class _Conn:
-    def _get_connector_metadata(self) -> None:
-        return None
-
-
 def main(model: str, store: str) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
@@ -71,8 +66,8 @@ def main(model: str, store: str) -> None:
                                      "load_staging_bytes": 1 << 20})
     scope = model_scope(config, cc)
     digest = scope_digest(scope)
-    worker = WorkerSide(_Conn(), config, SimpleNamespace(num_blocks=num_blocks),  # type: ignore[arg-type]
-                        cc, scope, digest, "probe")
+    worker = WorkerSide(config, SimpleNamespace(num_blocks=num_blocks), cc, scope, digest,
+                        "probe")
     worker.register_kv_caches({f"model.layers.{i}.self_attn.attn":
                                torch.zeros(2, num_blocks, bs, 2, 32) for i in range(2)})
     sched = SchedulerSide(config, cc, scope, digest, "probe")

@@ -106,7 +106,7 @@ class Probe:
         extra.update(options)
         self.now = 0.0   # the rate cap's clock, in seconds
         self.conn = Conn()
-        self.ws = WorkerSide(self.conn, vllm_config,  # type: ignore[arg-type]
+        self.ws = WorkerSide(vllm_config,  # type: ignore[arg-type]
                              SimpleNamespace(num_blocks=NUM_BLOCKS),
                              ConnectorConfig.from_extra(extra), (("weights", "w"),),
                              b"\0" * 16, "probe")
@@ -145,14 +145,14 @@ class Probe:
         if lookup is not None:
             lookup[1].result()
         self.forward(meta)
-        self.ws.wait_for_save()
+        self.ws.wait_for_save(self.conn.meta)
 
     def forward(self, meta: KVStoreConnectorMetadata) -> None:
-        self.ws.start_load_kv(None)  # type: ignore[arg-type]
+        self.ws.start_load_kv(meta)
         for li, name in enumerate(self.names):
             self.ws.wait_for_layer_load(name)
             self.device_work(lambda li=li: self.plain[li].copy_(self.fresh[li]))
-            self.ws.save_kv_layer(name, self.layers[li], None)  # type: ignore[arg-type]
+            self.ws.save_kv_layer(meta, name)
 
     def mover_stats(self) -> dict[str, int]:
         assert self.ws.mover is not None
@@ -186,25 +186,24 @@ def save_with_the_store_busy(p: Probe, meta: KVStoreConnectorMetadata,
     forward_done.set()
     gate.set()
     held.result()
-    p.ws.wait_for_save()
+    p.ws.wait_for_save(p.conn.meta)
 
 
 def copy_out_caps(p: Probe) -> list[list[int]]:
     """Save steps against the caps, the clock moved only where said: per step, the
     blocks the mover copied out and the connector's dropped blocks."""
     seen: list[list[int]] = []
-    stats = p.ws.store.counters
     fresh = iter(range(0x10, 0x40))
 
     def step(ids: list[int], advance: float) -> None:
         p.now += advance - 10   # (step() moves the clock 10 s on its own)
-        before, dropped = p.mover_stats()["saved_blocks"], stats["save_dropped_blocks"]
+        before, dropped = p.mover_stats()["saved_blocks"], p.ws.open.counters["save_dropped_blocks"]
         p.step(KVStoreConnectorMetadata(saves=[Save(b, bytes([next(fresh)]) * 16, None)
                                                for b in ids]))
         p.run_gpu()
         p.ws.store.flush()
         seen.append([p.mover_stats()["saved_blocks"] - before,
-                     stats["save_dropped_blocks"] - dropped])
+                     p.ws.open.counters["save_dropped_blocks"] - dropped])
 
     step([0, 1, 2], 10)    # a full bucket (3.5 blocks): taken, 0.5 left
     step([4], 0)           # no time passed: 1 block is over the rate: dropped
@@ -221,7 +220,7 @@ def load_larger_than_the_staging(mode: str, path: str, async_loads: bool) -> dic
     p = Probe(mode, path, None, async_loads, load_staging_bytes=BLOCK_BYTES)
     ws = p.ws
     assert ws.mover is not None
-    cap = ws.store.load_max_blocks   # (one: the option as given, not the page it takes)
+    cap = ws.open.load_max_blocks   # (one: the option as given, not the page it takes)
     n = cap + 1
     assert 2 * n <= NUM_BLOCKS, (cap, NUM_BLOCKS)
     hashes = [bytes([i + 1]) * 16 for i in range(n)]
@@ -230,28 +229,28 @@ def load_larger_than_the_staging(mode: str, path: str, async_loads: bool) -> dic
     p.run_gpu()
     ws.store.flush()
     out: dict[str, Any] = {"cap": cap}
-    counters = dict(ws.store.counters)
+    counters = dict(ws.open.counters)
     targets = list(range(n, 2 * n))
     if async_loads:
         p.conn.meta = KVStoreConnectorMetadata(loads=[Load("r", targets, hashes)])
         ws.bind_connector_metadata(p.conn.meta)
-        ws.start_load_kv(None)  # type: ignore[arg-type]
-        ws.loads.loading["r"].future.result()   # the background read is done
-        out["finished"] = sorted(ws.get_finished(set())[1] or ())
+        ws.start_load_kv(p.conn.meta)
+        ws.loads.background.loading["r"].future.result()   # the background read is done
+        out["finished"] = sorted(ws.get_finished(p.conn.meta)[1] or ())
     else:
-        out["read_ahead_hit"] = hit = ws.store.match_hashes(hashes)
+        out["read_ahead_hit"] = hit = ws.open.match_hashes(hashes)
         targets = targets[:hit]             # what vLLM schedules for that hit
         p.conn.meta = KVStoreConnectorMetadata(loads=[Load("r", targets, hashes[:hit])])
         ws.bind_connector_metadata(p.conn.meta)
-        ws.start_load_kv(None)  # type: ignore[arg-type]
+        ws.start_load_kv(p.conn.meta)
     p.run_gpu()
     out["load_errors"] = [b - n for b in sorted(ws.get_block_ids_with_load_errors())]
     out["loaded_ok"] = torch.equal(paged.gather_reference(p.plain, targets[:cap], "kv_first"),
                                    paged.gather_reference(p.fresh, list(range(cap)),
                                                           "kv_first"))
-    out["counters"] = {k: ws.store.counters[k] - counters[k] for k in (
+    out["counters"] = {k: ws.open.counters[k] - counters[k] for k in (
         "loaded_blocks", "load_failed_blocks", "load_no_staging_blocks")}
-    out["failed_keys"] = len(ws.store.failed_keys)   # none: no block was doubted
+    out["failed_keys"] = len(ws.open.failed_keys)   # none: no block was doubted
     p.conn.meta = None
     ws.shutdown()
     return out
@@ -270,39 +269,39 @@ def busy_load_staging(mode: str, path: str) -> dict[str, Any]:
         Save(i, h, hashes[i - 1] if i else None) for i, h in enumerate(hashes)]))
     p.run_gpu()
     ws.store.flush()
-    out: dict[str, Any] = {"cap": ws.store.load_max_blocks}
-    counters = dict(ws.store.counters)
-    out["lookup_hit"] = ws.store.match_hashes(hashes)
+    out: dict[str, Any] = {"cap": ws.open.load_max_blocks}
+    counters = dict(ws.open.counters)
+    out["lookup_hit"] = ws.open.match_hashes(hashes)
     finished: list[list[str]] = []
 
     def load_step(loads: list[Load]) -> None:
         p.conn.meta = KVStoreConnectorMetadata(loads=loads)
         ws.bind_connector_metadata(p.conn.meta)
-        ws.start_load_kv(None)  # type: ignore[arg-type]
+        ws.start_load_kv(p.conn.meta)
         p.run_gpu()
 
     def finish_ready() -> None:
-        for inflight in list(ws.loads.loading.values()):
+        for inflight in list(ws.loads.background.loading.values()):
             if inflight.future is not None:
                 inflight.future.result()   # the background read is done
-        finished.append(sorted(ws.get_finished(set())[1] or ()))
+        finished.append(sorted(ws.get_finished(p.conn.meta)[1] or ()))
         p.run_gpu()
 
     load_step([Load("a", [6, 7], hashes[:2]), Load("b", [8, 9], hashes[:2])])
-    out["waiting_after_start"] = [r for r, f in ws.loads.loading.items() if f.future is None]
+    out["waiting_after_start"] = [r for r, f in ws.loads.background.loading.items() if f.future is None]
     finish_ready()      # a copied in; b started into the staging a gave back
     finish_ready()      # b copied in
     out["loaded_ok"] = all(torch.equal(
         paged.gather_reference(p.plain, ids, "kv_first"),
         paged.gather_reference(p.fresh, [0, 1], "kv_first")) for ids in ([6, 7], [8, 9]))
     load_step([Load("c", [10, 11], hashes[:2]), Load("d", [4, 5], hashes[:2])])
-    out["waiting_before_move"] = [r for r, f in ws.loads.loading.items() if f.future is None]
+    out["waiting_before_move"] = [r for r, f in ws.loads.background.loading.items() if f.future is None]
     p.conn.meta = KVStoreConnectorMetadata(scope_epoch=1, weights="w2")  # a weight update
     ws.bind_connector_metadata(p.conn.meta)
     finish_ready()
     out["finished"] = finished
     out["load_errors"] = sorted(ws.get_block_ids_with_load_errors())
-    out["counters"] = {k: ws.store.counters[k] - counters[k] for k in (
+    out["counters"] = {k: ws.open.counters[k] - counters[k] for k in (
         "load_blocks", "loaded_blocks", "load_failed_blocks", "load_deferred_blocks",
         "load_no_staging_blocks")}
     p.conn.meta = None
@@ -348,11 +347,11 @@ def main() -> None:
     out["save_host_copies"] = list(OnDevice.log)
     p.run_gpu()                      # the GPU gets there: copies, copy-done callback
     ws.store.flush()
-    keys = ws._keys(hashes)
+    keys = ws.open.keys(hashes)
     assert keys is not None
     got = ws.store.get_many(keys, [None, None])  # type: ignore[list-item]
     want = paged.gather_reference(p.fresh, ids, "kv_first")
-    spec = ws.store.store.codec
+    spec = ws.store.blocking.store.codec
     if spec is not None:   # what the CPU codec's payload of the same values decodes to
         want = torch.stack([codecs.decode(*codecs.encode(w, spec), w.dtype, tuple(w.shape))
                             for w in want])
@@ -373,14 +372,14 @@ def main() -> None:
 
     # ---- save step 3, two stored blocks and a new one, the store's loop busy again:
     # all three copied out, the put writes one and deduplicates two (counted so)
-    counters = dict(ws.store.counters)
+    counters = dict(ws.open.counters)
     save_with_the_store_busy(p, KVStoreConnectorMetadata(saves=[
         Save(3, hashes[0], None), Save(7, hashes[1], hashes[0]),
         Save(6, b"\x06" * 16, hashes[1])]), {})
     p.run_gpu()
     ws.store.flush()
     out["late_step_copied_blocks"] = p.mover_stats()["saved_blocks"] - after["saved_blocks"]
-    out["late_step_counters"] = {k: ws.store.counters[k] - counters[k] for k in (
+    out["late_step_counters"] = {k: ws.open.counters[k] - counters[k] for k in (
         "save_blocks", "saved_blocks", "save_dedup_blocks", "save_lookup_late_steps")}
 
     # ---- a load step into other blocks; attention reads each layer after its wait
@@ -393,19 +392,19 @@ def main() -> None:
     if "--async" in flags:
         p.conn.meta = KVStoreConnectorMetadata(loads=[load])
         ws.bind_connector_metadata(p.conn.meta)
-        ws.start_load_kv(None)  # type: ignore[arg-type]
-        ws.loads.loading["r1"].future.result()   # the background read is done
-        finished = ws.get_finished(set())[1]
+        ws.start_load_kv(p.conn.meta)
+        ws.loads.background.loading["r1"].future.result()   # the background read is done
+        finished = ws.get_finished(p.conn.meta)[1]
         out["async_finished"] = sorted(finished or ())
         p.conn.meta = KVStoreConnectorMetadata()   # the request's next step
         ws.bind_connector_metadata(p.conn.meta)
     else:
         # vLLM's scheduler looks the request up first: the hit is read (and verified)
         # ahead, then start_load_kv of the step that scheduled it scatters it.
-        out["read_ahead_hit"] = ws.store.match_hashes(hashes)
+        out["read_ahead_hit"] = ws.open.match_hashes(hashes)
         p.conn.meta = KVStoreConnectorMetadata(loads=[load])
         ws.bind_connector_metadata(p.conn.meta)
-        ws.start_load_kv(None)  # type: ignore[arg-type]
+        ws.start_load_kv(p.conn.meta)
     if gpu is not None:
         gpu.auto = False
     seen: list[torch.Tensor] = []
@@ -439,13 +438,13 @@ def main() -> None:
         gpu.begin_capture(COMPUTE)
         p.step(KVStoreConnectorMetadata(saves=[Save(8, b"\x04" * 16, None)]))
         p.step(KVStoreConnectorMetadata(loads=[Load("r2", [11], [b"\x05" * 16])]))
-        out["capture_finished"] = ws.get_finished(set())[1]   # (none in a capture)
+        out["capture_finished"] = ws.get_finished(p.conn.meta)[1]   # (none in a capture)
         gpu.end_capture(COMPUTE)
         out["captured"] = list(gpu.captured)
         out["capture_syncs"] = p.syncs()
         if "--async" in flags:   # the refused load is reported once the capture ended
-            ws.loads.loading["r2"].future.result()
-            out["capture_finished"] = sorted(ws.get_finished(set())[1] or ())
+            ws.loads.background.loading["r2"].future.result()
+            out["capture_finished"] = sorted(ws.get_finished(p.conn.meta)[1] or ())
         out["capture_load_errors"] = sorted(ws.get_block_ids_with_load_errors())
         out["capture_skipped_saves"] = ws.mover.stats().capture_skipped_saves
 
@@ -454,7 +453,7 @@ def main() -> None:
 
     p.conn.meta = None
     ws.shutdown()
-    stats = ws.store.counters
+    stats = ws.open.counters
     out["counters"] = {k: stats[k] for k in (
         "save_blocks", "saved_blocks", "save_dropped_blocks", "save_dedup_blocks",
         "save_lookup_late_steps", "loaded_blocks", "load_failed_blocks")}

@@ -2,7 +2,7 @@
 stored), the loads and saves each step hands the workers (:mod:`kvstore.integrations.vllm.metadata`), and
 the key scope's moves after a weight update (``reset_cache``).  It never opens a
 store: it shares the worker's when they run in one process, or asks every rank's worker
-over its lookup socket (:mod:`kvstore.integrations.vllm.lookup`).
+over its lookup socket (:mod:`kvstore.integrations.vllm.lookup_socket`).
 
 A weight update has two caches to clear: vLLM's own prefix cache and the store.  vLLM
 calls ``reset_cache`` even when it refused its own reset (a request still held blocks),
@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.lookup import LookupClient, RankLookups, socket_name
+from kvstore.integrations.vllm.lookup_socket import LookupClient, RankLookups, socket_name
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, Load, Save
 from kvstore.integrations.vllm.metrics import SCHEDULER_COUNTERS
+from kvstore.integrations.vllm.open_store import OpenStore, find, release, warn_once
 from kvstore.integrations.vllm.ranks import rank_dirs
-from kvstore.integrations.vllm.scheduler.async_lookup import Lookups
-from kvstore.integrations.vllm.scheduler.saves import SaveMark, plan_saves
+from kvstore.integrations.vllm.scheduler.lookup_pool import LookupPool
+from kvstore.integrations.vllm.scheduler.save_plan import SaveMark, plan_saves
 from kvstore.integrations.vllm.scheduler.stale import StaleCache
 from kvstore.integrations.vllm.scope import LoraScopes, Scope, model_scope, scoped_hash
-from kvstore.integrations.vllm.worker.shared import SharedStore, find, release, warn_once
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -68,14 +68,14 @@ class SchedulerSide:
         self._scope_epoch = 0
         self._weights = dict(scope)["weights"]
         self._lora = LoraScopes(config.weights_fingerprint)
-        # Counters reported to vLLM by this side (also added to the shared store's, when
+        # Counters reported to vLLM by this side (also added to the open store's, when
         # it is in this process, for connector_stats()).
         self.counts = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         self._client: LookupClient | RankLookups | None = None
         # vLLM builds the workers (which open the stores) before the scheduler: find a
         # single worker in this process, or ask every rank over its lookup socket.
-        self._shared: SharedStore | None = find(config, engine_id) if world == 1 else None
-        if self._shared is None:
+        self._open: OpenStore | None = find(config, engine_id) if world == 1 else None
+        if self._open is None:
             names = [socket_name(d, engine_id) for d in rank_dirs(config.path, world)]
             try:
                 self._client = LookupClient(names[0], engine_id, scope_digest) \
@@ -87,7 +87,7 @@ class SchedulerSide:
                     f"over its lookup socket ({e}); the workers open the stores and must "
                     "start first, on this host") from e
         self._requests: dict[str, _RequestState] = {}
-        self._lookups = Lookups(self._match, config.lookup_wait_s())
+        self._lookups = LookupPool(self._match, config.lookup_wait_s())
         self._pending_loads: list[Load] = []
         self._stale = StaleCache()
 
@@ -97,10 +97,10 @@ class SchedulerSide:
         self._stale.pool = pool
 
     def _count(self, **deltas: int) -> None:
-        """Scheduler-side counters (and into the shared store's when it is in this
+        """Scheduler-side counters (and into the open store's when it is in this
         process, for connector_stats)."""
-        if self._shared is not None:
-            self._shared.count(**deltas)
+        if self._open is not None:
+            self._open.count(**deltas)
         for name, n in deltas.items():
             self.counts[name] += n
 
@@ -154,12 +154,12 @@ class SchedulerSide:
         return tokens, tokens > 0 and self._config.async_loads
 
     def _match(self, hashes: list[bytes]) -> int:
-        """A lookup, on a lookup thread (or this one: ``Lookups`` with no wait)."""
+        """A lookup, on a lookup thread (or this one: ``LookupPool`` with no wait)."""
         epoch = self._scope_epoch
         if self._client is not None:
             return self._client.match(hashes, epoch)
-        assert self._shared is not None
-        return self._shared.match_hashes(hashes, epoch)
+        assert self._open is not None
+        return self._open.match_hashes(hashes, epoch)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -203,7 +203,7 @@ class SchedulerSide:
 
     def _plan_saves(self, state: _RequestState, computed: int, scheduled: int,
                     meta: KVStoreConnectorMetadata) -> None:
-        """Plan the request's blocks from its save mark on (:mod:`kvstore.integrations.vllm.scheduler.saves`)."""
+        """Plan the request's blocks from its save mark on (:mod:`kvstore.integrations.vllm.scheduler.save_plan`)."""
         if state.frozen or state.stale:
             return
         hashes = self._hashes(state.request)
@@ -299,5 +299,5 @@ class SchedulerSide:
         self._lookups.close()  # before the client and store they ask
         if self._client is not None:
             self._client.close()
-        if self._shared is not None:
-            release(self._shared)
+        if self._open is not None:
+            release(self._open)

@@ -1,179 +1,146 @@
-"""The vLLM connector worker's background loads (``async_loads``, the default): each
-request's blocks read from the store into the data mover's load staging while other
-requests run, copied into the paged KV cache once read (``get_finished``).  Part of
-:class:`~kvstore.integrations.vllm.worker.side.WorkerSide`.
+"""The vLLM connector worker's loads, per step: in the background (``async_loads``, the
+default: :mod:`kvstore.integrations.vllm.worker.background_loads`) or synchronously, the
+blocks the scheduler's lookup read and verified (:meth:`.WorkerStore.read_ahead`)
+copied into the KV cache in ``start_load_kv``, before the forward.  Part of
+:class:`~kvstore.integrations.vllm.worker.side.WorkerSide`; kept apart from the saves.
 
-*Staging.*  The load staging (``load_staging_bytes``) is bounded.  A lookup claims no
-more blocks than it holds (:meth:`.SharedStore.match_hashes`), so every load fits it
-when it is empty; a load that finds no room *now* (other loads in flight hold it) waits
-for room, in arrival order, started at a later step once loads before it have been
-copied in (``load_deferred_blocks``).  Failing it instead would make vLLM recompute or
-look the request up again, only to find the staging as busy: with staging for two
-blocks and a few requests at once that was most lookups and most claimed blocks failed
-for every block loaded.  The request simply stays in vLLM's ``WAITING_FOR_REMOTE_KVS``
-a little longer, holding its KV blocks, as it would for a slow disk.
-
-*Failure.*  vLLM recomputes what a load reports failed (``errors``): the first block
-that did not arrive and every block after it.  A load read under a key scope the
-connector has left since (a weight update) is failed whole, as is one asked for while
-the engine captures a CUDA graph (reported once the capture is over).
+Every load ends one way (:meth:`StepLoads.land`): the leading blocks that arrived are
+copied into the KV cache through the data mover, the first that did not and every block
+after it are reported to vLLM as load errors (it recomputes them), the failure is
+recorded once with the open store (:meth:`.OpenStore.load_failed`: keys that keep
+failing are answered as misses), and the load is counted.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from contextlib import suppress
-from dataclasses import dataclass
 
 import torch
 
 from kvstore.cuda.mover import LoadBatch
-from kvstore.integrations.vllm.metadata import Load
-from kvstore.integrations.vllm.worker.shared import SharedStore
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, Load
+from kvstore.integrations.vllm.open_store import warn_once
+from kvstore.integrations.vllm.worker.background_loads import BackgroundLoads, Read, arrived
+from kvstore.integrations.vllm.worker.store import WorkerStore
 
-__all__ = ["BackgroundLoads", "arrived"]
+__all__ = ["StepLoads"]
 
-# How long a step that runs no forward waits for a background load before returning
-# (vLLM calls again at once while a request waits for its KV: this keeps that loop from
-# spinning, and costs nothing while other requests run, since they never wait).
-IDLE_WAIT_S = 0.05
-
-KeysFn = Callable[[Sequence[bytes]], "list[bytes] | None"]
 CopyIn = Callable[[torch.Tensor, "LoadBatch | None", list[int]], None]
 
 
-def arrived(got: Sequence[torch.Tensor | None]) -> int:
-    """How many leading blocks of a load arrived (``got`` may be shorter than the load:
-    the prefix its staging held)."""
-    return next((i for i, g in enumerate(got) if g is None), len(got))
+class StepLoads:
+    """One worker's loads.  The worker hands it ``copy_in`` (staged blocks into the KV
+    cache at block ids, through the mover), ``block_bytes`` (one block of every layer)
+    and ``capturing`` (a CUDA graph capture is under way)."""
 
-
-@dataclass
-class _InFlight:
-    load: Load
-    keys: list[bytes] | None
-    scope_epoch: int  # the key scope it is read under
-    started_ns: int
-    buffer: torch.Tensor | None = None
-    future: Future[list[torch.Tensor | None]] | None = None  # None: waits for staging
-    staging: LoadBatch | None = None  # the mover's staging ``buffer`` lies in
-
-
-class BackgroundLoads:
-    """Background loads of one worker (module docstring).  The worker hands it the
-    operations it needs: ``keys`` (vLLM hashes to store keys, None when there are none
-    yet), ``copy_in`` (staged blocks into the KV cache at block ids, through the
-    mover), ``block_bytes`` (one block of every layer) and ``capturing`` (a CUDA graph
-    capture is under way)."""
-
-    def __init__(self, store: SharedStore, keys: KeysFn, copy_in: CopyIn,
+    def __init__(self, store: WorkerStore, config: ConnectorConfig, copy_in: CopyIn,
                  block_bytes: Callable[[], int], capturing: Callable[[], bool]) -> None:
-        self.store = store
-        self._keys, self._copy_in = keys, copy_in
-        self._block_bytes, self._capturing = block_bytes, capturing
-        # In arrival order: those waiting for staging start in that order.
-        self.loading: OrderedDict[str, _InFlight] = OrderedDict()
-        self.errors: set[int] = set()  # block ids that failed to load, for vLLM
+        self._store, self._open, self._config = store, store.open, config
+        self._copy_in, self._block_bytes, self._capturing = copy_in, block_bytes, capturing
+        self.background = BackgroundLoads(store, self.land, capturing)
+        self._errors: set[int] = set()  # of synchronous loads
+        # A synchronous load failed in this step: its forward read unloaded blocks.
+        self.step_failed = False
 
-    def start(self, load: Load) -> None:
-        """Start reading ``load``'s blocks, or queue it until the staging has room."""
-        n = len(load.block_ids)
-        store = self.store
-        store.count(load_blocks=n)
-        keys = self._keys(load.hashes)
-        inflight = _InFlight(load, keys, store.scope_epoch, time.perf_counter_ns())
-        self.loading[load.req_id] = inflight
-        if keys is None or not n or self._capturing():
-            self._fail_now(inflight)   # no KV registered, nothing to load, a capture
+    def start(self, meta: KVStoreConnectorMetadata) -> None:
+        """Start this step's loads in the background, or with ``async_loads`` off copy
+        them into the KV cache now, before the forward."""
+        if self._config.async_loads:
+            # (In a CUDA graph capture such a load fails, reported in finished()
+            # after the capture, and is recomputed.)
+            for load in meta.loads:
+                self.background.start(load)
             return
-        self._start_waiting()
-        if inflight.future is None:
-            store.count(load_deferred_blocks=n)
+        self.step_failed = False
+        if self._capturing():
+            self._refuse_in_capture(meta)
+            return
+        self._store.next_step()
+        for load in meta.loads:
+            self._load_now(load)
 
-    def _fail_now(self, inflight: _InFlight) -> None:
-        inflight.future = Future()
-        inflight.future.set_result([None] * len(inflight.load.block_ids))
+    def _refuse_in_capture(self, meta: KVStoreConnectorMetadata) -> None:
+        """Synchronous loads asked for during a graph capture (vLLM's own dummy steps
+        bring none) fail: vLLM recomputes their blocks."""
+        if not meta.loads:
+            return
+        warn_once("capture-loads", "kvstore connector: %d loads asked for while the "
+                  "engine captures a CUDA graph; their blocks are recomputed",
+                  len(meta.loads))
+        self.step_failed = True
+        for load in meta.loads:
+            n = len(load.block_ids)
+            self._open.count(load_blocks=n, load_failed_blocks=n)
+            self._errors.update(load.block_ids)
 
-    def _start_waiting(self) -> None:
-        """Start the loads waiting for staging, in order, while it has room."""
-        store = self.store
-        for inflight in self.loading.values():
-            if inflight.future is not None:
-                continue
-            if inflight.scope_epoch != store.scope_epoch or store.suspended:
-                self._fail_now(inflight)   # its keys are of weights no longer loaded
-                continue
-            n = len(inflight.load.block_ids)
-            target = store.load_target(n, defer=True)
-            if target is None:
-                return
-            inflight.buffer, inflight.staging = target  # (the prefix the staging holds)
-            assert inflight.keys is not None
-            inflight.future = store.start_get(inflight.keys[:len(inflight.buffer)],
-                                              list(inflight.buffer.unbind(0)))
+    def _load_now(self, load: Load) -> None:
+        """A synchronous load: the blocks its lookup read and verified.  Should they be
+        gone (never, in vLLM's order of calls), they are read now; blocks that fail are
+        load errors: vLLM recomputes them and drops this step's output of the request;
+        this step saves nothing."""
+        n = len(load.block_ids)
+        start = time.perf_counter_ns()
+        self._open.count(load_blocks=n)
+        keys = self._open.keys(load.hashes)
+        if self._open.suspended is not None:
+            keys = None  # the weights changed under these keys: nothing is loaded
+        prepared = None if keys is None else self._store.take_prepared(keys)
+        target = prepared if prepared is not None or keys is None or not n else \
+            self._store.load_target(n)
+        blocks, staging = (None, None) if target is None else target
+
+        def read() -> Sequence[torch.Tensor | None]:
+            if blocks is None or keys is None:
+                return []
+            if prepared is not None:
+                return list(blocks.unbind(0))  # read and verified by the lookup
+            # (the prefix the load staging holds; the rest is computed)
+            return self._store.get_many(keys[:len(blocks)], list(blocks.unbind(0)))
+
+        failed = self.land(load, keys, read, blocks, staging, start, sample=False)
+        if failed:
+            self.step_failed = True
+            self._errors.update(failed)
+
+    def land(self, load: Load, keys: list[bytes] | None, read: Read,
+             blocks: torch.Tensor | None, staging: LoadBatch | None, started_ns: int,
+             *, sample: bool) -> list[int]:
+        """The end of every load (module docstring): ``read`` gives the blocks read into
+        ``blocks`` (lying in ``staging``, which goes back), or raises what the read
+        raised (a miss: vLLM computes).  ``sample``: the load's time goes into vLLM's
+        histogram (a synchronous load's read was sampled by its lookup).  Returns the
+        block ids that failed."""
+        error: Exception | None = None
+        try:
+            got = read()
+        except Exception as e:  # noqa: BLE001 - a failed read is a miss, recorded
+            got, error = [], e
+        ok = arrived(got)
+        self._open.load_failed(keys, ok, len(got), error)
+        if ok:
+            assert blocks is not None
+            self._copy_in(blocks, staging, load.block_ids[:ok])
+        elif staging is not None:
+            staging.release()
+        failed = load.block_ids[ok:]
+        elapsed = time.perf_counter_ns() - started_ns
+        self._open.count(loaded_blocks=ok, load_failed_blocks=len(failed), load_ns=elapsed,
+                         loaded_bytes=ok * self._block_bytes())
+        if sample:
+            self._open.record_load(elapsed / 1e9)
+        return failed
 
     def finished(self, idle: bool) -> set[str] | None:
-        """The requests whose load is done, their arrived blocks copied into the KV
-        cache (the rest in ``errors``).  ``idle``: the step runs no forward, so wait a
-        little for a load rather than have vLLM call again at once."""
-        if not self.loading or self._capturing():  # (copied in after the capture)
-            return None
-        self._start_waiting()
-        futures = [f.future for f in self.loading.values() if f.future is not None]
-        if idle and futures and not any(f.done() for f in futures):
-            wait(futures, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
-        done = [req_id for req_id, f in self.loading.items()
-                if f.future is not None and f.future.done()]
-        for req_id in done:
-            self._finish(self.loading.pop(req_id))
-        if done:
-            self._start_waiting()   # into the staging those loads gave back
-        return set(done) or None
+        """The requests whose background load is done (:meth:`BackgroundLoads.finished`)."""
+        return self.background.finished(idle)
 
-    def _finish(self, inflight: _InFlight) -> None:
-        """Copy a finished load's verified leading blocks into the KV cache and record
-        the first failed block and everything after it as load errors."""
-        load, store = inflight.load, self.store
-        assert inflight.future is not None
-        # Read under the keys of weights no longer loaded: nothing of it is used.
-        moved = inflight.scope_epoch != store.scope_epoch or store.suspended is not None
-        try:
-            got = [] if moved else inflight.future.result()
-        except Exception as e:  # a failed read is a miss: vLLM recomputes
-            store.load_raised(inflight.keys or [], e)
-            got = []
-        ok = arrived(got)
-        if inflight.staging is not None and ok < len(got):  # (no staging then, or a
-            note_failed(store, inflight.keys, ok)  # load larger: no reason to doubt it)
-        if ok:
-            assert inflight.buffer is not None
-            self._copy_in(inflight.buffer, inflight.staging, load.block_ids[:ok])
-        elif inflight.staging is not None:
-            inflight.staging.release()
-        failed = load.block_ids[ok:]
-        self.errors.update(failed)
-        elapsed = time.perf_counter_ns() - inflight.started_ns
-        store.count(loaded_blocks=ok, load_failed_blocks=len(failed), load_ns=elapsed,
-                    loaded_bytes=ok * self._block_bytes())
-        store.record_load(elapsed / 1e9)
+    def take_errors(self) -> set[int]:
+        """The block ids whose load failed since the last call, of every load."""
+        errors = self._errors | self.background.errors
+        self._errors, self.background.errors = set(), set()
+        return errors
 
     def close(self) -> None:
-        """Wait for the reads in flight (their buffers, not vLLM's blocks) and give their
-        staging back; forget the loads waiting for staging."""
-        for inflight in self.loading.values():
-            if inflight.future is not None:
-                with suppress(Exception):  # a failed load frees its buffer too
-                    inflight.future.result()
-            if inflight.staging is not None:
-                inflight.staging.release()
-        self.loading.clear()
-
-
-def note_failed(store: SharedStore, keys: list[bytes] | None, ok: int) -> None:
-    """A load's block ``ok`` failed (a miss, unreadable, quarantined): make sure no
-    lookup promises it again (:meth:`SharedStore.load_failed`)."""
-    if keys is not None and ok < len(keys) and store.suspended is None:
-        store.load_failed(keys[ok])
+        self.background.close()

@@ -17,7 +17,7 @@ from kvstore.codecs.pipeline import CodecSpec
 from kvstore.cuda.mover import Mover
 from kvstore.cuda.paged import Layout
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.worker.shared import warn_once
+from kvstore.integrations.vllm.open_store import warn_once
 
 __all__ = ["load_blocks", "make_mover"]
 

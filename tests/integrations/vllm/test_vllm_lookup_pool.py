@@ -1,4 +1,4 @@
-"""The scheduler's lookups with a wait budget (kvstore.integrations.vllm.scheduler.async_lookup).
+"""The scheduler's lookups with a wait budget (kvstore.integrations.vllm.scheduler.lookup_pool).
 
 The lookup function is held at a gate (a threading.Event) where a test needs a lookup to
 be still running; tests wait on the lookup's own future, never on a clock.  The connector
@@ -14,7 +14,7 @@ from concurrent.futures import wait
 import pytest
 
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.scheduler.async_lookup import MAX_PENDING, Lookups
+from kvstore.integrations.vllm.scheduler.lookup_pool import MAX_PENDING, LookupPool
 
 
 class GatedMatch:
@@ -42,7 +42,7 @@ def match() -> Iterator[GatedMatch]:
     m.gate.set()  # never leave a pool thread parked
 
 
-def settle(lookups: Lookups, request_id: str, *, held: bool = False) -> None:
+def settle(lookups: LookupPool, request_id: str, *, held: bool = False) -> None:
     """Wait until the lookup held for ``request_id`` (if any; ``held``: there must be
     one) has returned."""
     future = lookups.running(request_id)
@@ -57,14 +57,14 @@ def hashes(n: int, tag: bytes = b"h") -> list[bytes]:
 
 def test_without_a_wait_every_lookup_runs_on_the_callers_thread(match: GatedMatch) -> None:
     match.gate.set()
-    lookups = Lookups(match, None)
+    lookups = LookupPool(match, None)
     assert lookups.ask("r1", hashes(4)) == 3
     assert match.threads == {threading.current_thread().name}
     assert lookups.running("r1") is None and lookups.deferred == 0
 
 
 def test_a_slow_lookup_is_deferred_then_answered_once(match: GatedMatch) -> None:
-    lookups = Lookups(match, 0.0)
+    lookups = LookupPool(match, 0.0)
     try:
         assert lookups.ask("r1", hashes(4)) is None  # still at the gate
         assert lookups.ask("r1", hashes(4)) is None  # the same lookup, not a second one
@@ -84,7 +84,7 @@ def test_a_slow_lookup_is_deferred_then_answered_once(match: GatedMatch) -> None
 
 def test_a_fast_lookup_is_answered_within_the_wait(match: GatedMatch) -> None:
     match.gate.set()
-    lookups = Lookups(match, 3600.0)  # waits as long as the lookup takes
+    lookups = LookupPool(match, 3600.0)  # waits as long as the lookup takes
     try:
         assert lookups.ask("r1", hashes(5)) == 4
         assert lookups.deferred == 0 and lookups.running("r1") is None
@@ -93,7 +93,7 @@ def test_a_fast_lookup_is_answered_within_the_wait(match: GatedMatch) -> None:
 
 
 def test_a_changed_query_drops_the_old_lookups_answer(match: GatedMatch) -> None:
-    lookups = Lookups(match, 0.0)
+    lookups = LookupPool(match, 0.0)
     try:
         assert lookups.ask("r1", hashes(6)) is None
         old = lookups.running("r1")
@@ -109,7 +109,7 @@ def test_a_changed_query_drops_the_old_lookups_answer(match: GatedMatch) -> None
 
 
 def test_answers_go_to_the_request_that_asked(match: GatedMatch) -> None:
-    lookups = Lookups(match, 0.0, workers=4)
+    lookups = LookupPool(match, 0.0, workers=4)
     try:
         sizes = {f"r{i}": 2 + i for i in range(8)}
         for rid, n in sizes.items():  # eight lookups in flight at once, then answered
@@ -124,7 +124,7 @@ def test_answers_go_to_the_request_that_asked(match: GatedMatch) -> None:
 
 
 def test_a_finished_requests_lookup_is_never_answered(match: GatedMatch) -> None:
-    lookups = Lookups(match, 0.0)
+    lookups = LookupPool(match, 0.0)
     try:
         assert lookups.ask("r1", hashes(4)) is None
         lookups.forget("r1")  # vLLM finished (aborted) the request
@@ -138,7 +138,7 @@ def test_a_finished_requests_lookup_is_never_answered(match: GatedMatch) -> None
 
 def test_a_failed_lookup_raises_once_and_the_next_ask_retries(match: GatedMatch) -> None:
     match.fail = ConnectionError("worker went away")
-    lookups = Lookups(match, 0.0)
+    lookups = LookupPool(match, 0.0)
     try:
         assert lookups.ask("r1", hashes(4)) is None
         match.gate.set()
@@ -154,7 +154,7 @@ def test_a_failed_lookup_raises_once_and_the_next_ask_retries(match: GatedMatch)
 
 
 def test_held_lookups_are_bounded(match: GatedMatch) -> None:
-    lookups = Lookups(match, 0.0, workers=1)
+    lookups = LookupPool(match, 0.0, workers=1)
     try:
         for i in range(MAX_PENDING + 3):
             assert lookups.ask(f"r{i}", hashes(2)) is None
@@ -166,7 +166,7 @@ def test_held_lookups_are_bounded(match: GatedMatch) -> None:
 
 
 def test_after_close_lookups_run_on_the_callers_thread(match: GatedMatch) -> None:
-    lookups = Lookups(match, 0.0)
+    lookups = LookupPool(match, 0.0)
     assert lookups.ask("r1", hashes(4)) is None
     match.gate.set()
     lookups.close()  # waits for the running lookup
@@ -177,7 +177,7 @@ def test_after_close_lookups_run_on_the_callers_thread(match: GatedMatch) -> Non
 
 def test_a_negative_wait_is_refused() -> None:
     with pytest.raises(ValueError, match=">= 0 seconds"):
-        Lookups(lambda h: 0, -1.0)
+        LookupPool(lambda h: 0, -1.0)
 
 
 @pytest.mark.parametrize("bad", [-1, True, "5", float("nan"), float("inf")])

@@ -1,10 +1,10 @@
-"""The vLLM connector's worker-side saves, step by step: when the step's metadata is
+"""The vLLM connector's worker-side copy-out of each step's new blocks for saving: when the step's metadata is
 bound (before the forward) the store is asked, off the worker's thread, which of the
 step's blocks it holds already; in the step's first ``save_kv_layer`` the blocks it
 lacks get the data mover's staging, each layer's copy out of the KV cache is enqueued
 as the forward reaches it, and ``wait_for_save`` hands the step's blocks to a
 background put that starts once their copies are done
-(:class:`~kvstore.integrations.vllm.worker.background_saves.BackgroundSaves`).  Part of
+(:class:`~kvstore.integrations.vllm.worker.background_puts.BackgroundPuts`).  Part of
 :class:`~kvstore.integrations.vllm.worker.side.WorkerSide`; kept apart from the loads.
 
 The forward never waits for that lookup: should it not have answered by the first
@@ -24,15 +24,10 @@ from concurrent.futures import Future
 from kvstore.cuda.mover import Mover, SaveBatch
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, Save
-from kvstore.integrations.vllm.worker.shared import SharedStore, warn_once
+from kvstore.integrations.vllm.open_store import warn_once
+from kvstore.integrations.vllm.worker.store import WorkerStore
 
-__all__ = ["StepSaves", "engine_keys"]
-
-
-def engine_keys(shared: SharedStore, hashes: Sequence[bytes]) -> list[bytes] | None:
-    """The store keys of vLLM block ``hashes`` (None before the worker has a namespace)."""
-    ns = shared.namespace
-    return None if ns is None else ns.engine_keys(hashes)
+__all__ = ["StepCopyOut"]
 
 
 def _distinct(saves: Sequence[Save]) -> list[Save]:
@@ -43,12 +38,13 @@ def _distinct(saves: Sequence[Save]) -> list[Save]:
     return list(first.values())
 
 
-class StepSaves:
-    """One worker's saves.  ``mover`` is the worker's data mover, set once vLLM
-    registered the KV caches."""
+class StepCopyOut:
+    """One worker's copy-out for saves.  ``mover`` is the worker's data mover, set once
+    vLLM registered the KV caches."""
 
-    def __init__(self, shared: SharedStore) -> None:
-        self._store = shared
+    def __init__(self, store: WorkerStore) -> None:
+        self._store = store
+        self._open = store.open
         self.mover: Mover | None = None
         self._staging: SaveBatch | None = None
         self._staging_meta: KVStoreConnectorMetadata | None = None
@@ -60,9 +56,9 @@ class StepSaves:
         """The step's metadata was bound (before its forward): start asking the store
         which of its blocks it holds, on the store's loop; nothing waits for it."""
         self._lookup = None
-        if not meta.saves or self._store.suspended is not None:
+        if not meta.saves or self._open.suspended is not None:
             return
-        keys = engine_keys(self._store, [s.hash for s in _distinct(meta.saves)])
+        keys = self._open.keys([s.hash for s in _distinct(meta.saves)])
         if keys:
             try:
                 self._lookup = (meta, self._store.submit_contains(keys))
@@ -74,7 +70,7 @@ class StepSaves:
         lookup answered by now (module docstring: never waited for)."""
         lookup, self._lookup = self._lookup, None
         if lookup is None or lookup[0] is not meta or not lookup[1].done():
-            self._store.count(save_lookup_late_steps=1)
+            self._open.count(save_lookup_late_steps=1)
             return [False] * n
         try:
             present = lookup[1].result()
@@ -88,7 +84,7 @@ class StepSaves:
         if self._staging_meta is meta:
             return self._saves
         saves = _distinct(meta.saves)
-        keys = engine_keys(self._store, [s.hash for s in saves])
+        keys = self._open.keys([s.hash for s in saves])
         if keys is None:
             saves = []
         elif keys:
@@ -102,7 +98,7 @@ class StepSaves:
             # (counted), the step does not wait.
             self._staging = self.mover.begin_save([s.block_id for s in saves])
             if self._staging is None:
-                self._store.count(save_blocks=len(saves), save_dropped_blocks=len(saves))
+                self._open.count(save_blocks=len(saves), save_dropped_blocks=len(saves))
                 self._saves = []
         return self._saves
 
@@ -119,39 +115,38 @@ class StepSaves:
         if self._staging is not None:
             assert self.mover is not None
             self.mover.save_layer(self._staging, layer_index)
-        self._store.count(save_stall_ns=time.perf_counter_ns() - start)
+        self._open.count(save_stall_ns=time.perf_counter_ns() - start)
 
     def end_step(self, meta: KVStoreConnectorMetadata, discard: bool) -> None:
         """The step's forward is over: hand its blocks to a background put, or with
         ``discard`` (or the connector suspended) drop them, counted."""
-        if discard or self._store.suspended is not None:
-            self._store.count(save_dropped_blocks=len(meta.saves))
+        if discard or self._open.suspended is not None:
+            self._open.count(save_dropped_blocks=len(meta.saves))
             self.drop()
             return
         start = time.perf_counter_ns()
         saves = self._step_saves(meta)
-        self._store.count(save_steps=1)
+        self._open.count(save_steps=1)
         staging = self._staging
-        ns = self._store.namespace
+        ns = self._open.namespace
         if staging is not None and ns is not None:
             assert self.mover is not None
             self.mover.end_save(staging)  # layers not saved yet, then the copy-done event
             self._staging_meta = self._staging = None
             if staging.skipped:  # the compute stream was capturing a CUDA graph
-                self._store.count(save_blocks=len(saves), save_dropped_blocks=len(saves))
+                self._open.count(save_blocks=len(saves), save_dropped_blocks=len(saves))
                 staging.release()
-                self._store.count(save_stall_ns=time.perf_counter_ns() - start)
+                self._open.count(save_stall_ns=time.perf_counter_ns() - start)
                 return
             keys = ns.engine_keys([s.hash for s in saves])
             parents = [None if s.parent_hash is None else ns.engine_key(s.parent_hash)
                        for s in saves]
-            self._store.count(save_blocks=len(keys))
+            self._open.count(save_blocks=len(keys))
             try:
-                self._store.submit_save(staging, keys, parents,
-                                        len(keys) * self.mover.block_bytes)
+                self._store.submit_save(staging, keys, parents)
             except (KVStoreError, RuntimeError) as e:
                 staging.release()
                 warn_once("save", "kvstore connector: save failed: %s", e)
         else:
             self.drop()
-        self._store.count(save_stall_ns=time.perf_counter_ns() - start)
+        self._open.count(save_stall_ns=time.perf_counter_ns() - start)

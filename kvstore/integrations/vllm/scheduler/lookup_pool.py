@@ -7,7 +7,7 @@ S3 round trip per chain, up to the tier's deadline), can take tens of millisecon
 lets a connector answer ``None``, "ask again later": the request is skipped for this step
 and the others are scheduled.
 
-:class:`Lookups` runs each request's lookup on a small pool of worker threads and waits
+:class:`LookupPool` runs each request's lookup on a small pool of worker threads and waits
 for it at most ``wait_s``.  A lookup still running then is *deferred*: the scheduler gets
 ``None`` and the lookup goes on; the request's next ask with the same query takes its
 answer (once).  A different query (the request's local hit moved) or the request's end
@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
-__all__ = ["Lookups"]
+__all__ = ["LookupPool"]
 
 # Lookups in flight or answered but not yet asked for; past this the oldest is dropped
 # (vLLM asks about a handful of waiting requests per step; this only bounds a leak).
@@ -38,7 +38,7 @@ class _Pending:
     future: Future[int]
 
 
-class Lookups:
+class LookupPool:
     """Per-request lookups with a wait budget (see the module docstring)."""
 
     def __init__(self, match: Callable[[list[bytes]], int], wait_s: float | None,

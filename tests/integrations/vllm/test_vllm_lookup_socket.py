@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.integrations.vllm.lookup import (
+from kvstore.integrations.vllm.lookup_socket import (
     MAX_HASHES,
     LookupClient,
     LookupMismatchError,
@@ -179,7 +179,7 @@ def _rank_server(store: Path, name: str, stored: int) -> subprocess.Popen[str]:
     of HASHES) on ``name``, as each rank of a tensor-parallel engine does."""
     code = (
         "import sys, torch, kvstore\n"
-        "from kvstore.integrations.vllm.lookup import LookupServer\n"
+        "from kvstore.integrations.vllm.lookup_socket import LookupServer\n"
         f"ns = kvstore.Namespace(model='m', dtype='float32', block_size=16)\n"
         f"hashes = [bytes([i]) * 32 for i in range({stored})]\n"
         f"with kvstore.open_blocking({str(store)!r}, namespace=ns, extent_bytes=4 << 20) as s:\n"

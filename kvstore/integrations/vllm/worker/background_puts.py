@@ -1,7 +1,10 @@
 """The vLLM connector's saves in flight: background puts on the store's loop
-(:meth:`kvstore.blocking.BlockingStore.submit`), kept until they finish, counted into
-the connector's counters, bounded by ``max_pending_save_bytes``.  Part of the worker's
-:class:`~kvstore.integrations.vllm.worker.shared.SharedStore`.
+(:meth:`kvstore.blocking.BlockingStore.submit`) of blocks the data mover copied out,
+kept until they finish and counted into the connector's counters.  They are bounded
+where they start, not here: a save that finds no room in the mover's save staging
+(``max_pending_save_bytes``) is dropped before its copy-out, and a put holds that
+staging until it is over.  Part of the worker's
+:class:`~kvstore.integrations.vllm.worker.store.WorkerStore`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ from kvstore.blocking import BlockingStore
 from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda.mover import SaveBatch
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.store import PutResult
+from kvstore.stats import PutResult
 
-__all__ = ["BackgroundSaves"]
+__all__ = ["BackgroundPuts"]
 
 
-class BackgroundSaves:
+class BackgroundPuts:
     """A connector's background puts until they are over.
 
     ``count(**deltas)`` adds to the connector's counters; ``warn(what, message, *args)``
@@ -36,11 +39,10 @@ class BackgroundSaves:
         self._count = count
         self._warn = warn
         self._lock = threading.Lock()
-        self._pending: list[tuple[Future[PutResult], int]] = []
-        self._pending_bytes = 0
+        self._pending: list[Future[PutResult]] = []
 
-    def submit_save(self, batch: SaveBatch, keys: list[bytes], parents: list[bytes | None],
-                    nbytes: int) -> None:
+    def submit_save(self, batch: SaveBatch, keys: list[bytes], parents: list[bytes | None]
+                    ) -> None:
         """Put a step's blocks once the mover's copy-out of ``batch`` is done (awaited on
         the store's loop through the copy-done eventfd); never waits itself: the staging
         bound is the backpressure (a save that found none was dropped at its start).
@@ -62,13 +64,13 @@ class BackgroundSaves:
             finally:
                 batch.release()
 
-        self._keep(self._blocking.submit(put), len(keys), nbytes)
+        self._keep(self._blocking.submit(put), len(keys))
 
-    def _keep(self, future: Future[PutResult], n: int, nbytes: int) -> None:
+    def _keep(self, future: Future[PutResult], n: int) -> None:
         future.add_done_callback(lambda f: self._done(f, n))
         with self._lock:
-            self._pending.append((future, nbytes))
-            self._pending_bytes += nbytes
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(future)
 
     def _done(self, future: Future[PutResult], n: int) -> None:
         if future.cancelled():
@@ -87,23 +89,16 @@ class BackgroundSaves:
                        "(%s: %s); later saves may fail the same way",
                        n, type(error).__name__, error)
 
-    def _reap(self, block_until: int | None = None) -> None:
-        """Drop finished saves; with ``block_until``, wait for the oldest until at most
-        that many bytes are pending (None: wait for all)."""
-        while True:
-            with self._lock:
-                self._pending = [(f, b) for f, b in self._pending if not f.done()]
-                self._pending_bytes = sum(b for _, b in self._pending)
-                if not self._pending or (block_until is not None
-                                         and self._pending_bytes <= max(block_until, 0)):
-                    return
-                oldest = self._pending[0][0]
-            with suppress(Exception):  # a failed save is counted and logged by _done
-                oldest.result()
-
     def flush(self) -> None:
         """Wait for every save in flight."""
-        self._reap(block_until=None)
+        while True:
+            with self._lock:
+                self._pending = [f for f in self._pending if not f.done()]
+                if not self._pending:
+                    return
+                oldest = self._pending[0]
+            with suppress(Exception):  # a failed save is counted and logged by _done
+                oldest.result()
 
 
 def _values(batch: SaveBatch, keys: list[bytes], parents: list[bytes | None]

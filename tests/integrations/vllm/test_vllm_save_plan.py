@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.integrations.vllm.scheduler.saves import SaveMark, plan_saves
+from kvstore.integrations.vllm.scheduler.save_plan import SaveMark, plan_saves
 
 BS = 4
 
