@@ -38,7 +38,7 @@ from kvstore.core.gets import GetPath
 from kvstore.core.latency import Latency
 from kvstore.core.opening import INDEX_DIR, StoreParts
 from kvstore.core.operations import Operations
-from kvstore.core.puts import PutPath
+from kvstore.core.puts import PutPath, SlotLimits
 from kvstore.core.reads import VerifiedReads
 from kvstore.core.rechecks import Rechecks
 from kvstore.core.scrub import (
@@ -89,7 +89,7 @@ class Store:
         parts = self._parts = StoreParts(self.path, opts)
         try:
             self.index, self.writer, self.engine = parts.index, parts.writer, parts.engine
-            self.engine_reason, self.fds, self.arena = parts.engine_reason, parts.fds, parts.arena
+            self.engine_reason, self.fds, self.arena = parts.engine_reason, parts.files.fds, parts.arena
             self.allocator, self.transfers = parts.allocator, parts.transfers
             self.scheduler, self.syncs = parts.scheduler, parts.syncs
             self.file_mode, self.store_uuid = parts.file_mode, parts.store_uuid
@@ -99,22 +99,35 @@ class Store:
             self.latency = Latency(("get", "put", "prefetch"))  # (kvstore.metrics exports them)
             self._background: TaskGroup | None = None  # open() runs background work here
             self._deletes = DeleteWatches()  # promotions fetching (remote tier)
-            self.reads = VerifiedReads(parts)
+            self.reads = VerifiedReads(
+                path=self.path, index=self.index, writer=self.writer, allocator=self.allocator,
+                transfers=self.transfers, health=self._health, counters=parts.counters,
+                memory=parts.memory, direct=self.engine.direct)
             # Quarantine is a suspicion: unreadable blocks are read again later
             # (kvstore/core/rechecks.py), every stored slot by the scrub (kvstore/core/scrub.py).
             self.rechecks = Rechecks(index=self.index, reads=self.reads, ops=self._ops,
                                      health=self._health, task_group=lambda: self._background)
             self.reads.on_unreadable = self.rechecks.schedule
-            self.scrubber = Scrubber(parts, self.reads, self._ops, lambda: self._background)
+            self.scrubber = Scrubber(
+                path=self.path, index=self.index, writer=self.writer, health=self._health,
+                scheduler=self.scheduler, counters=parts.counters, reads=self.reads,
+                ops=self._ops, task_group=lambda: self._background)
             self.memory_room: MemoryRoom | None = None
             if parts.memory is not None:
                 self.memory_room = MemoryRoom(
                     parts.memory, index=self.index, reads=self.reads, counters=parts.counters,
                     ops=self._ops, latency=self.latency, scheduler=self.scheduler,
                     prefetch_share=opts.prefetch_share, task_group=lambda: self._background)
-            self.puts = PutPath(parts, codec=opts.codec, durable=opts.sync,
-                                backlog_bytes=opts.backlog_bytes, memory=self.memory_room)
-            self._gets = GetPath(parts, self.reads, self.memory_room)
+            limits = SlotLimits(extent_bytes=self.extent_bytes, arena_bytes=self.arena.size)
+            self.puts = PutPath(
+                index=self.index, writer=self.writer, allocator=self.allocator,
+                transfers=self.transfers, syncs=self.syncs, files=parts.files,
+                health=self._health, counters=parts.counters, limits=limits,
+                ride_along=parts.flush_totals_in, last_seq=parts.last_seq, codec=opts.codec,
+                durable=opts.sync, backlog_bytes=opts.backlog_bytes, memory=self.memory_room)
+            self._gets = GetPath(index=self.index, allocator=self.allocator, limits=limits,
+                                 counters=parts.counters, reads=self.reads,
+                                 memory=self.memory_room)
             self._host = TierHost(index=self.index, reads=self.reads, puts=self.puts,
                                   deletes=self._deletes, ops=self._ops, health=self._health,
                                   task_group=lambda: self._background)

@@ -441,8 +441,8 @@ class ConcurrentMachine(RuleBasedStateMachine):
                 state[0] = "closed"
                 self.disk.crash_at = None
                 if store is not None:
-                    round_stats["evicted"] = store.allocator.evicted_blocks
-                    round_stats["evicted_bytes"] = store.allocator.evicted_bytes
+                    round_stats["evicted"] = store._parts.counters["evicted_blocks"]
+                    round_stats["evicted_bytes"] = store._parts.counters["evicted_bytes"]
                     round_stats["peak"] = store.allocator.peak_used_bytes
             if faulty:  # unspent when the round crashed first: never carried to the next
                 self.disk.faults = [f for f in self.disk.faults if f[0] != "datasync"]

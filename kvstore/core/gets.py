@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.codecs.tensors import CODE_DTYPES, check_out, check_writable_out
-from kvstore.core.puts import check_fits
 
 if TYPE_CHECKING:
-    from kvstore.core.opening import StoreParts
+    from kvstore.core.allocator import Allocator
+    from kvstore.core.puts import SlotLimits
     from kvstore.core.reads import VerifiedReads
+    from kvstore.index.index import Index
     from kvstore.tiers.memory.room import Hits, MemoryRoom
     from kvstore.tiers.remote.adapter import RemoteAdapter
 
@@ -35,26 +36,28 @@ __all__ = ["GetPath"]
 class GetPath:
     """The gets of one open store (see the module docstring)."""
 
-    def __init__(self, parts: StoreParts, reads: VerifiedReads,
+    def __init__(self, *, index: Index, allocator: Allocator, limits: SlotLimits,
+                 counters: dict[str, int], reads: VerifiedReads,
                  memory: MemoryRoom | None) -> None:
-        self._parts, self._reads, self._memory = parts, reads, memory
-        self._counters = parts.counters
+        self._index, self._allocator, self._limits = index, allocator, limits
+        self._reads, self._memory = reads, memory
+        self._counters = counters
         self.remote: RemoteAdapter | None = None  # set when a remote tier is attached
 
     async def get_many(self, keys: list[bytes], out: Sequence[torch.Tensor | None] | None
                        ) -> list[torch.Tensor | None]:
-        parts, memory, remote = self._parts, self._memory, self.remote
+        memory, remote = self._memory, self.remote
         outs: list[torch.Tensor | None] = [None] * len(keys) if out is None else list(out)
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} out tensors")
-        entries = parts.index.get_entries(keys)
+        entries = self._index.get_entries(keys)
         # remote tier: what it holds of the misses, now (a promotion may land meanwhile)
         held = remote.held_blocks(keys, entries) if remote is not None else None
         for entry, o in zip(entries, outs):  # validate before any I/O
             if isinstance(o, torch.Tensor):  # (a local miss may be fetched: checked too)
                 check_writable_out(o)
             if entry is not None:
-                check_fits(parts, entry.slot_len)
+                self._limits.check(entry.slot_len)
             if entry is not None and o is not None:
                 check_out(o, entry.dtype, (entry.raw_len // CODE_DTYPES[entry.dtype].itemsize,))
         self._counters["gets"] += 1
@@ -84,7 +87,7 @@ class GetPath:
                  tuple(r.shape), e.seq)
                 for i, (e, r) in enumerate(zip(from_disk, results))
                 if e is not None and r is not None and outs[i] is None])
-        parts.allocator.touch((k for k, r in zip(keys, results) if r is not None),
+        self._allocator.touch((k for k, r in zip(keys, results) if r is not None),
                               time.time_ns() // 1000)
         hits_n = sum(r is not None for r in results)
         self._counters["hits"] += hits_n

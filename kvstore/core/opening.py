@@ -21,6 +21,7 @@ from contextlib import suppress
 from typing import Any
 
 from kvstore.core.allocator import Allocator
+from kvstore.core.extent_files import ExtentFiles
 from kvstore.core.operations import Health
 from kvstore.disk import permissions, store_files
 from kvstore.disk.extents import EXTENT_DIR, extent_path
@@ -109,7 +110,8 @@ class StoreParts:
             strict=opts.strict_permissions)
         self.store_uuid = self.index.meta_get(META_UUID) or b""
         self.extent_bytes = unpack_u64(self.index.meta_get(META_EXTENT_BYTES) or b"")
-        self.seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
+        # the highest sequence number recorded: the put path numbers slots after it
+        self.last_seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
         self._check_namespace(opts.namespace, opts.allow_new_namespace)
         self.totals = Totals(self.counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
@@ -144,8 +146,8 @@ class StoreParts:
                 self.engine = UringEngine(direct=result.direct, queue_depth=opts.queue_depth)
             else:
                 self.engine = ThreadPoolEngine(direct=result.direct, queue_depth=opts.queue_depth)
-        self.fds: dict[int, int] = {}
-        self._cleanups.append(self._close_fds)
+        self.files = ExtentFiles(self.path, self.engine)
+        self._cleanups.append(self.files.close)
         self.extents = self.index.extents_list()
         # An extent file that is gone (deleted while the store was closed) loses its
         # blocks, not the store: they are answered as misses and quarantined as they are
@@ -154,7 +156,7 @@ class StoreParts:
         self.lost_extents: set[int] = set()
         for extent_id in self.extents:
             try:
-                self.open_extent(extent_id)
+                self.files.open(extent_id)
             except FileNotFoundError:
                 self.lost_extents.add(extent_id)
         if self.lost_extents:
@@ -194,54 +196,20 @@ class StoreParts:
         # Reads a caller awaits go before background writes and prefetches.
         schedule = opts.io_schedule()
         self.scheduler = IoScheduler(self.engine, schedule) if schedule is not None else None
-        self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.fds)
+        self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.files.fds)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self.allocator = Allocator(
             path=self.path, index=self.index, writer=self.writer, extent_bytes=self.extent_bytes,
             store_uuid=self.store_uuid, extents=self.extents, free_runs=self.index.free_runs(),
             lost_extents=self.lost_extents,
             capacity_bytes=opts.capacity_bytes, file_mode=self.file_mode,
-            counters=self.counters, on_new_extent=self.open_extent,
-            on_evicted=self._forget_in_memory,
-            ride_along=self.flush_totals_in)
+            counters=self.counters)
         # Capacity is a bound at every instant: a store reopened with a smaller one
         # evicts down to it now, before it serves (or refuses to open: pinned blocks).
-        self.allocator.fit_capacity()
-
-    def _forget_in_memory(self, keys: list[bytes]) -> None:
-        """Blocks evicted from disk leave the memory tier too (the space comes back now;
-        a lookup would not serve them anyway: their index entries are gone)."""
-        if self.memory is not None:
-            self.memory.discard(keys)
-
-    def open_extent(self, extent_id: int) -> None:
-        """Open an extent file through the engine: the store's own regular file, not a
-        link (checked before the open, and the descriptor after it: the engine's
-        ``open_file`` takes a path; kvstore.disk.store_files).  FileNotFoundError: missing."""
-        path = extent_path(self.path, extent_id)
-        fix = (f"Put the real extent file at {path} in place of it, or run `python -m "
-               f"kvstore fsck {self.path} --repair` to remove the link (extent {extent_id}'s "
-               "blocks are then lost; its target is left alone).")
-        before = store_files.check_file(path, fix)
-        if before is None:
-            raise FileNotFoundError(path)
-        try:
-            fd = self.engine.open_file(path, create=False)
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            raise from_os_error(e, f"cannot open extent file {path}") from e
-        try:
-            store_files.check_same(path, os.fstat(fd), before, fix)
-        except BaseException:
-            self.engine.close_file(fd)
-            raise
-        self.fds[extent_id] = fd
-
-    def _close_fds(self) -> None:
-        for fd in self.fds.values():
-            self.engine.close_file(fd)
-        self.fds.clear()
+        self.allocator.fit_capacity(ride_along=self.flush_totals_in)
+        # What it evicted is in no cache yet (the memory tier is empty until the store
+        # serves), and it adds no extent: nothing to act on.
+        self.allocator.take_changes()
 
     # ------------------------------------------------------------------ totals
 

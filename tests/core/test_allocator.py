@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.core.allocator import Allocator, FreeSpace, ReadEpochs
+from kvstore.core.allocator import Allocator
+from kvstore.core.free_space import FreeSpace, ReadEpochs
 from kvstore.disk.format import PAGE, IndexEntry, free_key, pack_u64
 from kvstore.errors import IndexCorruptionError
 from kvstore.index.index import META_SEQ, Index, IndexWriter, init_meta
@@ -202,8 +203,7 @@ def _sixteen_page_allocator(tmp_path: Path) -> Iterator[Allocator]:
         yield Allocator(path=str(tmp_path), index=index, writer=writer,
                         extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
                         free_runs=[], capacity_bytes=16 * PAGE, file_mode=0o600,
-                        counters={"evicted_blocks": 0, "evicted_bytes": 0},
-                        on_new_extent=lambda extent: None)
+                        counters={"evicted_blocks": 0, "evicted_bytes": 0})
     finally:
         writer.close()
         index.close()
@@ -294,6 +294,24 @@ def test_a_reserve_that_leaves_the_line_lets_the_next_one_try(
             head.cancel()
         assert placed == [b"small"]
         allocator.unreserve([held])
+
+    with _sixteen_page_allocator(tmp_path) as allocator:
+        run_within(scenario, backend)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_reserve_returns_the_extents_it_added_once(tmp_path: Path, backend: str) -> None:
+    """The allocator opens nothing itself: the reserve that returns after a growth names
+    the new extent (its caller opens it before writing), and no later one names it again."""
+    async def scenario() -> None:
+        allocator.start()
+        first, second = _Slot(b"a", PAGE), _Slot(b"b", PAGE)
+        changes = await allocator.reserve([first])
+        assert changes.new_extents == [first.extent] and changes.evicted == []
+        assert (await allocator.reserve([second])).new_extents == []
+        assert second.extent == first.extent
+        assert allocator.take_changes().new_extents == []
+        allocator.unreserve([first, second])
 
     with _sixteen_page_allocator(tmp_path) as allocator:
         run_within(scenario, backend)
