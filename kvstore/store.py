@@ -19,7 +19,7 @@ Every public call runs as one tracked operation: ``aclose()`` refuses new ones
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import (
     AbstractContextManager,
     asynccontextmanager,
@@ -27,6 +27,7 @@ from contextlib import (
     nullcontext,
     suppress,
 )
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -86,53 +87,17 @@ class Store:
         self.namespace = opts.namespace
         self.durable = opts.sync
         self.codec: CodecSpec | None = opts.codec  # the default (``put_many(codec=)`` overrides)
+        self.latency = Latency(("get", "put", "prefetch"))  # (kvstore.metrics exports them)
+        self.remote: RemoteTier | None = None  # the remote tier, when there is one
+        self._remote: RemoteAdapter | None = None
+        self._background: TaskGroup | None = None  # open() runs background work here
+        self._ops, self._deletes = Operations(self.path), DeleteWatches()
+        # Private, like every part below: kvstore.testing shows them to tests.
         parts = self._parts = StoreParts(self.path, opts)
+        self._health = parts.health
         try:
-            self.index, self.writer, self.engine = parts.index, parts.writer, parts.engine
-            self.engine_reason, self.fds, self.arena = parts.engine_reason, parts.files.fds, parts.arena
-            self.allocator, self.transfers = parts.allocator, parts.transfers
-            self.scheduler, self.syncs = parts.scheduler, parts.syncs
-            self.file_mode, self.store_uuid = parts.file_mode, parts.store_uuid
-            self.extent_bytes, self.lost_extents = parts.extent_bytes, parts.lost_extents
-            self.memory = parts.memory  # the memory tier's cache (kvstore.tiers.memory.tier), or None
-            self._ops, self._health = Operations(self.path), parts.health
-            self.latency = Latency(("get", "put", "prefetch"))  # (kvstore.metrics exports them)
-            self._background: TaskGroup | None = None  # open() runs background work here
-            self._deletes = DeleteWatches()  # promotions fetching (remote tier)
-            self.reads = VerifiedReads(
-                path=self.path, index=self.index, writer=self.writer, allocator=self.allocator,
-                transfers=self.transfers, health=self._health, counters=parts.counters,
-                memory=parts.memory, direct=self.engine.direct)
-            # Quarantine is a suspicion: unreadable blocks are read again later
-            # (kvstore/core/rechecks.py), every stored slot by the scrub (kvstore/core/scrub.py).
-            self.rechecks = Rechecks(index=self.index, reads=self.reads, ops=self._ops,
-                                     health=self._health, task_group=lambda: self._background)
-            self.reads.on_unreadable = self.rechecks.schedule
-            self.scrubber = Scrubber(
-                path=self.path, index=self.index, writer=self.writer, health=self._health,
-                scheduler=self.scheduler, counters=parts.counters, reads=self.reads,
-                ops=self._ops, task_group=lambda: self._background)
-            self.memory_room: MemoryRoom | None = None
-            if parts.memory is not None:
-                self.memory_room = MemoryRoom(
-                    parts.memory, index=self.index, reads=self.reads, counters=parts.counters,
-                    ops=self._ops, latency=self.latency, scheduler=self.scheduler,
-                    prefetch_share=opts.prefetch_share, task_group=lambda: self._background)
-            limits = SlotLimits(extent_bytes=self.extent_bytes, arena_bytes=self.arena.size)
-            self.puts = PutPath(
-                index=self.index, writer=self.writer, allocator=self.allocator,
-                transfers=self.transfers, syncs=self.syncs, files=parts.files,
-                health=self._health, counters=parts.counters, limits=limits,
-                ride_along=parts.flush_totals_in, last_seq=parts.last_seq, codec=opts.codec,
-                durable=opts.sync, backlog_bytes=opts.backlog_bytes, memory=self.memory_room)
-            self._gets = GetPath(index=self.index, allocator=self.allocator, limits=limits,
-                                 counters=parts.counters, reads=self.reads,
-                                 memory=self.memory_room)
-            self._host = TierHost(index=self.index, reads=self.reads, puts=self.puts,
-                                  deletes=self._deletes, ops=self._ops, health=self._health,
-                                  task_group=lambda: self._background)
-            self.remote: RemoteTier | None = None
-            self._remote: RemoteAdapter | None = None
+            self._paths = _open_paths(parts, opts, self._ops, self._deletes, self.latency,
+                                      lambda: self._background)
             if opts.remote is not None:
                 self._open_remote(opts.remote, opts.namespace)
         except BaseException:
@@ -150,13 +115,14 @@ class Store:
         if namespace is None:
             raise ValueError("open(remote=...) needs namespace=...: remote objects are "
                              "stored per namespace (<prefix>/v1/<namespace digest>/<key>)")
-        tier = RemoteTier(config, namespace.digest, self._host.read_slot)
+        paths = self._paths
+        tier = RemoteTier(config, namespace.digest, paths.host.read_slot)
         tier.check_access()
-        adapter = RemoteAdapter(tier, self._host)
-        self.remote, self._remote, self._gets.remote = tier, adapter, adapter
-        self.puts.after_commit = tier.enqueue
-        if self.memory_room is not None:
-            self.memory_room.remote = adapter
+        adapter = RemoteAdapter(tier, paths.host)
+        self.remote, self._remote, paths.gets.remote = tier, adapter, adapter
+        paths.puts.after_commit = tier.enqueue
+        if paths.memory_room is not None:
+            paths.memory_room.remote = adapter
 
     async def attach_remote(self, config: RemoteConfig, namespace: Namespace) -> None:
         """Put the shared remote tier behind this open store, for a caller that learns
@@ -177,17 +143,17 @@ class Store:
 
     async def _start(self) -> None:
         # anyio primitives are made here, on the event loop, not in the opening thread.
-        self.allocator.start()
-        await self.engine.start()
+        self._parts.allocator.start()
+        await self._parts.engine.start()
 
     def _start_checks(self) -> None:
         """Background verification, once the background task group runs: the scrub if
         asked for (``open(scrub_bytes_per_s=...)``), and re-reads of the quarantine
         records an earlier open left (the table's size only: no scan)."""
         if self.options.scrub_bytes_per_s:
-            self.scrubber.start_background(self.options.scrub_bytes_per_s)
-        if self.index.counts()["quarantine"]:
-            self.rechecks.schedule()
+            self._paths.scrubber.start_background(self.options.scrub_bytes_per_s)
+        if self._parts.index.counts()["quarantine"]:
+            self._paths.rechecks.schedule()
 
     async def aclose(self) -> None:
         """Close the store: new calls raise ``StoreClosedError``; calls in flight (puts,
@@ -196,21 +162,22 @@ class Store:
         if self._ops.closed:
             return
         self._ops.closed = True
-        if self.memory_room is not None:  # background reads: stopped, not waited out
-            self.memory_room.cancel_prefetches()
-        self.scrubber.cancel()  # scrubs persist their cursor and return
-        self.rechecks.cancel()
+        parts, paths = self._parts, self._paths
+        if paths.memory_room is not None:  # background reads: stopped, not waited out
+            paths.memory_room.cancel_prefetches()
+        paths.scrubber.cancel()  # scrubs persist their cursor and return
+        paths.rechecks.cancel()
         with anyio.CancelScope(shield=True):
             await self._ops.drain()
             if self.remote is not None:  # remote tier: queued uploads, then its workers
                 await self.remote.aclose()
-            touched = self.allocator.take_touched()
+            touched = parts.allocator.take_touched()
             if touched and not self.read_only:
                 with suppress(KVStoreError):
-                    await self.writer.run(self._parts.with_totals(
-                        lambda txn: self.index.apply_touched(txn, touched)))
-            await self.engine.aclose()
-            await anyio.to_thread.run_sync(self._parts.close)
+                    await parts.writer.run(parts.with_totals(
+                        lambda txn: parts.index.apply_touched(txn, touched)))
+            await parts.engine.aclose()
+            await anyio.to_thread.run_sync(parts.close)
 
     # ------------------------------------------------------------------ guards
 
@@ -228,7 +195,8 @@ class Store:
 
     def _foreground(self) -> AbstractContextManager[None]:
         """A get: the I/O scheduler holds background writes back for all of it."""
-        return self.scheduler.foreground() if self.scheduler is not None else nullcontext()
+        scheduler = self._parts.scheduler
+        return scheduler.foreground() if scheduler is not None else nullcontext()
 
     @property
     def read_only(self) -> bool:
@@ -238,11 +206,11 @@ class Store:
     def used_bytes(self) -> int:
         """Bytes of slots indexed, quarantined, reserved by puts in flight, or freed but
         still waiting for earlier readers: what ``capacity_bytes`` bounds."""
-        return self.allocator.used_bytes
+        return self._parts.allocator.used_bytes
 
     @property
     def capacity_bytes(self) -> int:
-        return self.allocator.capacity_bytes
+        return self._parts.allocator.capacity_bytes
 
     # ------------------------------------------------------------------ puts, gets
 
@@ -266,7 +234,7 @@ class Store:
         reported as deduplicated, never dropped or waited for.
         """
         with self._operation(write=True), self.latency.time("put"):
-            return await self.puts.put_many(keys, values, parents, codec, background)
+            return await self._paths.puts.put_many(keys, values, parents, codec, background)
 
     async def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None = None
                        ) -> list[torch.Tensor | None]:
@@ -280,10 +248,10 @@ class Store:
         """
         with self._operation(), self.latency.time("get"):
             keys = check_keys(keys)
-            if self.memory_room is not None:  # only the prefetch reads of these keys
-                await self.memory_room.landed(keys)
+            if self._paths.memory_room is not None:  # only the prefetch reads of these keys
+                await self._paths.memory_room.landed(keys)
             with self._foreground():
-                return await self._gets.get_many(keys, out)
+                return await self._paths.gets.get_many(keys, out)
 
     def prefetch(self, keys: Sequence[bytes]) -> Prefetch:
         """Start bringing blocks into the memory tier and return at once; see
@@ -291,24 +259,25 @@ class Store:
         take more than ``prefetch_share`` of ``memory_bytes``, and a prefetch never evicts
         a pinned block or one being read.  Needs ``open(memory_bytes=...)``."""
         self._check_open()
-        if self.memory_room is None or self._background is None:
+        room = self._paths.memory_room
+        if room is None or self._background is None:
             raise ValueError("prefetch needs the memory tier: open the store with "
                              "memory_bytes=N (bytes of host RAM for cached blocks)")
-        return self.memory_room.prefetch(list(dict.fromkeys(check_keys(keys))))
+        return room.prefetch(list(dict.fromkeys(check_keys(keys))))
 
     # ------------------------------------------------------------------ queries, delete
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._operation():
             keys = check_keys(keys)
-            present = self.index.present(keys)
+            present = self._parts.index.present(keys)
             return [k in present for k in keys]
 
     async def match_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are all stored (the usable cached prefix)."""
         with self._operation():
             keys = check_keys(keys)
-            n = self.index.prefix_length(keys)
+            n = self._parts.index.prefix_length(keys)
             if self._remote is not None and n < len(keys):  # remote tier: the rest
                 n += await self._remote.extend_prefix(keys[n:])
             return n
@@ -323,13 +292,14 @@ class Store:
         before it (``kvstore/core/key_order.py``)."""
         with self._operation(write=True):
             keys = check_keys(keys)
+            parts, paths = self._parts, self._paths
             self._deletes.deleting(keys)  # promotions fetching: skip these keys
-            async with self.puts.turn(keys):  # after the puts that started before it
-                freed = await self.writer.run(lambda txn: self.index.delete_blocks(txn, keys))
-                if self.memory_room is not None:
-                    self.memory_room.forget(keys)
-                self.allocator.release(freed)
-                self._parts.counters["deletes"] += len(freed)
+            async with paths.puts.turn(keys):  # after the puts that started before it
+                freed = await parts.writer.run(lambda txn: parts.index.delete_blocks(txn, keys))
+                if paths.memory_room is not None:
+                    paths.memory_room.forget(keys)
+                parts.allocator.release(freed)
+                parts.counters["deletes"] += len(freed)
                 return len(freed)
 
     async def pin(self, keys: Sequence[bytes]) -> None:
@@ -337,12 +307,12 @@ class Store:
         count: pinning twice needs two unpins.  Keys need not be stored yet."""
         with self._operation(write=True):
             keys = check_keys(keys)
-            await self.writer.run(lambda txn: self.index.pin(txn, keys, +1))
+            await self._parts.writer.run(lambda txn: self._parts.index.pin(txn, keys, +1))
 
     async def unpin(self, keys: Sequence[bytes]) -> None:
         with self._operation(write=True):
             keys = check_keys(keys)
-            await self.writer.run(lambda txn: self.index.pin(txn, keys, -1))
+            await self._parts.writer.run(lambda txn: self._parts.index.pin(txn, keys, -1))
 
     # ------------------------------------------------------------------ single-block sugar
 
@@ -375,34 +345,79 @@ class Store:
             raise ValueError(f"rate_bytes_per_s must be > 0 (None: no bound), "
                              f"got {rate_bytes_per_s!r}")
         with self._operation():
-            return await self.scrubber.run(rate_bytes_per_s, progress, restart)
+            return await self._paths.scrubber.run(rate_bytes_per_s, progress, restart)
 
     def stats(self) -> StoreStats:
         """A snapshot of the store's state and counters (:class:`kvstore.stats.StoreStats`)."""
         self._check_open()
-        parts, alloc = self._parts, self.allocator
-        extents = self.index.extents_list()
+        parts, alloc, index, engine = self._parts, self._parts.allocator, self._parts.index, \
+            self._parts.engine
+        extents = index.extents_list()
         disk = sum(extents.values())
-        counts = self.index.counts()
+        counts = index.counts()
         remote = {"remote": self.remote.stats().as_dict()} if self.remote is not None else {}
         extra: dict[str, Any] = {**parts.counters, **ratios(parts.counters),
-                                 **memory_fields(parts.memory), **io_fields(self.scheduler),
-                                 **scrub_fields(self.scrubber.progress,
-                                                scrub_state(self.index)[1]),
+                                 **memory_fields(parts.memory), **io_fields(parts.scheduler),
+                                 **scrub_fields(self._paths.scrubber.progress,
+                                                scrub_state(index)[1]),
                                  **remote}
         return StoreStats(
-            path=self.path, engine=self.engine.name, o_direct=self.engine.direct,
-            engine_reason=self.engine_reason, durable=self.durable, read_only=self.read_only,
+            path=self.path, engine=engine.name, o_direct=engine.direct,
+            engine_reason=parts.engine_reason, durable=self.durable, read_only=self.read_only,
             read_only_reason=self._health.read_only_reason, blocks=counts["blocks"],
             quarantined=counts["quarantine"], extents=len(extents),
-            extent_bytes=self.extent_bytes, disk_bytes=disk, free_bytes=alloc.space.free_bytes,
+            extent_bytes=parts.extent_bytes, disk_bytes=disk, free_bytes=alloc.space.free_bytes,
             stored_bytes=disk - alloc.space.free_bytes - PAGE * len(extents),
             capacity_bytes=alloc.capacity_bytes, used_bytes=alloc.used_bytes,
             peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
-            commits=self.writer.commits, cuda=parts.arena_lock.status,
-            namespaces=list(self.index.namespaces().values()),
-            totals=parts.totals.current(self.index), backlog_bytes=self.puts.backlog.nbytes,
+            commits=parts.writer.commits, cuda=parts.arena_lock.status,
+            namespaces=list(index.namespaces().values()),
+            totals=parts.totals.current(index), backlog_bytes=self._paths.puts.backlog.nbytes,
             **extra)
+
+
+@dataclass
+class _Paths:
+    """The call paths of one open store, over its parts (:class:`StoreParts`)."""
+
+    reads: VerifiedReads
+    rechecks: Rechecks
+    scrubber: Scrubber
+    memory_room: MemoryRoom | None
+    puts: PutPath
+    gets: GetPath
+    host: TierHost  # what the tiers may ask of the store
+
+
+def _open_paths(parts: StoreParts, opts: StoreOptions, ops: Operations, deletes: DeleteWatches,
+                latency: Latency, task_group: Callable[[], TaskGroup | None]) -> _Paths:
+    """Each path gets the parts it uses (``task_group``: the store's background work)."""
+    index, writer, health, counters = parts.index, parts.writer, parts.health, parts.counters
+    reads = VerifiedReads(
+        path=parts.path, index=index, writer=writer, allocator=parts.allocator,
+        transfers=parts.transfers, health=health, counters=counters, memory=parts.memory,
+        direct=parts.engine.direct)
+    # Quarantine is a suspicion: unreadable blocks are read again later
+    # (kvstore/core/rechecks.py), every stored slot by the scrub (kvstore/core/scrub.py).
+    rechecks = Rechecks(index=index, reads=reads, ops=ops, health=health, task_group=task_group)
+    reads.on_unreadable = rechecks.schedule
+    scrubber = Scrubber(path=parts.path, index=index, writer=writer, health=health,
+                        scheduler=parts.scheduler, counters=counters, reads=reads, ops=ops,
+                        task_group=task_group)
+    room = None if parts.memory is None else MemoryRoom(
+        parts.memory, index=index, reads=reads, counters=counters, ops=ops, latency=latency,
+        scheduler=parts.scheduler, prefetch_share=opts.prefetch_share, task_group=task_group)
+    limits = SlotLimits(extent_bytes=parts.extent_bytes, arena_bytes=parts.arena.size)
+    puts = PutPath(
+        index=index, writer=writer, allocator=parts.allocator, transfers=parts.transfers,
+        syncs=parts.syncs, files=parts.files, health=health, counters=counters, limits=limits,
+        ride_along=parts.flush_totals_in, last_seq=parts.last_seq, codec=opts.codec,
+        durable=opts.sync, backlog_bytes=opts.backlog_bytes, memory=room)
+    gets = GetPath(index=index, allocator=parts.allocator, limits=limits, counters=counters,
+                   reads=reads, memory=room)
+    host = TierHost(index=index, reads=reads, puts=puts, deletes=deletes, ops=ops,
+                    health=health, task_group=task_group)
+    return _Paths(reads, rechecks, scrubber, room, puts, gets, host)
 
 
 @asynccontextmanager

@@ -208,7 +208,7 @@ class SharedStore:
         # A background load can take no more than the staging holds: claim no more
         # (vLLM computes the rest) rather than a load that fails in part.
         cap = self.load_max_blocks or len(keys)
-        if self.store.memory is None or not self.config.prefetch:
+        if not self.store.options.memory_bytes or not self.config.prefetch:  # no memory tier
             hit = self.blocking.match_prefix(keys)
         else:
             hit = self.blocking.call(self._match_and_prefetch, keys, cap)

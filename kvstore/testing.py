@@ -1,0 +1,78 @@
+"""Not public API: a window into an open store's parts, for kvstore's own tests and
+benchmarks (and nothing else).  Nothing here is stable: names and shapes change with
+the store's insides, without notice or deprecation.
+
+``Store`` keeps its parts private; a test that must look inside (the index, the
+allocator, the I/O engine and the open extent files, the call paths) asks for them here::
+
+    from kvstore.testing import parts
+    parts(store).index.get_entries([key])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstore.blocking import BlockingStore
+from kvstore.store import Store
+
+if TYPE_CHECKING:
+    from kvstore.core.allocator import Allocator
+    from kvstore.core.gets import GetPath
+    from kvstore.core.puts import PutPath
+    from kvstore.core.reads import VerifiedReads
+    from kvstore.core.rechecks import Rechecks
+    from kvstore.core.scrub import Scrubber
+    from kvstore.index.index import Index, IndexWriter
+    from kvstore.io.arena import Arena
+    from kvstore.io.group_sync import GroupSync
+    from kvstore.io.protocol import IOEngine
+    from kvstore.io.scheduler import IoScheduler
+    from kvstore.io.transfers import Transfers
+    from kvstore.tiers.host import TierHost
+    from kvstore.tiers.memory.room import MemoryRoom
+    from kvstore.tiers.memory.tier import MemoryTier
+
+__all__ = ["Parts", "parts"]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """An open store's parts (kvstore/core/opening.py) and call paths (kvstore/store.py)."""
+
+    index: Index
+    writer: IndexWriter
+    engine: IOEngine
+    fds: dict[int, int]  # extent id -> open descriptor
+    arena: Arena
+    allocator: Allocator
+    transfers: Transfers
+    scheduler: IoScheduler | None
+    syncs: GroupSync
+    file_mode: int
+    store_uuid: bytes
+    extent_bytes: int
+    lost_extents: set[int]
+    memory: MemoryTier | None  # the memory tier's cache
+    counters: dict[str, int]  # what stats() reports, live
+    reads: VerifiedReads
+    rechecks: Rechecks
+    scrubber: Scrubber
+    memory_room: MemoryRoom | None
+    puts: PutPath
+    gets: GetPath
+    host: TierHost
+
+
+def parts(store: Store | BlockingStore) -> Parts:
+    """The parts of ``store`` (a :class:`BlockingStore`'s: of the store it drives)."""
+    s = store.store if isinstance(store, BlockingStore) else store
+    p, paths = s._parts, s._paths  # noqa: SLF001 - the seam exists to reach them
+    return Parts(
+        index=p.index, writer=p.writer, engine=p.engine, fds=p.files.fds, arena=p.arena,
+        allocator=p.allocator, transfers=p.transfers, scheduler=p.scheduler, syncs=p.syncs,
+        file_mode=p.file_mode, store_uuid=p.store_uuid, extent_bytes=p.extent_bytes,
+        lost_extents=p.lost_extents, memory=p.memory, counters=p.counters, reads=paths.reads,
+        rechecks=paths.rechecks, scrubber=paths.scrubber, memory_room=paths.memory_room,
+        puts=paths.puts, gets=paths.gets, host=paths.host)
