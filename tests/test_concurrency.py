@@ -16,7 +16,7 @@ import torch
 
 import kvstore
 from kvstore.errors import BlockTooLargeError, StoreClosedError, StoreFullError
-from kvstore.testing import parts
+from kvstore.testing import parts, waiting_on
 from kvstore.tools import fsck
 from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within, until
 from tests.conformance import NS, make_tensor, same
@@ -332,7 +332,7 @@ def test_a_delete_waits_for_a_put_of_the_same_key_in_flight(tmp_path: Path, kind
                     await gate.entered.wait()
                     tg.start_soon(delete)
                     # the delete waits for the put (on the old code it ran to the end)
-                    await until(lambda: parts(store).puts.order.waiting(k) == 1)
+                    await until(lambda: waiting_on(parts(store).puts.order, k) == 1)
                     assert deleted == []
                     gate.open()
             assert deleted == [2]

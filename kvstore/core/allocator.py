@@ -304,11 +304,6 @@ class Allocator:
             self._changed.set()
             self._changed = None
 
-    @property
-    def waiting_reserves(self) -> int:
-        """Reserves in line (see the module docstring)."""
-        return len(self._waiting)
-
     def _wait_in_line(self, ticket: int) -> None:
         if ticket not in self._waiting:
             bisect.insort(self._waiting, ticket)

@@ -25,9 +25,6 @@ class FreeSpace:
     def __len__(self) -> int:
         return len(self._by_start)
 
-    def runs(self) -> list[tuple[int, int, int]]:
-        return sorted((e, o, n) for (e, o), n in self._by_start.items())
-
     def _insert(self, extent: int, offset: int, length: int) -> None:
         self.free_bytes += length
         self._by_start[(extent, offset)] = length

@@ -16,6 +16,7 @@ from kvstore.core.free_space import FreeSpace, ReadEpochs
 from kvstore.disk.format import PAGE, IndexEntry, free_key, pack_u64
 from kvstore.errors import IndexCorruptionError
 from kvstore.index.index import META_SEQ, Index, IndexWriter, init_meta
+from kvstore.testing import free_runs, waiting_reserves
 from tests.concurrency import run_within, until
 
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 8)), min_size=1, max_size=60)
@@ -34,13 +35,13 @@ def test_allocations_never_overlap_and_frees_coalesce(script: list[tuple[bool, i
                 held.append((*where, pages * PAGE))
         else:
             space.free(*held.pop(len(held) // 2))
-        spans = sorted(held + space.runs())
+        spans = sorted(held + free_runs(space))
         for (e1, o1, n1), (e2, o2, _) in zip(spans, spans[1:]):
             assert e1 != e2 or o1 + n1 <= o2, "a range is both free and allocated"
         assert space.free_bytes + sum(h[2] for h in held) == 80 * PAGE
     for h in held:
         space.free(*h)
-    assert space.runs() == [(1, PAGE, 64 * PAGE), (2, PAGE, 16 * PAGE)]  # fully coalesced
+    assert free_runs(space) == [(1, PAGE, 64 * PAGE), (2, PAGE, 16 * PAGE)]  # fully coalesced
 
 
 def test_double_free_is_caught() -> None:
@@ -73,7 +74,7 @@ def test_durable_free_map_mirrors_memory(tmp_path_factory: pytest.TempPathFactor
                 rng = held.pop(0)
                 space.free(*rng)
                 writer.run_sync(lambda txn, r=rng: index.give_range(txn, *r))
-            assert index.free_runs() == space.runs()
+            assert index.free_runs() == free_runs(space)
     finally:
         writer.close()
         index.close()
@@ -250,7 +251,7 @@ def test_a_waiting_reserve_is_not_overtaken_by_a_stream_of_smaller_ones(
         # From its first wait (or once its first eviction did not place it): counted
         # from there.  (An allocator without a line: from the start.)
         await until(lambda: counts["placed"] >= 8)
-        await until(lambda: getattr(allocator, "waiting_reserves", 1) >= 1)
+        await until(lambda: waiting_reserves(allocator) >= 1)
         state["waiting"] = True
 
     async def scenario() -> None:
@@ -287,9 +288,9 @@ def test_a_reserve_that_leaves_the_line_lets_the_next_one_try(
         head = anyio.CancelScope()
         async with anyio.create_task_group() as tg:
             tg.start_soon(reserve, _Slot(b"big", 16 * PAGE), head)
-            await until(lambda: allocator.waiting_reserves == 1)
+            await until(lambda: waiting_reserves(allocator) == 1)
             tg.start_soon(reserve, _Slot(b"small", PAGE), anyio.CancelScope())
-            await until(lambda: allocator.waiting_reserves == 2)
+            await until(lambda: waiting_reserves(allocator) == 2)
             assert placed == []  # it fits, but the big one waits before it
             head.cancel()
         assert placed == [b"small"]

@@ -20,7 +20,7 @@ import kvstore
 import kvstore.core.scrub
 from kvstore.disk.format import IndexEntry
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
-from kvstore.testing import parts
+from kvstore.testing import parts, rechecks_idle, scrub_passes, waiting_reserves
 from kvstore.tools import fsck
 from tests.concurrency import GatedEngine, real_engine, until
 from tests.conformance import flip_payload_bit
@@ -139,7 +139,7 @@ def test_an_unreadable_block_is_read_again_in_the_background_and_restored(
             # fails the read and both retries (threads, io_uring: the merged read first)
             await _lose(store, faults, ks, 2, times=3)
             assert len(faults.failed) == 3 and store.stats().quarantined_blocks == 1
-            await parts(store).rechecks.wait_idle()
+            await rechecks_idle(store)
             assert _quarantined(store) == set() and store.stats().restored_blocks == 1
             await _all_read_back(store, ks, list(range(8)))
 
@@ -246,7 +246,7 @@ def test_a_scrub_read_held_while_blocks_are_deleted_put_and_evicted(
 
                 # needs 20 more slots: evicts (LRU) blocks of the held batch among others
                 tg.start_soon(put)
-                await until(lambda: parts(store).allocator.waiting_reserves > 0 or put_done.is_set())
+                await until(lambda: waiting_reserves(parts(store).allocator) > 0 or put_done.is_set())
                 # it evicted blocks the held read still reads: it waits for their space
                 assert not put_done.is_set() and parts(store).allocator.pending_free_bytes > 0
                 gate.open()
@@ -310,7 +310,7 @@ def test_the_background_scrub_finds_damage_and_records_its_passes(tmp_path: Path
         flip_payload_bit(tmp_path, entries[4])
         async with kvstore.open(tmp_path, engine="threads", scrub_bytes_per_s=64 << 20,
                                 **OPEN) as store:
-            await parts(store).scrubber.wait_passes(1)
+            await scrub_passes(store, 1)
             stats = store.stats()
             assert (stats.scrub_passes, stats.scrub_failed_blocks, stats.quarantined) == (1, 1, 1)
             assert _quarantined(store) == {_keys(20)[4]}
