@@ -61,7 +61,8 @@ logger = logging.getLogger("kvstore.store")
 
 class StoreParts:
     """The open parts of one store (see the module docstring); ``close()`` releases
-    them.  Attributes are the parts themselves; ``Store`` exposes the same names."""
+    them.  Attributes are the parts themselves (``Store`` keeps them private;
+    :mod:`kvstore.testing` shows them to tests)."""
 
     def __init__(self, path: str, opts: StoreOptions) -> None:
         self.path = path

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvstore
 from kvstore.core.allocator import Allocator
 from kvstore.core.free_space import FreeSpace, ReadEpochs
 from kvstore.disk.format import PAGE, IndexEntry, free_key, pack_u64
-from kvstore.errors import IndexCorruptionError
+from kvstore.errors import IndexCorruptionError, StoreIOError
 from kvstore.index.index import META_SEQ, Index, IndexWriter, init_meta
-from kvstore.testing import free_runs, waiting_reserves
+from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.testing import free_runs, parts, waiting_reserves
 from tests.concurrency import run_within, until
 
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 8)), min_size=1, max_size=60)
@@ -316,3 +320,36 @@ def test_a_reserve_returns_the_extents_it_added_once(tmp_path: Path, backend: st
 
     with _sixteen_page_allocator(tmp_path) as allocator:
         run_within(scenario, backend)
+
+
+class _OpenFails(SimulatedEngine):
+    """A simulated engine whose opens of extent files fail while ``failing`` is set."""
+
+    failing = False
+
+    def open_file(self, path: str, *, create: bool) -> int:
+        if self.failing:
+            raise OSError(errno.EIO, "injected open failure")
+        return super().open_file(path, create=create)
+
+
+@pytest.mark.anyio
+async def test_an_added_extent_that_cannot_be_opened_goes_out_of_use(tmp_path: Path) -> None:
+    """The put path opens the extents the allocator added; when that fails, the put fails
+    with the error, its slots and the extent's space go out of use (as when growing
+    itself fails), and the next put grows the store again and lands."""
+    engine = _OpenFails(SimulatedDisk(seed=1))
+    ns = kvstore.Namespace(model="m", dtype="uint8", block_size=1)
+    ks = ns.chain_keys([1, 2])
+    value = torch.ones(6000, dtype=torch.uint8)
+    async with kvstore.open(tmp_path, namespace=ns, engine=engine, extent_bytes=64 << 10,
+                            staging_bytes=1 << 20) as store:
+        engine.failing = True
+        with pytest.raises(StoreIOError, match="injected open failure"):
+            await store.put(ks[0], value)
+        assert store.used_bytes == 0 and parts(store).fds == {}
+        engine.failing = False
+        assert await store.put(ks[0], value)
+        assert len(parts(store).fds) == 1 and store.used_bytes == 2 * PAGE
+        got = await store.get(ks[0])
+        assert got is not None and torch.equal(got, value)
