@@ -11,31 +11,24 @@ allocator, the I/O engine and the open extent files, the call paths) asks for th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import anyio
 
 from kvstore.blocking import BlockingStore
-from kvstore.store import Store
+from kvstore.store import Store, _Paths
 
 if TYPE_CHECKING:
     from kvstore.core.allocator import Allocator
     from kvstore.core.free_space import FreeSpace
-    from kvstore.core.gets import GetPath
     from kvstore.core.key_order import KeyOrder
-    from kvstore.core.puts import PutPath
-    from kvstore.core.reads import VerifiedReads
-    from kvstore.core.rechecks import Rechecks
-    from kvstore.core.scrub import Scrubber
     from kvstore.index.index import Index, IndexWriter
     from kvstore.io.arena import Arena
     from kvstore.io.group_sync import GroupSync
     from kvstore.io.protocol import IOEngine
     from kvstore.io.scheduler import IoScheduler
     from kvstore.io.transfers import Transfers
-    from kvstore.tiers.host import TierHost
-    from kvstore.tiers.memory.room import MemoryRoom
     from kvstore.tiers.memory.tier import MemoryTier
 
 __all__ = ["Parts", "free_runs", "parts", "rechecks_idle", "scrub_passes", "waiting_on",
@@ -44,9 +37,11 @@ __all__ = ["Parts", "free_runs", "parts", "rechecks_idle", "scrub_passes", "wait
 _POLL_S = 0.005  # how often the waits below look again
 
 
-@dataclass(frozen=True)
-class Parts:
-    """An open store's parts (kvstore/core/opening.py) and call paths (kvstore/store.py)."""
+@dataclass
+class Parts(_Paths):
+    """An open store's call paths (kvstore/store.py: ``reads``, ``rechecks``,
+    ``scrubber``, ``memory_room``, ``puts``, ``gets``, ``host``) and its parts
+    (kvstore/core/opening.py)."""
 
     index: Index
     writer: IndexWriter
@@ -63,13 +58,6 @@ class Parts:
     lost_extents: set[int]
     memory: MemoryTier | None  # the memory tier's cache
     counters: dict[str, int]  # what stats() reports, live
-    reads: VerifiedReads
-    rechecks: Rechecks
-    scrubber: Scrubber
-    memory_room: MemoryRoom | None
-    puts: PutPath
-    gets: GetPath
-    host: TierHost
 
 
 def parts(store: Store | BlockingStore) -> Parts:
@@ -77,12 +65,11 @@ def parts(store: Store | BlockingStore) -> Parts:
     s = store.store if isinstance(store, BlockingStore) else store
     p, paths = s._parts, s._paths  # noqa: SLF001 - the seam exists to reach them
     return Parts(
+        **{f.name: getattr(paths, f.name) for f in fields(paths)},
         index=p.index, writer=p.writer, engine=p.engine, fds=p.files.fds, arena=p.arena,
         allocator=p.allocator, transfers=p.transfers, scheduler=p.scheduler, syncs=p.syncs,
         file_mode=p.file_mode, store_uuid=p.store_uuid, extent_bytes=p.extent_bytes,
-        lost_extents=p.lost_extents, memory=p.memory, counters=p.counters, reads=paths.reads,
-        rechecks=paths.rechecks, scrubber=paths.scrubber, memory_room=paths.memory_room,
-        puts=paths.puts, gets=paths.gets, host=paths.host)
+        lost_extents=p.lost_extents, memory=p.memory, counters=p.counters)
 
 
 # What tests watch that the store itself never asks: read from the parts' private state
