@@ -257,13 +257,12 @@ class PutPath:
         self._counters["dedup_blocks"] += blocks
         self._counters["dedup_bytes"] += raw_bytes
 
-    def _number(self, items: Sequence[PutItem]) -> int:
-        """Give each slot the next sequence number; returns the highest given so far
-        (what the index records at the commit: puts commit out of order)."""
+    def _number(self, items: Sequence[PutItem]) -> None:
+        """Give each slot the next sequence number (``_seq``, the highest given so far,
+        is what a commit records: puts commit out of order)."""
         for item in items:
             self._seq += 1
             item.seq = self._seq
-        return self._seq
 
     async def _reserve(self, items: Sequence[PutItem]) -> None:
         """The allocator places ``items`` (evicting, adding extents); this path acts on
