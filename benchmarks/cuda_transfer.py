@@ -45,6 +45,7 @@ from kvstore import cuda  # noqa: E402
 from kvstore.cuda.device import DeviceBuffer, Stream, wait_stream  # noqa: E402
 from kvstore.disk.format import SLOT_HEADER_BYTES, crc32c  # noqa: E402
 from kvstore.io.protocol import IoOp  # noqa: E402
+from kvstore.testing import parts  # noqa: E402
 
 
 def _keys(n: int) -> list[bytes]:
@@ -64,15 +65,15 @@ async def write(path: Path, n: int, block: int) -> None:
 
 async def arena_to_gpu(store: kvstore.Store, keys: list[bytes], dev: DeviceBuffer,
                        stream: Stream, block: int) -> float:
-    entries = store.index.get_entries(keys)
+    entries = parts(store).index.get_entries(keys)
     assert all(e is not None for e in entries)
-    chunk = max(1, (store.arena.size // 2) // (block + SLOT_HEADER_BYTES))
+    chunk = max(1, (parts(store).arena.size // 2) // (block + SLOT_HEADER_BYTES))
     t0 = time.perf_counter()
     for c in range(0, len(keys), chunk):
         batch = entries[c:c + chunk]
-        runs = [await store.arena.acquire(e.slot_len) for e in batch if e is not None]
+        runs = [await parts(store).arena.acquire(e.slot_len) for e in batch if e is not None]
         try:
-            res = await store.engine.read([IoOp(store.fds[e.extent], e.offset, r)
+            res = await parts(store).engine.read([IoOp(parts(store).fds[e.extent], e.offset, r)
                                            for e, r in zip(batch, runs) if e is not None])
             for i, (e, r, n) in enumerate(zip(batch, runs, res)):
                 assert n == r.length and e is not None
@@ -80,12 +81,12 @@ async def arena_to_gpu(store: kvstore.Store, keys: list[bytes], dev: DeviceBuffe
                 if crc32c(payload) != e.payload_crc:
                     raise RuntimeError("checksum mismatch")
                 stream.lib.call("kvc_memcpy_async", dev.ptr + (c + i) * block,
-                                store.arena.address + r.offset + SLOT_HEADER_BYTES, block,
+                                parts(store).arena.address + r.offset + SLOT_HEADER_BYTES, block,
                                 stream.handle)
             await wait_stream(stream.handle, stream.lib)
         finally:
             for r in runs:
-                store.arena.release(r)
+                parts(store).arena.release(r)
     return time.perf_counter() - t0
 
 
@@ -115,14 +116,14 @@ async def baseline(store: kvstore.Store, keys: list[bytes], dev: DeviceBuffer, s
 
 
 async def h2d_ceiling(store: kvstore.Store, dev: DeviceBuffer, stream: Stream, total: int) -> float:
-    n = min(store.arena.size, dev.nbytes)
-    store.arena.array[:n] = 1  # fault the pages in
+    n = min(parts(store).arena.size, dev.nbytes)
+    parts(store).arena.array[:n] = 1  # fault the pages in
     t0 = time.perf_counter()
     done = 0
     while done < total:
         m = min(n, total - done)
         stream.lib.call("kvc_memcpy_async", dev.ptr + done % (dev.nbytes - m + 1),
-                        store.arena.address, m, stream.handle)
+                        parts(store).arena.address, m, stream.handle)
         done += m
     await wait_stream(stream.handle, stream.lib)
     return time.perf_counter() - t0

@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import kvstore  # noqa: E402
 import kvstore.core.scrub  # noqa: E402
 from benchmarks.common import machine_info, parse_size, percentile, summary  # noqa: E402
+from kvstore.testing import parts  # noqa: E402
 
 MIB = 1 << 20
 
@@ -107,7 +108,7 @@ async def measure(root: str, args: argparse.Namespace) -> dict[str, Any]:
     async with kvstore.open(path, extent_bytes=1 << 30, staging_bytes=256 << 20,
                             io_scheduling=args.io_scheduling) as store:
         await _fill(store, n, args.block)
-        engine = f"{store.engine.name}{' + O_DIRECT' if store.engine.direct else ''}"
+        engine = f"{parts(store).engine.name}{' + O_DIRECT' if parts(store).engine.direct else ''}"
         await _stream(store, n, args, None)  # warm-up: one unmeasured run
         reps: list[dict[str, Any]] = []
         for rep in range(args.reps):

@@ -20,7 +20,7 @@ Every public call runs as one tracked operation: ``aclose()`` refuses new ones
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import (
     AbstractContextManager,
     asynccontextmanager,
@@ -28,6 +28,7 @@ from contextlib import (
     nullcontext,
     suppress,
 )
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -40,7 +41,7 @@ from kvstore.core.gets import GetPath
 from kvstore.core.latency import Latency
 from kvstore.core.opening import INDEX_DIR, StoreParts
 from kvstore.core.operations import Operations
-from kvstore.core.puts import PutPath
+from kvstore.core.puts import PutPath, SlotLimits
 from kvstore.core.reads import VerifiedReads
 from kvstore.core.rechecks import Rechecks
 from kvstore.core.scrub import (
@@ -50,6 +51,7 @@ from kvstore.core.scrub import (
     ScrubReport,
     scrub_state,
 )
+from kvstore.core.tier_ports import Tiers
 from kvstore.disk.format import PAGE
 from kvstore.disk.lock import LOCK_FILE
 from kvstore.errors import KVStoreError
@@ -69,6 +71,7 @@ from kvstore.tiers.memory.tier import MemoryTier
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
+    from kvstore.io.page_locking import PageLocker
     from kvstore.keys import Namespace
     from kvstore.tiers.remote.adapter import RemoteAdapter
     from kvstore.tiers.remote.config import RemoteConfig
@@ -87,43 +90,18 @@ class Store:
         self.namespace = opts.namespace
         self.durable = opts.sync
         self.codec: CodecSpec | None = opts.codec  # the default (``put_many(codec=)`` overrides)
+        self.latency = Latency(("get", "put", "prefetch"))  # (kvstore.metrics exports them)
+        self.remote: RemoteTier | None = None  # the remote tier, when there is one
+        self._remote: RemoteAdapter | None = None
+        self._background: TaskGroup | None = None  # open() runs background work here
+        self._ops, self._deletes = Operations(self.path), DeleteWatches()
+        # Private, like every part below: kvstore.testing shows them to tests.
         locker = page_locker()
         parts = self._parts = StoreParts(self.path, opts, CUDA_COPIER, locker)
+        self._health = parts.health
         try:
-            self.index, self.writer, self.engine = parts.index, parts.writer, parts.engine
-            self.engine_reason, self.fds, self.arena = parts.engine_reason, parts.fds, parts.arena
-            self.allocator, self.transfers = parts.allocator, parts.transfers
-            self.scheduler, self.syncs = parts.scheduler, parts.syncs
-            self.file_mode, self.store_uuid = parts.file_mode, parts.store_uuid
-            self.extent_bytes, self.lost_extents = parts.extent_bytes, parts.lost_extents
-            self._ops, self._health = Operations(self.path), parts.health
-            self.latency = Latency(("get", "put", "prefetch"))  # (kvstore.metrics exports them)
-            self._background: TaskGroup | None = None  # open() runs background work here
-            self._deletes = DeleteWatches()  # promotions fetching (remote tier)
-            self.reads = VerifiedReads(parts)
-            # Quarantine is a suspicion: unreadable blocks are read again later
-            # (kvstore/core/rechecks.py), every stored slot by the scrub (kvstore/core/scrub.py).
-            self.rechecks = Rechecks(index=self.index, reads=self.reads, ops=self._ops,
-                                     health=self._health, task_group=lambda: self._background)
-            self.reads.on_unreadable = self.rechecks.schedule
-            self.scrubber = Scrubber(parts, self.reads, self._ops, lambda: self._background)
-            self._tiers = parts.tiers
-            self.puts = PutPath(parts, codec=opts.codec, durable=opts.sync,
-                                backlog_bytes=opts.backlog_bytes, tiers=self._tiers)
-            self._gets = GetPath(parts, self.reads, self._tiers)
-            self._host = TierHost(index=self.index, reads=self.reads, puts=self.puts,
-                                  deletes=self._deletes, ops=self._ops, health=self._health,
-                                  task_group=lambda: self._background,
-                                  counters=parts.counters, latency=self.latency,
-                                  scheduler=self.scheduler, tiers=self._tiers)
-            self._memory: MemoryTier | None = None
-            if opts.memory_bytes:  # closed with the parts (StoreParts.tiers)
-                self._memory = MemoryTier(self._host, opts.memory_bytes, opts.prefetch_share,
-                                          opts.page_lock_staging, locker)
-                self._tiers.attach_memory(self._memory)
-            self.memory = self._memory.cache if self._memory is not None else None  # (its cache)
-            self.remote: RemoteTier | None = None
-            self._remote: RemoteAdapter | None = None
+            self._paths = _open_paths(parts, opts, self._ops, self._deletes, self.latency,
+                                      lambda: self._background, locker)
             if opts.remote is not None:
                 self._open_remote(opts.remote, opts.namespace)
         except BaseException:
@@ -141,10 +119,11 @@ class Store:
         if namespace is None:
             raise ValueError("open(remote=...) needs namespace=...: remote objects are "
                              "stored per namespace (<prefix>/v1/<namespace digest>/<key>)")
-        tier = RemoteTier(config, namespace.digest, self._host.read_slot)
+        paths = self._paths
+        tier = RemoteTier(config, namespace.digest, paths.host.read_slot)
         tier.check_access()
-        adapter = RemoteAdapter(tier, self._host)
-        self._tiers.attach_remote(adapter)
+        adapter = RemoteAdapter(tier, paths.host)
+        paths.tiers.attach_remote(adapter)
         self.remote, self._remote = tier, adapter
 
     async def attach_remote(self, config: RemoteConfig, namespace: Namespace) -> None:
@@ -166,17 +145,17 @@ class Store:
 
     async def _start(self) -> None:
         # anyio primitives are made here, on the event loop, not in the opening thread.
-        self.allocator.start()
-        await self.engine.start()
+        self._parts.allocator.start()
+        await self._parts.engine.start()
 
     def _start_checks(self) -> None:
         """Background verification, once the background task group runs: the scrub if
         asked for (``open(scrub_bytes_per_s=...)``), and re-reads of the quarantine
         records an earlier open left (the table's size only: no scan)."""
         if self.options.scrub_bytes_per_s:
-            self.scrubber.start_background(self.options.scrub_bytes_per_s)
-        if self.index.counts()["quarantine"]:
-            self.rechecks.schedule()
+            self._paths.scrubber.start_background(self.options.scrub_bytes_per_s)
+        if self._parts.index.counts()["quarantine"]:
+            self._paths.rechecks.schedule()
 
     async def aclose(self) -> None:
         """Close the store: new calls raise ``StoreClosedError``; calls in flight (puts,
@@ -185,21 +164,22 @@ class Store:
         if self._ops.closed:
             return
         self._ops.closed = True
-        if self._memory is not None:  # background reads: stopped, not waited out
-            self._memory.cancel_prefetches()
-        self.scrubber.cancel()  # scrubs persist their cursor and return
-        self.rechecks.cancel()
+        parts, paths = self._parts, self._paths
+        if paths.memory_tier is not None:  # background reads: stopped, not waited out
+            paths.memory_tier.cancel_prefetches()
+        paths.scrubber.cancel()  # scrubs persist their cursor and return
+        paths.rechecks.cancel()
         with anyio.CancelScope(shield=True):
             await self._ops.drain()
             if self.remote is not None:  # remote tier: queued uploads, then its workers
                 await self.remote.aclose()
-            touched = self.allocator.take_touched()
+            touched = parts.allocator.take_touched()
             if touched and not self.read_only:
                 with suppress(KVStoreError):
-                    await self.writer.run(self._parts.with_totals(
-                        lambda txn: self.index.apply_touched(txn, touched)))
-            await self.engine.aclose()
-            await anyio.to_thread.run_sync(self._parts.close)
+                    await parts.writer.run(parts.with_totals(
+                        lambda txn: parts.index.apply_touched(txn, touched)))
+            await parts.engine.aclose()
+            await anyio.to_thread.run_sync(parts.close)
 
     # ------------------------------------------------------------------ guards
 
@@ -217,7 +197,8 @@ class Store:
 
     def _foreground(self) -> AbstractContextManager[None]:
         """A get: the I/O scheduler holds background writes back for all of it."""
-        return self.scheduler.foreground() if self.scheduler is not None else nullcontext()
+        scheduler = self._parts.scheduler
+        return scheduler.foreground() if scheduler is not None else nullcontext()
 
     @property
     def read_only(self) -> bool:
@@ -227,11 +208,11 @@ class Store:
     def used_bytes(self) -> int:
         """Bytes of slots indexed, quarantined, reserved by puts in flight, or freed but
         still waiting for earlier readers: what ``capacity_bytes`` bounds."""
-        return self.allocator.used_bytes
+        return self._parts.allocator.used_bytes
 
     @property
     def capacity_bytes(self) -> int:
-        return self.allocator.capacity_bytes
+        return self._parts.allocator.capacity_bytes
 
     # ------------------------------------------------------------------ puts, gets
 
@@ -255,7 +236,7 @@ class Store:
         reported as deduplicated, never dropped or waited for.
         """
         with self._operation(write=True), self.latency.time("put"):
-            return await self.puts.put_many(keys, values, parents, codec, background)
+            return await self._paths.puts.put_many(keys, values, parents, codec, background)
 
     async def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None = None
                        ) -> list[torch.Tensor | None]:
@@ -269,10 +250,10 @@ class Store:
         """
         with self._operation(), self.latency.time("get"):
             keys = check_keys(keys)
-            if self._memory is not None:  # only the prefetch reads of these keys
-                await self._memory.landed(keys)
+            if self._paths.memory_tier is not None:  # only the prefetch reads of these keys
+                await self._paths.memory_tier.landed(keys)
             with self._foreground():
-                return await self._gets.get_many(keys, out)
+                return await self._paths.gets.get_many(keys, out)
 
     def prefetch(self, keys: Sequence[bytes]) -> Prefetch:
         """Start bringing blocks into the memory tier and return at once; see
@@ -280,24 +261,25 @@ class Store:
         take more than ``prefetch_share`` of ``memory_bytes``, and a prefetch never evicts
         a pinned block or one being read.  Needs ``open(memory_bytes=...)``."""
         self._check_open()
-        if self._memory is None or self._background is None:
+        memory = self._paths.memory_tier
+        if memory is None or self._background is None:
             raise ValueError("prefetch needs the memory tier: open the store with "
                              "memory_bytes=N (bytes of host RAM for cached blocks)")
-        return self._memory.prefetch(list(dict.fromkeys(check_keys(keys))))
+        return memory.prefetch(list(dict.fromkeys(check_keys(keys))))
 
     # ------------------------------------------------------------------ queries, delete
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._operation():
             keys = check_keys(keys)
-            present = self.index.present(keys)
+            present = self._parts.index.present(keys)
             return [k in present for k in keys]
 
     async def match_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are all stored (the usable cached prefix)."""
         with self._operation():
             keys = check_keys(keys)
-            n = self.index.prefix_length(keys)
+            n = self._parts.index.prefix_length(keys)
             if self._remote is not None and n < len(keys):  # remote tier: the rest
                 n += await self._remote.extend_prefix(keys[n:])
             return n
@@ -312,12 +294,13 @@ class Store:
         before it (``kvstore/core/key_order.py``)."""
         with self._operation(write=True):
             keys = check_keys(keys)
+            parts, paths = self._parts, self._paths
             self._deletes.deleting(keys)  # promotions fetching: skip these keys
-            async with self.puts.turn(keys):  # after the puts that started before it
-                freed = await self.writer.run(lambda txn: self.index.delete_blocks(txn, keys))
-                self._tiers.forget(keys)
-                self.allocator.release(freed)
-                self._parts.counters["deletes"] += len(freed)
+            async with paths.puts.turn(keys):  # after the puts that started before it
+                freed = await parts.writer.run(lambda txn: parts.index.delete_blocks(txn, keys))
+                paths.tiers.forget(keys)
+                parts.allocator.release(freed)
+                parts.counters["deletes"] += len(freed)
                 return len(freed)
 
     async def pin(self, keys: Sequence[bytes]) -> None:
@@ -325,12 +308,12 @@ class Store:
         count: pinning twice needs two unpins.  Keys need not be stored yet."""
         with self._operation(write=True):
             keys = check_keys(keys)
-            await self.writer.run(lambda txn: self.index.pin(txn, keys, +1))
+            await self._parts.writer.run(lambda txn: self._parts.index.pin(txn, keys, +1))
 
     async def unpin(self, keys: Sequence[bytes]) -> None:
         with self._operation(write=True):
             keys = check_keys(keys)
-            await self.writer.run(lambda txn: self.index.pin(txn, keys, -1))
+            await self._parts.writer.run(lambda txn: self._parts.index.pin(txn, keys, -1))
 
     # ------------------------------------------------------------------ single-block sugar
 
@@ -363,34 +346,85 @@ class Store:
             raise ValueError(f"rate_bytes_per_s must be > 0 (None: no bound), "
                              f"got {rate_bytes_per_s!r}")
         with self._operation():
-            return await self.scrubber.run(rate_bytes_per_s, progress, restart)
+            return await self._paths.scrubber.run(rate_bytes_per_s, progress, restart)
 
     def stats(self) -> StoreStats:
         """A snapshot of the store's state and counters (:class:`kvstore.stats.StoreStats`)."""
         self._check_open()
-        parts, alloc = self._parts, self.allocator
-        extents = self.index.extents_list()
+        parts, alloc, index, engine = self._parts, self._parts.allocator, self._parts.index, \
+            self._parts.engine
+        extents = index.extents_list()
         disk = sum(extents.values())
-        counts = self.index.counts()
+        counts = index.counts()
         remote = {"remote": self.remote.stats().as_dict()} if self.remote is not None else {}
         extra: dict[str, Any] = {**parts.counters, **ratios(parts.counters),
-                                 **self._tiers.stats_fields(), **io_fields(self.scheduler),
-                                 **scrub_fields(self.scrubber.progress,
-                                                scrub_state(self.index)[1]),
+                                 **self._paths.tiers.stats_fields(), **io_fields(parts.scheduler),
+                                 **scrub_fields(self._paths.scrubber.progress,
+                                                scrub_state(index)[1]),
                                  **remote}
         return StoreStats(
-            path=self.path, engine=self.engine.name, o_direct=self.engine.direct,
-            engine_reason=self.engine_reason, durable=self.durable, read_only=self.read_only,
+            path=self.path, engine=engine.name, o_direct=engine.direct,
+            engine_reason=parts.engine_reason, durable=self.durable, read_only=self.read_only,
             read_only_reason=self._health.read_only_reason, blocks=counts["blocks"],
             quarantined=counts["quarantine"], extents=len(extents),
-            extent_bytes=self.extent_bytes, disk_bytes=disk, free_bytes=alloc.space.free_bytes,
+            extent_bytes=parts.extent_bytes, disk_bytes=disk, free_bytes=alloc.space.free_bytes,
             stored_bytes=disk - alloc.space.free_bytes - PAGE * len(extents),
             capacity_bytes=alloc.capacity_bytes, used_bytes=alloc.used_bytes,
             peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
-            commits=self.writer.commits, cuda=parts.arena_lock.status,
-            namespaces=list(self.index.namespaces().values()),
-            totals=parts.totals.current(self.index), backlog_bytes=self.puts.backlog.nbytes,
+            commits=parts.writer.commits, cuda=parts.arena_lock.status,
+            namespaces=list(index.namespaces().values()),
+            totals=parts.totals.current(index), backlog_bytes=self._paths.puts.backlog.nbytes,
             **extra)
+
+
+@dataclass
+class _Paths:
+    """The call paths of one open store, over its parts (:class:`StoreParts`)."""
+
+    reads: VerifiedReads
+    rechecks: Rechecks
+    scrubber: Scrubber
+    tiers: Tiers  # the tiers attached (kvstore.core.tier_ports)
+    memory_tier: MemoryTier | None
+    puts: PutPath
+    gets: GetPath
+    host: TierHost  # what the tiers may ask of the store
+
+
+def _open_paths(parts: StoreParts, opts: StoreOptions, ops: Operations, deletes: DeleteWatches,
+                latency: Latency, task_group: Callable[[], TaskGroup | None],
+                page_locker: PageLocker) -> _Paths:
+    """Each path gets the parts it uses (``task_group``: the store's background work)."""
+    index, writer, health, counters = parts.index, parts.writer, parts.health, parts.counters
+    tiers = parts.tiers
+    reads = VerifiedReads(
+        path=parts.path, index=index, writer=writer, allocator=parts.allocator,
+        transfers=parts.transfers, health=health, counters=counters, memory=tiers,
+        direct=parts.engine.direct)
+    # Quarantine is a suspicion: unreadable blocks are read again later
+    # (kvstore/core/rechecks.py), every stored slot by the scrub (kvstore/core/scrub.py).
+    rechecks = Rechecks(index=index, reads=reads, ops=ops, health=health, task_group=task_group)
+    reads.on_unreadable = rechecks.schedule
+    scrubber = Scrubber(path=parts.path, index=index, writer=writer, health=health,
+                        scheduler=parts.scheduler, counters=counters, reads=reads, ops=ops,
+                        task_group=task_group)
+    limits = SlotLimits(extent_bytes=parts.extent_bytes, arena_bytes=parts.arena.size)
+    puts = PutPath(
+        index=index, writer=writer, allocator=parts.allocator, transfers=parts.transfers,
+        syncs=parts.syncs, files=parts.files, health=health, counters=counters, limits=limits,
+        ride_along=parts.flush_totals_in, last_seq=parts.last_seq, codec=opts.codec,
+        durable=opts.sync, backlog_bytes=opts.backlog_bytes, tiers=tiers)
+    gets = GetPath(index=index, allocator=parts.allocator, limits=limits, counters=counters,
+                   reads=reads, tiers=tiers, copier=parts.transfers.copier)
+    host = TierHost(index=index, reads=reads, puts=puts, deletes=deletes, ops=ops,
+                    health=health, task_group=task_group, counters=counters, latency=latency,
+                    scheduler=parts.scheduler, tiers=tiers)
+    memory = None
+    if opts.memory_bytes:  # closed with the parts (StoreParts.tiers)
+        memory = MemoryTier(host, opts.memory_bytes, opts.prefetch_share,
+                            opts.page_lock_staging, page_locker)
+        tiers.attach_memory(memory)
+    return _Paths(reads, rechecks, scrubber, tiers, memory, puts, gets, host)
 
 
 @asynccontextmanager

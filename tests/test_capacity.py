@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvstore
+from kvstore.testing import parts
 from kvstore.tools import fsck
 from tests.conformance import NS, make_tensor, same
 
@@ -51,7 +52,7 @@ async def test_capacity_is_never_exceeded_under_concurrent_puts(tmp_path: Path) 
             for w in range(6):
                 tg.start_soon(writer, w)
         stats = store.stats()
-        stored = sum(e.slot_len for _, e in store.index.iter_entries())
+        stored = sum(e.slot_len for _, e in parts(store).index.iter_entries())
     assert 0 < stats.peak_used_bytes <= capacity
     assert stored <= capacity
     assert stats.used_bytes <= capacity and stats.stored_bytes <= capacity
@@ -116,3 +117,19 @@ async def test_eviction_survives_reopen_and_fsck_is_clean(tmp_path: Path) -> Non
     async with opener(tmp_path, 12 * SLOT) as store:
         assert store.used_bytes <= 12 * SLOT
         assert await store.match_prefix(chain(3000, 5)) == 5  # the newest chain is whole
+
+
+async def test_evicted_blocks_leave_the_memory_tier(tmp_path: Path) -> None:
+    """The allocator reports what it evicted and the put path drops it from the memory
+    tier: evicted blocks are neither hits nor kept there (before, when the report was
+    ignored, they stayed cached beside the blocks that replaced them)."""
+    old, new = chain(0, 10), chain(5000, 3)
+    async with opener(tmp_path, 10 * SLOT, memory_bytes=1 << 20) as store:
+        await put_chain(store, old, 0)
+        assert store.stats().memory_blocks == 10  # write-through: every put block cached
+        await put_chain(store, new, 100)  # evicts 3 of the old chain's leaves
+        stats = store.stats()
+        assert stats.evicted_blocks == 3
+        assert stats.memory_blocks == 10  # the 7 old ones left and the 3 new ones
+        assert await store.get_many(old[-3:]) == [None, None, None]
+        assert await store.match_prefix(old) == 7

@@ -16,6 +16,7 @@ import torch
 
 import kvstore
 from kvstore.errors import BlockTooLargeError, StoreClosedError, StoreFullError
+from kvstore.testing import parts, waiting_on
 from kvstore.tools import fsck
 from tests.concurrency import BACKENDS, ENGINES, GatedEngine, real_engine, run_within, until
 from tests.conformance import NS, make_tensor, same
@@ -190,15 +191,15 @@ def test_an_eviction_chosen_before_a_put_decided_cannot_leave_its_chain_holed(
                 got["chain"] = await store.put_many(chain, [block(i) for i in range(6)],
                                                     parents=[None, *chain[:5]])
 
-            holder = store.writer.submit(hold_the_writer)
+            holder = parts(store).writer.submit(hold_the_writer)
             try:
                 await until(holding.is_set)  # the writer thread is inside our job
                 with anyio.fail_after(DEADLINE_IN):
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(evicting_put)
-                        await until(lambda: store.writer.queued() == 1)  # eviction chosen
+                        await until(lambda: parts(store).writer.queued() == 1)  # eviction chosen
                         tg.start_soon(child_put)
-                        await until(lambda: store.writer.queued() == 2)  # its commit waits
+                        await until(lambda: parts(store).writer.queued() == 2)  # its commit waits
                         released.set()
             finally:
                 released.set()
@@ -242,7 +243,7 @@ def test_a_full_index_map_grows_then_fails_with_a_store_error(
                         await store.put_many(ks, tiny)
                         stored = 64 * (batch + 1)
                 assert "reopen" in str(err.value)
-                assert store.index.env.info()["map_size"] == limit  # it grew to the limit
+                assert parts(store).index.env.info()["map_size"] == limit  # it grew to the limit
                 assert not store.read_only and stored > 0
                 got = await store.get_many(keys(64, 0))
                 assert all(same(g, v) for g, v in zip(got, tiny))
@@ -331,7 +332,7 @@ def test_a_delete_waits_for_a_put_of_the_same_key_in_flight(tmp_path: Path, kind
                     await gate.entered.wait()
                     tg.start_soon(delete)
                     # the delete waits for the put (on the old code it ran to the end)
-                    await until(lambda: store.puts.order.waiting(k) == 1)
+                    await until(lambda: waiting_on(parts(store).puts.order, k) == 1)
                     assert deleted == []
                     gate.open()
             assert deleted == [2]

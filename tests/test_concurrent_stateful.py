@@ -81,6 +81,7 @@ from kvstore.io.simulated import (
     SimulatedEngine,
     is_simulated_crash,
 )
+from kvstore.testing import parts
 from kvstore.tiers.remote.config import RemoteConfig
 from kvstore.tools import fsck
 from tests.concurrency import LiveChild, SnapshotReader, lock_descriptors, run_within
@@ -286,7 +287,7 @@ class ConcurrentMachine(RuleBasedStateMachine):
             self.disk.faults.append(("read", errno.EIO))
             self.armed = "next"
         else:
-            stored = [(k, e) for k, e in zip(POOL, store.index.get_entries(POOL))
+            stored = [(k, e) for k, e in zip(POOL, parts(store).index.get_entries(POOL))
                       if e is not None]
             if not stored:
                 return
@@ -441,9 +442,9 @@ class ConcurrentMachine(RuleBasedStateMachine):
                 state[0] = "closed"
                 self.disk.crash_at = None
                 if store is not None:
-                    round_stats["evicted"] = store.allocator.evicted_blocks
-                    round_stats["evicted_bytes"] = store.allocator.evicted_bytes
-                    round_stats["peak"] = store.allocator.peak_used_bytes
+                    round_stats["evicted"] = parts(store).counters["evicted_blocks"]
+                    round_stats["evicted_bytes"] = parts(store).counters["evicted_bytes"]
+                    round_stats["peak"] = parts(store).allocator.peak_used_bytes
             if faulty:  # unspent when the round crashed first: never carried to the next
                 self.disk.faults = [f for f in self.disk.faults if f[0] != "datasync"]
             if crashed:
@@ -627,7 +628,7 @@ class ConcurrentMachine(RuleBasedStateMachine):
         async def read() -> list[torch.Tensor | None]:
             async with self.open() as store:
                 got = await store.get_many(POOL)
-                held = store.index.quarantine_records.of(POOL)
+                held = parts(store).index.quarantine_records.of(POOL)
                 if self.armed != "persistent":
                     assert not held, f"quarantined without a lasting read error: {held}"
                     return got
@@ -642,7 +643,7 @@ class ConcurrentMachine(RuleBasedStateMachine):
                 if self.s3 is None:  # (a remote read past its deadline is a miss, by design)
                     assert before <= after, "a scrub lost blocks"
                     assert after - before <= set(held), "blocks off the failing sector were missing"
-                assert not store.index.quarantine_records.of(POOL), \
+                assert not parts(store).index.quarantine_records.of(POOL), \
                     "a block that reads again stayed quarantined after a scrub"
                 STATS["blocks_restored"] += len(after - before)
                 return healed

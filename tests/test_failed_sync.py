@@ -31,6 +31,7 @@ import kvstore
 from kvstore.errors import KVStoreError, ReadOnlyError, StoreIOError
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.testing import parts
 from tests.concurrency import ENGINES, real_engine, run_within
 
 CALLERS = 4
@@ -145,8 +146,8 @@ async def _race(path: Path, engine: FailingSync) -> tuple[dict[bytes, torch.Tens
         assert store.read_only, "a failed fdatasync must turn the store read-only"
         with pytest.raises(ReadOnlyError):
             await store.put(_key("after"), _block(7))
-        fds = dict(store.fds)
-        entries = dict(zip(acked, store.index.get_entries(list(acked)), strict=True))
+        fds = dict(parts(store).fds)
+        entries = dict(zip(acked, parts(store).index.get_entries(list(acked)), strict=True))
         for key, entry in entries.items():
             assert entry is not None
             assert _covered(engine.log, fds[entry.extent], entry.offset,

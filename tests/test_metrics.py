@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import kvstore  # noqa: E402
 from kvstore import metrics  # noqa: E402
+from kvstore.testing import parts
 from tests.conformance import NS, SMALL_EXTENT, flip_payload_bit, keys, make_tensor  # noqa: E402
 
 pytestmark = pytest.mark.anyio
@@ -148,7 +149,7 @@ async def test_corruption_is_counted(tmp_path: Path) -> None:
     values = [make_tensor(torch.float16, (2048,), i) for i in range(2)]
     async with opener(tmp_path) as store:
         await store.put_many(ks, values)
-        entry = store.index.get_entries([ks[1]])[0]
+        entry = parts(store).index.get_entries([ks[1]])[0]
     assert entry is not None
     flip_payload_bit(tmp_path, entry)
     async with opener(tmp_path) as store, metrics.serve(store) as server:

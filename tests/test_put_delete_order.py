@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import kvstore
+from kvstore.testing import parts, waiting_on, waiting_reserves
 from tests.concurrency import DEADLINE, Gate, GatedEngine, real_engine, until
 from tests.conformance import NS, keys, make_tensor
 
@@ -63,7 +64,7 @@ async def test_a_delete_after_a_put_waiting_for_backlog_room_wins(tmp_path: Path
                 tg.start_soon(delete_k)
                 await anyio.wait_all_tasks_blocked()
                 assert deleted == []  # it waits for the put that started before it
-                assert store.puts.order.waiting(k) == 1
+                assert waiting_on(parts(store).puts.order, k) == 1
                 gate.open()
         assert put == [True] and deleted == [True]
         assert await store.contains_many([big, k]) == [True, False]
@@ -114,7 +115,7 @@ async def test_a_put_waiting_for_backlog_room_keeps_its_parent_from_eviction(
                 await gate.entered.wait()  # X reserved: the store is full
                 tg.start_soon(store.put, y, block(3))
                 # Y's eviction found nothing (on the writer thread): it waits for space
-                await until(lambda: store.allocator.waiting_reserves == 1)
+                await until(lambda: waiting_reserves(parts(store).allocator) == 1)
                 tg.start_soon(lambda: store.put(k, block(4), parent=p))
                 await anyio.wait_all_tasks_blocked()
                 assert store.stats().backlog_bytes == 2 * BLOCK  # K waits for room

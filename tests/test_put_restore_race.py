@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kvstore
+from kvstore.testing import parts
 from kvstore.tools import fsck
 from tests.concurrency import DEADLINE, GatedEngine
 from tests.read_faults import ReadFaults, faulty_engine
@@ -36,11 +37,11 @@ def test_a_restore_during_a_put_of_the_same_key_indexes_it_once(
         faults = ReadFaults()
         engine = GatedEngine(faulty_engine("threads", tmp_path, faults, monkeypatch))
         async with kvstore.open(tmp_path, engine=engine, extent_bytes=1 << 20) as store:
-            store.rechecks.delays = (3600.0,)  # no background re-read: this test does it
+            parts(store).rechecks.delays = (3600.0,)  # no background re-read: this test does it
             await store.put_many(KEYS, [_value(0), _value(1)],
                                  parents=kvstore.chain_parents(KEYS))
             parent, k = KEYS
-            faults.aim(store.path, store.index.get_entries([k])[0])
+            faults.aim(store.path, parts(store).index.get_entries([k])[0])
             assert (await store.get_many([k])) == [None]  # quarantined: unreadable
             faults.clear()  # it reads again
             gate = engine.gate("datasync")  # the put of K again, held before its commit
@@ -49,7 +50,7 @@ def test_a_restore_during_a_put_of_the_same_key_indexes_it_once(
                     tg.start_soon(lambda: store.put(k, _value(1), parent=parent))
                     await gate.entered.wait()
                     if restore == "rechecks":
-                        assert await store.rechecks.once() == 0
+                        assert await parts(store).rechecks.once() == 0
                     else:
                         await store.scrub(rate_bytes_per_s=None)
                     assert store.stats().restored_blocks == 1

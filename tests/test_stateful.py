@@ -38,6 +38,7 @@ from kvstore.io.simulated import (
     SimulatedEngine,
     is_simulated_crash,
 )
+from kvstore.testing import parts
 from kvstore.tools import fsck
 from tests.conformance import NS, make_tensor, same
 
@@ -224,7 +225,7 @@ class StoreMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(sorted(self.acked)))
 
         async def where(s: kvstore.Store) -> Any:
-            return s.index.get_entries([key])[0]
+            return parts(s).index.get_entries([key])[0]
 
         entry = self.run(where)
         bit = data.draw(st.integers(0, entry.payload_len * 8 - 1))

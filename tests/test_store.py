@@ -18,6 +18,7 @@ import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import FORMAT_VERSION, SLOT_HEADER_BYTES, crc32c
 from kvstore.index.index import META_FORMAT
+from kvstore.testing import parts
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
 pytestmark = pytest.mark.anyio
@@ -250,7 +251,7 @@ async def test_a_slot_of_a_newer_format_is_refused_with_a_clear_error(
     values = [make_tensor(torch.uint8, (40_000,), i) for i in range(3)]
     async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
         await store.put_many(ks, values)
-        entry = store.index.get_entries([ks[1]])[0]
+        entry = parts(store).index.get_entries([ks[1]])[0]
     assert entry is not None
     with open(extent_path(str(tmp_path), entry.extent), "r+b") as f:
         f.seek(entry.offset)

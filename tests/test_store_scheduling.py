@@ -12,6 +12,7 @@ import torch
 
 import kvstore
 from kvstore.disk.format import PAGE
+from kvstore.testing import parts
 from tests.conformance import NS, keys, make_tensor, same
 
 pytestmark = pytest.mark.anyio
@@ -45,7 +46,7 @@ async def test_the_store_schedules_with_the_bounds_it_was_given(tmp_path: Path,
                                   read_grace_s=grace)
     async with kvstore.open(tmp_path / "s", namespace=NS, create=True, extent_bytes=4 << 20,
                             io_scheduling=schedule) as store:
-        assert store.scheduler is not None
+        assert parts(store).scheduler is not None
         st = await _get_then_put(store, 100)
     assert (st.io_busy_flushes > 0) == bool(grace)
 
@@ -53,7 +54,7 @@ async def test_the_store_schedules_with_the_bounds_it_was_given(tmp_path: Path,
 async def test_without_scheduling_there_is_no_scheduler(tmp_path: Path) -> None:
     async with kvstore.open(tmp_path / "s", namespace=NS, create=True, extent_bytes=4 << 20,
                             io_scheduling=False) as store:
-        assert store.scheduler is None
+        assert parts(store).scheduler is None
         st = await _get_then_put(store, 200)
     assert st.io_busy_flushes == 0 and st.io_deferred == {}
 

@@ -25,6 +25,7 @@ import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.io.protocol import EngineWrapper, IOEngine, IoOp
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.testing import parts
 from kvstore.tools.fsck import check
 from tests.concurrency import real_engine
 
@@ -65,7 +66,7 @@ async def _fill(path: Path, kind: str) -> list[kvstore.disk.format.IndexEntry]:
     async with kvstore.open(path, engine=_engine(kind, path), **OPEN) as store:
         for i, key in enumerate(CHAIN):
             await store.put(key, _value(i), parent=CHAIN[i - 1] if i else None)
-        entries = store.index.get_entries(CHAIN)
+        entries = parts(store).index.get_entries(CHAIN)
     assert all(e is not None for e in entries)
     return [e for e in entries if e is not None]
 
@@ -98,8 +99,8 @@ async def _after_restart(path: Path, kind: str, bad: int, engine: FailingReads |
     is what it makes of it (a slot that reads whole now is restorable)."""
     async with kvstore.open(path, engine=engine or _engine(kind, path), **OPEN) as store:
         if engine is not None:  # only the quarantined slot's file: not the re-put's
-            (e,) = store.index.quarantine_records.of([CHAIN[bad]]).values()
-            engine.fds = {store.fds[e[0].extent]}
+            (e,) = parts(store).index.quarantine_records.of([CHAIN[bad]]).values()
+            engine.fds = {parts(store).fds[e[0].extent]}
         assert await store.match_prefix(CHAIN) == bad
         assert store.stats().quarantined == 1
         # The recompute's put of the same key is stored again and reads back.
@@ -155,14 +156,14 @@ def test_a_missing_extent_opens_and_quarantines_its_blocks_as_they_are_read(
         with caplog.at_level(logging.WARNING, logger="kvstore.store"):
             async with kvstore.open(tmp_path, engine=_engine(kind, tmp_path), **OPEN) as store:
                 assert any("missing" in r.getMessage() for r in caplog.records)
-                assert store.lost_extents == {lost}
+                assert parts(store).lost_extents == {lost}
                 caplog.clear()
                 await _assert_quarantined(store, last, caplog)
                 # New puts never land in the lost extent.
                 for i in range(6):
                     key = bytes([0x80 + i]) * 16
                     await store.put(key, _value(10 + i))
-                    (e,) = store.index.get_entries([key])
+                    (e,) = parts(store).index.get_entries([key])
                     assert e is not None and e.extent != lost
         report = check(str(tmp_path))
         assert any(f.kind == "missing-extent" for f in report.findings)

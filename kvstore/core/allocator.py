@@ -44,6 +44,14 @@ them can still commit after the put's decision; the put's commit therefore check
 own transaction, that what it deduplicated against is still stored, and redoes the put
 otherwise (:class:`~kvstore.index.index.ChainCut`).
 
+The allocator calls nothing above it.  What it did that its owner must act on is
+kept as :class:`Changes` and handed over: ``reserve`` returns it, and a reserve that
+failed or was cancelled leaves it for :meth:`Allocator.take_changes` (so nothing is
+lost).  The owner opens the extents it added before any of their space is written
+(see :class:`Changes` for why that holds) and drops the blocks it evicted from the
+memory tier.  The writes its owner wants in an eviction's transaction (the persisted
+totals) are an argument of ``reserve`` and ``fit_capacity``.
+
 The LMDB ``free`` table is the durable free map; this module keeps its runtime mirror.
 A reserved range leaves the durable map in the transaction that indexes its block, so a
 crash before that commit leaves the space free in the index and the written bytes as
@@ -57,12 +65,14 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import count
 from typing import Protocol
 
 import anyio
 
+from kvstore.core.free_space import FreeSpace, ReadEpochs
 from kvstore.disk.extents import create_extent_file, remove_new_extent_file
 from kvstore.disk.format import PAGE, IndexEntry
 from kvstore.errors import CapacityError
@@ -76,105 +86,26 @@ _FIT_STEP = 256 << 20
 capacity (a shrink by many GB is many commits, not one transaction of every block)."""
 
 
-class FreeSpace:
-    """Free runs ``(extent, offset) -> length``, coalesced; best-fit allocation."""
-
-    def __init__(self, lost: Iterable[int] = ()) -> None:
-        self.lost = frozenset(lost)  # extents whose file is missing: never free space
-        self._by_start: dict[tuple[int, int], int] = {}
-        self._by_end: dict[tuple[int, int], int] = {}  # (extent, end) -> offset
-        self._sizes: list[tuple[int, int, int]] = []  # sorted (length, extent, offset)
-        self.free_bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._by_start)
-
-    def runs(self) -> list[tuple[int, int, int]]:
-        return sorted((e, o, n) for (e, o), n in self._by_start.items())
-
-    def _insert(self, extent: int, offset: int, length: int) -> None:
-        self.free_bytes += length
-        self._by_start[(extent, offset)] = length
-        self._by_end[(extent, offset + length)] = offset
-        bisect.insort(self._sizes, (length, extent, offset))
-
-    def _remove(self, extent: int, offset: int) -> int:
-        length = self._by_start.pop((extent, offset))
-        self.free_bytes -= length
-        del self._by_end[(extent, offset + length)]
-        i = bisect.bisect_left(self._sizes, (length, extent, offset))
-        del self._sizes[i]
-        return length
-
-    def allocate(self, length: int) -> tuple[int, int] | None:
-        """Reserve ``length`` bytes from the smallest run that fits; None if none fits."""
-        i = bisect.bisect_left(self._sizes, (length, -1, -1))
-        if i == len(self._sizes):
-            return None
-        run_len, extent, offset = self._sizes[i]
-        self._remove(extent, offset)
-        if run_len > length:
-            self._insert(extent, offset + length, run_len - length)
-        return extent, offset
-
-    def free(self, extent: int, offset: int, length: int) -> None:
-        """Return a range; it must not overlap a free run (checked: overlap is a bug).
-        A range of a lost extent stays used (its file is gone: nothing can go there)."""
-        if extent in self.lost:
-            return
-        end = offset + length
-        if (extent, offset) in self._by_start:
-            raise AssertionError(f"double free of extent {extent} offset {offset}")
-        prev_start = self._by_end.get((extent, offset))
-        if prev_start is not None:
-            offset = prev_start
-            length += self._remove(extent, prev_start)
-        if (extent, end) in self._by_start:
-            length += self._remove(extent, end)
-        self._insert(extent, offset, length)
+def _nothing(txn: Txn) -> None:
+    pass
 
 
-class ReadEpochs:
-    """Reads in flight, so that freed ranges are reused only once no reader can still be
-    transferring them.  ``on_release`` is told when held space became free."""
+@dataclass
+class Changes:
+    """What the allocator did that its owner acts on (see the module docstring).
 
-    def __init__(self, space: FreeSpace, on_release: Callable[[], None] = lambda: None) -> None:
-        self._space = space
-        self._on_release = on_release
-        self._epoch = 0
-        self._active: Counter[int] = Counter()
-        self._held: list[tuple[int, int, int, int]] = []  # (epoch, extent, offset, length)
-        self.held_bytes = 0
+    ``new_extents``: extents added (file created, fdatasynced, indexed) whose files the
+    owner has not been told to open.  Their space is free from the moment they are
+    added, yet no put can write there before the owner opened them: the space is handed
+    out only by ``_place``, and a reserve returns in the same step as its ``_place``
+    (no await between them), carrying every extent not reported yet; its caller opens
+    them before its own next await.  So the first reserve that returns after a growth,
+    whichever put's it is, reports the extent before any slot in it can be written.
 
-    def begin(self) -> int:
-        self._active[self._epoch] += 1
-        return self._epoch
+    ``evicted``: keys of blocks evicted (unindexed, their space pending-free)."""
 
-    def end(self, epoch: int) -> None:
-        self._active[epoch] -= 1
-        if not self._active[epoch]:
-            del self._active[epoch]
-        self._release()
-
-    def free(self, extent: int, offset: int, length: int) -> None:
-        """Free a range once every read that began up to now has ended."""
-        self._held.append((self._epoch, extent, offset, length))
-        self.held_bytes += length
-        self._epoch += 1
-        self._release()
-
-    def _release(self) -> None:
-        oldest = min(self._active) if self._active else self._epoch
-        keep = []
-        for held in self._held:
-            if held[0] < oldest:
-                self._space.free(*held[1:])
-                self.held_bytes -= held[3]
-            else:
-                keep.append(held)
-        if len(keep) != len(self._held):
-            self._held = keep
-            self._on_release()
+    new_extents: list[int] = field(default_factory=list)
+    evicted: list[bytes] = field(default_factory=list)
 
 
 class Slot(Protocol):
@@ -194,16 +125,11 @@ class Allocator:
                  store_uuid: bytes, extents: Iterable[int],
                  free_runs: Iterable[tuple[int, int, int]], capacity_bytes: int | None,
                  lost_extents: Iterable[int] = (),
-                 file_mode: int, counters: dict[str, int],
-                 on_new_extent: Callable[[int], None],
-                 on_evicted: Callable[[list[bytes]], None] = lambda keys: None,
-                 ride_along: Callable[[Txn], None] = lambda txn: None) -> None:
+                 file_mode: int, counters: dict[str, int]) -> None:
         self._path, self._index, self._writer = path, index, writer
         self.extent_bytes, self._uuid, self._file_mode = extent_bytes, store_uuid, file_mode
-        self._on_new_extent = on_new_extent
-        self._on_evicted = on_evicted  # the store drops evicted blocks from its memory tier
-        self._ride_along = ride_along  # more of the store's writes in the eviction's txn
         self._counters = counters  # the store's: evicted_blocks, evicted_bytes
+        self._changes = Changes()  # what its owner has not taken yet (take_changes)
         self._extents = len(list(extents))
         # Extents whose file is missing: their space is never handed out (a slot there
         # could not be written) and stays counted as used until fsck --repair drops them.
@@ -236,14 +162,6 @@ class Allocator:
         return self._extents * (self.extent_bytes - PAGE) - self.space.free_bytes
 
     @property
-    def evicted_blocks(self) -> int:
-        return self._counters["evicted_blocks"]
-
-    @property
-    def evicted_bytes(self) -> int:
-        return self._counters["evicted_bytes"]
-
-    @property
     def pending_free_bytes(self) -> int:
         return self.epochs.held_bytes
 
@@ -273,6 +191,11 @@ class Allocator:
         touched, self._touched = self._touched, {}
         return touched
 
+    def take_changes(self) -> Changes:
+        """What was done since it was last taken (extents added, blocks evicted)."""
+        changes, self._changes = self._changes, Changes()
+        return changes
+
     # ------------------------------------------------------------------ puts in flight
 
     def protect(self, keys: Iterable[bytes]) -> None:
@@ -290,19 +213,24 @@ class Allocator:
                 del self._protected[key]
         self._notify()
 
-    async def reserve(self, items: Sequence[Slot]) -> None:
+    async def reserve(self, items: Sequence[Slot], *,
+                      ride_along: Callable[[Txn], None] = _nothing) -> Changes:
         """Give every item a slot within capacity, all or none, evicting and adding extents
-        as needed; see the module docstring for the order of resorts."""
+        as needed; see the module docstring for the order of resorts.  Returns every
+        change not taken yet (:class:`Changes`: the caller opens the new extents before
+        its next await).  ``ride_along``: more writes in each eviction's transaction."""
         total = sum(item.slot_len for item in items)
         ticket = next(self._tickets)
         try:
-            await self._reserve(items, total, ticket)
+            await self._reserve(items, total, ticket, ride_along)
         finally:
             if ticket in self._waiting:
                 self._waiting.remove(ticket)
                 self._notify()  # the next in line tries now
+        return self.take_changes()  # (no await since _place: see Changes)
 
-    async def _reserve(self, items: Sequence[Slot], total: int, ticket: int) -> None:
+    async def _reserve(self, items: Sequence[Slot], total: int, ticket: int,
+                       ride_along: Callable[[Txn], None]) -> None:
         first = True
         while True:
             if not first:  # its first look (and eviction) did not place it: in line
@@ -321,7 +249,7 @@ class Allocator:
                 continue
             evict = short - self.pending_free_bytes
             seen = self._generation
-            if evict > 0 and await self._evict(evict):
+            if evict > 0 and await self._evict(evict, ride_along):
                 continue
             if seen != self._generation:
                 # Puts ended or space came back while the eviction ran (it saw their
@@ -376,11 +304,6 @@ class Allocator:
             self._changed.set()
             self._changed = None
 
-    @property
-    def waiting_reserves(self) -> int:
-        """Reserves in line (see the module docstring)."""
-        return len(self._waiting)
-
     def _wait_in_line(self, ticket: int) -> None:
         if ticket not in self._waiting:
             bisect.insort(self._waiting, ticket)
@@ -392,26 +315,28 @@ class Allocator:
 
     # ------------------------------------------------------------------ evict, grow
 
-    async def _evict(self, need: int) -> int:
+    async def _evict(self, need: int, ride_along: Callable[[Txn], None]) -> int:
         """Evict least-recently-used leaf blocks (durably, like a delete) until ``need``
         bytes are unindexed; returns bytes freed.  Protected and pinned blocks are never
         chosen."""
         return self._evicted(await self._writer.run(partial(
-            self._evict_in, need=need, protect=set(self._protected), touched=self.take_touched())))
+            self._evict_in, need=need, protect=set(self._protected),
+            touched=self.take_touched(), ride_along=ride_along)))
 
-    def _evict_in(self, txn: Txn, *, need: int, protect: set[bytes],
-                  touched: Touched | None) -> list[tuple[bytes, IndexEntry]]:
-        """The eviction transaction (writer thread), with the store's ride-along writes."""
+    def _evict_in(self, txn: Txn, *, need: int, protect: set[bytes], touched: Touched | None,
+                  ride_along: Callable[[Txn], None]) -> list[tuple[bytes, IndexEntry]]:
+        """The eviction transaction (writer thread), with the caller's ride-along writes."""
         chosen = self._index.evict(txn, need, protect, touched)
-        self._ride_along(txn)
+        ride_along(txn)
         return chosen
 
-    def fit_capacity(self) -> None:
+    def fit_capacity(self, *, ride_along: Callable[[Txn], None] = _nothing) -> None:
         """At open, before the store serves (open's worker thread: blocking): a store
         that uses more than ``capacity_bytes`` (reopened with a smaller one) evicts by
         the same rules as a put (least-recently-used leaves, never a pinned block or one
         whose chain a pinned block needs) until it fits, in transactions of at most
-        ``_FIT_STEP`` bytes.  If what cannot be evicted (pinned blocks and their
+        ``_FIT_STEP`` bytes, each with ``ride_along``'s writes; what it evicted is in
+        :meth:`take_changes`.  If what cannot be evicted (pinned blocks and their
         ancestors, quarantined blocks, extents whose file is missing) is over capacity
         by itself, :class:`~kvstore.errors.CapacityError` and nothing is evicted."""
         over = self.used_bytes - self.capacity_bytes
@@ -435,7 +360,7 @@ class Allocator:
             need = min(self.used_bytes - self.capacity_bytes, _FIT_STEP)
 
             evicted = self._writer.run_sync(partial(self._evict_in, need=need, protect=set(),
-                                                    touched=None))
+                                                    touched=None, ride_along=ride_along))
             if not evicted:  # cannot happen after the check above; never loop for ever
                 raise CapacityError(28, f"store {self._path}: no more blocks to evict at open")
             self._evicted(evicted)
@@ -446,9 +371,9 @@ class Allocator:
                     self._path, blocks, freed, self.capacity_bytes)
 
     def _evicted(self, evicted: list[tuple[bytes, IndexEntry]]) -> int:
-        """Blocks an eviction unindexed: out of the memory tier, their space free once no
-        earlier reader can still read it, counted; returns the bytes freed."""
-        self._on_evicted([key for key, _ in evicted])
+        """Blocks an eviction unindexed: reported (:class:`Changes`), their space free once
+        no earlier reader can still read it, counted; returns the bytes freed."""
+        self._changes.evicted.extend(key for key, _ in evicted)
         self.release(e for _, e in evicted)
         freed = sum(e.slot_len for _, e in evicted)
         self._counters["evicted_blocks"] += len(evicted)
@@ -474,7 +399,14 @@ class Allocator:
                 # disk): the file goes, and with it the space it took from the index.
                 await anyio.to_thread.run_sync(remove_new_extent_file, self._path, extent_id)
                 raise
-            self._on_new_extent(extent_id)
+            self._changes.new_extents.append(extent_id)  # opened by the owner: Changes
             self._extents += 1
             self.space.free(extent_id, PAGE, self.extent_bytes - PAGE)
             self._notify()
+
+    def withdraw_extent(self, extent_id: int) -> None:
+        """An added extent its owner could not open: its space goes out of use, as if
+        it had never been added (it is indexed: the next open finds it).  Call it once
+        every slot reserved in it was given back (``unreserve``)."""
+        self.space.withdraw(extent_id, PAGE, self.extent_bytes - PAGE)
+        self._extents -= 1

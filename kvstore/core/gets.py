@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.codecs.tensors import CODE_DTYPES, check_out, check_writable_out
-from kvstore.core.puts import check_fits
 
 if TYPE_CHECKING:
-    from kvstore.core.opening import StoreParts
+    from kvstore.core.allocator import Allocator
+    from kvstore.core.puts import SlotLimits
     from kvstore.core.reads import VerifiedReads
     from kvstore.core.tier_ports import Tiers
+    from kvstore.index.index import Index
+    from kvstore.io.device_copies import DeviceCopier
 
 __all__ = ["GetPath"]
 
@@ -34,24 +36,27 @@ __all__ = ["GetPath"]
 class GetPath:
     """The gets of one open store (see the module docstring)."""
 
-    def __init__(self, parts: StoreParts, reads: VerifiedReads, tiers: Tiers) -> None:
-        self._parts, self._reads, self._tiers = parts, reads, tiers
-        self._counters = parts.counters
+    def __init__(self, *, index: Index, allocator: Allocator, limits: SlotLimits,
+                 counters: dict[str, int], reads: VerifiedReads, tiers: Tiers,
+                 copier: DeviceCopier) -> None:
+        self._index, self._allocator, self._limits = index, allocator, limits
+        self._reads, self._tiers, self._copier = reads, tiers, copier
+        self._counters = counters
 
     async def get_many(self, keys: list[bytes], out: Sequence[torch.Tensor | None] | None
                        ) -> list[torch.Tensor | None]:
-        parts, memory, remote = self._parts, self._tiers.memory, self._tiers.remote
+        memory, remote = self._tiers.memory, self._tiers.remote
         outs: list[torch.Tensor | None] = [None] * len(keys) if out is None else list(out)
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} out tensors")
-        entries = parts.index.get_entries(keys)
+        entries = self._index.get_entries(keys)
         # remote tier: what it holds of the misses, now (a promotion may land meanwhile)
         held = remote.held_blocks(keys, entries) if remote is not None else None
         for entry, o in zip(entries, outs):  # validate before any I/O
             if isinstance(o, torch.Tensor):  # (a local miss may be fetched: checked too)
                 check_writable_out(o)
             if entry is not None:
-                check_fits(parts, entry.slot_len)
+                self._limits.check(entry.slot_len)
             if entry is not None and o is not None:
                 check_out(o, entry.dtype, (entry.raw_len // CODE_DTYPES[entry.dtype].itemsize,))
         self._counters["gets"] += 1
@@ -66,7 +71,7 @@ class GetPath:
             await self._reads.read(keys, from_disk, outs, results)
             if hits:
                 assert memory is not None
-                await memory.copy_out(hits, outs, results, parts.transfers.copier)
+                await memory.copy_out(hits, outs, results, self._copier)
         finally:
             if memory is not None and hits is not None:
                 memory.release(hits)
@@ -81,7 +86,7 @@ class GetPath:
                  tuple(r.shape), e.seq)
                 for i, (e, r) in enumerate(zip(from_disk, results))
                 if e is not None and r is not None and outs[i] is None])
-        parts.allocator.touch((k for k, r in zip(keys, results) if r is not None),
+        self._allocator.touch((k for k, r in zip(keys, results) if r is not None),
                               time.time_ns() // 1000)
         hits_n = sum(r is not None for r in results)
         self._counters["hits"] += hits_n

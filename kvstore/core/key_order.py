@@ -80,11 +80,6 @@ class KeyOrder:
         finally:
             turn.waiting = False
 
-    def waiting(self, key: bytes) -> int:
-        """Calls of ``key`` waiting for earlier ones now (tests watch a delete queue
-        up behind a put with it)."""
-        return sum(t.waiting for t in self._lines.get(key, ()))
-
     def __contains__(self, key: bytes) -> bool:
         """Whether a put or delete of ``key`` is in flight."""
         return key in self._lines

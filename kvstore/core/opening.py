@@ -21,6 +21,7 @@ from contextlib import suppress
 from typing import Any
 
 from kvstore.core.allocator import Allocator
+from kvstore.core.extent_files import ExtentFiles
 from kvstore.core.operations import Health
 from kvstore.core.tier_ports import Tiers
 from kvstore.disk import permissions, store_files
@@ -61,9 +62,9 @@ logger = logging.getLogger("kvstore.store")
 
 class StoreParts:
     """The open parts of one store (see the module docstring); ``close()`` releases
-    them.  Attributes are the parts themselves; ``Store`` exposes the same names.
-    ``copier`` and ``page_locker``: the optional GPU path, handed in by the store
-    (core/ never loads it)."""
+    them.  Attributes are the parts themselves (``Store`` keeps them private;
+    :mod:`kvstore.testing` shows them to tests).  ``copier`` and ``page_locker``: the
+    optional GPU path, handed in by the store (core/ never loads it)."""
 
     def __init__(self, path: str, opts: StoreOptions, copier: DeviceCopier,
                  page_locker: PageLocker) -> None:
@@ -114,7 +115,8 @@ class StoreParts:
             strict=opts.strict_permissions)
         self.store_uuid = self.index.meta_get(META_UUID) or b""
         self.extent_bytes = unpack_u64(self.index.meta_get(META_EXTENT_BYTES) or b"")
-        self.seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
+        # the highest sequence number recorded: the put path numbers slots after it
+        self.last_seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
         self._check_namespace(opts.namespace, opts.allow_new_namespace)
         self.totals = Totals(self.counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
@@ -149,8 +151,8 @@ class StoreParts:
                 self.engine = UringEngine(direct=result.direct, queue_depth=opts.queue_depth)
             else:
                 self.engine = ThreadPoolEngine(direct=result.direct, queue_depth=opts.queue_depth)
-        self.fds: dict[int, int] = {}
-        self._cleanups.append(self._close_fds)
+        self.files = ExtentFiles(self.path, self.engine)
+        self._cleanups.append(self.files.close)
         self.extents = self.index.extents_list()
         # An extent file that is gone (deleted while the store was closed) loses its
         # blocks, not the store: they are answered as misses and quarantined as they are
@@ -159,7 +161,7 @@ class StoreParts:
         self.lost_extents: set[int] = set()
         for extent_id in self.extents:
             try:
-                self.open_extent(extent_id)
+                self.files.open(extent_id)
             except FileNotFoundError:
                 self.lost_extents.add(extent_id)
         if self.lost_extents:
@@ -192,7 +194,7 @@ class StoreParts:
         # Reads a caller awaits go before background writes and prefetches.
         schedule = opts.io_schedule()
         self.scheduler = IoScheduler(self.engine, schedule) if schedule is not None else None
-        self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.fds,
+        self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.files.fds,
                                    copier=self._copier)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self.allocator = Allocator(
@@ -200,41 +202,13 @@ class StoreParts:
             store_uuid=self.store_uuid, extents=self.extents, free_runs=self.index.free_runs(),
             lost_extents=self.lost_extents,
             capacity_bytes=opts.capacity_bytes, file_mode=self.file_mode,
-            counters=self.counters, on_new_extent=self.open_extent,
-            on_evicted=self.tiers.forget,
-            ride_along=self.flush_totals_in)
+            counters=self.counters)
         # Capacity is a bound at every instant: a store reopened with a smaller one
         # evicts down to it now, before it serves (or refuses to open: pinned blocks).
-        self.allocator.fit_capacity()
-
-    def open_extent(self, extent_id: int) -> None:
-        """Open an extent file through the engine: the store's own regular file, not a
-        link (checked before the open, and the descriptor after it: the engine's
-        ``open_file`` takes a path; kvstore.disk.store_files).  FileNotFoundError: missing."""
-        path = extent_path(self.path, extent_id)
-        fix = (f"Put the real extent file at {path} in place of it, or run `python -m "
-               f"kvstore fsck {self.path} --repair` to remove the link (extent {extent_id}'s "
-               "blocks are then lost; its target is left alone).")
-        before = store_files.check_file(path, fix)
-        if before is None:
-            raise FileNotFoundError(path)
-        try:
-            fd = self.engine.open_file(path, create=False)
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            raise from_os_error(e, f"cannot open extent file {path}") from e
-        try:
-            store_files.check_same(path, os.fstat(fd), before, fix)
-        except BaseException:
-            self.engine.close_file(fd)
-            raise
-        self.fds[extent_id] = fd
-
-    def _close_fds(self) -> None:
-        for fd in self.fds.values():
-            self.engine.close_file(fd)
-        self.fds.clear()
+        self.allocator.fit_capacity(ride_along=self.flush_totals_in)
+        # What it evicted is in no cache yet (the memory tier is empty until the store
+        # serves), and it adds no extent: nothing to act on.
+        self.allocator.take_changes()
 
     # ------------------------------------------------------------------ totals
 

@@ -27,8 +27,9 @@ cancelled at any await is either committed (6 had started: it is waited for) or 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,34 +48,55 @@ from kvstore.keys import check_key, check_keys
 from kvstore.stats import PutResult
 
 if TYPE_CHECKING:
-    from kvstore.core.opening import StoreParts
+    from kvstore.core.allocator import Allocator, Changes
+    from kvstore.core.extent_files import ExtentFiles
+    from kvstore.core.operations import Health
     from kvstore.core.tier_ports import Tiers
+    from kvstore.index.index import Index, IndexWriter
+    from kvstore.io.group_sync import GroupSync
+    from kvstore.io.transfers import Transfers
 
-__all__ = ["PutPath", "check_fits"]
+__all__ = ["PutPath", "SlotLimits"]
 
 Sized = tuple[int, int]  # a value's bytes and its dtype code
 
 
-def check_fits(parts: StoreParts, slot_len: int) -> None:
-    """A slot of ``slot_len`` bytes fits an extent and the staging arena (or a clear
-    error saying which option to raise)."""
-    if slot_len > parts.extent_bytes - PAGE:
-        raise BlockTooLargeError(
-            f"a {slot_len}-byte slot does not fit a {parts.extent_bytes}-byte extent; "
-            "create the store with a larger extent_bytes")
-    if slot_len > parts.arena.size:
-        raise BlockTooLargeError(
-            f"a {slot_len}-byte slot does not fit the {parts.arena.size}-byte staging "
-            "arena; open the store with a larger staging_bytes")
+@dataclass(frozen=True)
+class SlotLimits:
+    """The largest slot a store can hold: it must fit an extent and the staging arena."""
+
+    extent_bytes: int
+    arena_bytes: int
+
+    def check(self, slot_len: int) -> None:
+        """A slot of ``slot_len`` bytes fits (or a clear error saying which option to
+        raise)."""
+        if slot_len > self.extent_bytes - PAGE:
+            raise BlockTooLargeError(
+                f"a {slot_len}-byte slot does not fit a {self.extent_bytes}-byte extent; "
+                "create the store with a larger extent_bytes")
+        if slot_len > self.arena_bytes:
+            raise BlockTooLargeError(
+                f"a {slot_len}-byte slot does not fit the {self.arena_bytes}-byte staging "
+                "arena; open the store with a larger staging_bytes")
 
 
 class PutPath:
-    """The puts of one open store (see the module docstring)."""
+    """The puts of one open store (see the module docstring).  ``last_seq``: the
+    highest sequence number the index records; this path numbers every slot after it
+    (it is the counter's only owner).  ``ride_along``: the store's writes that go in
+    every transaction that commits puts or evicts (the persisted totals)."""
 
-    def __init__(self, parts: StoreParts, *, codec: CodecSpec | None, durable: bool,
-                 backlog_bytes: int, tiers: Tiers) -> None:
-        self._parts = parts
-        self._counters = parts.counters
+    def __init__(self, *, index: Index, writer: IndexWriter, allocator: Allocator,
+                 transfers: Transfers, syncs: GroupSync, files: ExtentFiles, health: Health,
+                 counters: dict[str, int], limits: SlotLimits,
+                 ride_along: Callable[[Txn], None], last_seq: int, codec: CodecSpec | None,
+                 durable: bool, backlog_bytes: int, tiers: Tiers) -> None:
+        self._index, self._writer, self._allocator = index, writer, allocator
+        self._transfers, self._syncs, self._files = transfers, syncs, files
+        self._health, self._counters, self._limits = health, counters, limits
+        self._ride_along = ride_along
+        self._seq = last_seq
         self.codec = codec  # the store's default
         self.durable = durable
         # puts in flight beyond backlog_bytes drop background puts (kvstore/core/backlog.py)
@@ -103,10 +125,10 @@ class PutPath:
         # the blocks this put writes are (in _put_once), never a deduplicated one.
         sized = [check_value(v) for v in values]
         for n, _ in sized:
-            check_fits(self._parts, round_up(SLOT_HEADER_BYTES + n))
+            self._limits.check(round_up(SLOT_HEADER_BYTES + n))
         # Blocks already stored are deduplicated, never dropped nor waited for: only the
         # rest count against the backlog (_put_once decides again, without yielding).
-        present = self._parts.index.present(keys)
+        present = self._index.present(keys)
         dedup = [k in present for k in keys]
         nbytes = sum(n for (n, _), p in zip(sized, dedup) if not p)
         if nbytes and background and not self.backlog.try_enter(nbytes):
@@ -119,12 +141,12 @@ class PutPath:
         # their parents alone while it waits.  What it deduplicates against is among them.
         turn = self.order.register(keys)
         guarded = [*keys, *(p for p in parent_list if p is not None)]
-        allocator = self._parts.allocator
+        allocator = self._allocator
         allocator.protect(guarded)
         admitted = background or not nbytes  # (a background put entered above)
         try:
             if not admitted:
-                await self.backlog.enter(nbytes, self._parts.health.check_writable)
+                await self.backlog.enter(nbytes, self._health.check_writable)
                 admitted = True
             self._counters["puts"] += 1
             spec = codec if codec is not None else self.codec
@@ -152,8 +174,8 @@ class PutPath:
                         skip_deleted: DeleteWatch | None) -> PutResult:
         # Wait out the puts and deletes of these keys that started earlier, then decide
         # without yielding.
-        await self.order.wait_earlier(turn, self._parts.health.check_writable)
-        present = self._parts.index.present(keys)
+        await self.order.wait_earlier(turn, self._health.check_writable)
+        present = self._index.present(keys)
         chosen: list[tuple[bytes, bytes | None, torch.Tensor, int]] = []
         deduplicated: dict[bytes, None] = {}
         dedup_bytes = 0
@@ -205,15 +227,15 @@ class PutPath:
         """The blocks to write (validated: ``check_value``), their values on the host: a
         value on a GPU is copied now (stream-ordered into page-locked memory, awaited,
         no synchronize: issue 33), once the put knows it writes it."""
-        values = await self._parts.transfers.copier.to_host([v for _, _, v, _ in chosen])
+        values = await self._transfers.copier.to_host([v for _, _, v, _ in chosen])
         return [PutItem(key, parent, host_bytes(host), code, tuple(value.shape))
                 for (key, parent, value, code), host in zip(chosen, values)]
 
     async def _encode(self, items: list[PutItem], spec: CodecSpec) -> None:
         """Encode every block now (sizes known only then), checking each slot fits."""
-        await self._parts.transfers.encode(items, spec)
+        await self._transfers.encode(items, spec)
         for item in items:
-            check_fits(self._parts, item.slot_len)
+            self._limits.check(item.slot_len)
 
     @asynccontextmanager
     async def turn(self, keys: Sequence[bytes]) -> AsyncIterator[None]:
@@ -222,7 +244,7 @@ class PutPath:
         ahead of those that start after it."""
         turn = self.order.register(keys)
         try:
-            await self.order.wait_earlier(turn, self._parts.health.check_writable)
+            await self.order.wait_earlier(turn, self._health.check_writable)
             yield
         finally:
             self.order.finish(turn)
@@ -231,18 +253,51 @@ class PutPath:
         self._counters["dedup_blocks"] += blocks
         self._counters["dedup_bytes"] += raw_bytes
 
+    def _number(self, items: Sequence[PutItem]) -> None:
+        """Give each slot the next sequence number (``_seq``, the highest given so far,
+        is what a commit records: puts commit out of order)."""
+        for item in items:
+            self._seq += 1
+            item.seq = self._seq
+
+    async def _reserve(self, items: Sequence[PutItem]) -> None:
+        """The allocator places ``items`` (evicting, adding extents); this path acts on
+        what it did, before its next await: opens the extents it added (before any slot
+        in them is written: :class:`~kvstore.core.allocator.Changes`) and drops the
+        blocks it evicted from the memory tier."""
+        allocator = self._allocator
+        try:
+            changes = await allocator.reserve(items, ride_along=self._ride_along)
+        except BaseException:
+            self._apply(allocator.take_changes(), placed=())
+            raise
+        self._apply(changes, placed=items)
+
+    def _apply(self, changes: Changes, placed: Sequence[PutItem]) -> None:
+        if changes.evicted:
+            # (the space is pending-free now: a lookup would not serve them anyway)
+            self._tiers.forget(changes.evicted)
+        for i, extent_id in enumerate(changes.new_extents):
+            try:
+                self._files.open(extent_id)
+            except BaseException:
+                # Unusable: this put's slots (the only ones in it yet) go back, and the
+                # extents not opened go out of use, as when growth itself fails.
+                self._allocator.unreserve(placed)
+                for lost in changes.new_extents[i:]:
+                    self._allocator.withdraw_extent(lost)
+                raise
+
     async def _put_items(self, items: list[PutItem], relies_on: list[bytes]) -> None:
-        parts = self._parts
-        health, allocator = parts.health, parts.allocator
-        await allocator.reserve(items)
+        health, allocator, ride_along = self._health, self._allocator, self._ride_along
+        await self._reserve(items)
         committed = False
         try:
-            for item in items:
-                parts.seq += 1
-                item.seq = parts.seq
-            await parts.transfers.write(items)
+            self._number(items)
+            await self._transfers.write(items)
             if self.durable:
-                await parts.syncs.datasync(sorted({parts.fds[i.extent] for i in items}))
+                fds = self._files.fds
+                await self._syncs.datasync(sorted({fds[i.extent] for i in items}))
             now = time.time_ns() // 1000
             entries = [(item.key, IndexEntry(
                 extent=item.extent, offset=item.offset, slot_len=item.slot_len,
@@ -253,13 +308,15 @@ class PutPath:
             # own sync succeeded later (the kernel may have dropped pages the failed
             # sync covered); checked again on the writer thread, just before the commit.
             health.check_still_writable()
-            seq, touched = parts.seq, allocator.take_touched()
+            seq, touched = self._seq, allocator.take_touched()
+            index = self._index
 
             def commit(txn: Txn) -> None:
                 health.check_still_writable()
-                parts.index.commit_puts(txn, entries, touched, seq, relies_on)
+                index.commit_puts(txn, entries, touched, seq, relies_on)
+                ride_along(txn)
 
-            await parts.writer.run(parts.with_totals(commit))
+            await self._writer.run(commit)
             committed = True
             allocator.committed(items)
             memory, remote = self._tiers.memory, self._tiers.remote

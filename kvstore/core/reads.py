@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext, suppress
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import torch
@@ -42,20 +42,34 @@ from kvstore.io.slots import check_payload, check_slot
 from kvstore.io.transfers import Failed, ReadCounts
 
 if TYPE_CHECKING:
-    from kvstore.core.opening import StoreParts
+    from kvstore.core.allocator import Allocator
+    from kvstore.core.operations import Health
+    from kvstore.index.index import Index, IndexWriter
     from kvstore.io.aligned import AlignedBuffer
+    from kvstore.io.transfers import Transfers
 
 __all__ = ["Failed", "VerifiedReads"]
 
 logger = logging.getLogger("kvstore.store")
 
 
-class VerifiedReads:
-    """The reads of one open store (see the module docstring)."""
+class Forgets(Protocol):
+    """What a read needs of the tiers (kvstore.core.tier_ports.Tiers): blocks
+    quarantined leave the memory tier."""
 
-    def __init__(self, parts: StoreParts) -> None:
-        self._parts = parts
-        self._counters = parts.counters
+    def forget(self, keys: Sequence[bytes]) -> None: ...
+
+
+class VerifiedReads:
+    """The reads of one open store (see the module docstring).  ``direct``: the store
+    reads with O_DIRECT (``read_slot`` does too)."""
+
+    def __init__(self, *, path: str, index: Index, writer: IndexWriter, allocator: Allocator,
+                 transfers: Transfers, health: Health, counters: dict[str, int],
+                 memory: Forgets, direct: bool) -> None:
+        self._path, self._index, self._writer = path, index, writer
+        self._allocator, self._transfers, self._health = allocator, transfers, health
+        self._counters, self._memory, self._direct = counters, memory, direct
         # Blocks counted as quarantined while the store could not record it (read-only):
         # they stay indexed and fail again; ``quarantined_blocks`` counts each once.
         self._counted: set[tuple[bytes, int]] = set()
@@ -73,11 +87,11 @@ class VerifiedReads:
         behind gets and (mostly) behind puts."""
         corrupt: Failed = []
         unreadable: Failed = []
-        allocator = self._parts.allocator
+        allocator = self._allocator
         epoch = allocator.begin_read()
         try:
             with as_class(PREFETCH) if prefetch else nullcontext():
-                counts = await self._parts.transfers.read(
+                counts = await self._transfers.read(
                     list(keys), list(entries), list(outs), results, corrupt, unreadable)
             self._count(counts)
             self._counters["prefetch_read_bytes" if prefetch else "read_bytes"] += counts.nbytes
@@ -93,11 +107,11 @@ class VerifiedReads:
         that failed).  Like :meth:`read`, call it in the step of the lookup."""
         corrupt: Failed = []
         unreadable: Failed = []
-        allocator = self._parts.allocator
+        allocator = self._allocator
         epoch = allocator.begin_read()
         try:
             with as_class(PREFETCH):
-                counts = await self._parts.transfers.verify(
+                counts = await self._transfers.verify(
                     list(keys), list(entries), [False] * len(keys), corrupt, unreadable)
             self._count(counts)
         finally:
@@ -121,25 +135,24 @@ class VerifiedReads:
         back if it verifies.  ``quarantined_blocks`` counts blocks moved (each once,
         however many reads failed on it).  One warning per pass names the store and the
         first cause."""
-        parts = self._parts
         bad = [*corrupt, *unreadable]
         self._counters["corrupt_blocks"] += len(corrupt)
-        parts.tiers.forget([key for key, _, _ in bad])
+        self._memory.forget([key for key, _, _ in bad])
         logger.warning(
             "kvstore %s: %d block(s) failed verification and %d could not be read; "
             "quarantined (answered as misses until a re-read verifies them; `python -m "
-            "kvstore fsck %s` lists them). First: key %s: %s", parts.path, len(corrupt),
-            len(unreadable), parts.path, bad[0][0].hex()[:32], bad[0][2])
+            "kvstore fsck %s` lists them). First: key %s: %s", self._path, len(corrupt),
+            len(unreadable), self._path, bad[0][0].hex()[:32], bad[0][2])
         moving = {key: (entry, False) for key, entry, _ in corrupt}
         moving.update((key, (entry, True)) for key, entry, _ in unreadable)
-        if parts.health.read_only:  # nothing can be recorded: count each block once
+        if self._health.read_only:  # nothing can be recorded: count each block once
             fresh = {(k, e.seq) for k, (e, _) in moving.items()} - self._counted
             self._counted |= fresh
             self._counters["quarantined_blocks"] += len(fresh)
             return
         # A key with an older copy in quarantine: read that copy now; the transaction
         # keeps whichever copy verifies (kvstore.index.quarantine).
-        displaced = {k: e for k, (e, _) in parts.index.quarantine_records.of(list(moving)).items()
+        displaced = {k: e for k, (e, _) in self._index.quarantine_records.of(list(moving)).items()
                      if not same_slot(e, moving[k][0])}
         seen = {}
         if displaced:
@@ -148,8 +161,8 @@ class VerifiedReads:
         items = [(k, e, unread) for k, (e, unread) in moving.items()]
         done = Quarantined([], [], [])
         with suppress(KVStoreError):
-            done = await parts.writer.run(
-                lambda txn: parts.index.quarantine_records.move(txn, items, seen))
+            done = await self._writer.run(
+                lambda txn: self._index.quarantine_records.move(txn, items, seen))
         self._settled(done)
         self._counters["quarantined_blocks"] += len(done.moved)
         if any(moving[k][1] for k in done.moved):
@@ -162,10 +175,9 @@ class VerifiedReads:
         record, with the latest cause.  Call it in the step of the lookup of ``rows``
         (the read epoch begins at once)."""
         outcomes = await self._check(rows)
-        parts = self._parts
-        if parts.health.read_only:
+        if self._health.read_only:
             return Quarantined([], [], [])
-        done = await parts.writer.run(lambda txn: parts.index.quarantine_records.settle(
+        done = await self._writer.run(lambda txn: self._index.quarantine_records.settle(
             txn, [(k, e, outcomes[k]) for k, e in rows]))
         self._settled(done)
         return done
@@ -173,11 +185,11 @@ class VerifiedReads:
     def _settled(self, done: Quarantined) -> None:
         """After a quarantine transaction: freed slots back to the allocator, restored
         blocks counted and logged."""
-        self._parts.allocator.release(done.freed)
+        self._allocator.release(done.freed)
         if done.restored:
             self._counters["restored_blocks"] += len(done.restored)
             logger.info("kvstore %s: %d quarantined block(s) verified when read again; "
-                        "restored (hits again)", self._parts.path, len(done.restored))
+                        "restored (hits again)", self._path, len(done.restored))
 
     async def _check(self, rows: Sequence[tuple[bytes, IndexEntry]]) -> dict[bytes, str]:
         """Read and check slots without quarantining anything: OK, CORRUPT or UNREADABLE
@@ -186,10 +198,10 @@ class VerifiedReads:
         verified = [False] * len(rows)
         corrupt: Failed = []
         unreadable: Failed = []
-        allocator = self._parts.allocator
+        allocator = self._allocator
         epoch = allocator.begin_read()
         try:
-            counts = await self._parts.transfers.verify(
+            counts = await self._transfers.verify(
                 keys, [e for _, e in rows], verified, corrupt, unreadable)
             self._counters["read_retries"] += counts.retries
         finally:
@@ -205,17 +217,16 @@ class VerifiedReads:
         fsck / the next get deal with it).  O_DIRECT where the store writes so: every
         block read this way (an upload's) would otherwise be read into the page cache
         once, crowding out what the node caches."""
-        parts = self._parts
-        entry = parts.index.get_entries([key])[0]
+        entry = self._index.get_entries([key])[0]
         if entry is None:
             return None
-        epoch = parts.allocator.begin_read()
+        epoch = self._allocator.begin_read()
         try:
             return await anyio.to_thread.run_sync(
-                _read_slot_file, extent_path(parts.path, entry.extent), entry, key,
-                parts.engine.direct, buffer)
+                _read_slot_file, extent_path(self._path, entry.extent), entry, key,
+                self._direct, buffer)
         finally:
-            parts.allocator.end_read(epoch)
+            self._allocator.end_read(epoch)
 
 
 def _read_slot_file(path: str, entry: IndexEntry, key: bytes, direct: bool,

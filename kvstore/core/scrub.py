@@ -47,9 +47,9 @@ from kvstore.index.index import META_SCRUB_COMPLETED, META_SCRUB_CURSOR, Index, 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from kvstore.core.opening import StoreParts
-    from kvstore.core.operations import Operations
+    from kvstore.core.operations import Health, Operations
     from kvstore.core.reads import VerifiedReads
+    from kvstore.index.index import IndexWriter
     from kvstore.io.scheduler import IoScheduler
 
 __all__ = ["DEFAULT_SCRUB_BYTES_PER_S", "ScrubReport", "Scrubber", "key_fraction",
@@ -95,11 +95,15 @@ def key_fraction(key: bytes | None) -> float:
 class Scrubber:
     """The scrub of one open store (see the module docstring)."""
 
-    def __init__(self, parts: StoreParts, reads: VerifiedReads, ops: Operations,
+    def __init__(self, *, path: str, index: Index, writer: IndexWriter, health: Health,
+                 scheduler: IoScheduler | None, counters: dict[str, int],
+                 reads: VerifiedReads, ops: Operations,
                  task_group: Callable[[], TaskGroup | None]) -> None:
-        self._parts, self._reads, self._ops, self._task_group = parts, reads, ops, task_group
-        self._counters = parts.counters
-        self.cursor, _ = scrub_state(parts.index)  # last key checked of the pass
+        self._path, self._index, self._writer, self._health = path, index, writer, health
+        self._scheduler = scheduler
+        self._reads, self._ops, self._task_group = reads, ops, task_group
+        self._counters = counters
+        self.cursor, _ = scrub_state(index)  # last key checked of the pass
         self._saved = self.cursor
         self._saved_at = time.monotonic()
         self._next_at = 0.0  # monotonic time the next batch may start
@@ -107,19 +111,10 @@ class Scrubber:
         self._callers = 0  # Store.scrub calls running: the background one waits
         self._resume: anyio.Event | None = None
         self._scopes: set[anyio.CancelScope] = set()
-        self._passed: anyio.Event | None = None  # set when a pass completes
 
     @property
     def progress(self) -> float:
         return key_fraction(self.cursor)
-
-    async def wait_passes(self, n: int) -> None:
-        """Until ``n`` passes (the background scrub's or callers') completed since the
-        store opened (``stats().scrub_passes``)."""
-        while self._counters["scrub_passes"] < n:
-            if self._passed is None:
-                self._passed = anyio.Event()
-            await self._passed.wait()
 
     def cancel(self) -> None:
         """Stop every walker (the store is closing); each persists its cursor."""
@@ -141,7 +136,7 @@ class Scrubber:
                     if restart:
                         self.cursor = None
                     await self._recheck_quarantine(report)
-                    total = self._parts.index.count_blocks()
+                    total = self._index.count_blocks()
                     base = int(self.progress * total)
                     while not await self._step(rate, report):
                         if progress is not None:
@@ -178,7 +173,7 @@ class Scrubber:
                                 break
                     await anyio.sleep(max(0.0, began + BACKGROUND_PASS_S - time.monotonic()))
         except Exception:  # background work never raises into the store's task group
-            logger.exception("kvstore %s: the background scrub stopped", self._parts.path)
+            logger.exception("kvstore %s: the background scrub stopped", self._path)
 
     async def _callers_done(self) -> None:
         """The background walker waits while a caller's scrub walks instead."""
@@ -211,9 +206,9 @@ class Scrubber:
 
     async def _recheck_quarantine(self, report: ScrubReport, background: bool = False) -> None:
         """Step 1: every quarantine record read again, a batch at a time."""
-        records = self._parts.index.quarantine_records
+        records = self._index.quarantine_records
         after: bytes | None = None
-        while not self._parts.health.read_only:
+        while not self._health.read_only:
             if background:
                 await self._callers_done()
             rows, after = records.rows(after, BATCH_BLOCKS)
@@ -232,9 +227,9 @@ class Scrubber:
             await anyio.sleep(self._next_at - now)
         else:  # a cancellation point (the engine's waits are shielded), and others run
             await anyio.lowlevel.checkpoint()
-        index = self._parts.index
+        index = self._index
         limit = MAX_BATCH_BYTES if rate is None else max(4096, min(MAX_BATCH_BYTES, rate / 10))
-        scheduler = self._parts.scheduler
+        scheduler = self._scheduler
         nbytes = failed = 0
         async with anyio.create_task_group() as tg:
             if scheduler is not None:
@@ -270,24 +265,21 @@ class Scrubber:
 
     async def _persist(self, *, force: bool = False) -> None:
         """Step 5: the cursor, if it moved and PERSIST_S passed (or ``force``)."""
-        parts = self._parts
-        if self.cursor == self._saved or parts.health.read_only or not (
+        if self.cursor == self._saved or self._health.read_only or not (
                 force or time.monotonic() - self._saved_at >= PERSIST_S):
             return
         cursor = self.cursor
-        await parts.writer.run(lambda txn: save_scrub_state(parts.index, txn, cursor, None))
+        index = self._index
+        await self._writer.run(lambda txn: save_scrub_state(index, txn, cursor, None))
         self._saved, self._saved_at = cursor, time.monotonic()
 
     async def _pass_complete(self) -> None:
-        parts = self._parts
         self.cursor = self._saved = None
-        if not parts.health.read_only:
+        if not self._health.read_only:
             when = time.time_ns() // 1000
-            await parts.writer.run(lambda txn: save_scrub_state(parts.index, txn, None, when))
+            index = self._index
+            await self._writer.run(lambda txn: save_scrub_state(index, txn, None, when))
         self._counters["scrub_passes"] += 1
-        if self._passed is not None:
-            self._passed.set()
-            self._passed = None
 
 
 def scrub_state(index: Index) -> tuple[bytes | None, int | None]:

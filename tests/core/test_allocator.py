@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.core.allocator import Allocator, FreeSpace, ReadEpochs
+import kvstore
+from kvstore.core.allocator import Allocator
+from kvstore.core.free_space import FreeSpace, ReadEpochs
 from kvstore.disk.format import PAGE, IndexEntry, free_key, pack_u64
-from kvstore.errors import IndexCorruptionError
+from kvstore.errors import IndexCorruptionError, StoreIOError
 from kvstore.index.index import META_SEQ, Index, IndexWriter, init_meta
+from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.testing import free_runs, parts, waiting_reserves
 from tests.concurrency import run_within, until
 
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 8)), min_size=1, max_size=60)
@@ -33,13 +39,13 @@ def test_allocations_never_overlap_and_frees_coalesce(script: list[tuple[bool, i
                 held.append((*where, pages * PAGE))
         else:
             space.free(*held.pop(len(held) // 2))
-        spans = sorted(held + space.runs())
+        spans = sorted(held + free_runs(space))
         for (e1, o1, n1), (e2, o2, _) in zip(spans, spans[1:]):
             assert e1 != e2 or o1 + n1 <= o2, "a range is both free and allocated"
         assert space.free_bytes + sum(h[2] for h in held) == 80 * PAGE
     for h in held:
         space.free(*h)
-    assert space.runs() == [(1, PAGE, 64 * PAGE), (2, PAGE, 16 * PAGE)]  # fully coalesced
+    assert free_runs(space) == [(1, PAGE, 64 * PAGE), (2, PAGE, 16 * PAGE)]  # fully coalesced
 
 
 def test_double_free_is_caught() -> None:
@@ -72,7 +78,7 @@ def test_durable_free_map_mirrors_memory(tmp_path_factory: pytest.TempPathFactor
                 rng = held.pop(0)
                 space.free(*rng)
                 writer.run_sync(lambda txn, r=rng: index.give_range(txn, *r))
-            assert index.free_runs() == space.runs()
+            assert index.free_runs() == free_runs(space)
     finally:
         writer.close()
         index.close()
@@ -202,8 +208,7 @@ def _sixteen_page_allocator(tmp_path: Path) -> Iterator[Allocator]:
         yield Allocator(path=str(tmp_path), index=index, writer=writer,
                         extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
                         free_runs=[], capacity_bytes=16 * PAGE, file_mode=0o600,
-                        counters={"evicted_blocks": 0, "evicted_bytes": 0},
-                        on_new_extent=lambda extent: None)
+                        counters={"evicted_blocks": 0, "evicted_bytes": 0})
     finally:
         writer.close()
         index.close()
@@ -250,7 +255,7 @@ def test_a_waiting_reserve_is_not_overtaken_by_a_stream_of_smaller_ones(
         # From its first wait (or once its first eviction did not place it): counted
         # from there.  (An allocator without a line: from the start.)
         await until(lambda: counts["placed"] >= 8)
-        await until(lambda: getattr(allocator, "waiting_reserves", 1) >= 1)
+        await until(lambda: waiting_reserves(allocator) >= 1)
         state["waiting"] = True
 
     async def scenario() -> None:
@@ -287,9 +292,9 @@ def test_a_reserve_that_leaves_the_line_lets_the_next_one_try(
         head = anyio.CancelScope()
         async with anyio.create_task_group() as tg:
             tg.start_soon(reserve, _Slot(b"big", 16 * PAGE), head)
-            await until(lambda: allocator.waiting_reserves == 1)
+            await until(lambda: waiting_reserves(allocator) == 1)
             tg.start_soon(reserve, _Slot(b"small", PAGE), anyio.CancelScope())
-            await until(lambda: allocator.waiting_reserves == 2)
+            await until(lambda: waiting_reserves(allocator) == 2)
             assert placed == []  # it fits, but the big one waits before it
             head.cancel()
         assert placed == [b"small"]
@@ -297,3 +302,54 @@ def test_a_reserve_that_leaves_the_line_lets_the_next_one_try(
 
     with _sixteen_page_allocator(tmp_path) as allocator:
         run_within(scenario, backend)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_reserve_returns_the_extents_it_added_once(tmp_path: Path, backend: str) -> None:
+    """The allocator opens nothing itself: the reserve that returns after a growth names
+    the new extent (its caller opens it before writing), and no later one names it again."""
+    async def scenario() -> None:
+        allocator.start()
+        first, second = _Slot(b"a", PAGE), _Slot(b"b", PAGE)
+        changes = await allocator.reserve([first])
+        assert changes.new_extents == [first.extent] and changes.evicted == []
+        assert (await allocator.reserve([second])).new_extents == []
+        assert second.extent == first.extent
+        assert allocator.take_changes().new_extents == []
+        allocator.unreserve([first, second])
+
+    with _sixteen_page_allocator(tmp_path) as allocator:
+        run_within(scenario, backend)
+
+
+class _OpenFails(SimulatedEngine):
+    """A simulated engine whose opens of extent files fail while ``failing`` is set."""
+
+    failing = False
+
+    def open_file(self, path: str, *, create: bool) -> int:
+        if self.failing:
+            raise OSError(errno.EIO, "injected open failure")
+        return super().open_file(path, create=create)
+
+
+@pytest.mark.anyio
+async def test_an_added_extent_that_cannot_be_opened_goes_out_of_use(tmp_path: Path) -> None:
+    """The put path opens the extents the allocator added; when that fails, the put fails
+    with the error, its slots and the extent's space go out of use (as when growing
+    itself fails), and the next put grows the store again and lands."""
+    engine = _OpenFails(SimulatedDisk(seed=1))
+    ns = kvstore.Namespace(model="m", dtype="uint8", block_size=1)
+    ks = ns.chain_keys([1, 2])
+    value = torch.ones(6000, dtype=torch.uint8)
+    async with kvstore.open(tmp_path, namespace=ns, engine=engine, extent_bytes=64 << 10,
+                            staging_bytes=1 << 20) as store:
+        engine.failing = True
+        with pytest.raises(StoreIOError, match="injected open failure"):
+            await store.put(ks[0], value)
+        assert store.used_bytes == 0 and parts(store).fds == {}
+        engine.failing = False
+        assert await store.put(ks[0], value)
+        assert len(parts(store).fds) == 1 and store.used_bytes == 2 * PAGE
+        got = await store.get(ks[0])
+        assert got is not None and torch.equal(got, value)

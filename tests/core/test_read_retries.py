@@ -23,6 +23,7 @@ import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import IndexEntry
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.testing import parts
 from tests.read_faults import ENGINES, ReadFaults, _FailingOps, faulty_engine, open_faulty
 
 FLOATS = 16 << 10  # 64 KiB blocks: 68 KiB slots
@@ -39,7 +40,7 @@ async def _fill(store: kvstore.Store) -> list[IndexEntry]:
     """One batch: the eight slots land back to back in one extent."""
     await store.put_many(KEYS, [_value(i) for i in range(8)],
                          parents=kvstore.chain_parents(KEYS))
-    entries = [e for e in store.index.get_entries(KEYS) if e is not None]
+    entries = [e for e in parts(store).index.get_entries(KEYS) if e is not None]
     assert len({e.extent for e in entries}) == 1
     assert [e.offset for e in entries] == [entries[0].offset + i * entries[0].slot_len
                                            for i in range(8)]
@@ -94,7 +95,7 @@ def test_a_persistent_eio_costs_its_own_block_only(
             stats = store.stats()
             assert (stats.quarantined, stats.quarantined_blocks, stats.read_errors) == (1, 1, 1)
             assert await store.contains_many(KEYS) == [i != BAD for i in range(8)]
-            (record,) = store.index.quarantine_records.of(KEYS).items()
+            (record,) = parts(store).index.quarantine_records.of(KEYS).items()
             assert record == (KEYS[BAD], (entries[BAD], True))  # recorded as unreadable
             assert _hits(await store.get_many(KEYS)) == [i != BAD for i in range(8)]
             assert store.stats().read_errors == 1  # not promised, not read again
@@ -112,7 +113,7 @@ def test_quarantined_blocks_counts_each_block_once(tmp_path: Path, kind: str,
         opened = dict(extent_bytes=2 << 20, staging_bytes=8 << 20)
         async with open_faulty(kind, tmp_path, ReadFaults(), monkeypatch, **opened) as store:
             await store.put_many(ks, [_value(i) for i in range(20)])
-            entries = store.index.get_entries(ks)
+            entries = parts(store).index.get_entries(ks)
         (extent,) = {e.extent for e in entries if e is not None}
         os.unlink(extent_path(str(tmp_path), extent))
         async with open_faulty(kind, tmp_path, ReadFaults(), monkeypatch, **opened) as store:

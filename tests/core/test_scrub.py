@@ -20,6 +20,7 @@ import kvstore
 import kvstore.core.scrub
 from kvstore.disk.format import IndexEntry
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.testing import parts, rechecks_idle, scrub_passes, waiting_reserves
 from kvstore.tools import fsck
 from tests.concurrency import GatedEngine, real_engine, until
 from tests.conformance import flip_payload_bit
@@ -45,7 +46,7 @@ def _engine(kind: str, path: Path, seed: int = 1) -> kvstore.io.protocol.IOEngin
 async def _fill(path: Path, kind: str, n: int, **opened: object) -> list[IndexEntry]:
     async with kvstore.open(path, engine=_engine(kind, path), **{**OPEN, **opened}) as store:
         await store.put_many(_keys(n), [_value(i) for i in range(n)])
-        entries = store.index.get_entries(_keys(n))
+        entries = parts(store).index.get_entries(_keys(n))
     assert all(e is not None for e in entries)
     return [e for e in entries if e is not None]
 
@@ -61,7 +62,7 @@ async def _all_read_back(store: kvstore.Store, keys: list[bytes], values: list[i
 
 
 def _quarantined(store: kvstore.Store) -> set[bytes]:
-    rows, _ = store.index.quarantine_records.rows(None, 1 << 20)
+    rows, _ = parts(store).index.quarantine_records.rows(None, 1 << 20)
     return {k for k, _, _ in rows}
 
 
@@ -98,7 +99,7 @@ async def _lose(store: kvstore.Store, faults: ReadFaults, ks: list[bytes], bad: 
                 times: int | None) -> None:
     """``ks`` put; a get finds ``ks[bad]`` unreadable (``times`` reads fail): quarantined."""
     await store.put_many(ks, [_value(i) for i in range(len(ks))])
-    entry = store.index.get_entries([ks[bad]])[0]
+    entry = parts(store).index.get_entries([ks[bad]])[0]
     assert entry is not None
     faults.aim(store.path, entry, times)
     await _all_read_back(store, ks, list(range(len(ks))), {ks[bad]})
@@ -112,7 +113,7 @@ def test_a_block_quarantined_by_an_io_error_is_restored_by_the_next_scrub(
         faults = ReadFaults()
         ks = _keys(8)
         async with open_faulty(kind, tmp_path, faults, monkeypatch, **OPEN) as store:
-            store.rechecks.delays = (3600.0,)  # only the scrub reads it again here
+            parts(store).rechecks.delays = (3600.0,)  # only the scrub reads it again here
             await _lose(store, faults, ks, 5, times=None)
             assert not await store.contains(ks[5])
             faults.clear()  # the device answers again
@@ -134,11 +135,11 @@ def test_an_unreadable_block_is_read_again_in_the_background_and_restored(
         faults = ReadFaults()
         ks = _keys(8)
         async with open_faulty(kind, tmp_path, faults, monkeypatch, **OPEN) as store:
-            store.rechecks.delays = (0.0,)
+            parts(store).rechecks.delays = (0.0,)
             # fails the read and both retries (threads, io_uring: the merged read first)
             await _lose(store, faults, ks, 2, times=3)
             assert len(faults.failed) == 3 and store.stats().quarantined_blocks == 1
-            await store.rechecks.wait_idle()
+            await rechecks_idle(store)
             assert _quarantined(store) == set() and store.stats().restored_blocks == 1
             await _all_read_back(store, ks, list(range(8)))
 
@@ -163,14 +164,14 @@ def test_a_cancelled_scrub_resumes_where_it_stopped_after_a_restart(
 
                 await store.scrub(rate_bytes_per_s=None, progress=progress)
             assert scope.cancelled_caught and seen[-1] == (40, 100)
-            assert store.scrubber.cursor == order[39]
+            assert parts(store).scrubber.cursor == order[39]
             assert store.stats().scrub_progress == pytest.approx(
                 int.from_bytes(order[39][:8], "big") / 2 ** 64)
             await _all_read_back(store, _keys(100), list(range(100)))
         # nothing half-done: the index, the space and the cursor are consistent
         assert fsck.check(str(tmp_path), deep=True).findings == []
         async with kvstore.open(tmp_path, engine=_engine(kind, tmp_path), **OPEN) as store:
-            assert store.scrubber.cursor == order[39]
+            assert parts(store).scrubber.cursor == order[39]
             report = await store.scrub(rate_bytes_per_s=None)
             assert (report.resumed, report.complete, report.checked_blocks) == (True, True, 60)
             assert store.stats().scrub_last_complete is not None
@@ -205,7 +206,7 @@ def test_closing_the_store_stops_a_scrub_with_its_place_saved(
         assert (report.complete, report.checked_blocks) == (False, 10)
         assert fsck.check(str(tmp_path), deep=True).findings == []
         async with kvstore.open(tmp_path, engine=real_engine(kind, tmp_path), **OPEN) as store:
-            assert store.scrubber.cursor == sorted(_keys(50))[9]
+            assert parts(store).scrubber.cursor == sorted(_keys(50))[9]
 
     anyio.run(scenario)
 
@@ -245,9 +246,9 @@ def test_a_scrub_read_held_while_blocks_are_deleted_put_and_evicted(
 
                 # needs 20 more slots: evicts (LRU) blocks of the held batch among others
                 tg.start_soon(put)
-                await until(lambda: store.allocator.waiting_reserves > 0 or put_done.is_set())
+                await until(lambda: waiting_reserves(parts(store).allocator) > 0 or put_done.is_set())
                 # it evicted blocks the held read still reads: it waits for their space
-                assert not put_done.is_set() and store.allocator.pending_free_bytes > 0
+                assert not put_done.is_set() and parts(store).allocator.pending_free_bytes > 0
                 gate.open()
             (report,) = reports
             assert report.complete and report.failed_blocks == 0
@@ -309,7 +310,7 @@ def test_the_background_scrub_finds_damage_and_records_its_passes(tmp_path: Path
         flip_payload_bit(tmp_path, entries[4])
         async with kvstore.open(tmp_path, engine="threads", scrub_bytes_per_s=64 << 20,
                                 **OPEN) as store:
-            await store.scrubber.wait_passes(1)
+            await scrub_passes(store, 1)
             stats = store.stats()
             assert (stats.scrub_passes, stats.scrub_failed_blocks, stats.quarantined) == (1, 1, 1)
             assert _quarantined(store) == {_keys(20)[4]}

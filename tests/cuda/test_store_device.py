@@ -29,6 +29,7 @@ from kvstore.codecs.tensors import encoded_block
 from kvstore.cuda import _lib, copies, paged
 from kvstore.cuda.mover import Mover
 from kvstore.errors import UnsupportedTensorError
+from kvstore.testing import parts
 from tests.cuda.standin import OnDevice, StandInGpu
 
 pytestmark = pytest.mark.anyio
@@ -258,11 +259,11 @@ async def test_a_get_cancelled_with_its_copies_in_flight_keeps_the_arena_until_t
     keys = [bytes([i + 80]) * 16 for i in range(3)]
     async with kvstore.open(tmp_path, extent_bytes=4 << 20) as store:
         await store.put_many(keys, blocks)
-        idle = store.arena.free_bytes
+        idle = parts(store).arena.free_bytes
         outs = [torch.zeros(8192, dtype=torch.float16).as_subclass(OnDevice) for _ in keys]
         await _cancel_with_copies_in_flight(gpu_held, lambda: store.get_many(keys, outs),
-                                            lambda: store.arena.free_bytes < idle)
-        assert store.arena.free_bytes == idle
+                                            lambda: parts(store).arena.free_bytes < idle)
+        assert parts(store).arena.free_bytes == idle
         # the copies that were enqueued did land whole (not half-written)
         assert all(torch.equal(o.as_subclass(torch.Tensor), b) for o, b in zip(outs, blocks))
         gpu_held.auto = True

@@ -28,6 +28,7 @@ from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.device import DeviceBuffer, Stream, copy_async
 from kvstore.cuda.page_locked import pool
 from kvstore.disk.format import SLOT_HEADER_BYTES
+from kvstore.testing import parts
 from tests.conformance import SMALL_EXTENT
 from tests.realdata import require_kv_dir
 
@@ -267,23 +268,23 @@ async def test_page_locked_arena_get_then_h2d(tmp_path: Path) -> None:
     async with kvstore.open(tmp_path, extent_bytes=SMALL_EXTENT * 4, staging_bytes=16 << 20,
                             page_lock_staging=True) as store:
         assert store.stats().cuda.startswith("cuda: page-locked arena (16777216 bytes) on device")
-        assert pool().registered_bytes == before + store.arena.size
+        assert pool().registered_bytes == before + parts(store).arena.size
         await store.put(key, block)
         # the store's read path lands the slot in the (page-locked) arena; H2D straight from it
-        (entry,) = store.index.get_entries([key])
+        (entry,) = parts(store).index.get_entries([key])
         assert entry is not None
-        run = await store.arena.acquire(entry.slot_len)
+        run = await parts(store).arena.acquire(entry.slot_len)
         try:
             from kvstore.io.protocol import IoOp
-            (res,) = await store.engine.read([IoOp(store.fds[entry.extent], entry.offset, run)])
+            (res,) = await parts(store).engine.read([IoOp(parts(store).fds[entry.extent], entry.offset, run)])
             assert res == run.length
             with Stream() as s, DeviceBuffer(block.numel()) as dev:
-                await copy_async(dev.ptr, store.arena.address + run.offset + SLOT_HEADER_BYTES,
+                await copy_async(dev.ptr, parts(store).arena.address + run.offset + SLOT_HEADER_BYTES,
                                  block.numel(), s.handle)
                 got = np.empty(block.numel(), dtype=np.uint8)
                 dev.download(got)
         finally:
-            store.arena.release(run)
+            parts(store).arena.release(run)
         assert np.array_equal(got, block.numpy())
         if TORCH_CUDA:  # get_many(out=cuda tensor): DMA from the arena run, no host copy
             out = torch.empty_like(block, device="cuda")
@@ -317,7 +318,7 @@ async def test_without_the_library_cuda_puts_and_gets_never_synchronise(
                                 memory_bytes=memory_bytes) as store:
             # page-locked through torch's cudart: the copies from it are DMAs
             assert "through torch" in store.stats().cuda, store.stats().cuda
-            assert pool().registered_bytes >= before + store.arena.size
+            assert pool().registered_bytes >= before + parts(store).arena.size
             torch.cuda.set_sync_debug_mode("error")
             try:
                 first = await store.put_many(keys[:4], blocks[:4])

@@ -24,6 +24,7 @@ from kvstore.disk.format import (
     encode_quarantined,
     quarantined_unreadable,
 )
+from kvstore.testing import parts
 from kvstore.tools import fsck
 from tests.conformance import flip_payload_bit
 from tests.read_faults import ENGINES, ReadFaults, open_faulty
@@ -34,7 +35,7 @@ VALUE = torch.arange(8192, dtype=torch.float32)
 
 
 def _entry(store: kvstore.Store) -> IndexEntry:
-    (entry,) = store.index.get_entries([KEY])
+    (entry,) = parts(store).index.get_entries([KEY])
     assert entry is not None
     return entry
 
@@ -42,7 +43,7 @@ def _entry(store: kvstore.Store) -> IndexEntry:
 async def _lose_a_copy(store: kvstore.Store, faults: ReadFaults) -> IndexEntry:
     """KEY put and quarantined by a read error; the engine stores it again (a second
     copy).  Returns the first copy's entry."""
-    store.rechecks.delays = (3600.0,)  # no background re-read here
+    parts(store).rechecks.delays = (3600.0,)  # no background re-read here
     await store.put(KEY, VALUE)
     older = _entry(store)
     faults.aim(store.path, older)
@@ -54,7 +55,7 @@ async def _lose_a_copy(store: kvstore.Store, faults: ReadFaults) -> IndexEntry:
 
 
 def _record(store: kvstore.Store) -> tuple[IndexEntry, bool] | None:
-    return store.index.quarantine_records.of([KEY]).get(KEY)
+    return parts(store).index.quarantine_records.of([KEY]).get(KEY)
 
 
 @pytest.mark.parametrize("kind", ENGINES)
@@ -88,7 +89,7 @@ def test_an_older_copy_that_fails_again_is_freed_for_the_newer_record(
         flip_payload_bit(tmp_path, older)
         faults = ReadFaults()
         async with open_faulty(kind, tmp_path, faults, monkeypatch, **OPEN) as store:
-            store.rechecks.delays = (3600.0,)
+            parts(store).rechecks.delays = (3600.0,)
             assert await store.get(KEY) is None
             assert _record(store) == (older, False)  # failed verification
             await store.put(KEY, VALUE)
@@ -115,7 +116,7 @@ def test_a_reread_copy_of_a_key_stored_again_is_freed_not_restored(
             newer = _entry(store)
             used = store.used_bytes
             faults.clear()
-            assert await store.rechecks.once() == 0
+            assert await parts(store).rechecks.once() == 0
             assert _record(store) is None and _entry(store) == newer
             assert store.used_bytes == used - older.slot_len
             assert store.stats().restored_blocks == 0

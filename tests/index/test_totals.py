@@ -13,6 +13,7 @@ import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry
 from kvstore.index.totals import TOTAL_NAMES
+from kvstore.testing import parts
 from tests.conformance import NS, keys, make_tensor
 
 BLOCK = (4096,)  # float16: 8 KiB payload, a 12 KiB slot
@@ -73,7 +74,7 @@ def test_evictions_and_corruption_are_totalled(tmp_path: Path) -> None:
     found: list[IndexEntry | None] = []
 
     async def locate(store: kvstore.Store) -> None:
-        found.extend(store.index.get_entries(ks[-1:]))
+        found.extend(parts(store).index.get_entries(ks[-1:]))
 
     session(tmp_path, locate)
     entry = found[0]

@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.errors import BlockTooLargeError
 from kvstore.io.arena import Arena
+from kvstore.testing import parts
 from tests.concurrency import resident_bytes
 
 pytestmark = pytest.mark.anyio
@@ -123,7 +124,7 @@ async def test_a_store_opens_with_its_staging_arena_resident(tmp_path: Path) -> 
     import kvstore
 
     async with kvstore.open(tmp_path / "s", staging_bytes=32 << 20) as store:
-        arena = store.arena
+        arena = parts(store).arena
         assert arena.prefaulted_bytes == arena.size
         assert resident_bytes(arena.address, arena.size) == arena.size
         assert arena._prefault is None  # nothing left for the ahead-of-use thread

@@ -20,6 +20,7 @@ from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.io import page_locking
 from kvstore.io.arena import Arena
 from kvstore.io.protocol import IOEngine, IoOp
+from kvstore.testing import parts
 from kvstore.tiers.memory.cache import MemoryCache
 from tests.concurrency import GatedEngine, real_engine, resident_bytes
 from tests.conformance import NS, keys, make_tensor, same
@@ -168,7 +169,7 @@ async def test_a_block_evicted_on_disk_is_not_served_from_memory(tmp_path: Path)
         st = store.stats()
         assert st.evicted_blocks == 1
         assert await store.get(ks[0]) is None
-        assert [k in store.memory for k in ks] == [False, True, True]  # type: ignore[operator]
+        assert [k in parts(store).memory for k in ks] == [False, True, True]  # type: ignore[operator]
 
 
 async def test_a_quarantined_block_is_not_served_from_memory(tmp_path: Path) -> None:
@@ -177,8 +178,8 @@ async def test_a_quarantined_block_is_not_served_from_memory(tmp_path: Path) -> 
                             extent_bytes=4 << 20) as store:
         await store.put(a, block(1))  # cached ...
         await store.put(b, block(2))  # ... and pushed out by b (room for one)
-        entry = store.index.get_entries([a])[0]
-        assert entry is not None and a not in store.memory  # type: ignore[operator]
+        entry = parts(store).index.get_entries([a])[0]
+        assert entry is not None and a not in parts(store).memory  # type: ignore[operator]
         with open(extent_path(store.path, entry.extent), "r+b") as f:  # damage a on disk
             at = entry.offset + SLOT_HEADER_BYTES + 10  # inside the payload
             f.seek(at)
@@ -186,7 +187,7 @@ async def test_a_quarantined_block_is_not_served_from_memory(tmp_path: Path) -> 
             f.seek(at)
             f.write(bytes([byte[0] ^ 1]))
         assert await store.get(a) is None  # verified on the way in: quarantined
-        assert await store.get(a) is None and a not in store.memory  # type: ignore[operator]
+        assert await store.get(a) is None and a not in parts(store).memory  # type: ignore[operator]
         assert store.stats().corrupt_blocks == 1
         assert same(await store.get(b), block(2))
 
@@ -198,7 +199,7 @@ async def test_the_region_bounds_memory_whatever_is_put(tmp_path: Path) -> None:
         for i in range(0, 48, 8):
             await store.put_many(ks[i:i + 8], [block(j) for j in range(i, i + 8)])
         st = store.stats()
-        region = store.memory.region  # type: ignore[union-attr]
+        region = parts(store).memory.region  # type: ignore[union-attr]
         resident = resident_bytes(region.address, region.size)
     assert st.memory_used_bytes <= st.memory_capacity_bytes == 1 << 20
     assert st.memory_blocks == 16 and st.memory_evicted_blocks == 32
@@ -223,8 +224,8 @@ async def cold_store(tmp_path: Path, ks: list[bytes], memory_bytes: int = 2 << 2
     async with kvstore.open(tmp_path / "s", namespace=NS, engine=engine, extent_bytes=4 << 20,
                             memory_bytes=memory_bytes) as store:
         await store.put_many(ks, [block(i) for i in range(len(ks))])
-        assert store.memory is not None
-        store.memory.discard(ks)
+        assert parts(store).memory is not None
+        parts(store).memory.discard(ks)
         yield store, engine
 
 
@@ -300,7 +301,7 @@ async def test_prefetch_takes_at_most_its_share_of_memory(tmp_path: Path) -> Non
     async with kvstore.open(tmp_path, namespace=NS, extent_bytes=4 << 20,
                             memory_bytes=16 * BLOCK, prefetch_share=0.5) as store:
         await store.put_many(ks, [block(i) for i in range(16)])
-        store.memory.discard(ks)  # type: ignore[union-attr]
+        parts(store).memory.discard(ks)  # type: ignore[union-attr]
         assert await store.prefetch(ks) == 8  # half of 16 blocks' worth
         assert all(g is not None for g in await store.get_many(ks[:8]))  # now used ...
         assert await store.prefetch(ks[8:]) == 8  # ... so they no longer count

@@ -19,6 +19,7 @@ import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, free_key, pack_u64
 from kvstore.index.index import META_SEQ
+from kvstore.testing import parts
 from kvstore.tools import fsck
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
 
@@ -31,7 +32,7 @@ def build(path: Path, *, delete: int = 0) -> list[IndexEntry]:
     async def run() -> list[IndexEntry]:
         async with kvstore.open(path, namespace=NS, extent_bytes=1 << 20) as store:
             await store.put_many(keys(N), VALUES, parents=kvstore.chain_parents(keys(N)))
-            entries = store.index.get_entries(keys(N))
+            entries = parts(store).index.get_entries(keys(N))
             await store.delete_many(keys(N)[:delete])
         return [e for e in entries if e is not None]
 

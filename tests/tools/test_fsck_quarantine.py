@@ -20,6 +20,7 @@ import kvstore.tools.fsck
 import kvstore.tools.fsck_files
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import IndexEntry
+from kvstore.testing import parts
 from kvstore.tools import fsck
 from tests.read_faults import ReadFaults, _FaultyOs, open_faulty
 
@@ -43,9 +44,9 @@ async def _quarantine_by_eio(path: Path, monkeypatch: pytest.MonkeyPatch, bad: i
     afterwards); ``put_again``: the key stored again meanwhile."""
     faults = ReadFaults()
     async with open_faulty("threads", path, faults, monkeypatch, **OPEN) as store:
-        store.rechecks.delays = (3600.0,)
+        parts(store).rechecks.delays = (3600.0,)
         await store.put_many(KEYS, [_value(i) for i in range(4)])
-        entry = store.index.get_entries([KEYS[bad]])[0]
+        entry = parts(store).index.get_entries([KEYS[bad]])[0]
         assert entry is not None
         faults.aim(store.path, entry)
         assert (await store.get_many(KEYS))[bad] is None
@@ -58,7 +59,7 @@ async def _quarantine_by_eio(path: Path, monkeypatch: pytest.MonkeyPatch, bad: i
 
 async def _read_all(path: Path) -> list[bool]:
     async with kvstore.open(path, engine="threads", **OPEN) as store:
-        store.rechecks.cancel()  # no background re-read of the quarantined one meanwhile
+        parts(store).rechecks.cancel()  # no background re-read of the quarantined one meanwhile
         got = await store.get_many(KEYS)
     for i, g in enumerate(got):
         assert g is None or torch.equal(g, _value(i))
@@ -118,7 +119,7 @@ def test_a_stored_slot_fsck_cannot_read_is_quarantined_by_repair_not_erased(
     async def fill() -> IndexEntry:
         async with kvstore.open(tmp_path, engine="threads", **OPEN) as store:
             await store.put_many(KEYS, [_value(i) for i in range(4)])
-            entry = store.index.get_entries([KEYS[2]])[0]
+            entry = parts(store).index.get_entries([KEYS[2]])[0]
         assert entry is not None
         return entry
 

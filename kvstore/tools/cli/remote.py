@@ -35,7 +35,8 @@ async def _namespaces(path: str) -> list[bytes]:
     import kvstore
 
     async with kvstore.open(path, create=False) as store:
-        return list(store.index.namespaces())
+        # a namespace's digest is the hash of its record (kvstore.keys.Namespace)
+        return [kvstore.Namespace.from_json(ns).digest for ns in store.stats().namespaces]
 
 
 def cmd_remote(args: argparse.Namespace) -> int:

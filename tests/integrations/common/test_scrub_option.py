@@ -13,6 +13,7 @@ import torch
 import kvstore
 from kvstore.integrations.sglang.config import BackendConfig
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.testing import scrub_passes
 
 KEYS = [bytes([0x31 + i]) * 16 for i in range(6)]
 
@@ -26,7 +27,7 @@ def test_an_engine_config_turns_on_the_background_scrub(config: Any, tmp_path: P
     with kvstore.open_blocking(tmp_path, **{**options, "scrub_bytes_per_s": 0}) as store:
         store.put_many(KEYS, [torch.full((1024,), float(i)) for i in range(6)])
     with kvstore.open_blocking(tmp_path, **options) as store:  # as the integration opens it
-        store.call(lambda: store.store.scrubber.wait_passes(1))
+        store.call(lambda: scrub_passes(store.store, 1))
         stats = store.stats()
         assert (stats.scrubbed_blocks, stats.scrub_failed_blocks) == (6, 0)
         assert stats.scrub_last_complete is not None

@@ -41,6 +41,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means: not installed
                 "tests/integrations/install_sglang.sh", allow_module_level=True)
 
 from kvstore.integrations.sglang import KVStoreHiCache  # noqa: E402
+from kvstore.testing import parts
 
 SMALL = {"extent_bytes": 4 << 20, "staging_bytes": 4 << 20}
 DYNAMIC = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
@@ -337,7 +338,7 @@ def test_a_corrupted_page_is_a_miss(tmp_path: Path) -> None:
     keys = hashes(3)
     assert backend.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
     v_of_page_1 = backend._keys([keys[1]])[1]
-    entry = backend.store.store.index.get_entries([v_of_page_1])[0]
+    entry = parts(backend.store.store).index.get_entries([v_of_page_1])[0]
     backend.close()
     assert entry is not None
     flip_payload_bit(tmp_path, entry)
@@ -400,7 +401,7 @@ def test_batches_use_one_put_many_and_chain_across_batches(tmp_path: Path) -> No
         assert backend.batch_set_v1(keys[4:], indices([4, 5, 6, 7]), info) == [True] * 4
         assert backend.store.stats().puts == before + 2
         store_keys = backend._keys(keys)
-        entries = backend.store.store.index.get_entries(store_keys)
+        entries = parts(backend.store.store).index.get_entries(store_keys)
         parents = [e.parent if e is not None else b"?" for e in entries]
         assert parents == [None, *store_keys[:-1]]  # K0 <- V0 <- K1 ... across batches
         again = backend.store.stats().put_blocks

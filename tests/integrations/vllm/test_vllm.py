@@ -60,6 +60,7 @@ import pytest
 import kvstore
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
+from kvstore.testing import parts
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -173,7 +174,7 @@ def in_own_mount_namespace(store: Path, other_dir: Path) -> list[str]:
 
 async def _tamper(store_path: Path, corrupt: bytes, delete: list[bytes]) -> None:
     async with kvstore.open(store_path) as store:
-        (entry,) = store.index.get_entries([corrupt])
+        (entry,) = parts(store).index.get_entries([corrupt])
         assert entry is not None, "the block to corrupt is not stored"
         assert await store.delete_many(delete) == len(delete)
     with open(extent_path(str(store_path), entry.extent), "r+b") as f:

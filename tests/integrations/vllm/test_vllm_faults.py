@@ -34,6 +34,7 @@ import pytest
 
 import kvstore
 from kvstore.disk.extents import extent_path
+from kvstore.testing import parts
 from tests.integrations.vllm.test_vllm import (
     HERE,
     PROMPTS,
@@ -55,7 +56,7 @@ def _after(result: dict[str, Any]) -> list[list[int]]:
 async def _extents(store: Path) -> list[tuple[int, int, int]]:
     """(extent, offset, slot_len) of every stored block."""
     async with kvstore.open(store) as s:
-        return [(e.extent, e.offset, e.slot_len) for _, e in s.index.iter_entries()]
+        return [(e.extent, e.offset, e.slot_len) for _, e in parts(s).index.iter_entries()]
 
 
 @pytest.fixture(scope="module")

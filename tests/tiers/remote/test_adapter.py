@@ -16,6 +16,7 @@ import pytest
 
 import kvstore
 from kvstore.remote import RemoteConfig
+from kvstore.testing import parts
 from kvstore.tiers.remote.client import ObjectClient
 from tests.concurrency import DEADLINE, GatedEngine, real_engine, until
 from tests.conformance import NS, SMALL_EXTENT, keys, same
@@ -202,7 +203,7 @@ async def test_a_lookup_waiting_on_a_prefetchs_fetch_does_not_wait_for_its_local
 
     async with open_store(tmp_path / "b", remote, memory_bytes=64 << 20) as b:
         tier = b.remote
-        holder = b.writer.submit(hold_the_writer)
+        holder = parts(b).writer.submit(hold_the_writer)
         try:
             await until(holding.is_set)
             prefetch = b.prefetch(ks)
@@ -216,7 +217,7 @@ async def test_a_lookup_waiting_on_a_prefetchs_fetch_does_not_wait_for_its_local
             released.set()
         assert holder.result() is True
         await prefetch.wait()  # its put landed, and with it the blocks in memory
-        assert b.memory is not None and all(k in b.memory for k in ks)
+        assert (mem := parts(b).memory) is not None and all(k in mem for k in ks)
         assert not tier.fetching and await b.contains_many(ks) == [True] * 3
 
 
@@ -239,7 +240,7 @@ async def test_a_get_that_its_promotion_overtakes_is_not_fetched_again(
         assert b.remote is not None
         tier = b.remote
         await b.put_many(local, [value(100)])
-        holder = b.writer.submit(hold_the_writer)
+        holder = parts(b).writer.submit(hold_the_writer)
         got: list[Any] = []
         try:
             await until(holding.is_set)  # no promotion can commit now

@@ -26,6 +26,7 @@ from kvstore.disk.extents import extent_path
 from kvstore.disk.format import SLOT_HEADER_BYTES
 from kvstore.errors import RemoteAuthError
 from kvstore.remote import RemoteConfig
+from kvstore.testing import parts
 from kvstore.tiers.remote import objects
 from kvstore.tiers.remote.client import ObjectClient
 from kvstore.tools import fsck
@@ -150,7 +151,7 @@ async def test_a_get_does_not_wait_for_its_promotion_which_is_dropped_under_back
         return released.wait(60)
 
     async with open_store(tmp_path / "b", config(seaweed, prefix), backlog_bytes=1) as b:
-        holder = b.writer.submit(hold_the_writer)
+        holder = parts(b).writer.submit(hold_the_writer)
         try:
             await until(holding.is_set)  # no local put can commit now
             first = await b.get_many(ks[:3])  # returns while its promotion cannot land
@@ -440,10 +441,10 @@ async def test_uploads_read_their_blocks_back_around_the_page_cache(
     values = [value(i) for i in range(24)]
     async with open_store(tmp_path, config(seaweed, prefix, hmac_key=hmac_key,
                                            upload_workers=2)) as store:
-        if not store.engine.direct:
+        if not parts(store).engine.direct:
             pytest.skip("this file system has no O_DIRECT: uploads read through the cache")
         await store.put_many(ks, values, parents=parents(ks))
-        entries = store.index.get_entries(ks)
+        entries = parts(store).index.get_entries(ks)
         extents = {extent_path(str(tmp_path), e.extent) for e in entries if e is not None}
         before = sum(resident_pages(p) for p in extents)
         await store.remote.flush()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvstore
+from kvstore.testing import parts
 from kvstore.tools.cli.scrub import parse_rate
 from tests.conformance import SMALL_EXTENT, flip_payload_bit, keys, make_tensor
 from tests.tools.cli.conftest import Run
@@ -24,7 +25,7 @@ def _fill(path: Path, n: int) -> list[kvstore.disk.format.IndexEntry]:
         async with kvstore.open(path, extent_bytes=SMALL_EXTENT) as store:
             await store.put_many(keys(n), [make_tensor(torch.float16, (4096,), i)
                                            for i in range(n)])
-            entries = store.index.get_entries(keys(n))
+            entries = parts(store).index.get_entries(keys(n))
         return [e for e in entries if e is not None]
 
     return anyio.run(run)

@@ -1,0 +1,116 @@
+"""The runtime free map of the extent files and the read epochs that hold freed space
+back from reuse while earlier readers may still be reading it; both belong to
+:class:`~kvstore.core.allocator.Allocator`, whose module docstring gives the states a
+byte of an extent is in."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+__all__ = ["FreeSpace", "ReadEpochs"]
+
+
+class FreeSpace:
+    """Free runs ``(extent, offset) -> length``, coalesced; best-fit allocation."""
+
+    def __init__(self, lost: Iterable[int] = ()) -> None:
+        self.lost = frozenset(lost)  # extents whose file is missing: never free space
+        self._by_start: dict[tuple[int, int], int] = {}
+        self._by_end: dict[tuple[int, int], int] = {}  # (extent, end) -> offset
+        self._sizes: list[tuple[int, int, int]] = []  # sorted (length, extent, offset)
+        self.free_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._by_start)
+
+    def _insert(self, extent: int, offset: int, length: int) -> None:
+        self.free_bytes += length
+        self._by_start[(extent, offset)] = length
+        self._by_end[(extent, offset + length)] = offset
+        bisect.insort(self._sizes, (length, extent, offset))
+
+    def _remove(self, extent: int, offset: int) -> int:
+        length = self._by_start.pop((extent, offset))
+        self.free_bytes -= length
+        del self._by_end[(extent, offset + length)]
+        i = bisect.bisect_left(self._sizes, (length, extent, offset))
+        del self._sizes[i]
+        return length
+
+    def allocate(self, length: int) -> tuple[int, int] | None:
+        """Reserve ``length`` bytes from the smallest run that fits; None if none fits."""
+        i = bisect.bisect_left(self._sizes, (length, -1, -1))
+        if i == len(self._sizes):
+            return None
+        run_len, extent, offset = self._sizes[i]
+        self._remove(extent, offset)
+        if run_len > length:
+            self._insert(extent, offset + length, run_len - length)
+        return extent, offset
+
+    def withdraw(self, extent: int, offset: int, length: int) -> None:
+        """Take the free run ``(extent, offset)`` of exactly ``length`` bytes out."""
+        if self._by_start.get((extent, offset)) != length:
+            raise AssertionError(f"extent {extent} offset {offset}: no free run of {length}")
+        self._remove(extent, offset)
+
+    def free(self, extent: int, offset: int, length: int) -> None:
+        """Return a range; it must not overlap a free run (checked: overlap is a bug).
+        A range of a lost extent stays used (its file is gone: nothing can go there)."""
+        if extent in self.lost:
+            return
+        end = offset + length
+        if (extent, offset) in self._by_start:
+            raise AssertionError(f"double free of extent {extent} offset {offset}")
+        prev_start = self._by_end.get((extent, offset))
+        if prev_start is not None:
+            offset = prev_start
+            length += self._remove(extent, prev_start)
+        if (extent, end) in self._by_start:
+            length += self._remove(extent, end)
+        self._insert(extent, offset, length)
+
+
+class ReadEpochs:
+    """Reads in flight, so that freed ranges are reused only once no reader can still be
+    transferring them.  ``on_release`` is told when held space became free."""
+
+    def __init__(self, space: FreeSpace, on_release: Callable[[], None] = lambda: None) -> None:
+        self._space = space
+        self._on_release = on_release
+        self._epoch = 0
+        self._active: Counter[int] = Counter()
+        self._held: list[tuple[int, int, int, int]] = []  # (epoch, extent, offset, length)
+        self.held_bytes = 0
+
+    def begin(self) -> int:
+        self._active[self._epoch] += 1
+        return self._epoch
+
+    def end(self, epoch: int) -> None:
+        self._active[epoch] -= 1
+        if not self._active[epoch]:
+            del self._active[epoch]
+        self._release()
+
+    def free(self, extent: int, offset: int, length: int) -> None:
+        """Free a range once every read that began up to now has ended."""
+        self._held.append((self._epoch, extent, offset, length))
+        self.held_bytes += length
+        self._epoch += 1
+        self._release()
+
+    def _release(self) -> None:
+        oldest = min(self._active) if self._active else self._epoch
+        keep = []
+        for held in self._held:
+            if held[0] < oldest:
+                self._space.free(*held[1:])
+                self.held_bytes -= held[3]
+            else:
+                keep.append(held)
+        if len(keep) != len(self._held):
+            self._held = keep
+            self._on_release()
