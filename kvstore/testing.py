@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-import anyio
-
 from kvstore.blocking import BlockingStore
 from kvstore.store import Store, _Paths
 
@@ -33,9 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Parts", "free_runs", "parts", "rechecks_idle", "scrub_passes", "waiting_on",
            "waiting_reserves"]
-
-_POLL_S = 0.005  # how often the waits below look again
-
 
 @dataclass
 class Parts(_Paths):
@@ -94,14 +89,10 @@ def free_runs(space: FreeSpace) -> list[tuple[int, int, int]]:
 
 async def rechecks_idle(store: Store) -> None:
     """Until no re-read of unreadable blocks is scheduled or running."""
-    rechecks = parts(store).rechecks
-    while rechecks._scope is not None:  # noqa: SLF001
-        await anyio.sleep(_POLL_S)
+    await parts(store).rechecks.wait_idle()
 
 
 async def scrub_passes(store: Store, n: int) -> None:
     """Until ``n`` scrub passes (the background scrub's or callers') completed since the
     store opened (``stats().scrub_passes``)."""
-    counters = parts(store).counters
-    while counters["scrub_passes"] < n:
-        await anyio.sleep(_POLL_S)
+    await parts(store).scrubber.wait_passes(n)

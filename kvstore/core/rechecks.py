@@ -47,7 +47,8 @@ class Rechecks:
         self._task_group = task_group
         self.delays = RECHECK_DELAYS_S  # (tests shorten it)
         self._round = 0  # bumped by schedule(): the running task starts its delays again
-        self._scope: anyio.CancelScope | None = None  # the running task's (None: idle)
+        self._scope: anyio.CancelScope | None = None
+        self._done: anyio.Event | None = None  # set when the running task ends
 
     def schedule(self) -> None:
         """Blocks were quarantined as unreadable (or the store opened with quarantine
@@ -57,15 +58,21 @@ class Rechecks:
         if self._scope is not None or group is None or self._ops.closed \
                 or self._health.read_only:
             return
-        self._scope = anyio.CancelScope()
-        group.start_soon(self._run, self._scope)
+        self._scope, self._done = anyio.CancelScope(), anyio.Event()
+        group.start_soon(self._run, self._scope, self._done)
 
     def cancel(self) -> None:
         """Stop (the store is closing); records stay for the next open."""
         if self._scope is not None:
             self._scope.cancel()
 
-    async def _run(self, scope: anyio.CancelScope) -> None:
+    async def wait_idle(self) -> None:
+        """Until no re-read is scheduled or running (an operator's tool or a test that
+        must know the background work settled; an event, not a poll)."""
+        while self._done is not None:
+            await self._done.wait()
+
+    async def _run(self, scope: anyio.CancelScope, done: anyio.Event) -> None:
         try:
             with scope, self._ops.track():
                 step, round_ = 0, self._round
@@ -81,7 +88,8 @@ class Rechecks:
         except KVStoreError:  # the store failed closed meanwhile: nothing to record
             pass
         finally:
-            self._scope = None
+            self._scope = self._done = None
+            done.set()
 
     async def once(self) -> int:
         """Read every unreadable record again, once; returns how many stay quarantined."""

@@ -111,10 +111,20 @@ class Scrubber:
         self._callers = 0  # Store.scrub calls running: the background one waits
         self._resume: anyio.Event | None = None
         self._scopes: set[anyio.CancelScope] = set()
+        self._passed: anyio.Event | None = None  # set when a pass completes
 
     @property
     def progress(self) -> float:
         return key_fraction(self.cursor)
+
+    async def wait_passes(self, n: int) -> None:
+        """Until ``n`` passes (the background scrub's or callers') completed since the
+        store opened (``stats().scrub_passes``): for callers that must know a background
+        pass completed (an event, not a poll)."""
+        while self._counters["scrub_passes"] < n:
+            if self._passed is None:
+                self._passed = anyio.Event()
+            await self._passed.wait()
 
     def cancel(self) -> None:
         """Stop every walker (the store is closing); each persists its cursor."""
@@ -280,6 +290,9 @@ class Scrubber:
             index = self._index
             await self._writer.run(lambda txn: save_scrub_state(index, txn, None, when))
         self._counters["scrub_passes"] += 1
+        if self._passed is not None:
+            self._passed.set()
+            self._passed = None
 
 
 def scrub_state(index: Index) -> tuple[bytes | None, int | None]:
