@@ -23,8 +23,8 @@ from typing import Any
 from kvstore.core.allocator import Allocator
 from kvstore.core.operations import Health
 from kvstore.disk import permissions, store_files
-from kvstore.disk.extents import EXTENT_DIR, extent_path
 from kvstore.disk.format import new_store_uuid, unpack_u64
+from kvstore.disk.layout import EXTENT_DIR, INDEX_DIR, extent_path
 from kvstore.disk.lock import StoreLock
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
 from kvstore.index.index import (
@@ -52,8 +52,6 @@ from kvstore.stats import COUNTERS
 from kvstore.tiers.memory.tier import MemoryTier
 
 __all__ = ["INDEX_DIR", "StoreParts"]
-
-INDEX_DIR = "index"
 
 logger = logging.getLogger("kvstore.store")
 

@@ -14,14 +14,12 @@ from contextlib import suppress
 
 from kvstore.disk import permissions
 from kvstore.disk.format import ExtentHeader
+from kvstore.disk.layout import EXTENT_DIR, extent_path, extents_dir
 from kvstore.disk.store_files import check_dir
 from kvstore.errors import from_os_error
 
-EXTENT_DIR = "extents"
-
-
-def extent_path(store_path: str, extent_id: int) -> str:
-    return os.path.join(store_path, EXTENT_DIR, f"{extent_id:08d}.kvx")
+__all__ = ["EXTENT_DIR", "create_extent_file", "extent_path", "fsync_dir",
+           "remove_new_extent_file"]
 
 
 def fsync_dir(path: str) -> None:
@@ -40,7 +38,7 @@ def create_extent_file(store_path: str, extent_id: int, extent_bytes: int,
     EFBIG is :class:`StoreFullError`) and leaves no file behind, so the space a failed
     preallocation took returns to the file system.  Neither ``extents/`` nor the file
     is reached through a link (:mod:`kvstore.disk.store_files`)."""
-    directory = os.path.join(store_path, EXTENT_DIR)
+    directory = extents_dir(store_path)
     path = extent_path(store_path, extent_id)
     check_dir(directory, f"Move the extents directory itself to {directory}.")
     try:

@@ -62,7 +62,7 @@ from kvstore.index.free_map import FreeMap
 from kvstore.index.quarantine import QuarantineTable
 from kvstore.index.writer import IndexWriter, lmdb_error
 
-__all__ = ["INITIAL_MAP_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
+__all__ = ["INITIAL_MAP_BYTES", "MAP_LIMIT_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
            "META_NEXT_EXTENT", "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ",
            "META_UUID", "ChainCut", "Index", "IndexWriter", "Touched", "Txn",
            "init_meta", "namespace_key", "record_namespace"]
@@ -74,6 +74,11 @@ INITIAL_MAP_BYTES = 1 << 30
 """The LMDB map starts at this size (or ``index_map_bytes`` if smaller) and doubles when
 full, up to ``index_map_bytes``.  A map is address space, not disk: the data file only
 grows as the index does."""
+
+MAP_LIMIT_BYTES = 64 << 30
+"""The most the map may grow to unless a store is opened with another
+``index_map_bytes`` (the option's default); fsck and ``--rebuild-index`` open an index
+with this."""
 
 _DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru")
 

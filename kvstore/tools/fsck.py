@@ -80,8 +80,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from kvstore.disk import permissions
-from kvstore.disk.extents import EXTENT_DIR, extent_path
+from kvstore.disk import layout, permissions
 from kvstore.disk.format import (
     EXTENT_HEADER_BYTES,
     PAGE,
@@ -91,10 +90,12 @@ from kvstore.disk.format import (
     pack_u64,
     unpack_u64,
 )
+from kvstore.disk.layout import extent_path
 from kvstore.disk.lock import StoreLock
 from kvstore.disk.store_files import check_dir, unsafe_reason
 from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
 from kvstore.index.index import (
+    MAP_LIMIT_BYTES,
     META_EXTENT_BYTES,
     META_NAMESPACE_PREFIX,
     META_NEXT_EXTENT,
@@ -109,7 +110,6 @@ from kvstore.tools.fsck_files import (
     ExtentReader,
     Unreadable,
     extend,
-    is_extent_name,
     remove_file,
     rewrite,
     verified_slots,
@@ -126,15 +126,15 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
     path = os.path.abspath(path)
     started = time.perf_counter()
     report = Report(path=path, deep=deep, repair=repair)
-    if not os.path.isdir(os.path.join(path, "index")):
-        if os.path.isdir(os.path.join(path, EXTENT_DIR)):
+    if not os.path.isdir(layout.index_dir(path)):
+        if os.path.isdir(layout.extents_dir(path)):
             raise IndexCorruptionError(f"{path} has extent files but no index; run "
                                        f"`python -m kvstore fsck {path} --rebuild-index`")
         raise FileNotFoundError(f"no kvstore at {path}")
     lock = StoreLock(path)  # the same lock the store takes
     with lock.released_on_error():  # a link for extents/ or the index, damage: exit 2
-        check_dir(os.path.join(path, EXTENT_DIR), "Move the extents directory itself there.")
-        index = Index(os.path.join(path, "index"), map_size=64 << 30, sync=True, verify=True)
+        check_dir(layout.extents_dir(path), "Move the extents directory itself there.")
+        index = Index(layout.index_dir(path), map_size=MAP_LIMIT_BYTES, sync=True, verify=True)
     writer = IndexWriter(index)
     reader = ExtentReader()
     try:
@@ -238,7 +238,7 @@ class _Checker(_Findings):
                                 e, extent=extent_id)
                 usable[extent_id] = 0
                 self.kept.add(extent_id)
-        directory = os.path.join(self.path, EXTENT_DIR)
+        directory = layout.extents_dir(self.path)
         try:
             names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
         except OSError as e:
@@ -247,9 +247,9 @@ class _Checker(_Findings):
             names = []
         for name in names:
             p = os.path.join(directory, name)
-            if not is_extent_name(name) or (unsafe_reason(p) and not os.path.islink(p)):
+            if not layout.is_extent_name(name) or (unsafe_reason(p) and not os.path.islink(p)):
                 self.find("foreign-file", NOTE, f"{p} is not an extent file; left alone")
-            elif int(name.removesuffix(".kvx")) not in table:
+            elif layout.extent_id_of(name) not in table:
                 try:  # removed only once it reads: a rebuild may have left it out for that
                     self.reader.read(p, 0, EXTENT_HEADER_BYTES)
                 except OSError as e:
