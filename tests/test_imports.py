@@ -387,7 +387,6 @@ OVER_THE_LIMITS: dict[str, int] = {
     "kvstore/codecs/pipeline.py": 951,  # spec, FP8, zstd byte planes, parsing
     "kvstore/tools/fsck.py": 553,  # the checks and the repairs
     "kvstore/tools/fsck.py:_Checker": 334,
-    "kvstore/index/index.py:Index": 339,
     "kvstore/store.py:Store": 314,
     "kvstore/tiers/remote/adapter.py:RemoteAdapter": 313,
     "kvstore/integrations/vllm/worker/shared.py:SharedStore": 325,

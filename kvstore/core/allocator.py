@@ -66,7 +66,7 @@ import anyio
 from kvstore.disk.extents import create_extent_file, remove_new_extent_file
 from kvstore.disk.format import PAGE, IndexEntry
 from kvstore.errors import CapacityError
-from kvstore.index.eviction import ChainTables, evictable_bytes
+from kvstore.index.eviction import evictable_bytes
 from kvstore.index.index import Index, IndexWriter, Touched, Txn
 
 logger = logging.getLogger("kvstore.store")
@@ -417,10 +417,8 @@ class Allocator:
         over = self.used_bytes - self.capacity_bytes
         if over <= 0:
             return
-        tables = ChainTables(self._index.blocks, self._index.children, self._index.pins,
-                             self._index.lru)
         with self._index.begin() as txn:
-            freeable = evictable_bytes(txn, tables, self.space.lost)
+            freeable = evictable_bytes(txn, self._index.chains, self.space.lost)
         if freeable < over:
             raise CapacityError(
                 28, f"store {self._path} uses {self.used_bytes} bytes, more than "

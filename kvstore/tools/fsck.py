@@ -87,8 +87,6 @@ from kvstore.disk.format import (
     ExtentHeader,
     IndexEntry,
     lru_key,
-    pack_u64,
-    unpack_u64,
 )
 from kvstore.disk.layout import extent_path
 from kvstore.disk.lock import StoreLock
@@ -96,11 +94,6 @@ from kvstore.disk.store_files import check_dir, unsafe_reason
 from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
 from kvstore.index.index import (
     MAP_LIMIT_BYTES,
-    META_EXTENT_BYTES,
-    META_NAMESPACE_PREFIX,
-    META_NEXT_EXTENT,
-    META_SEQ,
-    META_UUID,
     Index,
     IndexWriter,
     Txn,
@@ -207,8 +200,7 @@ class _Checker(_Findings):
         self.repair, self.deep = repair, deep
         self.progress = progress or (lambda stage, done, total: None)
         self.kept: set[int] = set()  # extents that could not be examined: never dropped
-        self.uuid: bytes = index.meta_get(META_UUID) or b""
-        self.extent_bytes = unpack_u64(index.meta_get(META_EXTENT_BYTES) or pack_u64(0))
+        self.uuid: bytes = index.meta_records.store_uuid() or b""
 
     def run(self) -> None:
         extents = self.check_extents()
@@ -261,7 +253,7 @@ class _Checker(_Findings):
                 self.file_fixes.append((f, partial(remove_file, p)))
         for extent_id, size in usable.items():
             if size == 0 and extent_id not in self.kept:
-                self.fixes.append(partial(self.index.drop_extent, extent_id=extent_id))
+                self.fixes.append(partial(self.index.repairs.drop_extent, extent_id=extent_id))
         return usable
 
     def check_extent(self, extent_id: int, size: int, p: str) -> int:
@@ -304,13 +296,14 @@ class _Checker(_Findings):
 
     def load_entries(self) -> list[tuple[bytes, IndexEntry, bool]]:
         entries: list[tuple[bytes, IndexEntry, bool]] = []
-        for quarantined, table in ((False, self.index.blocks), (True, self.index.quarantine)):
-            for k, v in self.index.raw_rows(table):
+        for quarantined in (False, True):
+            for k, v in self.index.repairs.entry_rows(quarantined=quarantined):
                 try:
                     entries.append((k, IndexEntry.decode(v), quarantined))
                 except KVStoreError as e:
                     self.find("bad-index-entry", DAMAGE, f"entry {k.hex()}: {e}", key=k.hex())
-                    self.fixes.append(partial(self.index.delete_row, table=table, key=k))
+                    self.fixes.append(partial(self.index.repairs.drop_entry, key=k,
+                                              quarantined=quarantined))
         self.report.blocks = sum(not q for _, _, q in entries)
         self.report.quarantined = sum(q for _, _, q in entries)
         return entries
@@ -367,13 +360,11 @@ class _Checker(_Findings):
                   length: int) -> None:
         """Repair of a double-owned range: drop the later owner (a free run, or an entry)."""
         if what == "free":
-            self.fixes.append(partial(self.index.delete_free_run, extent=extent_id,
+            self.fixes.append(partial(self.index.repairs.delete_free_run, extent=extent_id,
                                       offset=offset))
         else:
             assert key is not None
-            self.fixes.append(partial(self.index.delete_row, table=self.index.blocks, key=key))
-            self.fixes.append(partial(self.index.delete_row, table=self.index.quarantine,
-                                      key=key))
+            self.fixes.append(partial(self.index.repairs.drop_entry, key=key))
 
     # -- steps 4 and 5
     def check_slots(self, extents: dict[int, int],
@@ -438,13 +429,8 @@ class _Checker(_Findings):
                        quarantined: bool) -> None:
         p = extent_path(self.path, e.extent)
         self.file_fixes.append((f, partial(zero_page, p, e.offset)))
-        table = self.index.quarantine if quarantined else self.index.blocks
-
-        def fix(txn: Txn) -> None:
-            self.index.delete_row(txn, table, key)
-            self.index.give_range(txn, e.extent, e.offset, e.slot_len)
-
-        self.fixes.append(fix)
+        self.fixes.append(partial(self.index.repairs.free_slot, key=key, entry=e,
+                                  quarantined=quarantined))
 
     # -- step 6
     def scan_free_space(self, extents: dict[int, int]) -> None:
@@ -476,7 +462,7 @@ class _Checker(_Findings):
         self.report.chain_holes = len(holes)
         self.report.chain_hole_examples = [f"{k.hex()} (parent {p.hex()})" for k, p in holes[:3]]
         want_children, want_lru = _chain_tables(entries)
-        have_children, have_lru = self.index.chain_tables()
+        have_children, have_lru = self.index.repairs.chain_tables()
         if have_children == want_children and have_lru == want_lru:
             return
         self.find("refcount-drift", DAMAGE,
@@ -487,11 +473,10 @@ class _Checker(_Findings):
     # -- step 9
     def check_permissions(self) -> None:
         try:
-            mode = permissions.recorded_mode(self.index.meta_get) or permissions.FILE_MODE
+            mode = self.index.meta_records.file_mode() or permissions.FILE_MODE
         except IndexCorruptionError as e:
             self.find("meta", DAMAGE, str(e))
-            self.fixes.append(partial(self.index.delete_row, table=self.index.meta,
-                                      key=permissions.META_FILE_MODE))
+            self.fixes.append(self.index.meta_records.drop_file_mode)
             mode = permissions.FILE_MODE
         for p in permissions.audit(self.path, mode):
             if p.foreign:
@@ -507,32 +492,31 @@ class _Checker(_Findings):
     def rewrite_chain_tables(self, txn: Txn) -> None:
         """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,
         after every other fix has changed ``blocks``)."""
-        blocks = [(k, e, False) for k, e in self.index.stored_blocks(txn)]
-        self.index.rewrite_chain_tables(txn, *_chain_tables(blocks))
+        blocks = [(k, e, False) for k, e in self.index.repairs.stored_blocks(txn)]
+        self.index.repairs.rewrite_chain_tables(txn, *_chain_tables(blocks))
 
     # -- step 7
     def check_meta(self, extents: dict[int, int],
                    entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
-        seq = unpack_u64(self.index.meta_get(META_SEQ) or pack_u64(0))
+        meta = self.index.meta_records
+        seq = meta.seq()
         top = max((e.seq for _, e, _ in entries), default=0)
         if seq < top:
             self.find("meta", DAMAGE, f"sequence counter {seq} is below an entry's {top}")
-            self.fixes.append(partial(self.index.set_meta, key=META_SEQ, value=pack_u64(top)))
-        nxt = unpack_u64(self.index.meta_get(META_NEXT_EXTENT) or pack_u64(0))
+            self.fixes.append(partial(meta.raise_seq, seq=top))
+        nxt = meta.next_extent()
         if extents and nxt <= max(extents):
-            want = max(extents) + 1
             self.find("meta", DAMAGE, f"next_extent {nxt} is not past extent {max(extents)}")
-            self.fixes.append(partial(self.index.set_meta, key=META_NEXT_EXTENT,
-                                      value=pack_u64(want)))
+            self.fixes.append(partial(meta.set_next_extent, extent_id=max(extents) + 1))
         bad = []
-        for k, v in self.index.meta_rows(META_NAMESPACE_PREFIX):
+        for k, v in meta.namespace_rows():
             try:
                 json.loads(v.decode())
             except (UnicodeDecodeError, ValueError):
                 bad.append(k)
         for k in bad:
             self.find("meta", DAMAGE, f"namespace record {k!r} is not valid JSON")
-            self.fixes.append(partial(self.index.delete_row, table=self.index.meta, key=k))
+            self.fixes.append(partial(meta.drop_namespace, key=k))
 
 
 def _chain_tables(entries: list[tuple[bytes, IndexEntry, bool]]) -> tuple[dict[bytes, int],

@@ -32,7 +32,6 @@ from kvstore.disk.format import (
     ExtentHeader,
     IndexEntry,
     SlotHeader,
-    pack_u64,
 )
 from kvstore.disk.layout import extent_path
 from kvstore.disk.lock import StoreLock
@@ -40,8 +39,6 @@ from kvstore.disk.store_files import unsafe_reason
 from kvstore.errors import KVStoreError
 from kvstore.index.index import (
     MAP_LIMIT_BYTES,
-    META_NEXT_EXTENT,
-    META_SEQ,
     Index,
     IndexWriter,
     Txn,
@@ -189,9 +186,8 @@ def _write_index(path: str, uuid: bytes, extents: dict[int, _Extent],
 
         def build(txn: Txn) -> None:
             init_meta(txn, index, store_uuid=uuid, extent_bytes=extent_bytes)
-            index.set_meta(txn, META_NEXT_EXTENT, pack_u64(max(extents, default=0) + 1))
-            index.set_meta(txn, META_SEQ, pack_u64(max((v[2].seq for v in keep.values()),
-                                                       default=0)))
+            index.meta_records.set_next_extent(txn, max(extents, default=0) + 1)
+            index.meta_records.raise_seq(txn, max((v[2].seq for v in keep.values()), default=0))
             used: dict[int, list[tuple[int, int]]] = {
                 extent_id: [(b.offset, b.length) for b in x.unreadable]
                 for extent_id, x in extents.items()}
@@ -203,7 +199,7 @@ def _write_index(path: str, uuid: bytes, extents: dict[int, _Extent],
                 index.add_block(txn, k, entry)
                 used[e].append((o, hd.slot_len))
             for extent_id, x in extents.items():
-                index.record_extent(txn, extent_id, x.size, _free_runs(x.size, used[extent_id]))
+                index.repairs.record_extent(txn, extent_id, x.size, _free_runs(x.size, used[extent_id]))
 
         writer.run_sync(build)
     finally:
