@@ -63,11 +63,13 @@ from typing import Protocol
 
 import anyio
 
-from kvstore.disk.extents import create_extent_file, remove_new_extent_file
+from kvstore.disk.extents import remove_new_extent_file
 from kvstore.disk.format import PAGE, IndexEntry
 from kvstore.errors import CapacityError
 from kvstore.index.eviction import evictable_bytes
 from kvstore.index.index import Index, IndexWriter, Touched, Txn
+from kvstore.io.extent_files import create_extent_file
+from kvstore.io.protocol import IOEngine
 
 logger = logging.getLogger("kvstore.store")
 
@@ -190,7 +192,8 @@ class Slot(Protocol):
 class Allocator:
     """Owns the extent files' space: free, reserved and pending-free; reserve, evict, grow."""
 
-    def __init__(self, *, path: str, index: Index, writer: IndexWriter, extent_bytes: int,
+    def __init__(self, *, path: str, index: Index, writer: IndexWriter, engine: IOEngine,
+                 extent_bytes: int,
                  store_uuid: bytes, extents: Iterable[int],
                  free_runs: Iterable[tuple[int, int, int]], capacity_bytes: int | None,
                  lost_extents: Iterable[int] = (),
@@ -199,6 +202,7 @@ class Allocator:
                  on_evicted: Callable[[list[bytes]], None] = lambda keys: None,
                  ride_along: Callable[[Txn], None] = lambda txn: None) -> None:
         self._path, self._index, self._writer = path, index, writer
+        self._engine = engine  # new extent files are made through it
         self.extent_bytes, self._uuid, self._file_mode = extent_bytes, store_uuid, file_mode
         self._on_new_extent = on_new_extent
         self._on_evicted = on_evicted  # the store drops evicted blocks from its memory tier
@@ -461,9 +465,8 @@ class Allocator:
             if self._extents != before:
                 return  # another task grew the store while we waited
             extent_id = self._index.next_extent()
-            await anyio.to_thread.run_sync(
-                create_extent_file, self._path, extent_id, self.extent_bytes, self._uuid,
-                self._file_mode)
+            await create_extent_file(self._engine, self._path, extent_id, self.extent_bytes,
+                                     self._uuid, self._file_mode)
             try:
                 await self._writer.run(
                     lambda txn: self._index.add_extent(txn, extent_id, self.extent_bytes))

@@ -192,7 +192,8 @@ class StoreParts:
         self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.fds)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self.allocator = Allocator(
-            path=self.path, index=self.index, writer=self.writer, extent_bytes=self.extent_bytes,
+            path=self.path, index=self.index, writer=self.writer,
+            engine=self.scheduler or self.engine, extent_bytes=self.extent_bytes,
             store_uuid=self.store_uuid, extents=self.extents, free_runs=self.index.free_runs(),
             lost_extents=self.lost_extents,
             capacity_bytes=opts.capacity_bytes, file_mode=self.file_mode,
@@ -221,7 +222,7 @@ class StoreParts:
         if before is None:
             raise FileNotFoundError(path)
         try:
-            fd = self.engine.open_file(path, create=False)
+            fd = self.engine.open_file(path)
         except FileNotFoundError:
             raise
         except OSError as e:

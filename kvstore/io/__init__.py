@@ -3,8 +3,9 @@
 arena (``arena``, ``aligned``), read-first scheduling (``scheduler``), merged and
 retried requests (``coalesce``), slots staged into and verified out of arena runs
 (``slots``, ``native_slots``), chunked transfers between blocks and extent files
-(``transfers``), the shared fdatasync (``group_sync``) and page-locking the arena for
-device DMA (``page_locking``).  It may import :mod:`kvstore.disk`,
+(``transfers``), new extent files made through the engine (``extent_files``), the
+shared fdatasync (``group_sync``) and page-locking the arena for device DMA
+(``page_locking``).  It may import :mod:`kvstore.disk`,
 :mod:`kvstore.codecs` and :mod:`kvstore._native`; the optional GPU path
 (:mod:`kvstore.cuda`) is still reached from ``transfers`` and ``page_locking`` by
 deferred imports, listed in tests/test_imports.py as imports to remove.

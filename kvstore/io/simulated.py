@@ -21,8 +21,9 @@
 
 LMDB writes its own files, so it is not simulated here: a crash leaves it at its last
 committed transaction, which is exactly what stopping the process before the next
-commit gives (commits happen after all extent I/O of a batch).  Creating extent files
-is covered by the real-kill tests.
+commit gives (commits happen after all extent I/O of a batch).  A new extent file's
+space and header go through the engine too (``allocate``, ``write``, ``datasync``:
+kvstore/io/extent_files.py), so its faults and crashes are simulated as well.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from dataclasses import dataclass, field
 import anyio
 
 from kvstore.disk.format import PAGE
-from kvstore.disk.permissions import FILE_MODE
 from kvstore.errors import StoreIOError
 from kvstore.io.protocol import IoOp
 from kvstore.io.threads import raise_write_errors
@@ -65,6 +65,16 @@ class _Pending:
     offset: int
     old: bytes
     new: bytes
+    inode: int
+    """The file written: a file removed (or replaced) since took its unsynced writes
+    with it, so no crash state applies them to whatever has the path now."""
+
+
+def _same_file(path: str, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino == inode
+    except FileNotFoundError:
+        return False
 
 
 @dataclass
@@ -75,7 +85,8 @@ class SimulatedDisk:
     crash_at: int | None = None
     """Stop the machine when ``ops`` reaches this number (before the op takes effect)."""
     faults: list[tuple[str, int]] = field(default_factory=list)
-    """Queued faults: (``"write"``/``"read"``/``"datasync"``, errno or -1 for a short write)."""
+    """Queued faults: (``"write"``/``"read"``/``"datasync"``/``"allocate"``, errno or -1
+    for a short write)."""
     crash_states: int = 0
     pending: dict[str, list[_Pending]] = field(default_factory=dict)
     max_yields: int = 3
@@ -106,11 +117,12 @@ class SimulatedDisk:
         """What Linux may do when an fdatasync of ``path`` fails: the dirty pages it
         could not write are dropped, the file reads its old bytes there, and a later
         sync succeeds with nothing to say about them.  Returns the writes dropped."""
-        writes = self.pending.pop(path, [])
-        with open(path, "r+b") as f:
-            for w in reversed(writes):  # newest first, so overlaps restore correctly
-                f.seek(w.offset)
-                f.write(w.old)
+        writes = [w for w in self.pending.pop(path, []) if _same_file(path, w.inode)]
+        if writes:
+            with open(path, "r+b") as f:
+                for w in reversed(writes):  # newest first, so overlaps restore correctly
+                    f.seek(w.offset)
+                    f.write(w.old)
         return len(writes)
 
     def crash(self, mode: str, keep: Sequence[bool] | None = None, *,
@@ -128,6 +140,8 @@ class SimulatedDisk:
         # Undo from the newest write back, so overlapping writes restore correctly.
         for n in range(len(writes) - 1, -1, -1):
             path, w = writes[n]
+            if not _same_file(path, w.inode):
+                continue
             if keep is not None:
                 image = w.new if keep[n] else w.old
             elif mode == "lose":
@@ -166,8 +180,8 @@ class SimulatedEngine:
     async def start(self) -> None:
         return None
 
-    def open_file(self, path: str, *, create: bool) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), FILE_MODE)
+    def open_file(self, path: str) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         self._paths[fd] = path
         return fd
 
@@ -217,7 +231,8 @@ class SimulatedEngine:
             new = new[: len(new) // 2]
         old = os.pread(op.fd, len(new), op.offset)
         old += bytes(len(new) - len(old))
-        self.disk.pending.setdefault(self._paths[op.fd], []).append(_Pending(op.offset, old, new))
+        self.disk.pending.setdefault(self._paths[op.fd], []).append(
+            _Pending(op.offset, old, new, os.fstat(op.fd).st_ino))
         return os.pwrite(op.fd, new, op.offset)
 
     async def write(self, ops: Sequence[IoOp]) -> None:
@@ -226,6 +241,16 @@ class SimulatedEngine:
     async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
         return await self._each(ops, "read",
                                 lambda op, _: os.preadv(op.fd, [op.run.view], op.offset))
+
+    async def allocate(self, fd: int, nbytes: int) -> None:
+        """One I/O tick; an injected ``"allocate"`` errno fails it (ENOSPC: no room).
+        The file's new size is durable at once (as the real engines' fsync makes it)."""
+        await self._delay()
+        self.disk._tick()
+        fault = self.disk._fault("allocate")
+        if fault is not None:
+            raise OSError(fault, os.strerror(fault))
+        os.posix_fallocate(fd, 0, nbytes)
 
     async def datasync(self, fds: Sequence[int]) -> None:
         for fd in fds:

@@ -15,19 +15,20 @@ from functools import partial
 
 import anyio
 
-from kvstore.disk.permissions import FILE_MODE
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import coalesce, spread
 from kvstore.io.protocol import IoOp
 
 
-def open_flags(direct: bool, create: bool) -> int:
-    flags = os.O_RDWR | os.O_CLOEXEC
-    if create:
-        flags |= os.O_CREAT
-    if direct:
-        flags |= os.O_DIRECT
-    return flags
+def open_flags(direct: bool) -> int:
+    return os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+
+
+def allocate_file(fd: int, nbytes: int) -> None:
+    """``posix_fallocate`` of ``nbytes`` from 0, then ``fsync``: the file's size and
+    allocation are durable (blocking: a worker thread's)."""
+    os.posix_fallocate(fd, 0, nbytes)
+    os.fsync(fd)
 
 
 def raise_write_errors(results: Sequence[int | OSError], ops: Sequence[IoOp], what: str) -> None:
@@ -49,8 +50,8 @@ class ThreadPoolEngine:
     async def start(self) -> None:
         return None
 
-    def open_file(self, path: str, *, create: bool) -> int:
-        return os.open(path, open_flags(self.direct, create), FILE_MODE)
+    def open_file(self, path: str) -> int:
+        return os.open(path, open_flags(self.direct))
 
     def close_file(self, fd: int) -> None:
         os.close(fd)
@@ -82,6 +83,10 @@ class ThreadPoolEngine:
 
     async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
         return await self._each(ops, False)
+
+    async def allocate(self, fd: int, nbytes: int) -> None:
+        with anyio.CancelScope(shield=True):  # the descriptor stays in use until it ends
+            await anyio.to_thread.run_sync(allocate_file, fd, nbytes, limiter=self._limiter)
 
     async def datasync(self, fds: Sequence[int]) -> None:
         def sync_all() -> None:

@@ -15,6 +15,7 @@ from kvstore.core.allocator import Allocator, FreeSpace, ReadEpochs
 from kvstore.disk.format import PAGE, IndexEntry, free_key, pack_u64
 from kvstore.errors import IndexCorruptionError
 from kvstore.index.index import META_SEQ, Index, IndexWriter, init_meta
+from kvstore.io.threads import ThreadPoolEngine
 from tests.concurrency import run_within, until
 
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 8)), min_size=1, max_size=60)
@@ -200,7 +201,7 @@ def _sixteen_page_allocator(tmp_path: Path) -> Iterator[Allocator]:
         writer.run_sync(lambda txn: init_meta(txn, index, store_uuid=b"u" * 16,
                                               extent_bytes=17 * PAGE))
         yield Allocator(path=str(tmp_path), index=index, writer=writer,
-                        extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
+                        engine=ThreadPoolEngine(direct=False), extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
                         free_runs=[], capacity_bytes=16 * PAGE, file_mode=0o600,
                         counters={"evicted_blocks": 0, "evicted_bytes": 0},
                         on_new_extent=lambda extent: None)
