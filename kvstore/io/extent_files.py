@@ -7,12 +7,10 @@ The steps (``create_extent_file``; data first, then the index, as for every chan
 1. The file is made empty, the store's own (:func:`kvstore.disk.extents.new_extent_file`:
    no link followed, exactly the store's file mode; a file of this id can only be an
    orphan of a crash before its index commit, and is replaced).
-2. The engine opens it for aligned I/O and preallocates it (``IOEngine.allocate``:
-   ``posix_fallocate``, its size and allocation made durable), so a put never finds a
-   hole there on a full disk.
-3. The extent header is written through the engine from a one-page arena, and
-   fdatasynced.
-4. The directory entry is made durable.
+2. The engine opens it and initialises it (``IOEngine.initialise``: preallocated with
+   ``posix_fallocate``, so a put never finds a hole there on a full disk, the extent
+   header written, both made durable).
+3. The directory entry is made durable.
 
 Every failure is a typed error with the kernel's errno (no room: ENOSPC, EDQUOT, EFBIG
 is :class:`~kvstore.errors.StoreFullError`) and leaves no file behind, so the space a
@@ -30,12 +28,11 @@ import anyio
 
 from kvstore.disk import permissions
 from kvstore.disk.extents import fsync_dir, new_extent_file, remove_new_extent_file
-from kvstore.disk.format import EXTENT_HEADER_BYTES, ExtentHeader
+from kvstore.disk.format import ExtentHeader
 from kvstore.disk.layout import extents_dir
 from kvstore.disk.store_files import check_same
 from kvstore.errors import from_os_error
-from kvstore.io.arena import Arena
-from kvstore.io.protocol import IOEngine, IoOp
+from kvstore.io.protocol import IOEngine
 
 __all__ = ["create_extent_file"]
 
@@ -72,29 +69,15 @@ async def _initialise(engine: IOEngine, path: str, made: os.stat_result, extent_
         # the engine opens by name: the file made above, not one swapped in meanwhile
         check_same(path, os.fstat(fd), made, "Remove what was put there; the store makes "
                    "the extent file again.")
+        header = ExtentHeader(extent_id, extent_bytes, store_uuid).encode()
         try:
-            await engine.allocate(fd, extent_bytes)
+            await engine.initialise(fd, extent_bytes, header)
         except OSError as e:
             raise from_os_error(
                 e, f"no room for a new {extent_bytes}-byte extent in {os.path.dirname(path)}"
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-                else f"cannot preallocate {path}",
+                else f"cannot initialise extent file {path}",
                 full_hint="free disk space, delete blocks, or open the store with a "
                 "smaller extent size") from e
-        arena = Arena(EXTENT_HEADER_BYTES)
-        try:
-            run = arena.try_acquire(EXTENT_HEADER_BYTES)
-            assert run is not None  # a new arena of exactly this size
-            run.view[:] = ExtentHeader(extent_id, extent_bytes, store_uuid).encode()
-            try:
-                await engine.write([IoOp(fd, 0, run)])
-                await engine.datasync([fd])
-            except OSError as e:  # the engine's error, typed again by its errno, named
-                raise from_os_error(OSError(e.errno, e.strerror),
-                                    f"cannot initialise extent file {path}") from e
-            finally:
-                arena.release(run)
-        finally:
-            arena.close()
     finally:
         engine.close_file(fd)

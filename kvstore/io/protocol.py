@@ -51,10 +51,11 @@ class IOEngine(Protocol):
         makes its files and checks them first: kvstore/disk/extents.py)."""
         ...
 
-    async def allocate(self, fd: int, nbytes: int) -> None:
-        """Preallocate ``nbytes`` of the file from offset 0 (``posix_fallocate``: no hole
-        a later write could fail to fill) and make its size and allocation durable.  An
-        ``OSError`` with the kernel's errno (ENOSPC: no room)."""
+    async def initialise(self, fd: int, nbytes: int, header: bytes) -> None:
+        """Make a new file ``nbytes`` long, preallocated from offset 0 (``posix_fallocate``:
+        no hole a later write could fail to fill), with ``header`` (a few bytes, written
+        as they are) at offset 0, all durable when it returns.  An ``OSError`` with the
+        kernel's errno (ENOSPC: no room)."""
         ...
 
     def close_file(self, fd: int) -> None: ...
@@ -82,8 +83,8 @@ class EngineWrapper:
     def open_file(self, path: str) -> int:
         return self.inner.open_file(path)
 
-    async def allocate(self, fd: int, nbytes: int) -> None:
-        await self.inner.allocate(fd, nbytes)
+    async def initialise(self, fd: int, nbytes: int, header: bytes) -> None:
+        await self.inner.initialise(fd, nbytes, header)
 
     def close_file(self, fd: int) -> None:
         self.inner.close_file(fd)

@@ -22,7 +22,7 @@
 LMDB writes its own files, so it is not simulated here: a crash leaves it at its last
 committed transaction, which is exactly what stopping the process before the next
 commit gives (commits happen after all extent I/O of a batch).  A new extent file's
-space and header go through the engine too (``allocate``, ``write``, ``datasync``:
+space and header go through the engine too (``initialise``:
 kvstore/io/extent_files.py), so its faults and crashes are simulated as well.
 """
 
@@ -65,16 +65,6 @@ class _Pending:
     offset: int
     old: bytes
     new: bytes
-    inode: int
-    """The file written: a file removed (or replaced) since took its unsynced writes
-    with it, so no crash state applies them to whatever has the path now."""
-
-
-def _same_file(path: str, inode: int) -> bool:
-    try:
-        return os.stat(path).st_ino == inode
-    except FileNotFoundError:
-        return False
 
 
 @dataclass
@@ -85,8 +75,8 @@ class SimulatedDisk:
     crash_at: int | None = None
     """Stop the machine when ``ops`` reaches this number (before the op takes effect)."""
     faults: list[tuple[str, int]] = field(default_factory=list)
-    """Queued faults: (``"write"``/``"read"``/``"datasync"``/``"allocate"``, errno or -1
-    for a short write)."""
+    """Queued faults: (``"write"``/``"read"``/``"datasync"``/``"initialise"``, errno or
+    -1 for a short write)."""
     crash_states: int = 0
     pending: dict[str, list[_Pending]] = field(default_factory=dict)
     max_yields: int = 3
@@ -117,12 +107,11 @@ class SimulatedDisk:
         """What Linux may do when an fdatasync of ``path`` fails: the dirty pages it
         could not write are dropped, the file reads its old bytes there, and a later
         sync succeeds with nothing to say about them.  Returns the writes dropped."""
-        writes = [w for w in self.pending.pop(path, []) if _same_file(path, w.inode)]
-        if writes:
-            with open(path, "r+b") as f:
-                for w in reversed(writes):  # newest first, so overlaps restore correctly
-                    f.seek(w.offset)
-                    f.write(w.old)
+        writes = self.pending.pop(path, [])
+        with open(path, "r+b") as f:
+            for w in reversed(writes):  # newest first, so overlaps restore correctly
+                f.seek(w.offset)
+                f.write(w.old)
         return len(writes)
 
     def crash(self, mode: str, keep: Sequence[bool] | None = None, *,
@@ -140,8 +129,6 @@ class SimulatedDisk:
         # Undo from the newest write back, so overlapping writes restore correctly.
         for n in range(len(writes) - 1, -1, -1):
             path, w = writes[n]
-            if not _same_file(path, w.inode):
-                continue
             if keep is not None:
                 image = w.new if keep[n] else w.old
             elif mode == "lose":
@@ -231,8 +218,7 @@ class SimulatedEngine:
             new = new[: len(new) // 2]
         old = os.pread(op.fd, len(new), op.offset)
         old += bytes(len(new) - len(old))
-        self.disk.pending.setdefault(self._paths[op.fd], []).append(
-            _Pending(op.offset, old, new, os.fstat(op.fd).st_ino))
+        self.disk.pending.setdefault(self._paths[op.fd], []).append(_Pending(op.offset, old, new))
         return os.pwrite(op.fd, new, op.offset)
 
     async def write(self, ops: Sequence[IoOp]) -> None:
@@ -242,15 +228,16 @@ class SimulatedEngine:
         return await self._each(ops, "read",
                                 lambda op, _: os.preadv(op.fd, [op.run.view], op.offset))
 
-    async def allocate(self, fd: int, nbytes: int) -> None:
-        """One I/O tick; an injected ``"allocate"`` errno fails it (ENOSPC: no room).
-        The file's new size is durable at once (as the real engines' fsync makes it)."""
+    async def initialise(self, fd: int, nbytes: int, header: bytes) -> None:
+        """One I/O tick; an injected ``"initialise"`` errno fails it (ENOSPC: no room).
+        Durable at once when it returns, as the real engines' fsync makes it."""
         await self._delay()
         self.disk._tick()
-        fault = self.disk._fault("allocate")
+        fault = self.disk._fault("initialise")
         if fault is not None:
             raise OSError(fault, os.strerror(fault))
         os.posix_fallocate(fd, 0, nbytes)
+        os.pwrite(fd, header, 0)
 
     async def datasync(self, fds: Sequence[int]) -> None:
         for fd in fds:

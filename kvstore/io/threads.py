@@ -9,12 +9,15 @@ gives real parallelism; ``queue_depth`` bounds the threads, like an io_uring que
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 from collections.abc import Sequence
 from functools import partial
 
 import anyio
 
+from kvstore.disk.format import round_up
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import coalesce, spread
 from kvstore.io.protocol import IoOp
@@ -24,10 +27,16 @@ def open_flags(direct: bool) -> int:
     return os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
 
 
-def allocate_file(fd: int, nbytes: int) -> None:
-    """``posix_fallocate`` of ``nbytes`` from 0, then ``fsync``: the file's size and
-    allocation are durable (blocking: a worker thread's)."""
+def initialise_file(fd: int, nbytes: int, header: bytes) -> None:
+    """``posix_fallocate`` of ``nbytes`` from 0, ``header`` (whole pages) written at 0,
+    then ``fsync``: size, allocation and header durable (blocking: a worker thread's)."""
     os.posix_fallocate(fd, 0, nbytes)
+    with mmap.mmap(-1, round_up(len(header))) as page:  # aligned, as O_DIRECT needs
+        page[:len(header)] = header
+        with memoryview(page) as view:
+            written = os.pwritev(fd, [view[:len(header)]], 0)
+    if written != len(header):
+        raise OSError(errno.EIO, "short write of the header")
     os.fsync(fd)
 
 
@@ -84,9 +93,10 @@ class ThreadPoolEngine:
     async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
         return await self._each(ops, False)
 
-    async def allocate(self, fd: int, nbytes: int) -> None:
+    async def initialise(self, fd: int, nbytes: int, header: bytes) -> None:
         with anyio.CancelScope(shield=True):  # the descriptor stays in use until it ends
-            await anyio.to_thread.run_sync(allocate_file, fd, nbytes, limiter=self._limiter)
+            await anyio.to_thread.run_sync(initialise_file, fd, nbytes, header,
+                                           limiter=self._limiter)
 
     async def datasync(self, fds: Sequence[int]) -> None:
         def sync_all() -> None:
