@@ -68,7 +68,9 @@ or read-only disk) is a finding of its own (repair-failed, with its errno) and l
 its finding unfixed; an index transaction that fails changes nothing in the index
 (repair-failed; run it again).
 
-``rebuild_index`` recreates the index from the extent files alone: kvstore/tools/fsck_rebuild.py.
+The checks are here; each finding's repair is queued and applied by
+kvstore/tools/fsck_repairs.py.  ``rebuild_index`` recreates the index from the extent
+files alone: kvstore/tools/fsck_rebuild.py.
 """
 
 from __future__ import annotations
@@ -76,7 +78,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -86,7 +87,6 @@ from kvstore.disk.format import (
     PAGE,
     ExtentHeader,
     IndexEntry,
-    lru_key,
 )
 from kvstore.disk.layout import extent_path
 from kvstore.disk.lock import StoreLock
@@ -96,9 +96,7 @@ from kvstore.index.index import (
     MAP_LIMIT_BYTES,
     Index,
     IndexWriter,
-    Txn,
 )
-from kvstore.index.quarantine import OK
 from kvstore.tools.fsck_files import (
     ExtentReader,
     Unreadable,
@@ -110,6 +108,7 @@ from kvstore.tools.fsck_files import (
     zero_page,
 )
 from kvstore.tools.fsck_rebuild import rebuild_index
+from kvstore.tools.fsck_repairs import Repairs, chain_tables
 from kvstore.tools.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, ProgressFn, Report
 
 
@@ -142,61 +141,11 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
     return report
 
 
-class _Findings:
-    """The report's findings and the repairs they call for: the data-file changes first
-    (each durable), then the index's, in one transaction."""
-
-    def __init__(self, report: Report, writer: IndexWriter) -> None:
-        self.report, self.writer = report, writer
-        self.fixes: list[Callable[[Txn], None]] = []
-        self.unfixable: list[Finding] = []  # stay unfixed after --repair (foreign-owner)
-        self.file_fixes: list[tuple[Finding, Callable[[], None]]] = []  # before the index's
-
-    def find(self, kind: str, severity: str, detail: str, **where: Any) -> Finding:
-        f = Finding(kind, severity, detail, **where)
-        self.report.findings.append(f)
-        return f
-
-    def unreadable(self, detail: str, e: OSError, **where: Any) -> None:
-        """Damage that repair leaves as it is: nothing is written over what could not be
-        read (the next fsck or scrub reads it again)."""
-        self.unfixable.append(self.find("unreadable", DAMAGE, f"{detail} ({e.strerror})",
-                                        errno=e.errno, **where))
-
-    def apply_fixes(self, last: Callable[[Txn], None]) -> None:
-        """Every fix, ``last`` the last in the index transaction; marks what was fixed."""
-        found = list(self.report.findings)
-        for f, fn in self.file_fixes:
-            try:
-                fn()
-            except OSError as e:
-                self.unfixable.append(f)
-                self.find("repair-failed", DAMAGE, f"could not fix {f.kind} ({e.strerror}): "
-                          f"{f.detail}", extent=f.extent, offset=f.offset, errno=e.errno)
-        fixes = [*self.fixes, last]
-
-        def apply(txn: Txn) -> None:
-            for fix in fixes:
-                fix(txn)
-
-        try:
-            self.writer.run_sync(apply)
-        except KVStoreError as e:  # the index as it was: nothing of it is fixed
-            self.find("repair-failed", DAMAGE, f"the repair's index transaction failed, the "
-                      f"index is as it was: {e}; run the repair again",
-                      errno=e.errno if isinstance(e, OSError) else None)
-            return
-        for f in found:
-            # Never touched: files fsck did not create, files of another user, what
-            # could not be read, fixes that failed.
-            f.fixed = f.kind != "foreign-file" and all(f is not u for u in self.unfixable)
-
-
-class _Checker(_Findings):
+class _Checker(Repairs):
     def __init__(self, path: str, index: Index, writer: IndexWriter, reader: ExtentReader,
                  report: Report, repair: bool, deep: bool, progress: ProgressFn | None) -> None:
-        super().__init__(report, writer)
-        self.path, self.index, self.reader = path, index, reader
+        super().__init__(report, writer, index, path)
+        self.reader = reader
         self.repair, self.deep = repair, deep
         self.progress = progress or (lambda stage, done, total: None)
         self.kept: set[int] = set()  # extents that could not be examined: never dropped
@@ -334,14 +283,14 @@ class _Checker(_Findings):
                               f"{what} [{offset}, {end}) runs past the end ({size}) of extent "
                               f"{extent_id}", extent=extent_id, offset=offset, length=length,
                               key=owner_key.hex() if owner_key else None)
-                    self._fix_drop(what, owner_key, extent_id, offset, length)
+                    self.drop_later_owner(what, owner_key, extent_id, offset)
                     continue
                 if offset < cursor:
                     self.find("free-and-referenced" if "free" in (what, owner) else "overlap",
                               DAMAGE, f"{what} [{offset}, {end}) of extent {extent_id} overlaps "
                               "space already owned", extent=extent_id, offset=offset,
                               length=length, key=owner_key.hex() if owner_key else None)
-                    self._fix_drop(what, owner_key, extent_id, offset, length)
+                    self.drop_later_owner(what, owner_key, extent_id, offset)
                     cursor = max(cursor, end)
                     continue
                 if offset > cursor:
@@ -354,17 +303,7 @@ class _Checker(_Findings):
         self.find("leaked-space", RECLAIMABLE, f"{length} bytes at {offset} of extent "
                   f"{extent_id} are neither free nor referenced", extent=extent_id,
                   offset=offset, length=length)
-        self.fixes.append(lambda txn: self.index.give_range(txn, extent_id, offset, length))
-
-    def _fix_drop(self, what: str, key: bytes | None, extent_id: int, offset: int,
-                  length: int) -> None:
-        """Repair of a double-owned range: drop the later owner (a free run, or an entry)."""
-        if what == "free":
-            self.fixes.append(partial(self.index.repairs.delete_free_run, extent=extent_id,
-                                      offset=offset))
-        else:
-            assert key is not None
-            self.fixes.append(partial(self.index.repairs.drop_entry, key=key))
+        self.free_range(extent_id, offset, length)
 
     # -- steps 4 and 5
     def check_slots(self, extents: dict[int, int],
@@ -393,11 +332,11 @@ class _Checker(_Findings):
                 self.find("unreadable", DAMAGE, f"block {key.hex()} cannot be read "
                           f"({err.strerror}); --repair quarantines it (kept, read again)",
                           errno=err.errno, **where)
-                self.fixes.append(partial(self._quarantine, key, e))
+                self.quarantine(key, e)
             except KVStoreError as err:
                 kind = "bad-payload" if "payload" in str(err) else "bad-slot"
                 f = self.find(kind, DAMAGE, f"block {key.hex()}: {err}", **where)
-                self._fix_free_slot(f, key, e, quarantined=False)
+                self.free_bad_slot(f, key, e, quarantined=False)
         self.progress(stage, total, total)
 
     def _check_quarantined(self, key: bytes, e: IndexEntry, path: str,
@@ -412,25 +351,12 @@ class _Checker(_Findings):
         except KVStoreError as err:
             f = self.find("quarantined", RECLAIMABLE, f"block {key.hex()} failed a read "
                           f"while serving and fails verification now ({err})", **where)
-            self._fix_free_slot(f, key, e, quarantined=True)
+            self.free_bad_slot(f, key, e, quarantined=True)
             return
         self.report.payloads_verified += 1
         self.find("restorable", RECLAIMABLE, f"quarantined block {key.hex()} verifies now: "
                   "--repair puts it back (or frees it, if its key was stored again)", **where)
-        self.fixes.append(partial(self._restore, key, e))
-
-    def _quarantine(self, key: bytes, e: IndexEntry, txn: Txn) -> None:
-        self.index.quarantine_records.move(txn, [(key, e, True)])
-
-    def _restore(self, key: bytes, e: IndexEntry, txn: Txn) -> None:
-        self.index.quarantine_records.settle(txn, [(key, e, OK)])
-
-    def _fix_free_slot(self, f: Finding, key: bytes, e: IndexEntry, *,
-                       quarantined: bool) -> None:
-        p = extent_path(self.path, e.extent)
-        self.file_fixes.append((f, partial(zero_page, p, e.offset)))
-        self.fixes.append(partial(self.index.repairs.free_slot, key=key, entry=e,
-                                  quarantined=quarantined))
+        self.restore(key, e)
 
     # -- step 6
     def scan_free_space(self, extents: dict[int, int]) -> None:
@@ -461,7 +387,7 @@ class _Checker(_Findings):
                  if not quarantined and e.parent is not None and e.parent not in stored]
         self.report.chain_holes = len(holes)
         self.report.chain_hole_examples = [f"{k.hex()} (parent {p.hex()})" for k, p in holes[:3]]
-        want_children, want_lru = _chain_tables(entries)
+        want_children, want_lru = chain_tables(entries)
         have_children, have_lru = self.index.repairs.chain_tables()
         if have_children == want_children and have_lru == want_lru:
             return
@@ -489,12 +415,6 @@ class _Checker(_Findings):
                 self.file_fixes.append((f, partial(permissions.set_mode, p.path, p.want,
                                                    follow=p.path == self.path)))
 
-    def rewrite_chain_tables(self, txn: Txn) -> None:
-        """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,
-        after every other fix has changed ``blocks``)."""
-        blocks = [(k, e, False) for k, e in self.index.repairs.stored_blocks(txn)]
-        self.index.repairs.rewrite_chain_tables(txn, *_chain_tables(blocks))
-
     # -- step 7
     def check_meta(self, extents: dict[int, int],
                    entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
@@ -517,21 +437,6 @@ class _Checker(_Findings):
         for k in bad:
             self.find("meta", DAMAGE, f"namespace record {k!r} is not valid JSON")
             self.fixes.append(partial(meta.drop_namespace, key=k))
-
-
-def _chain_tables(entries: list[tuple[bytes, IndexEntry, bool]]) -> tuple[dict[bytes, int],
-                                                                           set[bytes]]:
-    children: dict[bytes, int] = {}
-    lru: set[bytes] = set()
-    for key, e, quarantined in entries:
-        if quarantined:
-            continue
-        lru.add(lru_key(e.last_use, key))
-        if e.parent is not None:
-            children[e.parent] = children.get(e.parent, 0) + 1
-    return children, lru
-
-
 
 
 __all__ = ["DAMAGE", "NOTE", "RECLAIMABLE", "Finding", "Report", "check", "rebuild_index"]
