@@ -49,6 +49,7 @@ from fuzz.mutate import (
     apply_ops,
     ops_from,
 )
+from kvstore.codecs import fp8
 from kvstore.codecs import pipeline as codecs
 from kvstore.disk.format import (
     KEY_BYTES,
@@ -386,16 +387,16 @@ def _decode_on_every_path(codec: int, payload: bytes, dtype: torch.dtype,
     error; None) or both give the same bits.  (tests/cuda/test_fp8_decoders_agree.py
     holds the GPU kernel's CPU twin to the same rule.)"""
     outcomes: list[torch.Tensor | type[KVStoreError]] = []
-    native = codecs._NATIVE
+    native = fp8.NATIVE
     try:
         for path in dict.fromkeys((native, False)):
-            codecs._NATIVE = path
+            fp8.NATIVE = path
             try:
                 outcomes.append(codecs.decode(codec, payload, dtype, shape))
             except KVStoreError as e:
                 outcomes.append(type(e))
     finally:
-        codecs._NATIVE = native
+        fp8.NATIVE = native
     first = outcomes[0]
     for other in outcomes[1:]:
         if isinstance(first, torch.Tensor) and isinstance(other, torch.Tensor):

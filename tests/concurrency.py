@@ -108,7 +108,8 @@ class SchedulerBench:
 
     async def __aenter__(self) -> Any:
         await self.sched.start()
-        self.fd = self.sched.open_file(str(self.path / "data"), create=True)
+        (self.path / "data").touch()
+        self.fd = self.sched.open_file(str(self.path / "data"))
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -73,11 +73,13 @@ from typing import Protocol
 import anyio
 
 from kvstore.core.free_space import FreeSpace, ReadEpochs
-from kvstore.disk.extents import create_extent_file, remove_new_extent_file
+from kvstore.disk.extents import remove_new_extent_file
 from kvstore.disk.format import PAGE, IndexEntry
 from kvstore.errors import CapacityError
-from kvstore.index.eviction import ChainTables, evictable_bytes
+from kvstore.index.eviction import evictable_bytes
 from kvstore.index.index import Index, IndexWriter, Touched, Txn
+from kvstore.io.extent_files import create_extent_file
+from kvstore.io.protocol import IOEngine
 
 logger = logging.getLogger("kvstore.store")
 
@@ -121,12 +123,14 @@ class Slot(Protocol):
 class Allocator:
     """Owns the extent files' space: free, reserved and pending-free; reserve, evict, grow."""
 
-    def __init__(self, *, path: str, index: Index, writer: IndexWriter, extent_bytes: int,
+    def __init__(self, *, path: str, index: Index, writer: IndexWriter, engine: IOEngine,
+                 extent_bytes: int,
                  store_uuid: bytes, extents: Iterable[int],
                  free_runs: Iterable[tuple[int, int, int]], capacity_bytes: int | None,
                  lost_extents: Iterable[int] = (),
                  file_mode: int, counters: dict[str, int]) -> None:
         self._path, self._index, self._writer = path, index, writer
+        self._engine = engine  # new extent files are made through it
         self.extent_bytes, self._uuid, self._file_mode = extent_bytes, store_uuid, file_mode
         self._counters = counters  # the store's: evicted_blocks, evicted_bytes
         self._changes = Changes()  # what its owner has not taken yet (take_changes)
@@ -342,10 +346,8 @@ class Allocator:
         over = self.used_bytes - self.capacity_bytes
         if over <= 0:
             return
-        tables = ChainTables(self._index.blocks, self._index.children, self._index.pins,
-                             self._index.lru)
         with self._index.begin() as txn:
-            freeable = evictable_bytes(txn, tables, self.space.lost)
+            freeable = evictable_bytes(txn, self._index.chains, self.space.lost)
         if freeable < over:
             raise CapacityError(
                 28, f"store {self._path} uses {self.used_bytes} bytes, more than "
@@ -388,9 +390,8 @@ class Allocator:
             if self._extents != before:
                 return  # another task grew the store while we waited
             extent_id = self._index.next_extent()
-            await anyio.to_thread.run_sync(
-                create_extent_file, self._path, extent_id, self.extent_bytes, self._uuid,
-                self._file_mode)
+            await create_extent_file(self._engine, self._path, extent_id, self.extent_bytes,
+                                     self._uuid, self._file_mode)
             try:
                 await self._writer.run(
                     lambda txn: self._index.add_extent(txn, extent_id, self.extent_bytes))

@@ -34,7 +34,7 @@ class ExtentFiles:
         if before is None:
             raise FileNotFoundError(path)
         try:
-            fd = self._engine.open_file(path, create=False)
+            fd = self._engine.open_file(path)
         except FileNotFoundError:
             raise
         except OSError as e:

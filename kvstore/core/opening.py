@@ -25,14 +25,11 @@ from kvstore.core.extent_files import ExtentFiles
 from kvstore.core.operations import Health
 from kvstore.core.tier_ports import Tiers
 from kvstore.disk import permissions, store_files
-from kvstore.disk.extents import EXTENT_DIR, extent_path
-from kvstore.disk.format import new_store_uuid, unpack_u64
+from kvstore.disk.format import new_store_uuid
+from kvstore.disk.layout import EXTENT_DIR, INDEX_DIR, extent_path
 from kvstore.disk.lock import StoreLock
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
 from kvstore.index.index import (
-    META_EXTENT_BYTES,
-    META_SEQ,
-    META_UUID,
     Index,
     IndexWriter,
     Txn,
@@ -54,8 +51,6 @@ from kvstore.options import StoreOptions
 from kvstore.stats import COUNTERS
 
 __all__ = ["INDEX_DIR", "StoreParts"]
-
-INDEX_DIR = "index"
 
 logger = logging.getLogger("kvstore.store")
 
@@ -100,7 +95,8 @@ class StoreParts:
         self._cleanups.append(self.writer.close)
         extents_dir = os.path.join(self.path, EXTENT_DIR)
         store_files.check_dir(extents_dir, f"Move the extents directory itself to {extents_dir}.")
-        if self.index.meta_get(META_UUID) is None:
+        meta = self.index.meta_records
+        if meta.store_uuid() is None:
             if os.path.isdir(extents_dir) and os.listdir(extents_dir):
                 raise IndexCorruptionError(
                     f"store {self.path} has extent files but no index; run `python -m kvstore "
@@ -109,14 +105,13 @@ class StoreParts:
                 txn, self.index, store_uuid=new_store_uuid(), extent_bytes=opts.extent_bytes))
         self.index.check_format()
         self.file_mode = permissions.settle(
-            self.path, opts.file_mode, permissions.recorded_mode(self.index.meta_get),
-            lambda mode: self.writer.run_sync(
-                lambda txn: permissions.record_mode(txn, self.index.meta, mode)),
+            self.path, opts.file_mode, meta.file_mode(),
+            lambda mode: self.writer.run_sync(lambda txn: meta.record_file_mode(txn, mode)),
             strict=opts.strict_permissions)
-        self.store_uuid = self.index.meta_get(META_UUID) or b""
-        self.extent_bytes = unpack_u64(self.index.meta_get(META_EXTENT_BYTES) or b"")
+        self.store_uuid = meta.store_uuid() or b""
+        self.extent_bytes = meta.extent_bytes()
         # the highest sequence number recorded: the put path numbers slots after it
-        self.last_seq = unpack_u64(self.index.meta_get(META_SEQ) or b"")
+        self.last_seq = meta.seq()
         self._check_namespace(opts.namespace, opts.allow_new_namespace)
         self.totals = Totals(self.counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
@@ -198,7 +193,8 @@ class StoreParts:
                                    copier=self._copier)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self.allocator = Allocator(
-            path=self.path, index=self.index, writer=self.writer, extent_bytes=self.extent_bytes,
+            path=self.path, index=self.index, writer=self.writer,
+            engine=self.scheduler or self.engine, extent_bytes=self.extent_bytes,
             store_uuid=self.store_uuid, extents=self.extents, free_runs=self.index.free_runs(),
             lost_extents=self.lost_extents,
             capacity_bytes=opts.capacity_bytes, file_mode=self.file_mode,
@@ -215,7 +211,7 @@ class StoreParts:
     def flush_totals_in(self, txn: Txn) -> None:
         """Persisted totals (issue 11) ride along in every transaction that commits puts,
         evicts or records last use."""
-        self.totals.flush(txn, self.index.meta)
+        self.totals.flush(txn, self.index)
 
     def with_totals(self, job: Callable[[Txn], None]) -> Callable[[Txn], None]:
         def with_totals(txn: Txn) -> None:

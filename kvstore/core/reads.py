@@ -15,31 +15,28 @@ slots again and puts back what verifies.  Forms:
   through the I/O engine and the staging arena;
 * :meth:`VerifiedReads.verify`: blocks checked, nothing decoded (the scrub);
 * :meth:`VerifiedReads.recheck`: quarantined slots checked again, restored if whole;
-* :meth:`VerifiedReads.read_slot`: one slot's verified bytes into a caller's aligned
-  buffer (the remote tier's upload), on a worker thread with its own file descriptor,
-  not through the arena nor the page cache.
+* :meth:`VerifiedReads.read_slot`: one slot's verified bytes copied into a caller's
+  aligned buffer (the remote tier's upload), a background read (gets go first).
+
+Every form reads through the I/O engine and the staging arena (the engine's
+descriptors: O_DIRECT where the store writes so), so the simulated engine's faults and
+crashes reach each of them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext, suppress
 from typing import TYPE_CHECKING, Protocol
 
-import anyio
 import torch
 
-from kvstore.disk.extents import extent_path
-from kvstore.disk.format import SLOT_HEADER_BYTES, IndexEntry, SlotHeader
-from kvstore.errors import CorruptionError, KVStoreError
+from kvstore.disk.format import IndexEntry, SlotHeader
+from kvstore.errors import KVStoreError
 from kvstore.index.quarantine import CORRUPT, OK, UNREADABLE, Quarantined, same_slot
-from kvstore.io.coalesce import READ_RETRY_DELAYS_S
 from kvstore.io.scheduler import PREFETCH, as_class
-from kvstore.io.slots import check_payload, check_slot
-from kvstore.io.transfers import Failed, ReadCounts
+from kvstore.io.transfers import Failed, ReadCounts, read_slot
 
 if TYPE_CHECKING:
     from kvstore.core.allocator import Allocator
@@ -61,15 +58,14 @@ class Forgets(Protocol):
 
 
 class VerifiedReads:
-    """The reads of one open store (see the module docstring).  ``direct``: the store
-    reads with O_DIRECT (``read_slot`` does too)."""
+    """The reads of one open store (see the module docstring)."""
 
     def __init__(self, *, path: str, index: Index, writer: IndexWriter, allocator: Allocator,
                  transfers: Transfers, health: Health, counters: dict[str, int],
-                 memory: Forgets, direct: bool) -> None:
+                 memory: Forgets) -> None:
         self._path, self._index, self._writer = path, index, writer
         self._allocator, self._transfers, self._health = allocator, transfers, health
-        self._counters, self._memory, self._direct = counters, memory, direct
+        self._counters, self._memory = counters, memory
         # Blocks counted as quarantined while the store could not record it (read-only):
         # they stay indexed and fail again; ``quarantined_blocks`` counts each once.
         self._counted: set[tuple[bytes, int]] = set()
@@ -214,52 +210,14 @@ class VerifiedReads:
                         ) -> tuple[memoryview, SlotHeader] | None:
         """The verified slot bytes of a stored block, in ``buffer`` (valid until its
         next use), or None if it is gone (evicted, deleted) or fails verification (then
-        fsck / the next get deal with it).  O_DIRECT where the store writes so: every
-        block read this way (an upload's) would otherwise be read into the page cache
-        once, crowding out what the node caches."""
+        fsck / the next get deal with it): :func:`kvstore.io.transfers.read_slot`
+        (through the engine, O_DIRECT where the store writes so)."""
         entry = self._index.get_entries([key])[0]
         if entry is None:
             return None
         epoch = self._allocator.begin_read()
         try:
-            return await anyio.to_thread.run_sync(
-                _read_slot_file, extent_path(self._path, entry.extent), entry, key,
-                self._direct, buffer)
+            with as_class(PREFETCH):  # a background read: gets go first
+                return await read_slot(self._transfers, key, entry, buffer)
         finally:
             self._allocator.end_read(epoch)
-
-
-def _read_slot_file(path: str, entry: IndexEntry, key: bytes, direct: bool,
-                    buffer: AlignedBuffer) -> tuple[memoryview, SlotHeader] | None:
-    """On a worker thread: the slot's bytes read into ``buffer``, checked against its
-    index entry (the CRC32C of MBs runs off the event loop)."""
-    view = buffer.view(entry.slot_len)  # slots are page-aligned and page-padded
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW  # never via a link
-                     | (os.O_DIRECT if direct else 0))
-        try:
-            got = _read_whole(fd, view, entry.offset)
-        finally:
-            os.close(fd)
-        if got < SLOT_HEADER_BYTES + entry.payload_len:
-            return None  # the extent ends early: not this slot any more
-        header = check_slot(view, key, entry)
-        check_payload(view, header)
-    except (OSError, CorruptionError):
-        return None
-    return view[:SLOT_HEADER_BYTES + header.payload_len], header
-
-
-def _read_whole(fd: int, view: memoryview, offset: int) -> int:
-    """``preadv`` of ``view`` at ``offset``, tried again after an error or a short read
-    as the store's reads are (:data:`kvstore.io.coalesce.READ_RETRY_DELAYS_S`; a worker
-    thread, so the pause blocks no one); the last attempt's result (its error raised)."""
-    for delay in READ_RETRY_DELAYS_S:
-        try:
-            got = os.preadv(fd, [view], offset)
-        except OSError:
-            got = -1
-        if got == len(view):
-            return got
-        time.sleep(delay)
-    return os.preadv(fd, [view], offset)

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
-from kvstore.disk.format import KEY_BYTES, IndexEntry, pack_u64, unpack_u64
-from kvstore.index.index import META_SCRUB_COMPLETED, META_SCRUB_CURSOR, Index, Txn
+from kvstore.disk.format import IndexEntry
+from kvstore.index.index import Index, Txn
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -245,7 +245,7 @@ class Scrubber:
             if scheduler is not None:
                 tg.start_soon(self._impatient, scheduler)
             # no await from the lookup to verify's read epoch
-            batch = _batch(index.rows_after(index.blocks, self.cursor, BATCH_BLOCKS), limit)
+            batch = _batch(index.block_rows_after(self.cursor, BATCH_BLOCKS), limit)
             if batch:
                 nbytes, failed = await self._reads.verify([k for k, _ in batch],
                                                           [e for _, e in batch])
@@ -297,25 +297,14 @@ class Scrubber:
 
 def scrub_state(index: Index) -> tuple[bytes | None, int | None]:
     """The scrub's persisted state (meta records ``scrub_cursor``, ``scrub_completed``,
-    FORMAT.md): the last key of the pass in progress (None: a pass starts from the first
-    key) and when the last pass completed (microseconds since the epoch; None: never).
-    Damaged records read as absent."""
-    cursor = index.meta_get(META_SCRUB_CURSOR)
-    completed = index.meta_get(META_SCRUB_COMPLETED)
-    return (cursor if cursor is not None and len(cursor) == KEY_BYTES else None,
-            unpack_u64(completed) if completed is not None and len(completed) == 8 else None)
+    FORMAT.md): :meth:`kvstore.index.meta.MetaRecords.scrub_state`."""
+    return index.meta_records.scrub_state()
 
 
 def save_scrub_state(index: Index, txn: Txn, cursor: bytes | None, completed: int | None
                      ) -> None:
-    """Record where the pass is (``cursor``: its last key; None: the next pass starts from
-    the first) and, when a pass just completed, when (``completed``)."""
-    if cursor is None:
-        index.delete_row(txn, index.meta, META_SCRUB_CURSOR)
-    else:
-        index.set_meta(txn, META_SCRUB_CURSOR, cursor)
-    if completed is not None:
-        index.set_meta(txn, META_SCRUB_COMPLETED, pack_u64(completed))
+    """:meth:`kvstore.index.meta.MetaRecords.save_scrub_state`."""
+    index.meta_records.save_scrub_state(txn, cursor, completed)
 
 
 def _batch(rows: list[tuple[bytes, bytes]], limit: float) -> list[tuple[bytes, IndexEntry]]:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvstore.codecs import pipeline as codecs
+from kvstore import codecs
 from kvstore.cuda import fp8 as gpu_fp8
 from kvstore.cuda import paged
 from kvstore.cuda._lib import Library
@@ -237,6 +237,6 @@ class CopyOut:
             p = r[4:4 + self._payload_bytes]
             gk, gv, kv, tok, head_ax = sg.fields
             gpu_fp8._HDR.pack_into(p.data, 0, 1, status & 1, gk, gv, kv, tok, head_ax, sg.n)
-            out.append(codecs._zstd_stage(base, p, hdr + sg.n) if core.codec.zstd
+            out.append(codecs.zstd_stage(base, p, hdr + sg.n) if core.codec.zstd
                        else (base, p))
         return out

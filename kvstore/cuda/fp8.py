@@ -25,8 +25,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstore.codecs import pipeline as codecs
-from kvstore.codecs.pipeline import FP8_E4M3, FP8_E5M2, CodecSpec
+from kvstore import codecs
+from kvstore.codecs import FP8_E4M3, FP8_E5M2, CodecSpec
 from kvstore.cuda._lib import Library, runtime
 from kvstore.cuda.paged import cuda_index
 
@@ -36,7 +36,7 @@ __all__ = ["ScaleGroups", "decode", "decode_device", "decode_host", "encode",
 U8 = npt.NDArray[np.uint8]
 # The codec's own payload header, axis marker, granularity names and exponent ranges, so
 # the GPU path cannot drift from the format it must reproduce.
-_HDR, _NO_AXIS, _GRANS = codecs._HDR, codecs._NO_AXIS, codecs.GRANULARITIES
+_HDR, _NO_AXIS, _GRANS = codecs.FP8_HEADER, codecs.NO_AXIS, codecs.GRANULARITIES
 _DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -55,17 +55,17 @@ def _groups(shape: tuple[int, ...], gk: int, gv: int, kv: int, tok: int,
             head: int) -> ScaleGroups:
     # The codec's own rules and row -> scale map (not a copy of them), so the two paths
     # cannot drift.
-    plan = codecs._part_plan(shape, (gk, gv), kv, tok, head)
-    row_group = np.ascontiguousarray(codecs._row_scale_index(shape[:-1], kv, plan),
+    plan = codecs.part_plan(shape, (gk, gv), kv, tok, head)
+    row_group = np.ascontiguousarray(codecs.row_scale_index(shape[:-1], kv, plan),
                                      dtype=np.int32).reshape(-1)
-    return ScaleGroups(row_group, codecs._scale_count(plan), (gk, gv, kv, tok, head),
+    return ScaleGroups(row_group, codecs.scale_count(plan), (gk, gv, kv, tok, head),
                        int(row_group.size), shape[-1])
 
 
 def scale_groups(shape: tuple[int, ...], spec: CodecSpec) -> ScaleGroups:
     """Row -> scale-group map of a block (the codec's "granularity" rules)."""
     shape = tuple(int(d) for d in shape)
-    kv, tok, head = codecs._norm_axes(spec.layout, shape)
+    kv, tok, head = codecs.norm_axes(spec.layout, shape)
     gk, gv = _GRANS.index(spec.k_granularity), _GRANS.index(spec.v_granularity)
     if kv == _NO_AXIS:
         gv = gk
@@ -77,7 +77,7 @@ def _fp8_applies(dtype: torch.dtype, shape: tuple[int, ...], spec: CodecSpec) ->
     if spec.fp8 is None or dtype not in _DTYPE_CODE or len(shape) < 1 or numel == 0:
         return False
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return codecs._fp8_smaller(scale_groups(shape, spec).n, numel, itemsize)
+    return codecs.fp8_smaller(scale_groups(shape, spec).n, numel, itemsize)
 
 
 def _base(spec: CodecSpec) -> int:
@@ -93,7 +93,7 @@ def _assemble(base: int, spec: CodecSpec, sg: ScaleGroups, status: int,
     _HDR.pack_into(out.data, 0, 1, status & 1, gk, gv, kv, tok, head_ax, sg.n)
     out[_HDR.size:head] = scales.view(np.uint8)
     out[head:] = codes
-    return codecs._zstd_stage(base, out, head) if spec.zstd else (base, out)
+    return codecs.zstd_stage(base, out, head) if spec.zstd else (base, out)
 
 
 # ------------------------------------------------------------------------ encode

@@ -1,27 +1,22 @@
 """Extent files: large preallocated files under ``PATH/extents/`` that hold the slots.
 
-``create_extent_file`` runs on a worker thread (fallocate of a GiB can take a while)
-and makes the file durable *before* the index learns about it: data first, then the
-index, as for every other change.  A crash in between leaves an extent file no index
-entry names, which ``open`` reuses and fsck reports as a reclaimable orphan.
+This module names and makes them as files (the store's own, never through a link:
+:mod:`kvstore.disk.store_files`); their space, header and durability are written through
+the I/O engine (:func:`kvstore.io.extent_files.create_extent_file`), as every slot is.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 from contextlib import suppress
 
 from kvstore.disk import permissions
-from kvstore.disk.format import ExtentHeader
+from kvstore.disk.layout import EXTENT_DIR, extent_path, extents_dir
 from kvstore.disk.store_files import check_dir
 from kvstore.errors import from_os_error
 
-EXTENT_DIR = "extents"
-
-
-def extent_path(store_path: str, extent_id: int) -> str:
-    return os.path.join(store_path, EXTENT_DIR, f"{extent_id:08d}.kvx")
+__all__ = ["EXTENT_DIR", "extent_path", "fsync_dir", "new_extent_file",
+           "remove_new_extent_file"]
 
 
 def fsync_dir(path: str) -> None:
@@ -32,15 +27,12 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def create_extent_file(store_path: str, extent_id: int, extent_bytes: int,
-                       store_uuid: bytes, file_mode: int = permissions.FILE_MODE) -> None:
-    """Create, preallocate and durably initialise one extent file (mode ``file_mode``).
-
-    Every failure is a typed error with the kernel's errno (no room: ENOSPC, EDQUOT,
-    EFBIG is :class:`StoreFullError`) and leaves no file behind, so the space a failed
-    preallocation took returns to the file system.  Neither ``extents/`` nor the file
-    is reached through a link (:mod:`kvstore.disk.store_files`)."""
-    directory = os.path.join(store_path, EXTENT_DIR)
+def new_extent_file(store_path: str, extent_id: int, file_mode: int
+                    ) -> tuple[str, os.stat_result]:
+    """Make extent ``extent_id``'s file, empty, with exactly ``file_mode``; its path and
+    ``fstat`` (to check that a later open by name got this file).  Neither ``extents/``
+    nor the file is reached through a link; errors are typed with the kernel's errno."""
+    directory = extents_dir(store_path)
     path = extent_path(store_path, extent_id)
     check_dir(directory, f"Move the extents directory itself to {directory}.")
     try:
@@ -51,37 +43,18 @@ def create_extent_file(store_path: str, extent_id: int, extent_bytes: int,
         with suppress(FileNotFoundError):
             os.unlink(path)
         fd = permissions.open_file(path, os.O_RDWR | os.O_CLOEXEC, file_mode)
+        try:
+            return path, os.fstat(fd)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise from_os_error(e, f"cannot create extent file {path}") from e
-    try:
-        try:
-            os.posix_fallocate(fd, 0, extent_bytes)
-        except OSError as e:
-            raise from_os_error(
-                e, f"no room for a new {extent_bytes}-byte extent in {directory}"
-                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-                else f"cannot preallocate {path}",
-                full_hint="free disk space, delete blocks, or open the store with a "
-                "smaller extent size") from e
-        try:
-            os.pwrite(fd, ExtentHeader(extent_id, extent_bytes, store_uuid).encode(), 0)
-            os.fsync(fd)
-        except OSError as e:
-            raise from_os_error(e, f"cannot initialise extent file {path}") from e
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
-    try:
-        fsync_dir(directory)
-    except OSError as e:
-        raise from_os_error(e, f"cannot make the new extent file {path} durable") from e
 
 
 def remove_new_extent_file(store_path: str, extent_id: int) -> None:
-    """Remove an extent file :func:`create_extent_file` made whose index commit then
-    failed: no index entry names it, and on a full disk its preallocated space is what
-    the index needs (a crash instead would leave it as an orphan fsck reclaims)."""
+    """Remove an extent file :func:`kvstore.io.extent_files.create_extent_file` made
+    whose initialisation or index commit then failed: no index entry names it, and on a
+    full disk its preallocated space is what the index needs (a crash instead would
+    leave it as an orphan fsck reclaims)."""
     with suppress(FileNotFoundError):
         os.unlink(extent_path(store_path, extent_id))

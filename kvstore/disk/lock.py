@@ -26,11 +26,13 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvstore.disk import permissions
+from kvstore.disk import layout, permissions
+from kvstore.disk.layout import LOCK_FILE
 from kvstore.disk.store_files import check_file, check_same
 from kvstore.errors import StoreLockedError, from_os_error
 
-LOCK_FILE = "LOCK"
+__all__ = ["LOCK_FILE", "StoreLock"]
+
 _FIX = ("Remove it (rm {path}) if it is not a file of another program: the store makes "
         "its LOCK file again.")
 
@@ -48,7 +50,7 @@ class StoreLock:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        lock_path = os.path.join(path, LOCK_FILE)
+        lock_path = layout.lock_path(path)
         with _FORK_GUARD:
             # A link, FIFO or directory there is refused (UnsafePathError), never used;
             # the file is created if missing with O_EXCL and opened without following a

@@ -34,14 +34,13 @@ import stat
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvstore.errors import IndexCorruptionError, InsecurePermissionsError
 
 __all__ = [
     "FILE_MODE", "META_FILE_MODE", "LoosePath", "audit", "check_file_mode", "create_file",
-    "describe", "dir_mode", "fix_command", "make_dirs", "open_file", "record_mode",
-    "recorded_mode", "set_mode", "settle",
+    "describe", "dir_mode", "fix_command", "make_dirs", "open_file", "encode_mode",
+    "decode_mode", "set_mode", "settle",
 ]
 
 logger = logging.getLogger("kvstore.permissions")  # a stable name for log filters
@@ -146,9 +145,9 @@ def set_mode(path: str, mode: int, *, follow: bool = False) -> None:
 
 # ---------------------------------------------------------------------------- the mode record
 
-def recorded_mode(meta_get: Callable[[bytes], bytes | None]) -> int | None:
-    """The store's recorded file mode (None: never recorded, the default applies)."""
-    raw = meta_get(META_FILE_MODE)
+def decode_mode(raw: bytes | None) -> int | None:
+    """The store's recorded file mode from its ``file_mode`` record as stored (None:
+    never recorded, the default applies); written by :func:`encode_mode`."""
     if raw is None:
         return None
     try:
@@ -161,8 +160,10 @@ def recorded_mode(meta_get: Callable[[bytes], bytes | None]) -> int | None:
             "--repair` to drop it (the store then defaults to owner-only 0o600)") from None
 
 
-def record_mode(txn: Any, meta_db: Any, mode: int) -> None:
-    txn.put(META_FILE_MODE, _MODE.pack(check_file_mode(mode)), db=meta_db)
+def encode_mode(mode: int) -> bytes:
+    """The ``file_mode`` record of ``mode`` (the index stores it:
+    ``Index.meta_records.record_file_mode``)."""
+    return _MODE.pack(check_file_mode(mode))
 
 
 # ---------------------------------------------------------------------------- audit

@@ -46,6 +46,7 @@ from typing import Any
 import lmdb
 
 from kvstore.disk import permissions, store_files
+from kvstore.disk.layout import INDEX_FILES
 from kvstore.errors import IndexCorruptionError, from_os_error
 from kvstore.index.writer import lmdb_error
 
@@ -215,7 +216,7 @@ def open_environment(path: str, *, map_size: int, sync: bool, file_mode: int,
     rebuild = (f"Run `python -m kvstore fsck {os.path.dirname(path)} --rebuild-index` to "
                "rebuild the index from the extent files (the old one is kept aside).")
     store_files.check_dir(path, f"Move the index directory itself to {path}, or: {rebuild}")
-    files = [os.path.join(path, name) for name in ("data.mdb", "lock.mdb")]
+    files = [os.path.join(path, name) for name in INDEX_FILES]
     try:
         permissions.make_dirs(path, file_mode)
         # Created here, not by LMDB: with exactly file_mode and without following a link

@@ -20,18 +20,20 @@ transactions, while no reader is inside one) up to the store's ``index_map_bytes
 Reads use short read-only transactions on the calling thread; LMDB reads never block on
 the writer.
 
-Every transaction the store needs is a method here (``commit_puts``, ``delete_blocks``,
-``evict``, ``quarantine``, ``pin``, ``add_extent``), and so is every repair fsck makes,
-so no caller builds one over raw tables.  Two parts have a module of their own: the
-free table's runs (:mod:`kvstore.index.free_map`, ``take_range`` / ``give_range`` here) and
-the choice of eviction victims (:mod:`kvstore.index.eviction`, ``evict`` here).
+Every transaction the store and fsck run is a method named for what it does, here
+(``commit_puts``, ``delete_blocks``, ``evict``, ``pin``, ``add_extent``) or on one of
+the index's record classes: ``meta_records`` (kvstore/index/meta.py: every meta record,
+the totals and the scrub's place included), ``quarantine_records``
+(kvstore/index/quarantine.py) and ``repairs`` (kvstore/index/repairs.py: what fsck reads
+as stored and every repair it makes).  No caller builds a transaction over raw tables or
+names a table.  Two parts have a module of their own: the free table's runs
+(:mod:`kvstore.index.free_map`, ``take_range`` / ``give_range`` here) and the choice of
+eviction victims (:mod:`kvstore.index.eviction`, ``evict`` here, over ``chains``).
 """
 
 from __future__ import annotations
 
-import json
 import operator
-import struct
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -44,7 +46,6 @@ import lmdb
 
 from kvstore.disk import permissions
 from kvstore.disk.format import (
-    FORMAT_VERSION,
     PAGE,
     IndexEntry,
     decode_extent_key,
@@ -55,14 +56,27 @@ from kvstore.disk.format import (
     unpack_count,
     unpack_u64,
 )
-from kvstore.errors import FormatVersionError, IndexCorruptionError
+from kvstore.errors import IndexCorruptionError
 from kvstore.index.eviction import ChainTables, lru_leaves
 from kvstore.index.file import open_environment
 from kvstore.index.free_map import FreeMap
+from kvstore.index.meta import (
+    META_EXTENT_BYTES,
+    META_FORMAT,
+    META_NAMESPACE_PREFIX,
+    META_NEXT_EXTENT,
+    META_SCRUB_COMPLETED,
+    META_SCRUB_CURSOR,
+    META_SEQ,
+    META_UUID,
+    MetaRecords,
+    namespace_key,
+)
 from kvstore.index.quarantine import QuarantineTable
+from kvstore.index.repairs import Repairs
 from kvstore.index.writer import IndexWriter, lmdb_error
 
-__all__ = ["INITIAL_MAP_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
+__all__ = ["INITIAL_MAP_BYTES", "MAP_LIMIT_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
            "META_NEXT_EXTENT", "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ",
            "META_UUID", "ChainCut", "Index", "IndexWriter", "Touched", "Txn",
            "init_meta", "namespace_key", "record_namespace"]
@@ -75,16 +89,12 @@ INITIAL_MAP_BYTES = 1 << 30
 full, up to ``index_map_bytes``.  A map is address space, not disk: the data file only
 grows as the index does."""
 
-_DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru")
+MAP_LIMIT_BYTES = 64 << 30
+"""The most the map may grow to unless a store is opened with another
+``index_map_bytes`` (the option's default); fsck and ``--rebuild-index`` open an index
+with this."""
 
-META_FORMAT = b"format_version"
-META_UUID = b"store_uuid"
-META_EXTENT_BYTES = b"extent_bytes"
-META_NEXT_EXTENT = b"next_extent"
-META_SEQ = b"seq"
-META_NAMESPACE_PREFIX = b"namespace:"
-META_SCRUB_CURSOR = b"scrub_cursor"
-META_SCRUB_COMPLETED = b"scrub_completed"
+_DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru")
 
 
 class _ResizeGate:
@@ -144,7 +154,7 @@ class Index:
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
          self.pins, self.lru) = dbs
         self.free_map = FreeMap(self.free)
-        self._chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
+        self.chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
 
     def close(self) -> None:
         self.env.close()
@@ -212,8 +222,9 @@ class Index:
                     (("blocks", self.blocks), ("quarantine", self.quarantine),
                      ("pins", self.pins))}
 
-    def iter_entries(self, table: Any = None) -> Iterator[tuple[bytes, IndexEntry]]:
-        with self.begin() as txn, txn.cursor(table or self.blocks) as cur:
+    def iter_entries(self) -> Iterator[tuple[bytes, IndexEntry]]:
+        """Every stored block, in key order."""
+        with self.begin() as txn, txn.cursor(self.blocks) as cur:
             for k, v in cur:
                 yield k, IndexEntry.decode(v)
 
@@ -225,40 +236,14 @@ class Index:
         with self.begin() as txn:
             return self.free_map.runs(txn)
 
-    def meta_get(self, key: bytes) -> bytes | None:
-        with self.begin() as txn:
-            value = txn.get(key, db=self.meta)
-            return None if value is None else bytes(value)
-
     def next_extent(self) -> int:
-        return unpack_u64(self.meta_get(META_NEXT_EXTENT) or b"")
+        return self.meta_records.next_extent()
 
     def namespaces(self) -> dict[bytes, str]:
-        with self.begin() as txn, txn.cursor(self.meta) as cur:
-            out = {}
-            if cur.set_range(META_NAMESPACE_PREFIX):
-                for k, v in cur:
-                    if not k.startswith(META_NAMESPACE_PREFIX):
-                        break
-                    try:
-                        out[bytes.fromhex(k[len(META_NAMESPACE_PREFIX):].decode())] = v.decode()
-                    except (UnicodeDecodeError, ValueError):
-                        raise IndexCorruptionError(
-                            f"namespace record {bytes(k)!r} is damaged; run `python -m kvstore "
-                            "fsck --repair` to drop it") from None
-            return out
+        return self.meta_records.namespaces()
 
     def check_format(self) -> None:
-        raw = self.meta_get(META_FORMAT)
-        if raw is None:
-            raise IndexCorruptionError("index has no format_version record")
-        if len(raw) != 4:
-            raise IndexCorruptionError(f"format_version record of {len(raw)} bytes")
-        version = struct.unpack("<I", raw)[0]
-        if version != FORMAT_VERSION:
-            raise FormatVersionError(
-                f"store has on-disk format version {version}; this kvstore reads version "
-                f"{FORMAT_VERSION}. Use a kvstore release that supports it; nothing was changed.")
+        self.meta_records.check_format()
 
     # ------------------------------------------------------------------ writes (writer thread)
 
@@ -326,7 +311,7 @@ class Index:
         them).  Recent gets' last use is applied first."""
         if touched:
             self.apply_touched(txn, touched)
-        chosen = lru_leaves(txn, self._chains, need, protect, scan_limit)
+        chosen = lru_leaves(txn, self.chains, need, protect, scan_limit)
         for key, entry in chosen.items():
             self.remove_block(txn, key, entry, quarantine=False)
         return list(chosen.items())
@@ -352,8 +337,7 @@ class Index:
         self.free_map.take_slots(txn, entries)
         for key, entry in entries:
             self.add_block(txn, key, entry)
-        prev = unpack_u64(txn.get(META_SEQ, db=self.meta))
-        txn.put(META_SEQ, pack_u64(max(prev, seq)), db=self.meta)
+        self.meta_records.raise_seq(txn, seq)
 
     def delete_blocks(self, txn: Txn, keys: Sequence[bytes]) -> list[IndexEntry]:
         """Unindex ``keys`` (those stored); returns their entries, whose space is free."""
@@ -374,10 +358,18 @@ class Index:
     def quarantine_records(self) -> QuarantineTable:
         return QuarantineTable(self)
 
-    def rows_after(self, table: Any, after: bytes | None, limit: int
-                   ) -> list[tuple[bytes, bytes]]:
-        """Up to ``limit`` undecoded rows of ``table`` after key ``after`` (None: from
-        the first), in key order: the scrub's walk, the quarantine's re-reads."""
+    def block_rows_after(self, after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` undecoded rows of the blocks table after key ``after`` (None:
+        from the first), in key order: the scrub's walk."""
+        return self._rows_after(self.blocks, after, limit)
+
+    def quarantine_rows_after(self, after: bytes | None, limit: int
+                              ) -> list[tuple[bytes, bytes]]:
+        """:meth:`block_rows_after` of the quarantine table: its re-reads."""
+        return self._rows_after(self.quarantine, after, limit)
+
+    def _rows_after(self, table: Any, after: bytes | None, limit: int
+                    ) -> list[tuple[bytes, bytes]]:
         with self.begin() as txn, txn.cursor(table) as cur:
             if not (cur.set_range(after) if after is not None else cur.first()):
                 return []
@@ -394,76 +386,21 @@ class Index:
         """Record a new (already durable) extent file and its free run."""
         txn.put(extent_key(extent_id), pack_u64(extent_bytes), db=self.extents)
         self.give_range(txn, extent_id, PAGE, extent_bytes - PAGE)
-        txn.put(META_NEXT_EXTENT, pack_u64(extent_id + 1), db=self.meta)
+        self.meta_records.set_next_extent(txn, extent_id + 1)
 
-    # ---------------------------------------------------------------- fsck's repairs
-    # Every transaction fsck runs on these tables is one of these methods: the index
-    # owns its tables, fsck decides what to repair.
+    # ------------------------------------------------------------------ the other records
+    # Meta records (kvstore/index/meta.py) and fsck's reads and repairs
+    # (kvstore/index/repairs.py) have a class of their own, each method named for one thing.
 
-    def raw_rows(self, table: Any) -> list[tuple[bytes, bytes]]:
-        """Every (key, value) of ``table``, undecoded (fsck reports rows that do not
-        decode instead of failing on them)."""
-        with self.begin() as txn, txn.cursor(table) as cur:
-            return [(bytes(k), bytes(v)) for k, v in cur]
+    @cached_property
+    def meta_records(self) -> MetaRecords:
+        return MetaRecords(self.begin, self.meta)
 
-    def delete_row(self, txn: Txn, table: Any, key: bytes) -> None:
-        txn.delete(key, db=table)
-
-    def set_meta(self, txn: Txn, key: bytes, value: bytes) -> None:
-        txn.put(key, value, db=self.meta)
-
-    def meta_rows(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
-        """The meta table's rows whose key starts with ``prefix``."""
-        rows = []
-        with self.begin() as txn, txn.cursor(self.meta) as cur:
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    if not bytes(k).startswith(prefix):
-                        break
-                    rows.append((bytes(k), bytes(v)))
-        return rows
-
-    def drop_extent(self, txn: Txn, extent_id: int) -> None:
-        """Forget an extent whose file is gone: its record, its blocks (stored and
-        quarantined) and its free runs."""
-        txn.delete(extent_key(extent_id), db=self.extents)
-        for table in (self.blocks, self.quarantine):
-            doomed = [k for k, v in txn.cursor(table) if IndexEntry.decode(v).extent == extent_id]
-            for k in doomed:
-                txn.delete(k, db=table)
-        self.free_map.drop_extent(txn, extent_key(extent_id))
-
-    def chain_tables(self) -> tuple[dict[bytes, int], set[bytes]]:
-        """The derived tables as stored: parent -> child count, and the LRU rows."""
-        with self.begin() as txn:
-            children = {bytes(k): unpack_count(v) for k, v in txn.cursor(self.children)}
-            lru = {bytes(k) for k, _ in txn.cursor(self.lru)}
-        return children, lru
-
-    def stored_blocks(self, txn: Txn) -> list[tuple[bytes, IndexEntry]]:
-        return [(bytes(k), IndexEntry.decode(v)) for k, v in txn.cursor(self.blocks)]
-
-    def rewrite_chain_tables(self, txn: Txn, children: dict[bytes, int],
-                             lru: set[bytes]) -> None:
-        """Replace the derived tables (child counts, LRU rows) with these."""
-        for table in (self.children, self.lru):
-            txn.drop(table, delete=False)
-        for k, n in children.items():
-            txn.put(k, pack_count(n), db=self.children)
-        for row in lru:
-            txn.put(row, b"", db=self.lru)
-
-    def record_extent(self, txn: Txn, extent_id: int, extent_bytes: int,
-                      free: Sequence[tuple[int, int]]) -> None:
-        """Record an extent found on disk (``--rebuild-index``) and its free runs
-        (offset, length), as they are: no merging, no next-extent counter."""
-        txn.put(extent_key(extent_id), pack_u64(extent_bytes), db=self.extents)
-        for offset, length in free:
-            self.free_map.put_run(txn, extent_id, offset, length)
-
-    def delete_free_run(self, txn: Txn, extent: int, offset: int) -> None:
-        self.free_map.delete_run(txn, extent, offset)
-
+    @cached_property
+    def repairs(self) -> Repairs:
+        return Repairs(self.begin, blocks=self.blocks, quarantine=self.quarantine,
+                       extents=self.extents, children=self.children, lru=self.lru,
+                       free_map=self.free_map)
 
 class ChainCut(Exception):
     """A put's commit found blocks it deduplicated against unindexed meanwhile, or
@@ -477,18 +414,9 @@ class ChainCut(Exception):
         self.keys = list(keys)
 
 
-def namespace_key(digest: bytes) -> bytes:
-    return META_NAMESPACE_PREFIX + digest.hex().encode()
-
-
 def init_meta(txn: Txn, index: Index, *, store_uuid: bytes, extent_bytes: int) -> None:
-    txn.put(META_FORMAT, struct.pack("<I", FORMAT_VERSION), db=index.meta)
-    txn.put(META_UUID, store_uuid, db=index.meta)
-    txn.put(META_EXTENT_BYTES, pack_u64(extent_bytes), db=index.meta)
-    txn.put(META_NEXT_EXTENT, pack_u64(1), db=index.meta)
-    txn.put(META_SEQ, pack_u64(0), db=index.meta)
+    index.meta_records.init(txn, store_uuid=store_uuid, extent_bytes=extent_bytes)
 
 
 def record_namespace(txn: Txn, index: Index, digest: bytes, canonical_json: str) -> None:
-    json.loads(canonical_json)  # only ever store valid JSON
-    txn.put(namespace_key(digest), canonical_json.encode(), db=index.meta)
+    index.meta_records.record_namespace(txn, digest, canonical_json)

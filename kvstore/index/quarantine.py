@@ -60,8 +60,8 @@ class IndexPort(Protocol):
 
     def begin(self) -> AbstractContextManager[Txn]: ...
 
-    def rows_after(self, table: Any, after: bytes | None, limit: int
-                   ) -> list[tuple[bytes, bytes]]: ...
+    def quarantine_rows_after(self, after: bytes | None, limit: int
+                              ) -> list[tuple[bytes, bytes]]: ...
 
     def give_range(self, txn: Txn, extent: int, offset: int, length: int) -> None: ...
 
@@ -128,7 +128,7 @@ class QuarantineTable:
         """Up to ``limit`` records after key ``after`` (None: from the first), in key
         order: (key, entry, unreadable); and the last key looked at (None: the end of
         the table).  A record that does not decode is skipped (fsck reports it)."""
-        raw = self._index.rows_after(self._index.quarantine, after, limit)
+        raw = self._index.quarantine_rows_after(after, limit)
         rows = []
         for key, value in raw:
             unreadable = quarantined_unreadable(value)

@@ -2,7 +2,8 @@
 
 ``Store.stats()`` counters say what one ``Store`` object did since it was opened; an
 operator asking "how much has this store deduplicated?" wants the store's history.
-These totals are meta records ``total:<name>`` (u64 LE, FORMAT.md "Meta records") that
+These totals are meta records ``total:<name>`` (u64 LE, FORMAT.md "Meta records";
+written by ``Index.meta_records``, kvstore/index/meta.py) that
 the store raises inside its own write transactions by what its counters grew since the
 previous one: :meth:`Totals.flush` rides along in every transaction that commits puts,
 evicts or records last use (``StoreParts.flush_totals_in`` / ``with_totals``,
@@ -16,26 +17,20 @@ most the counts since the last commit, fsck does not check them, and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
-from kvstore.disk.format import pack_u64, unpack_u64
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from kvstore.index.index import Index, Txn
 
 TOTAL_NAMES = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes",
                "evicted_blocks", "evicted_bytes", "corrupt_blocks")
-META_TOTAL_PREFIX = b"total:"
 
 
-def _value(raw: Any) -> int:
-    # absent (never written) or not 8 bytes (damaged: statistics only, so start over)
-    return unpack_u64(bytes(raw)) if raw is not None and len(raw) == 8 else 0
-
-
-def read_totals(index: Any) -> dict[str, int]:
+def read_totals(index: Index) -> dict[str, int]:
     """The persisted totals of the store behind ``index``."""
-    with index.begin() as txn:
-        return {name: _value(txn.get(META_TOTAL_PREFIX + name.encode(), db=index.meta))
-                for name in TOTAL_NAMES}
+    return index.meta_records.totals(TOTAL_NAMES)
 
 
 class Totals:
@@ -48,21 +43,19 @@ class Totals:
     def pending(self) -> bool:
         return any(self._counters[n] != self._flushed[n] for n in TOTAL_NAMES)
 
-    def flush(self, txn: Any, meta_db: Any) -> None:
+    def flush(self, txn: Txn, index: Index) -> None:
         """Raise the records by what the counters grew since the last flush (writer thread;
         the event loop may raise a counter meanwhile: that growth goes to the next flush)."""
-        for name in TOTAL_NAMES:
-            now = self._counters[name]
-            delta = now - self._flushed[name]
-            if delta:
-                key = META_TOTAL_PREFIX + name.encode()
-                txn.put(key, pack_u64(_value(txn.get(key, db=meta_db)) + delta), db=meta_db)
-                self._flushed[name] = now
+        now = {name: self._counters[name] for name in TOTAL_NAMES}
+        deltas = {name: n - self._flushed[name] for name, n in now.items() if n != self._flushed[name]}
+        if deltas:
+            index.meta_records.add_to_totals(txn, deltas)
+            self._flushed.update(now)
 
-    def current(self, index: Any) -> dict[str, int]:
+    def current(self, index: Index) -> dict[str, int]:
         """Persisted totals plus what this store counted and has not flushed yet."""
         stored = read_totals(index)
         return {n: stored[n] + self._counters[n] - self._flushed[n] for n in TOTAL_NAMES}
 
 
-__all__ = ["META_TOTAL_PREFIX", "TOTAL_NAMES", "Totals", "read_totals"]
+__all__ = ["TOTAL_NAMES", "Totals", "read_totals"]

@@ -19,6 +19,7 @@ import mmap
 import os
 from dataclasses import dataclass
 
+from kvstore.disk.layout import probe_path
 from kvstore.io.liburing_import import import_liburing
 
 ENGINES = ("auto", "io_uring", "threads")
@@ -42,7 +43,7 @@ def _create(path: str, flags: int) -> int:
 
 
 def probe_direct(directory: str) -> tuple[bool, str]:
-    path = os.path.join(directory, f".probe-direct-{os.getpid()}")
+    path = probe_path(directory, "direct")
     buf = mmap.mmap(-1, 4096)
     try:
         fd = _create(path, os.O_DIRECT)
@@ -76,7 +77,7 @@ def probe_uring(directory: str, direct: bool) -> tuple[bool, str]:
         lu.io_uring_queue_init(4, ring, 0)
     except OSError as e:
         return False, f"io_uring_setup refused ({e.strerror})"
-    path = os.path.join(directory, f".probe-uring-{os.getpid()}")
+    path = probe_path(directory, "uring")
     buf = mmap.mmap(-1, 4096)
     view = memoryview(buf)
     fd = _create(path, os.O_DIRECT if direct else 0)

@@ -46,8 +46,16 @@ class IOEngine(Protocol):
         """Called once on the event loop that will use the engine, before any I/O."""
         ...
 
-    def open_file(self, path: str, *, create: bool) -> int:
-        """Open (or create) a file for aligned I/O and return its descriptor."""
+    def open_file(self, path: str) -> int:
+        """Open an existing file for aligned I/O and return its descriptor (the store
+        makes its files and checks them first: kvstore/disk/extents.py)."""
+        ...
+
+    async def initialise(self, fd: int, nbytes: int, header: bytes) -> None:
+        """Make a new file ``nbytes`` long, preallocated from offset 0 (``posix_fallocate``:
+        no hole a later write could fail to fill), with ``header`` (a few bytes, written
+        as they are) at offset 0, all durable when it returns.  An ``OSError`` with the
+        kernel's errno (ENOSPC: no room)."""
         ...
 
     def close_file(self, fd: int) -> None: ...
@@ -72,8 +80,11 @@ class EngineWrapper:
     async def start(self) -> None:
         await self.inner.start()
 
-    def open_file(self, path: str, *, create: bool) -> int:
-        return self.inner.open_file(path, create=create)
+    def open_file(self, path: str) -> int:
+        return self.inner.open_file(path)
+
+    async def initialise(self, fd: int, nbytes: int, header: bytes) -> None:
+        await self.inner.initialise(fd, nbytes, header)
 
     def close_file(self, fd: int) -> None:
         self.inner.close_file(fd)

@@ -21,8 +21,9 @@
 
 LMDB writes its own files, so it is not simulated here: a crash leaves it at its last
 committed transaction, which is exactly what stopping the process before the next
-commit gives (commits happen after all extent I/O of a batch).  Creating extent files
-is covered by the real-kill tests.
+commit gives (commits happen after all extent I/O of a batch).  A new extent file's
+space and header go through the engine too (``initialise``:
+kvstore/io/extent_files.py), so its faults and crashes are simulated as well.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from dataclasses import dataclass, field
 import anyio
 
 from kvstore.disk.format import PAGE
-from kvstore.disk.permissions import FILE_MODE
 from kvstore.errors import StoreIOError
 from kvstore.io.protocol import IoOp
 from kvstore.io.threads import raise_write_errors
@@ -75,7 +75,8 @@ class SimulatedDisk:
     crash_at: int | None = None
     """Stop the machine when ``ops`` reaches this number (before the op takes effect)."""
     faults: list[tuple[str, int]] = field(default_factory=list)
-    """Queued faults: (``"write"``/``"read"``/``"datasync"``, errno or -1 for a short write)."""
+    """Queued faults: (``"write"``/``"read"``/``"datasync"``/``"initialise"``, errno or
+    -1 for a short write)."""
     crash_states: int = 0
     pending: dict[str, list[_Pending]] = field(default_factory=dict)
     max_yields: int = 3
@@ -166,8 +167,8 @@ class SimulatedEngine:
     async def start(self) -> None:
         return None
 
-    def open_file(self, path: str, *, create: bool) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), FILE_MODE)
+    def open_file(self, path: str) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         self._paths[fd] = path
         return fd
 
@@ -226,6 +227,17 @@ class SimulatedEngine:
     async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
         return await self._each(ops, "read",
                                 lambda op, _: os.preadv(op.fd, [op.run.view], op.offset))
+
+    async def initialise(self, fd: int, nbytes: int, header: bytes) -> None:
+        """One I/O tick; an injected ``"initialise"`` errno fails it (ENOSPC: no room).
+        Durable at once when it returns, as the real engines' fsync makes it."""
+        await self._delay()
+        self.disk._tick()
+        fault = self.disk._fault("initialise")
+        if fault is not None:
+            raise OSError(fault, os.strerror(fault))
+        os.posix_fallocate(fd, 0, nbytes)
+        os.pwrite(fd, header, 0)
 
     async def datasync(self, fds: Sequence[int]) -> None:
         for fd in fds:

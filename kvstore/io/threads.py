@@ -9,25 +9,35 @@ gives real parallelism; ``queue_depth`` bounds the threads, like an io_uring que
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 from collections.abc import Sequence
 from functools import partial
 
 import anyio
 
-from kvstore.disk.permissions import FILE_MODE
+from kvstore.disk.format import round_up
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import coalesce, spread
 from kvstore.io.protocol import IoOp
 
 
-def open_flags(direct: bool, create: bool) -> int:
-    flags = os.O_RDWR | os.O_CLOEXEC
-    if create:
-        flags |= os.O_CREAT
-    if direct:
-        flags |= os.O_DIRECT
-    return flags
+def open_flags(direct: bool) -> int:
+    return os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+
+
+def initialise_file(fd: int, nbytes: int, header: bytes) -> None:
+    """``posix_fallocate`` of ``nbytes`` from 0, ``header`` (whole pages) written at 0,
+    then ``fsync``: size, allocation and header durable (blocking: a worker thread's)."""
+    os.posix_fallocate(fd, 0, nbytes)
+    with mmap.mmap(-1, round_up(len(header))) as page:  # aligned, as O_DIRECT needs
+        page[:len(header)] = header
+        with memoryview(page) as view:
+            written = os.pwritev(fd, [view[:len(header)]], 0)
+    if written != len(header):
+        raise OSError(errno.EIO, "short write of the header")
+    os.fsync(fd)
 
 
 def raise_write_errors(results: Sequence[int | OSError], ops: Sequence[IoOp], what: str) -> None:
@@ -49,8 +59,8 @@ class ThreadPoolEngine:
     async def start(self) -> None:
         return None
 
-    def open_file(self, path: str, *, create: bool) -> int:
-        return os.open(path, open_flags(self.direct, create), FILE_MODE)
+    def open_file(self, path: str) -> int:
+        return os.open(path, open_flags(self.direct))
 
     def close_file(self, fd: int) -> None:
         os.close(fd)
@@ -82,6 +92,11 @@ class ThreadPoolEngine:
 
     async def read(self, ops: Sequence[IoOp]) -> list[int | OSError]:
         return await self._each(ops, False)
+
+    async def initialise(self, fd: int, nbytes: int, header: bytes) -> None:
+        with anyio.CancelScope(shield=True):  # the descriptor stays in use until it ends
+            await anyio.to_thread.run_sync(initialise_file, fd, nbytes, header,
+                                           limiter=self._limiter)
 
     async def datasync(self, fds: Sequence[int]) -> None:
         def sync_all() -> None:

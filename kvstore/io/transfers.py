@@ -19,9 +19,10 @@ import anyio
 import torch
 
 from kvstore.codecs.pipeline import CODEC_RAW, CodecSpec
-from kvstore.disk.format import PAGE, IndexEntry, round_up
+from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, SlotHeader, round_up
 from kvstore.errors import CorruptionError, FormatVersionError
 from kvstore.io import native_slots
+from kvstore.io.aligned import AlignedBuffer
 from kvstore.io.arena import Arena, ArenaRun
 from kvstore.io.coalesce import reread_failed
 from kvstore.io.device_copies import HOST_COPIER, DeviceCopier
@@ -368,6 +369,42 @@ class Transfers:
         if failures:
             raise failures[0]
         return ReadCounts(*counts)
+
+
+async def read_slot(transfers: Transfers, key: bytes, entry: IndexEntry,
+                    buffer: AlignedBuffer) -> tuple[memoryview, SlotHeader] | None:
+    """One slot's verified bytes (header and payload) copied into ``buffer`` (valid
+    until its next use), or None if its extent is not open, it cannot be read whole or
+    it fails verification: nothing is quarantined here.  Read through ``transfers``'
+    engine into an arena run, an error tried again as every read is
+    (:func:`kvstore.io.coalesce.reread_failed`); the check and the copy run on a worker
+    thread when large (a remote upload's read of a block)."""
+    fd = transfers._fds.get(entry.extent)
+    if fd is None:
+        return None
+    run = await transfers.arena.acquire(entry.slot_len)
+    try:
+        ops = [IoOp(fd, entry.offset, run)]
+        res = await transfers.engine.read(ops)
+        await reread_failed(transfers.engine.read, ops, res)
+        if res[0] != run.length:  # an error, or the extent ends early
+            return None
+        return await offloaded(run.length, _verified_copy, run, key, entry, buffer)
+    finally:
+        transfers.arena.release(run)
+
+
+def _verified_copy(run: ArenaRun, key: bytes, entry: IndexEntry, buffer: AlignedBuffer
+                   ) -> tuple[memoryview, SlotHeader] | None:
+    try:
+        header = check_slot(run.view, key, entry)
+        check_payload(run.view, header)
+    except CorruptionError:
+        return None
+    n = SLOT_HEADER_BYTES + header.payload_len
+    view = buffer.view(n)
+    view[:] = run.view[:n]
+    return view, header
 
 
 class ReadCounts(NamedTuple):

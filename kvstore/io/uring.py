@@ -36,12 +36,11 @@ from typing import Any
 
 import anyio
 
-from kvstore.disk.permissions import FILE_MODE
 from kvstore.errors import StoreIOError
 from kvstore.io.coalesce import Merged, coalesce, spread
 from kvstore.io.liburing_import import import_liburing
 from kvstore.io.protocol import IoOp
-from kvstore.io.threads import open_flags, raise_write_errors
+from kvstore.io.threads import initialise_file, open_flags, raise_write_errors
 
 try:  # pragma: no cover - exercised through the probe
     _lu: Any = import_liburing()
@@ -131,8 +130,13 @@ class UringEngine:
                 pending.done = True
                 self._free_slots += 1
 
-    def open_file(self, path: str, *, create: bool) -> int:
-        return os.open(path, open_flags(self.direct, create), FILE_MODE)
+    def open_file(self, path: str) -> int:
+        return os.open(path, open_flags(self.direct))
+
+    async def initialise(self, fd: int, nbytes: int, header: bytes) -> None:
+        # Rare (one extent file per GiB or so): a worker thread, not a ring operation.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(initialise_file, fd, nbytes, header)
 
     def close_file(self, fd: int) -> None:
         os.close(fd)

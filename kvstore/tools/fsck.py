@@ -68,7 +68,9 @@ or read-only disk) is a finding of its own (repair-failed, with its errno) and l
 its finding unfixed; an index transaction that fails changes nothing in the index
 (repair-failed; run it again).
 
-``rebuild_index`` recreates the index from the extent files alone: kvstore/tools/fsck_rebuild.py.
+The checks are here; each finding's repair is queued and applied by
+kvstore/tools/fsck_repairs.py.  ``rebuild_index`` recreates the index from the extent
+files alone: kvstore/tools/fsck_rebuild.py.
 """
 
 from __future__ import annotations
@@ -76,40 +78,29 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from kvstore.disk import permissions
-from kvstore.disk.extents import EXTENT_DIR, extent_path
+from kvstore.disk import layout, permissions
 from kvstore.disk.format import (
     EXTENT_HEADER_BYTES,
     PAGE,
     ExtentHeader,
     IndexEntry,
-    lru_key,
-    pack_u64,
-    unpack_u64,
 )
+from kvstore.disk.layout import extent_path
 from kvstore.disk.lock import StoreLock
 from kvstore.disk.store_files import check_dir, unsafe_reason
 from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
 from kvstore.index.index import (
-    META_EXTENT_BYTES,
-    META_NAMESPACE_PREFIX,
-    META_NEXT_EXTENT,
-    META_SEQ,
-    META_UUID,
+    MAP_LIMIT_BYTES,
     Index,
     IndexWriter,
-    Txn,
 )
-from kvstore.index.quarantine import OK
 from kvstore.tools.fsck_files import (
     ExtentReader,
     Unreadable,
     extend,
-    is_extent_name,
     remove_file,
     rewrite,
     verified_slots,
@@ -117,6 +108,7 @@ from kvstore.tools.fsck_files import (
     zero_page,
 )
 from kvstore.tools.fsck_rebuild import rebuild_index
+from kvstore.tools.fsck_repairs import Repairs, chain_tables
 from kvstore.tools.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, ProgressFn, Report
 
 
@@ -126,15 +118,15 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
     path = os.path.abspath(path)
     started = time.perf_counter()
     report = Report(path=path, deep=deep, repair=repair)
-    if not os.path.isdir(os.path.join(path, "index")):
-        if os.path.isdir(os.path.join(path, EXTENT_DIR)):
+    if not os.path.isdir(layout.index_dir(path)):
+        if os.path.isdir(layout.extents_dir(path)):
             raise IndexCorruptionError(f"{path} has extent files but no index; run "
                                        f"`python -m kvstore fsck {path} --rebuild-index`")
         raise FileNotFoundError(f"no kvstore at {path}")
     lock = StoreLock(path)  # the same lock the store takes
     with lock.released_on_error():  # a link for extents/ or the index, damage: exit 2
-        check_dir(os.path.join(path, EXTENT_DIR), "Move the extents directory itself there.")
-        index = Index(os.path.join(path, "index"), map_size=64 << 30, sync=True, verify=True)
+        check_dir(layout.extents_dir(path), "Move the extents directory itself there.")
+        index = Index(layout.index_dir(path), map_size=MAP_LIMIT_BYTES, sync=True, verify=True)
     writer = IndexWriter(index)
     reader = ExtentReader()
     try:
@@ -149,66 +141,15 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
     return report
 
 
-class _Findings:
-    """The report's findings and the repairs they call for: the data-file changes first
-    (each durable), then the index's, in one transaction."""
-
-    def __init__(self, report: Report, writer: IndexWriter) -> None:
-        self.report, self.writer = report, writer
-        self.fixes: list[Callable[[Txn], None]] = []
-        self.unfixable: list[Finding] = []  # stay unfixed after --repair (foreign-owner)
-        self.file_fixes: list[tuple[Finding, Callable[[], None]]] = []  # before the index's
-
-    def find(self, kind: str, severity: str, detail: str, **where: Any) -> Finding:
-        f = Finding(kind, severity, detail, **where)
-        self.report.findings.append(f)
-        return f
-
-    def unreadable(self, detail: str, e: OSError, **where: Any) -> None:
-        """Damage that repair leaves as it is: nothing is written over what could not be
-        read (the next fsck or scrub reads it again)."""
-        self.unfixable.append(self.find("unreadable", DAMAGE, f"{detail} ({e.strerror})",
-                                        errno=e.errno, **where))
-
-    def apply_fixes(self, last: Callable[[Txn], None]) -> None:
-        """Every fix, ``last`` the last in the index transaction; marks what was fixed."""
-        found = list(self.report.findings)
-        for f, fn in self.file_fixes:
-            try:
-                fn()
-            except OSError as e:
-                self.unfixable.append(f)
-                self.find("repair-failed", DAMAGE, f"could not fix {f.kind} ({e.strerror}): "
-                          f"{f.detail}", extent=f.extent, offset=f.offset, errno=e.errno)
-        fixes = [*self.fixes, last]
-
-        def apply(txn: Txn) -> None:
-            for fix in fixes:
-                fix(txn)
-
-        try:
-            self.writer.run_sync(apply)
-        except KVStoreError as e:  # the index as it was: nothing of it is fixed
-            self.find("repair-failed", DAMAGE, f"the repair's index transaction failed, the "
-                      f"index is as it was: {e}; run the repair again",
-                      errno=e.errno if isinstance(e, OSError) else None)
-            return
-        for f in found:
-            # Never touched: files fsck did not create, files of another user, what
-            # could not be read, fixes that failed.
-            f.fixed = f.kind != "foreign-file" and all(f is not u for u in self.unfixable)
-
-
-class _Checker(_Findings):
+class _Checker(Repairs):
     def __init__(self, path: str, index: Index, writer: IndexWriter, reader: ExtentReader,
                  report: Report, repair: bool, deep: bool, progress: ProgressFn | None) -> None:
-        super().__init__(report, writer)
-        self.path, self.index, self.reader = path, index, reader
+        super().__init__(report, writer, index, path)
+        self.reader = reader
         self.repair, self.deep = repair, deep
         self.progress = progress or (lambda stage, done, total: None)
         self.kept: set[int] = set()  # extents that could not be examined: never dropped
-        self.uuid: bytes = index.meta_get(META_UUID) or b""
-        self.extent_bytes = unpack_u64(index.meta_get(META_EXTENT_BYTES) or pack_u64(0))
+        self.uuid: bytes = index.meta_records.store_uuid() or b""
 
     def run(self) -> None:
         extents = self.check_extents()
@@ -238,7 +179,7 @@ class _Checker(_Findings):
                                 e, extent=extent_id)
                 usable[extent_id] = 0
                 self.kept.add(extent_id)
-        directory = os.path.join(self.path, EXTENT_DIR)
+        directory = layout.extents_dir(self.path)
         try:
             names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
         except OSError as e:
@@ -247,9 +188,9 @@ class _Checker(_Findings):
             names = []
         for name in names:
             p = os.path.join(directory, name)
-            if not is_extent_name(name) or (unsafe_reason(p) and not os.path.islink(p)):
+            if not layout.is_extent_name(name) or (unsafe_reason(p) and not os.path.islink(p)):
                 self.find("foreign-file", NOTE, f"{p} is not an extent file; left alone")
-            elif int(name.removesuffix(".kvx")) not in table:
+            elif layout.extent_id_of(name) not in table:
                 try:  # removed only once it reads: a rebuild may have left it out for that
                     self.reader.read(p, 0, EXTENT_HEADER_BYTES)
                 except OSError as e:
@@ -261,7 +202,7 @@ class _Checker(_Findings):
                 self.file_fixes.append((f, partial(remove_file, p)))
         for extent_id, size in usable.items():
             if size == 0 and extent_id not in self.kept:
-                self.fixes.append(partial(self.index.drop_extent, extent_id=extent_id))
+                self.fixes.append(partial(self.index.repairs.drop_extent, extent_id=extent_id))
         return usable
 
     def check_extent(self, extent_id: int, size: int, p: str) -> int:
@@ -304,13 +245,14 @@ class _Checker(_Findings):
 
     def load_entries(self) -> list[tuple[bytes, IndexEntry, bool]]:
         entries: list[tuple[bytes, IndexEntry, bool]] = []
-        for quarantined, table in ((False, self.index.blocks), (True, self.index.quarantine)):
-            for k, v in self.index.raw_rows(table):
+        for quarantined in (False, True):
+            for k, v in self.index.repairs.entry_rows(quarantined=quarantined):
                 try:
                     entries.append((k, IndexEntry.decode(v), quarantined))
                 except KVStoreError as e:
                     self.find("bad-index-entry", DAMAGE, f"entry {k.hex()}: {e}", key=k.hex())
-                    self.fixes.append(partial(self.index.delete_row, table=table, key=k))
+                    self.fixes.append(partial(self.index.repairs.drop_entry, key=k,
+                                              quarantined=quarantined))
         self.report.blocks = sum(not q for _, _, q in entries)
         self.report.quarantined = sum(q for _, _, q in entries)
         return entries
@@ -341,14 +283,14 @@ class _Checker(_Findings):
                               f"{what} [{offset}, {end}) runs past the end ({size}) of extent "
                               f"{extent_id}", extent=extent_id, offset=offset, length=length,
                               key=owner_key.hex() if owner_key else None)
-                    self._fix_drop(what, owner_key, extent_id, offset, length)
+                    self.drop_later_owner(what, owner_key, extent_id, offset)
                     continue
                 if offset < cursor:
                     self.find("free-and-referenced" if "free" in (what, owner) else "overlap",
                               DAMAGE, f"{what} [{offset}, {end}) of extent {extent_id} overlaps "
                               "space already owned", extent=extent_id, offset=offset,
                               length=length, key=owner_key.hex() if owner_key else None)
-                    self._fix_drop(what, owner_key, extent_id, offset, length)
+                    self.drop_later_owner(what, owner_key, extent_id, offset)
                     cursor = max(cursor, end)
                     continue
                 if offset > cursor:
@@ -361,19 +303,7 @@ class _Checker(_Findings):
         self.find("leaked-space", RECLAIMABLE, f"{length} bytes at {offset} of extent "
                   f"{extent_id} are neither free nor referenced", extent=extent_id,
                   offset=offset, length=length)
-        self.fixes.append(lambda txn: self.index.give_range(txn, extent_id, offset, length))
-
-    def _fix_drop(self, what: str, key: bytes | None, extent_id: int, offset: int,
-                  length: int) -> None:
-        """Repair of a double-owned range: drop the later owner (a free run, or an entry)."""
-        if what == "free":
-            self.fixes.append(partial(self.index.delete_free_run, extent=extent_id,
-                                      offset=offset))
-        else:
-            assert key is not None
-            self.fixes.append(partial(self.index.delete_row, table=self.index.blocks, key=key))
-            self.fixes.append(partial(self.index.delete_row, table=self.index.quarantine,
-                                      key=key))
+        self.free_range(extent_id, offset, length)
 
     # -- steps 4 and 5
     def check_slots(self, extents: dict[int, int],
@@ -402,11 +332,11 @@ class _Checker(_Findings):
                 self.find("unreadable", DAMAGE, f"block {key.hex()} cannot be read "
                           f"({err.strerror}); --repair quarantines it (kept, read again)",
                           errno=err.errno, **where)
-                self.fixes.append(partial(self._quarantine, key, e))
+                self.quarantine(key, e)
             except KVStoreError as err:
                 kind = "bad-payload" if "payload" in str(err) else "bad-slot"
                 f = self.find(kind, DAMAGE, f"block {key.hex()}: {err}", **where)
-                self._fix_free_slot(f, key, e, quarantined=False)
+                self.free_bad_slot(f, key, e, quarantined=False)
         self.progress(stage, total, total)
 
     def _check_quarantined(self, key: bytes, e: IndexEntry, path: str,
@@ -421,30 +351,12 @@ class _Checker(_Findings):
         except KVStoreError as err:
             f = self.find("quarantined", RECLAIMABLE, f"block {key.hex()} failed a read "
                           f"while serving and fails verification now ({err})", **where)
-            self._fix_free_slot(f, key, e, quarantined=True)
+            self.free_bad_slot(f, key, e, quarantined=True)
             return
         self.report.payloads_verified += 1
         self.find("restorable", RECLAIMABLE, f"quarantined block {key.hex()} verifies now: "
                   "--repair puts it back (or frees it, if its key was stored again)", **where)
-        self.fixes.append(partial(self._restore, key, e))
-
-    def _quarantine(self, key: bytes, e: IndexEntry, txn: Txn) -> None:
-        self.index.quarantine_records.move(txn, [(key, e, True)])
-
-    def _restore(self, key: bytes, e: IndexEntry, txn: Txn) -> None:
-        self.index.quarantine_records.settle(txn, [(key, e, OK)])
-
-    def _fix_free_slot(self, f: Finding, key: bytes, e: IndexEntry, *,
-                       quarantined: bool) -> None:
-        p = extent_path(self.path, e.extent)
-        self.file_fixes.append((f, partial(zero_page, p, e.offset)))
-        table = self.index.quarantine if quarantined else self.index.blocks
-
-        def fix(txn: Txn) -> None:
-            self.index.delete_row(txn, table, key)
-            self.index.give_range(txn, e.extent, e.offset, e.slot_len)
-
-        self.fixes.append(fix)
+        self.restore(key, e)
 
     # -- step 6
     def scan_free_space(self, extents: dict[int, int]) -> None:
@@ -475,8 +387,8 @@ class _Checker(_Findings):
                  if not quarantined and e.parent is not None and e.parent not in stored]
         self.report.chain_holes = len(holes)
         self.report.chain_hole_examples = [f"{k.hex()} (parent {p.hex()})" for k, p in holes[:3]]
-        want_children, want_lru = _chain_tables(entries)
-        have_children, have_lru = self.index.chain_tables()
+        want_children, want_lru = chain_tables(entries)
+        have_children, have_lru = self.index.repairs.chain_tables()
         if have_children == want_children and have_lru == want_lru:
             return
         self.find("refcount-drift", DAMAGE,
@@ -487,11 +399,10 @@ class _Checker(_Findings):
     # -- step 9
     def check_permissions(self) -> None:
         try:
-            mode = permissions.recorded_mode(self.index.meta_get) or permissions.FILE_MODE
+            mode = self.index.meta_records.file_mode() or permissions.FILE_MODE
         except IndexCorruptionError as e:
             self.find("meta", DAMAGE, str(e))
-            self.fixes.append(partial(self.index.delete_row, table=self.index.meta,
-                                      key=permissions.META_FILE_MODE))
+            self.fixes.append(self.index.meta_records.drop_file_mode)
             mode = permissions.FILE_MODE
         for p in permissions.audit(self.path, mode):
             if p.foreign:
@@ -504,50 +415,28 @@ class _Checker(_Findings):
                 self.file_fixes.append((f, partial(permissions.set_mode, p.path, p.want,
                                                    follow=p.path == self.path)))
 
-    def rewrite_chain_tables(self, txn: Txn) -> None:
-        """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,
-        after every other fix has changed ``blocks``)."""
-        blocks = [(k, e, False) for k, e in self.index.stored_blocks(txn)]
-        self.index.rewrite_chain_tables(txn, *_chain_tables(blocks))
-
     # -- step 7
     def check_meta(self, extents: dict[int, int],
                    entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
-        seq = unpack_u64(self.index.meta_get(META_SEQ) or pack_u64(0))
+        meta = self.index.meta_records
+        seq = meta.seq()
         top = max((e.seq for _, e, _ in entries), default=0)
         if seq < top:
             self.find("meta", DAMAGE, f"sequence counter {seq} is below an entry's {top}")
-            self.fixes.append(partial(self.index.set_meta, key=META_SEQ, value=pack_u64(top)))
-        nxt = unpack_u64(self.index.meta_get(META_NEXT_EXTENT) or pack_u64(0))
+            self.fixes.append(partial(meta.raise_seq, seq=top))
+        nxt = meta.next_extent()
         if extents and nxt <= max(extents):
-            want = max(extents) + 1
             self.find("meta", DAMAGE, f"next_extent {nxt} is not past extent {max(extents)}")
-            self.fixes.append(partial(self.index.set_meta, key=META_NEXT_EXTENT,
-                                      value=pack_u64(want)))
+            self.fixes.append(partial(meta.set_next_extent, extent_id=max(extents) + 1))
         bad = []
-        for k, v in self.index.meta_rows(META_NAMESPACE_PREFIX):
+        for k, v in meta.namespace_rows():
             try:
                 json.loads(v.decode())
             except (UnicodeDecodeError, ValueError):
                 bad.append(k)
         for k in bad:
             self.find("meta", DAMAGE, f"namespace record {k!r} is not valid JSON")
-            self.fixes.append(partial(self.index.delete_row, table=self.index.meta, key=k))
-
-
-def _chain_tables(entries: list[tuple[bytes, IndexEntry, bool]]) -> tuple[dict[bytes, int],
-                                                                           set[bytes]]:
-    children: dict[bytes, int] = {}
-    lru: set[bytes] = set()
-    for key, e, quarantined in entries:
-        if quarantined:
-            continue
-        lru.add(lru_key(e.last_use, key))
-        if e.parent is not None:
-            children[e.parent] = children.get(e.parent, 0) + 1
-    return children, lru
-
-
+            self.fixes.append(partial(meta.drop_namespace, key=k))
 
 
 __all__ = ["DAMAGE", "NOTE", "RECLAIMABLE", "Finding", "Report", "check", "rebuild_index"]

@@ -23,7 +23,7 @@ from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, SlotHeader,
 from kvstore.errors import CorruptionError, KVStoreError
 from kvstore.io.slots import check_payload, check_slot
 
-__all__ = ["SCAN_CHUNK", "ExtentReader", "Unreadable", "extend", "is_extent_name",
+__all__ = ["SCAN_CHUNK", "ExtentReader", "Unreadable", "extend",
            "remove_file", "rewrite", "verified_slots", "verify_slot", "zero_page"]
 
 SCAN_CHUNK = 8 << 20
@@ -161,12 +161,6 @@ def verified_slots(reader: ExtentReader, path: str, offset: int, length: int,
             continue
         yield pos, header
         pos += header.slot_len
-
-
-def is_extent_name(name: str) -> bool:
-    """``NNNNNNNN.kvx``: the only names the store gives files in ``extents/``."""
-    stem = name.removesuffix(".kvx")
-    return name.endswith(".kvx") and len(stem) == 8 and stem.isdigit()
 
 
 def zero_page(path: str, offset: int) -> None:

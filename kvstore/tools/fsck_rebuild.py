@@ -25,20 +25,26 @@ import os
 import time
 from collections import Counter
 
-from kvstore.disk.extents import EXTENT_DIR, extent_path
+from kvstore.disk import layout
 from kvstore.disk.format import (
     EXTENT_HEADER_BYTES,
     PAGE,
     ExtentHeader,
     IndexEntry,
     SlotHeader,
-    pack_u64,
 )
+from kvstore.disk.layout import extent_path
 from kvstore.disk.lock import StoreLock
 from kvstore.disk.store_files import unsafe_reason
 from kvstore.errors import KVStoreError
-from kvstore.index.index import META_NEXT_EXTENT, META_SEQ, Index, IndexWriter, Txn, init_meta
-from kvstore.tools.fsck_files import ExtentReader, Unreadable, is_extent_name, verified_slots
+from kvstore.index.index import (
+    MAP_LIMIT_BYTES,
+    Index,
+    IndexWriter,
+    Txn,
+    init_meta,
+)
+from kvstore.tools.fsck_files import ExtentReader, Unreadable, verified_slots
 from kvstore.tools.fsck_report import DAMAGE, Finding, ProgressFn, Report
 
 __all__ = ["rebuild_index"]
@@ -51,7 +57,7 @@ def _require_extents(path: str, directory: str) -> None:
     if not os.path.isdir(path):
         raise NotADirectoryError(errno.ENOTDIR, f"{path} is a file, not a store directory")
     names = os.listdir(directory) if os.path.isdir(directory) else []
-    if not any(is_extent_name(n) for n in names):
+    if not any(layout.is_extent_name(n) for n in names):
         raise FileNotFoundError(errno.ENOENT, f"no kvstore at {path}: nothing to rebuild from "
                                 f"(no extent files in {directory})")
 
@@ -79,7 +85,7 @@ def _read_headers(path: str, directory: str, reader: ExtentReader,
             h = ExtentHeader.decode(reader.read(p, 0, EXTENT_HEADER_BYTES))
         except OSError as e:
             try:  # its size, through the descriptor the header read was tried on
-                size = os.fstat(reader.fd(p)).st_size if is_extent_name(name) else None
+                size = os.fstat(reader.fd(p)).st_size if layout.is_extent_name(name) else None
             except OSError:
                 size = None
             if size is None:
@@ -87,7 +93,7 @@ def _read_headers(path: str, directory: str, reader: ExtentReader,
                                                f"({e.strerror}); left out, left as it is",
                                                errno=e.errno))
                 continue
-            extent_id = int(name.removesuffix(".kvx"))
+            extent_id = layout.extent_id_of(name)
             report.findings.append(Finding(
                 "unreadable", DAMAGE, f"{p}: its extent header cannot be read ({e.strerror}); "
                 f"rebuilt as extent {extent_id} from its name and size, header left as it is",
@@ -125,7 +131,7 @@ def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
     started = time.perf_counter()
     report = Report(path=path, deep=True, repair=True)
     progress = progress or (lambda stage, done, total: None)
-    directory = os.path.join(path, EXTENT_DIR)
+    directory = layout.extents_dir(path)
     _require_extents(path, directory)  # before the lock: a foreign directory gets nothing
     lock = StoreLock(path)  # the same lock the store takes
     reader = ExtentReader()
@@ -170,19 +176,18 @@ def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
 def _write_index(path: str, uuid: bytes, extents: dict[int, _Extent],
                  keep: dict[bytes, tuple[int, int, SlotHeader]]) -> None:
     """Step 4 (slots found by the scan never overlap: see ``verified_slots``)."""
-    index_dir = os.path.join(path, "index")
+    index_dir = layout.index_dir(path)
     if os.path.isdir(index_dir):
-        os.rename(index_dir, os.path.join(path, f"index.broken-{int(time.time())}"))
-    index = Index(index_dir, map_size=64 << 30, sync=True)
+        os.rename(index_dir, layout.broken_index_dir(path, int(time.time())))
+    index = Index(index_dir, map_size=MAP_LIMIT_BYTES, sync=True)
     writer = IndexWriter(index)
     try:
         extent_bytes = max((x.size for x in extents.values()), default=1 << 30)
 
         def build(txn: Txn) -> None:
             init_meta(txn, index, store_uuid=uuid, extent_bytes=extent_bytes)
-            index.set_meta(txn, META_NEXT_EXTENT, pack_u64(max(extents, default=0) + 1))
-            index.set_meta(txn, META_SEQ, pack_u64(max((v[2].seq for v in keep.values()),
-                                                       default=0)))
+            index.meta_records.set_next_extent(txn, max(extents, default=0) + 1)
+            index.meta_records.raise_seq(txn, max((v[2].seq for v in keep.values()), default=0))
             used: dict[int, list[tuple[int, int]]] = {
                 extent_id: [(b.offset, b.length) for b in x.unreadable]
                 for extent_id, x in extents.items()}
@@ -194,7 +199,7 @@ def _write_index(path: str, uuid: bytes, extents: dict[int, _Extent],
                 index.add_block(txn, k, entry)
                 used[e].append((o, hd.slot_len))
             for extent_id, x in extents.items():
-                index.record_extent(txn, extent_id, x.size, _free_runs(x.size, used[extent_id]))
+                index.repairs.record_extent(txn, extent_id, x.size, _free_runs(x.size, used[extent_id]))
 
         writer.run_sync(build)
     finally:

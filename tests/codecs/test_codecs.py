@@ -12,8 +12,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstore.codecs import fp8 as fp8_codec
 from kvstore.codecs import fp8_kernels
-from kvstore.codecs import pipeline as codecs
 from kvstore.codecs.pipeline import (
     CODEC_RAW,
     FP8_E4M3,
@@ -176,7 +176,7 @@ def test_a_nan_or_inf_code_where_the_flags_promise_none_is_corruption(
     loop would read such a code as a number -- and decodes once the flag is set."""
     if native and not fp8_kernels.available():
         pytest.skip(fp8_kernels.reason())
-    monkeypatch.setattr(codecs, "_NATIVE", native)
+    monkeypatch.setattr(fp8_codec, "NATIVE", native)
     import zstandard
     for base, specials in ((FP8_E4M3, [0x7F, 0xFF]), (FP8_E5M2, range(0x7C, 0x80))):
         for code in [c | sign for c in specials for sign in (0, 0x80)]:

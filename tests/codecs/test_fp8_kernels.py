@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.codecs import fp8 as fp8_codec
 from kvstore.codecs import fp8_kernels
 from kvstore.codecs import pipeline as codecs
 from kvstore.codecs.pipeline import CodecSpec, KVLayout
@@ -181,12 +182,12 @@ def _blocks() -> list[tuple[str, torch.Tensor, CodecSpec]]:
 def test_codec_paths_are_bit_identical(name: str, x: torch.Tensor, spec: CodecSpec,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     cid, fast = codecs.encode(x, spec)
-    monkeypatch.setattr(codecs, "_NATIVE", False)
+    monkeypatch.setattr(fp8_codec, "NATIVE", False)
     cid_ref, ref = codecs.encode(x, spec)
     assert cid == cid_ref
     np.testing.assert_array_equal(fast, ref)
     slow_out = codecs.decode(cid, ref, x.dtype, tuple(x.shape))
-    monkeypatch.setattr(codecs, "_NATIVE", True)
+    monkeypatch.setattr(fp8_codec, "NATIVE", True)
     fast_out = codecs.decode(cid, fast, x.dtype, tuple(x.shape))
     iv = INT_VIEW[x.dtype]
     assert torch.equal(fast_out.view(iv), slow_out.view(iv))

@@ -20,6 +20,7 @@ from kvstore.disk.format import PAGE, IndexEntry, free_key, pack_u64
 from kvstore.errors import IndexCorruptionError, StoreIOError
 from kvstore.index.index import META_SEQ, Index, IndexWriter, init_meta
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
+from kvstore.io.threads import ThreadPoolEngine
 from kvstore.testing import free_runs, parts, waiting_reserves
 from tests.concurrency import run_within, until
 
@@ -206,7 +207,7 @@ def _sixteen_page_allocator(tmp_path: Path) -> Iterator[Allocator]:
         writer.run_sync(lambda txn: init_meta(txn, index, store_uuid=b"u" * 16,
                                               extent_bytes=17 * PAGE))
         yield Allocator(path=str(tmp_path), index=index, writer=writer,
-                        extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
+                        engine=ThreadPoolEngine(direct=False), extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=[],
                         free_runs=[], capacity_bytes=16 * PAGE, file_mode=0o600,
                         counters={"evicted_blocks": 0, "evicted_bytes": 0})
     finally:
@@ -327,10 +328,10 @@ class _OpenFails(SimulatedEngine):
 
     failing = False
 
-    def open_file(self, path: str, *, create: bool) -> int:
+    def open_file(self, path: str) -> int:
         if self.failing:
             raise OSError(errno.EIO, "injected open failure")
-        return super().open_file(path, create=create)
+        return super().open_file(path)
 
 
 @pytest.mark.anyio

@@ -23,6 +23,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kvstore.codecs import fp8 as fp8_codec
 from kvstore.codecs import fp8_kernels
 from kvstore.codecs import pipeline as codecs
 from kvstore.codecs.pipeline import FP8_E4M3, FP8_E5M2, GRANULARITIES, ZSTD, CodecSpec, KVLayout
@@ -46,7 +47,7 @@ def _codec_path(native: bool) -> Iterator[None]:
     are real code paths of the codec; ``KVSTORE_NATIVE_CODECS=0`` picks the second for
     a whole process)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(codecs, "_NATIVE", native)
+        mp.setattr(fp8_codec, "NATIVE", native)
         yield
 
 

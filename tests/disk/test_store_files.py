@@ -127,12 +127,12 @@ class SwapsInALink(EngineWrapper):
         super().__init__(inner)
         self.target = target
 
-    def open_file(self, path: str, *, create: bool) -> int:
+    def open_file(self, path: str) -> int:
         if not os.path.islink(path):
             shutil.copyfile(path, self.target)
             os.unlink(path)
             os.symlink(self.target, path)
-        return self.inner.open_file(path, create=create)
+        return self.inner.open_file(path)
 
 
 def test_a_link_swapped_in_while_the_engine_opens_the_file_is_refused(tmp_path: Path) -> None:

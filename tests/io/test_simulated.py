@@ -28,7 +28,8 @@ pytestmark = pytest.mark.anyio
 
 async def test_misaligned_transfers_fail_like_o_direct(tmp_path: Path) -> None:
     engine = SimulatedEngine(SimulatedDisk())
-    fd = engine.open_file(str(tmp_path / "f"), create=True)
+    (tmp_path / "f").touch()
+    fd = engine.open_file(str(tmp_path / "f"))
     arena = Arena(3 * 4096)
     run = arena.try_acquire(4096)
     assert run is not None
@@ -44,7 +45,8 @@ async def test_crash_states_only_touch_unsynced_writes(tmp_path: Path, mode: str
     disk = SimulatedDisk(seed=3)
     engine = SimulatedEngine(disk)
     path = str(tmp_path / "f")
-    fd = engine.open_file(path, create=True)
+    (tmp_path / "f").touch()
+    fd = engine.open_file(path)
     os.ftruncate(fd, 4 * 4096)
     arena = Arena(4 * 4096)
     a, b = arena.try_acquire(4096), arena.try_acquire(4096)
@@ -73,7 +75,8 @@ async def test_crash_states_only_touch_unsynced_writes(tmp_path: Path, mode: str
 async def test_crash_at_a_chosen_operation(tmp_path: Path) -> None:
     disk = SimulatedDisk(crash_at=2)
     engine = SimulatedEngine(disk)
-    fd = engine.open_file(str(tmp_path / "f"), create=True)
+    (tmp_path / "f").touch()
+    fd = engine.open_file(str(tmp_path / "f"))
     arena = Arena(2 * 4096)
     run = arena.try_acquire(4096)
     assert run is not None

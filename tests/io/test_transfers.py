@@ -94,7 +94,8 @@ async def _transfers(engine: IOEngine, path: Path, *, read_only: bool = False
         (path / "extent").write_bytes(b"")
         fd = os.open(path / "extent", os.O_RDONLY)
     else:
-        fd = engine.open_file(str(path / "extent"), create=True)
+        (path / "extent").touch()
+        fd = engine.open_file(str(path / "extent"))
     try:
         yield Transfers(engine, arena, {1: fd}, piece_bytes=PIECE), arena
     finally:

@@ -37,7 +37,7 @@ import anyio
 import torch
 
 import kvstore
-from kvstore.disk import permissions, store_files
+from kvstore.disk import layout, permissions, store_files
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, crc32c, round_up
 from kvstore.errors import UnsafePathError
 from kvstore.tools.cli.progress import Progress
@@ -173,13 +173,13 @@ async def reload(path: str, tokens: list[list[int]], checksums: dict[str, int]) 
 
 # ---------------------------------------------------------------------- the store path
 
-MANIFEST = "kvstore-demo.json"
+MANIFEST = layout.DEMO_MANIFEST
 _MANIFEST_TAG = "python -m kvstore demo"
 # What a demo run puts in its directory: the manifest and the store's own entries
 # (LOCK, index/, extents/; index.broken-* from fsck --rebuild-index; .probe-* files an
 # I/O probe killed mid-way leaves).
-_OWN_NAMES = {MANIFEST, "LOCK", "index", "extents"}
-_OWN_PREFIXES = ("index.broken-", ".probe-")
+_OWN_NAMES = {MANIFEST, *layout.STORE_NAMES}
+_OWN_PREFIXES = (layout.BROKEN_INDEX_PREFIX, layout.PROBE_PREFIX)
 
 
 class DemoPathError(Exception):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from kvstore.disk import layout
+
 
 class CliError(Exception):
     """A command cannot run (exit 2); the message is in the CLI user's words."""
@@ -16,8 +18,8 @@ def store_path_problem(path: str) -> str | None:
         return f"{path} does not exist"
     if not os.path.isdir(path):
         return f"{path} is a file, not a store directory"
-    if not os.path.isdir(os.path.join(path, "index")):
-        if os.path.isdir(os.path.join(path, "extents")):
+    if not os.path.isdir(layout.index_dir(path)):
+        if os.path.isdir(layout.extents_dir(path)):
             return (f"{path} has extent files but no index; rebuild it with "
                     f"`python -m kvstore fsck {path} --rebuild-index`")
         return f"{path} is not a kvstore store (it has no index/ directory)"
