@@ -23,8 +23,8 @@ from kvstore.io.coalesce import coalesce, spread
 from kvstore.io.protocol import IoOp
 
 
-def open_flags(direct: bool) -> int:
-    return os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+def open_flags(direct: bool, read_only: bool = False) -> int:
+    return (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
 
 
 def initialise_file(fd: int, nbytes: int, header: bytes) -> None:
@@ -52,15 +52,17 @@ def raise_write_errors(results: Sequence[int | OSError], ops: Sequence[IoOp], wh
 class ThreadPoolEngine:
     name = "threads"
 
-    def __init__(self, *, direct: bool, queue_depth: int = 16) -> None:
-        self.direct = direct
+    def __init__(self, *, direct: bool, queue_depth: int = 16, read_only: bool = False) -> None:
+        """``read_only``: files are opened ``O_RDONLY`` (fsck's reads, which must work on
+        files it may not write, e.g. an immutable one); ``write`` then fails (EBADF)."""
+        self.direct, self._read_only = direct, read_only
         self._limiter = anyio.CapacityLimiter(queue_depth)
 
     async def start(self) -> None:
         return None
 
     def open_file(self, path: str) -> int:
-        return os.open(path, open_flags(self.direct))
+        return os.open(path, open_flags(self.direct, self._read_only))
 
     def close_file(self, fd: int) -> None:
         os.close(fd)

@@ -97,6 +97,7 @@ from kvstore.index.index import (
     Index,
     IndexWriter,
 )
+from kvstore.io.protocol import IOEngine
 from kvstore.tools.fsck_files import (
     ExtentReader,
     Unreadable,
@@ -113,8 +114,12 @@ from kvstore.tools.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, Progre
 
 
 def check(path: str, *, repair: bool = False, deep: bool = False,
-          progress: ProgressFn | None = None) -> Report:
-    """Check (and with ``repair`` fix) the store at ``path``; see the module docstring."""
+          progress: ProgressFn | None = None, engine: IOEngine | None = None) -> Report:
+    """Check (and with ``repair`` fix) the store at ``path``; see the module docstring.
+
+    Extent files are read through ``engine`` (fsck's for the check: started on fsck's
+    own event loop and closed at the end; None: the thread-pool engine, ``O_DIRECT``
+    where allowed: kvstore/tools/fsck_files.py)."""
     path = os.path.abspath(path)
     started = time.perf_counter()
     report = Report(path=path, deep=deep, repair=repair)
@@ -128,12 +133,11 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
         check_dir(layout.extents_dir(path), "Move the extents directory itself there.")
         index = Index(layout.index_dir(path), map_size=MAP_LIMIT_BYTES, sync=True, verify=True)
     writer = IndexWriter(index)
-    reader = ExtentReader()
     try:
-        index.check_format()
-        _Checker(path, index, writer, reader, report, repair, deep, progress).run()
+        with ExtentReader(engine) as reader:
+            index.check_format()
+            _Checker(path, index, writer, reader, report, repair, deep, progress).run()
     finally:
-        reader.close()
         writer.close()
         index.close()
         lock.release()
