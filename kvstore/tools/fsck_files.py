@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -49,6 +49,7 @@ __all__ = ["SCAN_CHUNK", "ExtentReader", "Unreadable", "extend",
 SCAN_CHUNK = 8 << 20
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC  # extent files are never reached through a link
 T = TypeVar("T")
+_BATCH_OPS = 256  # reads per engine call: a page each without --deep (1 MiB of the buffer)
 _FIX = "fsck reads no file through a link; move the real file there."
 
 
@@ -156,6 +157,55 @@ class ExtentReader:
                 break
         return bytes(out)
 
+    def read_each(self, reads: Iterable[tuple[str, int, int]]) -> Iterator[bytes | OSError]:
+        """:meth:`read` of each ``(path, offset, length)``, in order, or the ``OSError`` it
+        raised.  Consecutive reads go to the engine as one call (up to the buffer's size):
+        one round trip to the reader's loop per batch, not per read.  A read that fails
+        in a batch is read again alone (the engine may have merged it with a neighbour
+        whose failure it shares, as the store's reads are retried:
+        :func:`kvstore.io.coalesce.reread_failed`)."""
+        batch: list[tuple[str, int, int]] = []
+        size = 0  # of the batch in the buffer
+        for want in reads:
+            if batch and (size + round_up(want[2]) > SCAN_CHUNK or len(batch) == _BATCH_OPS):
+                yield from self._read_batch(batch)
+                batch, size = [], 0
+            batch.append(want)
+            size += round_up(want[2])
+        yield from self._read_batch(batch)
+
+    def _read_batch(self, batch: list[tuple[str, int, int]]) -> list[bytes | OSError]:
+        out: list[bytes | OSError | None] = [None] * len(batch)
+        ops: list[tuple[int, int, IoOp]] = []  # (index in batch, length, op)
+        engines: set[int] = set()
+        sizes = [round_up(n) for _, _, n in batch]
+        runs = self._arena.split(self._whole, sizes) if sum(sizes) <= SCAN_CHUNK else []
+        for i, (path, offset, length) in enumerate(batch):
+            try:
+                self.fd(path)
+            except OSError as e:
+                out[i] = e.with_traceback(None)
+                continue
+            engine, fd = self._fds[path]
+            if runs and (not engines or id(engine) in engines):
+                engines.add(id(engine))
+                ops.append((i, length, IoOp(fd, offset, runs[i])))
+        if ops:
+            engine = self._fds[batch[ops[0][0]][0]][0]
+            results = self._call(engine.read, [op for _, _, op in ops])
+            for (i, length, op), got in zip(ops, results):
+                if not isinstance(got, OSError):
+                    out[i] = bytes(op.run.view[:min(got, length)])
+        for run in runs:
+            run.view.release()
+        for i, (path, offset, length) in enumerate(batch):
+            if out[i] is None:  # failed in the batch, or not in it: alone
+                try:
+                    out[i] = self.read(path, offset, length)
+                except OSError as e:
+                    out[i] = e.with_traceback(None)
+        return [x for x in out if x is not None]
+
     def read_pages(self, path: str, offset: int, length: int) -> tuple[bytes, list[Unreadable]]:
         """Like :meth:`read`, but a failed read is read again page by page: the pages
         that fail again come back zeroed (a zero page holds no slot magic) and listed,
@@ -195,8 +245,12 @@ class ExtentReader:
         self.close()
 
 
-def verify_slot(raw: bytes, key: bytes | None, entry: IndexEntry | None,
+def verify_slot(raw: bytes | OSError, key: bytes | None, entry: IndexEntry | None,
                 deep: bool) -> SlotHeader:
+    """The slot's header if ``raw`` (a read of it: its error raised) verifies as the
+    store's reads check it (and, ``deep``, its payload's CRC); else CorruptionError."""
+    if isinstance(raw, OSError):
+        raise raw
     header = check_slot(raw, key, entry)  # the store's reads check exactly this
     if header.slot_len > len(raw) and deep:
         raise CorruptionError("slot runs past the end of its extent")
