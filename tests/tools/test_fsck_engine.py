@@ -31,37 +31,41 @@ def test_a_read_fault_of_the_engine_is_an_unreadable_finding_for_its_page(
     ``--deep``'s scan (8 MiB reads) narrows the failed read to exactly that page,
     reported with EIO; the scan goes on past it (the other deleted block's slot is
     found) and every stored block's payload verifies."""
-    entries = build(tmp_path, delete=2)  # blocks 0 and 1: orphan slots in free space
+    store = tmp_path / "store"  # (the engine's probe runs beside it, not in it)
+    entries = build(store, delete=2)  # blocks 0 and 1: orphan slots in free space
     hit, clear = entries[0], entries[1]
     bad = hit.offset + PAGE  # a page of block 0's payload
-    faults = ReadFaults(extent_path(str(tmp_path), hit.extent), bad, PAGE)
+    faults = ReadFaults(extent_path(str(store), hit.extent), bad, PAGE)
     engine = faulty_engine(kind, tmp_path / "probe", faults, monkeypatch)
-    report = fsck.check(str(tmp_path), deep=True, engine=engine)
+    report = fsck.check(str(store), deep=True, engine=engine)
     assert faults.failed  # read through the engine, and failed there
     assert unreadable(report) == [(fsck.DAMAGE, bad, PAGE, errno.EIO)]
     assert [x.offset for x in report.findings if x.kind == "orphan-slot"] == [clear.offset]
     assert report.payloads_verified == N - 2 == report.blocks
 
 
+@pytest.mark.parametrize("kind", ENGINES)
 def test_a_fault_in_a_stored_block_and_in_the_rebuilds_scan(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stored block whose payload fails to read is that block's unreadable finding
-    (the others verify); the rebuild's scan, through the engine too, narrows the same
-    fault to its page and keeps it out of the free space."""
-    entries = build(tmp_path)
+    alone: fsck reads slots in batches, and a read the engine merged with its
+    neighbours' is read again alone, so they verify.  The rebuild's scan, through the
+    engine too, narrows the same fault to its page and keeps it out of the free space."""
+    store = tmp_path / "store"  # (the engine's probe runs beside it, not in it)
+    entries = build(store)
     hit = entries[5]
     bad = hit.offset + PAGE
-    faults = ReadFaults(extent_path(str(tmp_path), hit.extent), bad, PAGE)
-    report = fsck.check(str(tmp_path), deep=True,
-                        engine=faulty_engine("simulated", tmp_path, faults, monkeypatch))
+    faults = ReadFaults(extent_path(str(store), hit.extent), bad, PAGE)
+    report = fsck.check(str(store), deep=True,
+                        engine=faulty_engine(kind, tmp_path / "probe", faults, monkeypatch))
     assert [(f.kind, f.key, f.errno) for f in report.findings] == [
         ("unreadable", keys(N)[5].hex(), errno.EIO)]
     assert report.payloads_verified == N - 1
     disk = SimulatedDisk(seed=5)
-    report = fsck.rebuild_index(str(tmp_path), engine=_FailingOps(SimulatedEngine(disk), faults))
+    report = fsck.rebuild_index(str(store), engine=_FailingOps(SimulatedEngine(disk), faults))
     assert unreadable(report) == [(fsck.DAMAGE, bad, PAGE, errno.EIO)]
     assert report.blocks == N - 1 and disk.ops > 0
-    got = read_back(tmp_path)
+    got = read_back(store)
     assert got[5] is None and all(same(g, v) for g, v in zip(got[:5] + got[6:],
                                                              VALUES[:5] + VALUES[6:]))
 
