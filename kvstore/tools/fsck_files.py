@@ -65,21 +65,28 @@ class Unreadable:
         return f"{self.length} bytes at {self.offset} cannot be read ({self.error.strerror})"
 
 
+async def _default_engines() -> list[IOEngine]:
+    return [ThreadPoolEngine(direct=True, read_only=True),
+            ThreadPoolEngine(direct=False, read_only=True)]
+
+
 class ExtentReader:
     """Aligned reads of extent files through ``engine``, one descriptor per file, one
     buffer.  The engine is the reader's until :meth:`close`: started on the reader's
     event loop, closed with it (as ``kvstore.open`` does with an engine it is handed).
-    ``None``: the thread-pool engine, ``O_DIRECT`` (a file it refuses: buffered)."""
+    ``None``: the thread-pool engine, ``O_DIRECT`` (a file it refuses: buffered).  An
+    engine handed in is made outside any event loop (a synchronous caller's), as its
+    limiters then bind to the loop that first uses them."""
 
     def __init__(self, engine: IOEngine | None = None) -> None:
-        # Tried in order at each file's open: a buffered engine takes what O_DIRECT refuses.
-        self._engines: list[IOEngine] = [engine] if engine is not None else [
-            ThreadPoolEngine(direct=True, read_only=True),
-            ThreadPoolEngine(direct=False, read_only=True)]
         self._fds: dict[str, tuple[IOEngine, int]] = {}
         self._stack = ExitStack()
         try:
             self._portal = self._stack.enter_context(start_blocking_portal())
+            # Tried in order at each file's open: a buffered engine takes what O_DIRECT
+            # refuses.  Made on the reader's loop: an engine's limiter belongs to the
+            # event loop it is made on (a caller may be inside another one, trio's).
+            self._engines = [engine] if engine is not None else self._call(_default_engines)
             for e in self._engines:
                 self._call(e.start)
                 self._stack.callback(self._call, e.aclose)
