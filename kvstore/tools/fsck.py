@@ -97,6 +97,7 @@ from kvstore.index.index import (
     Index,
     IndexWriter,
 )
+from kvstore.io.protocol import IOEngine
 from kvstore.tools.fsck_files import (
     ExtentReader,
     Unreadable,
@@ -113,8 +114,12 @@ from kvstore.tools.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, Progre
 
 
 def check(path: str, *, repair: bool = False, deep: bool = False,
-          progress: ProgressFn | None = None) -> Report:
-    """Check (and with ``repair`` fix) the store at ``path``; see the module docstring."""
+          progress: ProgressFn | None = None, engine: IOEngine | None = None) -> Report:
+    """Check (and with ``repair`` fix) the store at ``path``; see the module docstring.
+
+    Extent files are read through ``engine`` (fsck's for the check: started on fsck's
+    own event loop and closed at the end; None: the thread-pool engine, ``O_DIRECT``
+    where allowed: kvstore/tools/fsck_files.py)."""
     path = os.path.abspath(path)
     started = time.perf_counter()
     report = Report(path=path, deep=deep, repair=repair)
@@ -128,12 +133,11 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
         check_dir(layout.extents_dir(path), "Move the extents directory itself there.")
         index = Index(layout.index_dir(path), map_size=MAP_LIMIT_BYTES, sync=True, verify=True)
     writer = IndexWriter(index)
-    reader = ExtentReader()
     try:
-        index.check_format()
-        _Checker(path, index, writer, reader, report, repair, deep, progress).run()
+        with ExtentReader(engine) as reader:
+            index.check_format()
+            _Checker(path, index, writer, reader, report, repair, deep, progress).run()
     finally:
-        reader.close()
         writer.close()
         index.close()
         lock.release()
@@ -312,19 +316,21 @@ class _Checker(Repairs):
         stage = "payloads" if self.deep else "slots"
         sizes = [e.slot_len if self.deep else 1 for _, e, _ in entries]
         total, done = sum(sizes), 0
-        for (key, e, quarantined), n in zip(entries, sizes):
+        inside = [0 < e.offset + e.slot_len <= extents.get(e.extent, 0) for _, e, _ in entries]
+        reads = self.reader.read_each(  # a quarantined slot is read whole
+            (extent_path(self.path, e.extent), e.offset, e.slot_len if q or self.deep else PAGE)
+            for (_, e, q), ok in zip(entries, inside) if ok)
+        for (key, e, quarantined), n, ok in zip(entries, sizes, inside):
             self.progress(stage, done, total)
             done += n
-            size = extents.get(e.extent, 0)
-            if size == 0 or e.offset + e.slot_len > size:
+            if not ok:
                 continue
-            p = extent_path(self.path, e.extent)
+            raw = next(reads)
             where = dict(extent=e.extent, offset=e.offset, length=e.slot_len, key=key.hex())
             if quarantined:
-                self._check_quarantined(key, e, p, where)
+                self._check_quarantined(key, e, raw, where)
                 continue
             try:
-                raw = self.reader.read(p, e.offset, e.slot_len if self.deep else PAGE)
                 verify_slot(raw, key, e, self.deep)
                 if self.deep:
                     self.report.payloads_verified += 1
@@ -339,11 +345,11 @@ class _Checker(Repairs):
                 self.free_bad_slot(f, key, e, quarantined=False)
         self.progress(stage, total, total)
 
-    def _check_quarantined(self, key: bytes, e: IndexEntry, path: str,
+    def _check_quarantined(self, key: bytes, e: IndexEntry, raw: bytes | OSError,
                            where: dict[str, Any]) -> None:
         """Step 5: a quarantined slot read again, whole (see the module docstring)."""
         try:
-            verify_slot(self.reader.read(path, e.offset, e.slot_len), key, e, True)
+            verify_slot(raw, key, e, True)
         except OSError as err:
             self.unreadable(f"quarantined block {key.hex()} cannot be read; left in "
                             "quarantine, read again by the next fsck or scrub", err, **where)

@@ -44,6 +44,7 @@ from kvstore.index.index import (
     Txn,
     init_meta,
 )
+from kvstore.io.protocol import IOEngine
 from kvstore.tools.fsck_files import ExtentReader, Unreadable, verified_slots
 from kvstore.tools.fsck_report import DAMAGE, Finding, ProgressFn, Report
 
@@ -125,8 +126,10 @@ def _free_runs(size: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return free
 
 
-def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
-    """Recreate the LMDB index from the extent files (see the module docstring)."""
+def rebuild_index(path: str, *, progress: ProgressFn | None = None,
+                  engine: IOEngine | None = None) -> Report:
+    """Recreate the LMDB index from the extent files (see the module docstring), read
+    through ``engine`` (as ``fsck.check`` reads them: kvstore/tools/fsck_files.py)."""
     path = os.path.abspath(path)
     started = time.perf_counter()
     report = Report(path=path, deep=True, repair=True)
@@ -134,43 +137,48 @@ def rebuild_index(path: str, *, progress: ProgressFn | None = None) -> Report:
     directory = layout.extents_dir(path)
     _require_extents(path, directory)  # before the lock: a foreign directory gets nothing
     lock = StoreLock(path)  # the same lock the store takes
-    reader = ExtentReader()
     try:
-        found = _read_headers(path, directory, reader, report)
-        uuids = Counter(x.header.store_uuid for x in found.values() if x.header is not None)
-        uuid = uuids.most_common(1)[0][0] if uuids else os.urandom(16)
-        extents: dict[int, _Extent] = {}
-        for extent_id, x in sorted(found.items()):
-            if x.header is not None and x.header.store_uuid != uuid:
-                report.findings.append(Finding("bad-extent-header", DAMAGE, f"{x.path} belongs "
-                                               "to another store; left out", fixed=True))
-            else:
-                extents[extent_id] = x
-        best: dict[bytes, tuple[int, int, SlotHeader]] = {}
-        total, done = sum(x.size for x in extents.values()), 0
-        for extent_id, x in extents.items():
-            size = min(x.size, os.fstat(reader.fd(x.path)).st_size)
-            for off, header in verified_slots(reader, x.path, PAGE, size - PAGE,
-                                              x.unreadable.append):
-                old = best.get(header.key)
-                if old is None or old[2].seq < header.seq:
-                    best[header.key] = (extent_id, off, header)
-            for bad in x.unreadable:
-                report.findings.append(Finding(
-                    "unreadable", DAMAGE, f"{x.path}: {bad.describe()}; kept out of the free "
-                    "space (rebuild again once it reads)", extent=extent_id, offset=bad.offset,
-                    length=bad.length, errno=bad.error.errno))
-            done += x.size
-            progress("extents", done, total)
-        _write_index(path, uuid, extents, best)
-        report.blocks = len(best)
-        report.extents = len(extents)
-        report.payloads_verified = len(best)
+        with ExtentReader(engine) as reader:
+            _rebuild(path, directory, reader, report, progress)
     finally:
-        reader.close()
         lock.release()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _rebuild(path: str, directory: str, reader: ExtentReader, report: Report,
+             progress: ProgressFn) -> None:
+    """Steps 2 to 4, under the store lock."""
+    found = _read_headers(path, directory, reader, report)
+    uuids = Counter(x.header.store_uuid for x in found.values() if x.header is not None)
+    uuid = uuids.most_common(1)[0][0] if uuids else os.urandom(16)
+    extents: dict[int, _Extent] = {}
+    for extent_id, x in sorted(found.items()):
+        if x.header is not None and x.header.store_uuid != uuid:
+            report.findings.append(Finding("bad-extent-header", DAMAGE, f"{x.path} belongs "
+                                           "to another store; left out", fixed=True))
+        else:
+            extents[extent_id] = x
+    best: dict[bytes, tuple[int, int, SlotHeader]] = {}
+    total, done = sum(x.size for x in extents.values()), 0
+    for extent_id, x in extents.items():
+        size = min(x.size, os.fstat(reader.fd(x.path)).st_size)
+        for off, header in verified_slots(reader, x.path, PAGE, size - PAGE,
+                                          x.unreadable.append):
+            old = best.get(header.key)
+            if old is None or old[2].seq < header.seq:
+                best[header.key] = (extent_id, off, header)
+        for bad in x.unreadable:
+            report.findings.append(Finding(
+                "unreadable", DAMAGE, f"{x.path}: {bad.describe()}; kept out of the free "
+                "space (rebuild again once it reads)", extent=extent_id, offset=bad.offset,
+                length=bad.length, errno=bad.error.errno))
+        done += x.size
+        progress("extents", done, total)
+    _write_index(path, uuid, extents, best)
+    report.blocks = len(best)
+    report.extents = len(extents)
+    report.payloads_verified = len(best)
 
 
 def _write_index(path: str, uuid: bytes, extents: dict[int, _Extent],

@@ -1,8 +1,9 @@
 """fsck on a device that returns I/O errors: an operator's tool reports, it does not crash,
 and ``--repair`` never writes over what it could not read.
 
-The reads fail through the seam the other fsck tests use (``tests/read_faults.py``:
-``preadv`` of ``kvstore.tools.fsck_files`` fails with EIO where a :class:`ReadFaults` aims).
+The reads fail through the seam the engine tests use (``tests/read_faults.py``: the
+``preadv`` of the thread-pool engine fsck reads through fails with EIO where a
+:class:`ReadFaults` aims).
 Before, an unreadable extent header or a page of free space under ``--deep`` ended the
 check with the raw ``OSError`` (the command: "error: Input/output error", exit 2, no
 report), and so did ``--rebuild-index``.  Writes that fail (``--repair`` on an
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-import kvstore.tools.fsck_files
+import kvstore.io.threads
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import PAGE, IndexEntry
 from kvstore.tools import fsck
@@ -37,7 +38,7 @@ def failing(path: Path, extent: int, offset: int, length: int) -> Iterator[ReadF
     """fsck's reads of ``[offset, offset + length)`` of the extent file fail with EIO."""
     faults = ReadFaults(extent_path(str(path), extent), offset, length)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(kvstore.tools.fsck_files, "os", _FaultyOs(faults))
+        m.setattr(kvstore.io.threads, "os", _FaultyOs(faults))
         yield faults
 
 

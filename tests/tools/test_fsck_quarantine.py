@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import kvstore
+import kvstore.io.threads
 import kvstore.tools.fsck
-import kvstore.tools.fsck_files
 from kvstore.disk.extents import extent_path
 from kvstore.disk.format import IndexEntry
 from kvstore.testing import parts
@@ -72,7 +72,7 @@ def _repair_unable_to_read(path: Path, entry: IndexEntry, monkeypatch: pytest.Mo
     faults = ReadFaults()
     faults.aim(str(path), entry)
     with monkeypatch.context() as m:
-        m.setattr(kvstore.tools.fsck_files, "os", _FaultyOs(faults))
+        m.setattr(kvstore.io.threads, "os", _FaultyOs(faults))
         return fsck.check(str(path), repair=True)
 
 
