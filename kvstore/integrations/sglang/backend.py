@@ -5,7 +5,8 @@ Launch (docs/sglang.md)::
     python -m sglang.launch_server --model-path ... --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
         '{"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
-          "class_name": "KVStoreHiCache", "interface_v1": 1, "path": "/nvme/kvstore"}'
+          "class_name": "KVStoreHiCache", "interface_v1": 1,
+          "hicache_storage_pass_prefix_keys": true, "path": "/nvme/kvstore"}'
 
 SGLang's factory (``sglang/srt/mem_cache/storage/backend_factory.py``) imports this
 module and calls ``KVStoreHiCache(storage_config, kwargs)``; the cache controller then
