@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvstore.testing import parts
 from tests.conformance import flip_payload_bit
@@ -236,3 +238,57 @@ def test_v2_calls_check_their_input(tmp_path: Path) -> None:
         assert backend.batch_exists(HASHES) == 3 and backend.store.stats().blocks == 6
     finally:
         backend.close()
+
+
+PATTERN_PAGES = 8
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batch_exists_v2_answers_as_sglangs_file_backend(tmp_path: Path, kind: str) -> None:
+    """Which pages are stored (any pattern: holes in the KV prefix and in the sidecar
+    pages) and which hit policy and window: ``batch_exists_v2`` answers exactly as
+    SGLang's reference implementation, ``HiCacheFile``, given the same pages."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    h = hybrid(kind)
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="tiny/hybrid", extra_config={**EXTRA, "path": str(tmp_path / "kvstore")})
+    ours = StorageBackendFactory.create_backend("dynamic", config, h.kv)
+    theirs = HiCacheFile(config, file_path=str(tmp_path / "file"))
+    for backend in (ours, theirs):
+        backend.register_mem_pool_host(h.kv)
+        for entry in h.group().entries:
+            backend.register_mem_host_pool_v2(entry.host_pool, entry.name)
+    side_page = h.saved(0)  # one sidecar page's host indices
+    side_page.host_indices = side_page.host_indices[:len(side_page.host_indices)
+                                                    // len(side_page.keys)]
+    examples = iter(range(10**6))
+
+    @given(kv=st.lists(st.booleans(), min_size=PATTERN_PAGES, max_size=PATTERN_PAGES),
+           side=st.lists(st.booleans(), min_size=PATTERN_PAGES, max_size=PATTERN_PAGES),
+           window=st.integers(1, 3), policy=st.sampled_from(
+               [PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES]))
+    def same_answer(kv: list[bool], side: list[bool], window: int,
+                    policy: PoolHitPolicy) -> None:
+        tokens = [next(examples)] * PATTERN_PAGES * PAGE  # fresh hashes each example
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        for backend in (ours, theirs):
+            for i in range(PATTERN_PAGES):
+                if kv[i]:
+                    assert backend.batch_set([hashes[i]], [h.kv.get_data_page(i * PAGE)])
+                if side[i]:
+                    one = PoolTransfer(h.name, host_indices=side_page.host_indices,
+                                       keys=[hashes[i]])
+                    assert backend.batch_set_v2([one]) == {h.name: [True]}
+        asked = [PoolTransfer(h.name, keys=["__placeholder__"] * window, hit_policy=policy)]
+        got, want = ours.batch_exists_v2(hashes, asked), theirs.batch_exists_v2(hashes, asked)
+        assert (got.kv_hit_pages, got.restorable_prefix_pages, got.extra_pool_hit_pages) == \
+            (want.kv_hit_pages, want.restorable_prefix_pages, want.extra_pool_hit_pages)
+
+    try:
+        same_answer()
+    finally:
+        ours.close()
