@@ -16,11 +16,14 @@ from kvstore.testing import parts
 from tests.integrations.sglang.controller import (
     HostPoolGroup,
     PoolEntry,
+    PoolHitPolicy,
     PoolName,
+    PoolTransfer,
     attach,
     backup,
     get_storage_hash_str,
     hit_query,
+    mamba_pool,
     mha_pool,
 )
 
@@ -76,3 +79,47 @@ def test_eviction_leaves_no_hole_without_prefix_keys(tmp_path: Path,
     finally:
         backend.close()
 
+
+
+def test_eviction_never_keeps_a_state_without_its_pages(tmp_path: Path) -> None:
+    """A Mamba hybrid (two 150-page nodes per request, a state at each node's end,
+    backed up with prefix keys as the launch line sets them) into room for about 750
+    pages: a state still stored always has every KV page it needs, and the
+    controller's hit is the longest length whose pages and state are stored."""
+    kv = mha_pool(PAGES * PAGE, PAGE, layers=1, heads=1)
+    states = mamba_pool(4)
+    group = HostPoolGroup([
+        PoolEntry(PoolName.KV, kv, None, lambda i: i, is_primary_index_anchor=True),
+        PoolEntry(PoolName.MAMBA, states, None, lambda i: i)])
+    g = torch.Generator().manual_seed(4)
+    for buf in (kv.kv_buffer, states.temporal_buffer, *states.conv_buffer):
+        buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+    cc = attach(group, PAGE, {**EXTRA, "path": str(tmp_path),
+                              "capacity_bytes": 750 * 2 * 4096})
+    backend = cc.storage_backend
+    requests = [list(range(r * 10**6, r * 10**6 + PAGES * PAGE)) for r in range(REQUESTS)]
+    hashes = [get_storage_hash_str(t, None, page_size=PAGE) for t in requests]
+    half = PAGES // 2
+
+    def state(slot: int, keys: list[str]) -> PoolTransfer:
+        return PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([slot]), keys=keys,
+                            hit_policy=PoolHitPolicy.TRAILING_PAGES)
+
+    try:
+        for tokens, keys in zip(requests, hashes):
+            for node, (start, end) in enumerate(((0, half), (half, PAGES))):
+                op = backup(cc, torch.arange(start * PAGE, end * PAGE),
+                            tokens[start * PAGE:end * PAGE], keys[start:end],
+                            prefix_keys=keys[:start], pool_transfers=[state(node, [keys[end - 1]])])
+                assert op.completed_tokens == (end - start) * PAGE
+        assert backend.store.stats().evicted_blocks > 0
+        for tokens, keys in zip(requests, hashes):
+            pages = sum(backend.store.contains_many(backend._keys(keys))) // 2
+            assert hit_query(cc, tokens) // PAGE == pages  # no KV page behind a hole
+            at = [p for p in (half, PAGES) if backend.store.contains_many(
+                backend._sidecars.keys(PoolName.MAMBA, [keys[p - 1]]))[0]]
+            assert all(p <= pages for p in at), (at, pages)  # no state without its pages
+            hit = hit_query(cc, tokens, [state(2, ["__placeholder__"])])
+            assert hit == max(at, default=0) * PAGE
+    finally:
+        backend.close()
