@@ -194,7 +194,8 @@ def test_a_restart_with_another_state_dtype_restores_nothing(tmp_path: Path) -> 
         cc.storage_backend.close()
 
 
-def test_pools_it_cannot_store_are_refused_at_attach(tmp_path: Path) -> None:
+def test_pools_it_cannot_store_are_refused_at_attach(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     kv = mha_pool(16 * PAGE, PAGE, KV_LAYERS)
     group = HostPoolGroup([
         PoolEntry(PoolName.KV, kv, None, lambda i: i, is_primary_index_anchor=True),
@@ -202,18 +203,17 @@ def test_pools_it_cannot_store_are_refused_at_attach(tmp_path: Path) -> None:
     backends: list[Any] = []
     from kvstore.integrations.sglang import backend as module
 
-    class Recording(module.KVStoreHiCache):
+    class Recording(module.KVStoreHiCache):  # the backend, remembered to be closed
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             backends.append(self)
 
-    module.Recording = Recording  # type: ignore[attr-defined]
+    monkeypatch.setattr(module, "Recording", Recording, raising=False)
     try:
         with pytest.raises(NotImplementedError, match="'indexer' is not supported"):
             attach(group, PAGE, {**EXTRA, "path": str(tmp_path),
                                  "module_path": module.__name__, "class_name": "Recording"})
     finally:
-        del module.Recording  # type: ignore[attr-defined]
         for b in backends:
             b.close()
     assert len(backends) == 1
