@@ -176,6 +176,30 @@ def test_a_corrupted_sidecar_page_makes_the_whole_hit_shorter(tmp_path: Path,
         cc.storage_backend.close()
 
 
+def test_a_corrupted_kv_page_of_a_hybrid_makes_the_whole_hit_shorter(tmp_path: Path) -> None:
+    h = hybrid("mamba")
+    extra = {**EXTRA, "path": str(tmp_path)}
+    cc = attach(h.group(), PAGE, extra)
+    save_both_nodes(cc, h)
+    backend = cc.storage_backend
+    bad = backend._keys(HASHES[4:5])[0]  # the K block of page 4 (node 2)
+    entry = parts(backend.store.store).index.get_entries([bad])[0]
+    backend.close()
+    assert entry is not None
+    flip_payload_bit(tmp_path, entry)
+
+    cc = attach(h.group(), PAGE, extra)
+    try:
+        hit, op, acks = prefetch(cc, TOKENS, 20 * PAGE, [h.wanted()])
+        assert hit == 6 * PAGE and acks[0].completed_tokens == 4 * PAGE
+        assert acks[-1].pool_hits == {}  # KV fell short: no state read, SGLang drops it
+        hit, op, acks = prefetch(cc, TOKENS, 30 * PAGE, [h.wanted()])
+        assert (hit, op.pool_storage_result.restorable_prefix_pages) == (3 * PAGE, [3])
+        assert [h.page(p) for p in h.loaded_pages()] == [h.page(p) for p in h.saved_pages(0)]
+    finally:
+        cc.storage_backend.close()
+
+
 def test_a_restart_with_another_state_dtype_restores_nothing(tmp_path: Path) -> None:
     extra = {**EXTRA, "path": str(tmp_path)}
     h = hybrid("mamba")
