@@ -20,4 +20,12 @@ py="${1:-python}"
     transformers==5.19.0 tokenizers==0.23.2 safetensors==0.8.0 pyyaml==6.0.4 \
     filelock==4.3.1 regex==2026.11.19 huggingface_hub==2.4.0 httpx2==2.16.2 \
     httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0
+# SGLang's own HiCache controller (tests/integrations/sglang/controller.py) imports these
+# too; pinned to the versions its tests ran with (sglang pins apache-tvm-ffi 0.1.11,
+# compressed-tensors 0.18.0 and sentencepiece 0.2.1 for its GPU build; only the import
+# is needed here).  torchvision, which two of its model configs import, has no CPU build
+# on PyPI: the tests stand in for it while they import the controller.
+"$py" -m pip install -q --no-deps apache-tvm-ffi==0.1.15.post2 dill==0.4.1 \
+    sentencepiece==0.2.3 compressed-tensors==0.20.1 loguru==0.7.3 annotated-types==0.8.0 \
+    gguf==0.19.0
 "$py" -c "import sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.hicache_storage; import torch; print('sglang HiCache storage interface imports; torch', torch.__version__)"

@@ -1,7 +1,9 @@
 """kvstore as SGLang HiCache's storage backend: the backend class SGLang's dynamic
-backend loader instantiates (``backend``: ``KVStoreHiCache``), its options, rank
-directories and each rank's share of the capacity (``config``: ``BackendConfig``), and
-what it reports (``storage_stats``); all but ``backend`` import without SGLang.  It may import
+backend loader instantiates (``backend``: ``KVStoreHiCache``), its v2 (hybrid) calls
+(``hybrid``) over SGLang's sidecar host pools (``sidecars``), the chains across SGLang's
+backup batches (``chains``), its options, rank directories and each rank's share of the
+capacity (``config``: ``BackendConfig``), and what it reports (``storage_stats``);
+``config``, ``chains`` and ``storage_stats`` import without SGLang.  It may import
 the public API, :mod:`kvstore.codecs`, the remote tier's options and
 :mod:`kvstore.integrations.common`.  SGLang names the backend by this package
 (``"module_path": "kvstore.integrations.sglang"``), so its public names are re-exported

@@ -5,7 +5,8 @@ Launch (docs/sglang.md)::
     python -m sglang.launch_server --model-path ... --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
         '{"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang",
-          "class_name": "KVStoreHiCache", "interface_v1": 1, "path": "/nvme/kvstore"}'
+          "class_name": "KVStoreHiCache", "interface_v1": 1,
+          "hicache_storage_pass_prefix_keys": true, "path": "/nvme/kvstore"}'
 
 SGLang's factory (``sglang/srt/mem_cache/storage/backend_factory.py``) imports this
 module and calls ``KVStoreHiCache(storage_config, kwargs)``; the cache controller then
@@ -21,8 +22,15 @@ a view of the host pool (``get_data_page(index, flat=False)``), contiguous in th
 store's staging arena and a get reads it straight into the pool (``out=``).  In
 ``layer_first`` the view is strided (one run per layer): a get still scatters straight
 into it, a put gathers it once.  The blocks of consecutive pages form one chain
-(``parents``: K0 <- V0 <- K1 <- V1 ...), so eviction never leaves a hole in a prefix and
-``batch_exists`` is one ``match_prefix``.
+(``parents``: K0 <- V0 <- K1 <- V1 ...), also across SGLang's 128-page batches
+(:mod:`.chains`, with or without SGLang's prefix keys), so eviction never leaves a hole
+in a prefix and ``batch_exists`` is one ``match_prefix``.
+
+Hybrid models.  SGLang's ``HybridCacheController`` registers its host pool group with
+``register_mem_host_pool_v2`` and moves the sidecar pools' pages (a Mamba state, a
+sliding-window KV pool) with ``batch_set_v2`` / ``batch_get_v2`` / ``batch_exists_v2``:
+stored beside the KV pages, all or nothing, in :mod:`.sidecars`; a pool it cannot store
+is refused when SGLang registers it.
 
 Keys.  SGLang names a page by a hex hash it chains itself over the tokens; each block's
 key is that hash (plus ``#k``/``#v``) scoped by a :class:`~kvstore.keys.Namespace`:
@@ -48,7 +56,6 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
@@ -56,9 +63,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvstore.blocking import BlockingStore, open_blocking
 from kvstore.errors import KVStoreError
 from kvstore.integrations.common.extra_config import store_open_options
+from kvstore.integrations.sglang.chains import BatchChains
 from kvstore.integrations.sglang.config import BackendConfig, rank_store
+from kvstore.integrations.sglang.hybrid import HybridCalls
+from kvstore.integrations.sglang.sidecars import PagePort, SidecarPools
 from kvstore.integrations.sglang.storage_stats import BatchStats, KVStoreStorageStats
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, chain_parents
 
 __all__ = ["KVStoreHiCache", "KVStoreStorageStats"]
 
@@ -70,7 +80,7 @@ _LAYOUTS = {"layer_first", "page_first", "page_first_direct", "page_head"}
 _MARKER_BATCH = 64
 
 
-class KVStoreHiCache(HiCacheStorage):
+class KVStoreHiCache(HybridCalls):
     """SGLang ``HiCacheStorage`` backed by a kvstore store; see the module doc."""
 
     def __init__(self, storage_config: HiCacheStorageConfig,
@@ -104,6 +114,10 @@ class KVStoreHiCache(HiCacheStorage):
         self._seg_shape: tuple[int, ...] = ()
         self._page_bytes = 0
         self._store: BlockingStore = open_blocking(self.path, **store_open_options(store))
+        self._chains = BatchChains()
+        self._sidecars = SidecarPools(PagePort(
+            scope=self._namespace, page_tails=self._page_tails, kv_prefix=self.batch_exists,
+            contains=self._store.contains_many, put=self._put, get=self._get))
         logger.info("%s: store %s (engine %s), model %r", _P, self.path,
                     self._store.stats().engine, self.model)
 
@@ -193,13 +207,24 @@ class KVStoreHiCache(HiCacheStorage):
             return [ns.engine_key(k.encode()) for k in keys]
         return [ns.engine_key(f"{k}{tag}".encode()) for k in keys for tag in ("#k", "#v")]
 
-    def _parents(self, store_keys: list[bytes], extra_info: HiCacheStorageExtraInfo | None
-                 ) -> list[bytes | None]:
-        first: bytes | None = None
+    def _page_tails(self, keys: Sequence[str]) -> list[bytes]:
+        """The last block (in chain order) of each page: what the next page, or a
+        sidecar page of the same hash, follows."""
+        return self._keys(keys)[self._segments - 1::self._segments]
+
+    def _put_pages(self, keys: list[str], values: list[torch.Tensor],
+                   extra_info: HiCacheStorageExtraInfo | None) -> bool:
+        """Put a batch of KV pages as one chain that continues the pages before it
+        (``kvstore/integrations/sglang/chains.py``)."""
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
-        if prefix:
-            first = self._keys([prefix[-1]])[-1]
-        return [first, *store_keys[:-1]] if store_keys else []
+        if extra_info is not None and prefix is None:
+            self._chains.warn_without_prefix_keys()
+        store_keys = self._keys(keys)
+        first = self._chains.first_parent(
+            self._page_tails(prefix[-1:])[0] if prefix else None, prefix is not None)
+        ok = self._put(store_keys, values, chain_parents(store_keys, first))
+        self._chains.written(len(keys), store_keys[-1], ok, prefix is not None)
+        return ok
 
     def _page_views(self, host_indices: torch.Tensor, n: int) -> list[torch.Tensor]:
         page_size = self._pool.page_size
@@ -228,8 +253,7 @@ class KVStoreHiCache(HiCacheStorage):
         if not keys:
             return []
         start = time.perf_counter()
-        ok = self._put(self._keys(keys), self._page_views(host_indices, len(keys)),
-                       extra_info)
+        ok = self._put_pages(keys, self._page_views(host_indices, len(keys)), extra_info)
         if ok and self.enable_metrics:
             self._batches.record(False, len(keys), len(keys) * self._page_bytes,
                                  time.perf_counter() - start)
@@ -284,7 +308,7 @@ class KVStoreHiCache(HiCacheStorage):
         if values is None or len(values) != len(keys):
             raise ValueError(f"{_P}: batch_set needs one value per key")
         segments = [s for v in values for s in self._flat_segments(v.reshape(-1))]
-        return self._put(self._keys(keys), segments, None)
+        return self._put_pages(keys, segments, None)
 
     def exists(self, key: str) -> bool:
         return all(self._store.contains_many(self._keys([key])))
@@ -335,9 +359,9 @@ class KVStoreHiCache(HiCacheStorage):
         return self._pool
 
     def _put(self, keys: list[bytes], values: list[torch.Tensor],
-             extra_info: HiCacheStorageExtraInfo | None) -> bool:
+             parents: list[bytes | None]) -> bool:
         try:
-            result = self._store.put_many(keys, values, parents=self._parents(keys, extra_info),
+            result = self._store.put_many(keys, values, parents=parents,
                                           background=self.config.background_saves)
         except KVStoreError as e:
             logger.warning("%s: saving %d blocks failed: %s", _P, len(keys), e)

@@ -529,3 +529,51 @@ def test_sglang_failure_injector_wraps_the_backend(tmp_path: Path,
         assert isinstance(backend.get_stats().kvstore, dict)
     finally:
         backend.close()
+
+
+def test_batches_without_prefix_keys_continue_their_own_threads_full_batch(
+        tmp_path: Path) -> None:
+    """SGLang's defaults (no prefix keys): a batch that follows a full 128-page batch on
+    the same thread continues its chain (SGLang cuts only an operation's last batch
+    short), whatever other threads write in between; a short batch ends it."""
+    pool = MHAPool("page_first")
+    fill(pool, 10)
+    backend = make_backend(tmp_path, pool)
+    none = HiCacheStorageExtraInfo(prefix_keys=None)
+    a, b = hashes(131, tag="a"), hashes(3, tag="b")
+    pages = [i % (SIZE // PAGE) for i in range(128)]
+    a_full, b_done = threading.Event(), threading.Event()
+    results: dict[str, list[bool]] = {}
+
+    def thread_a() -> None:
+        try:
+            results["a1"] = backend.batch_set_v1(a[:128], indices(pages), none)
+        finally:  # a failure ends the test, never hangs it
+            a_full.set()
+        b_done.wait()
+        results["a2"] = backend.batch_set_v1(a[128:130], indices([0, 1]), none)
+        results["a3"] = backend.batch_set_v1(a[130:], indices([2]), none)  # after a short one
+
+    def thread_b() -> None:
+        a_full.wait()
+        try:
+            results["b"] = backend.batch_set_v1(b, indices([3, 4, 5]), none)
+        finally:
+            b_done.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert all(all(ok) for ok in results.values()) and len(results) == 4
+        keys_a, keys_b = backend._keys(a), backend._keys(b)
+        index = parts(backend.store.store).index
+        parents = [e.parent if e is not None else b"?" for e in index.get_entries(keys_a)]
+        assert parents[:260] == [None, *keys_a[:259]]  # one chain across both batches
+        assert parents[260] is None  # the batch after a short one begins another
+        assert index.get_entries(keys_b[:1])[0].parent is None  # not after a's batch
+        assert backend.batch_exists(a) == 131
+    finally:
+        backend.close()
