@@ -18,6 +18,7 @@ from kvstore.core.snapshot import (
     DEFAULT_PAGE_BLOCKS,
     KEY_ORDER,
     StoredBlock,
+    check_snapshot,
     read_page,
     snapshot_pages,
 )
@@ -52,6 +53,7 @@ class StoreEvents:
         after :meth:`subscribe`, it and that subscription's events give the exact
         content (docs/events.md)."""
         self._ops.check_open()
+        check_snapshot(page_blocks, order)
         return snapshot_pages(self._snapshot_page, page_blocks, order)
 
     async def _snapshot_page(self, after: bytes | None, limit: int) -> list[StoredBlock]:

@@ -140,7 +140,9 @@ class Subscription:
         with self._lock:
             items, room = self._items, self.max_events - len(self._items)
             gap = self._gap
-            if gap is not None and room > 0:  # the consumer made room: the gap goes first
+            # The consumer made room: the gap goes in first, if an event fits after it
+            # (else the gap grows: two gaps never touch; an empty buffer hands it out).
+            if gap is not None and room > 1:
                 items.append(EventGap(*gap))
                 gap, room = None, room - 1
             # Once a gap is open, nothing more is taken until it is in the buffer: the

@@ -26,7 +26,7 @@ import anyio
 from kvstore.disk.format import IndexEntry
 
 __all__ = ["DEFAULT_PAGE_BLOCKS", "KEY_ORDER", "ORDERS", "PARENTS_FIRST", "StoredBlock",
-           "parents_first", "read_page", "snapshot_pages"]
+           "check_snapshot", "parents_first", "read_page", "snapshot_pages"]
 
 DEFAULT_PAGE_BLOCKS = 4096
 KEY_ORDER, PARENTS_FIRST = "key", "parents_first"
@@ -55,14 +55,19 @@ def read_page(index: RowSource, after: bytes | None, limit: int) -> list[StoredB
             for key, row in index.block_rows_after(after, limit)]
 
 
-async def snapshot_pages(read: PageReader, page_blocks: int, order: str
-                         ) -> AsyncIterator[list[StoredBlock]]:
-    """The store's blocks in pages of ``page_blocks`` (the last may be shorter; none for
-    an empty store), in key order or parents first."""
+def check_snapshot(page_blocks: int, order: str) -> None:
+    """ValueError for a page size that is not a positive int or an unknown order."""
     if not isinstance(page_blocks, int) or isinstance(page_blocks, bool) or page_blocks < 1:
         raise ValueError(f"page_blocks must be a positive int, got {page_blocks!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+
+
+async def snapshot_pages(read: PageReader, page_blocks: int, order: str
+                         ) -> AsyncIterator[list[StoredBlock]]:
+    """The store's blocks in pages of ``page_blocks`` (the last may be shorter; none for
+    an empty store), in key order or parents first (arguments checked by
+    :func:`check_snapshot`)."""
     if order == KEY_ORDER:
         async for page in _key_pages(read, page_blocks):
             yield page
