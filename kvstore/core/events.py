@@ -3,11 +3,11 @@
 Events come from the index writer (:mod:`kvstore.index.journal`): after each commit that
 changed content, :meth:`EventHub.publish` numbers the transaction's records (one ``seq``
 per store open, from 1, in commit order) and offers them to every subscription, on the
-writer thread.  An offer takes a lock for the length of a few deque appends and never
-waits for a consumer: each :class:`Subscription` keeps at most ``max_events`` items, and
-what does not fit is dropped, counted, and delivered in its place as one
-:class:`EventGap` naming the ``seq`` range lost, so the consumer knows to resynchronise
-(``Store.snapshot``).  A consumer that is slow, blocked, cancelled or gone costs the
+writer thread.  An offer takes a lock for the length of one deque append (the
+transaction's records, shared, not copied) and never waits for a consumer: each
+:class:`Subscription` keeps at most ``max_events`` items, and what does not fit is
+dropped, counted, and delivered in its place as one :class:`EventGap` naming the
+``seq`` range lost, so the consumer knows to resynchronise (``Store.snapshot``).  A consumer that is slow, blocked, cancelled or gone costs the
 store one bounded buffer, never a wait.
 
 A subscription is registered by a job on the writer thread, so every transaction that
@@ -78,15 +78,18 @@ class EventHub:
         return bool(self._subs)
 
     def publish(self, records: Sequence[Record]) -> None:
-        """Number a committed transaction's records and offer them (writer thread)."""
+        """Number a committed transaction's records and offer them (writer thread).
+
+        The records are shared, not copied: each subscription keeps a reference (the
+        journal is not touched after its commit) and its consumer makes the
+        :class:`BlockEvent` objects as it reads them, so the writer's cost per event is
+        the journal's one append."""
         with self._lock:
             first = self._seq + 1
-            events = [BlockEvent(first + i, kind, key, parent)
-                      for i, (kind, key, parent) in enumerate(records)]
-            self._seq += len(events)
-            self.published += len(events)
+            self._seq += len(records)
+            self.published += len(records)
             for sub in self._subs:
-                self.dropped += sub.offer(events)
+                self.dropped += sub.offer(first, records)
 
     @property
     def subscribers(self) -> int:
@@ -125,7 +128,12 @@ class Subscription:
             raise ValueError(f"max_events must be a positive int, got {max_events!r}")
         self._hub, self._writer, self.max_events = hub, writer, max_events
         self._lock = threading.Lock()
-        self._items: deque[BlockEvent | EventGap] = deque()
+        # One entry per transaction taken, (seq of its first record, its records), or a
+        # gap; _pos is the next record of the head entry, _count what the buffer holds
+        # (events and gaps), bounded by max_events.
+        self._chunks: deque[tuple[int, Sequence[Record]] | EventGap] = deque()
+        self._pos = 0
+        self._count = 0
         self._gap: tuple[int, int, int] | None = None  # dropped, not yet in the buffer
         self._waiter: anyio.Event | None = None
         self._wake: Callable[[Callable[[], object]], object] | None = None
@@ -134,26 +142,28 @@ class Subscription:
 
     # ------------------------------------------------------------------ the store's side
 
-    def offer(self, events: Sequence[BlockEvent]) -> int:
-        """Take what fits of one transaction's events; returns how many were dropped
-        (writer thread; never waits)."""
+    def offer(self, first: int, records: Sequence[Record]) -> int:
+        """Take what fits of one transaction's records (numbered from ``first``); returns
+        how many were dropped (writer thread; never waits)."""
+        n = len(records)
         with self._lock:
-            items, room = self._items, self.max_events - len(self._items)
-            gap = self._gap
+            room, gap = self.max_events - self._count, self._gap
             # The consumer made room: the gap goes in first, if an event fits after it
             # (else the gap grows: two gaps never touch; an empty buffer hands it out).
             if gap is not None and room > 1:
-                items.append(EventGap(*gap))
-                gap, room = None, room - 1
+                self._chunks.append(EventGap(*gap))
+                gap, room, self._count = None, room - 1, self._count + 1
             # Once a gap is open, nothing more is taken until it is in the buffer: the
             # consumer must meet the gap before any event that follows it.
-            take = events[:0] if gap is not None else events[:max(room, 0)]
-            items.extend(take)
-            lost = len(events) - len(take)
+            take = 0 if gap is not None else min(max(room, 0), n)
+            if take:
+                self._chunks.append((first, records if take == n else records[:take]))
+                self._count += take
+            lost = n - take
             if lost:
-                start = events[len(take)].seq
-                gap = (gap[0], events[-1].seq, gap[2] + lost) if gap is not None else \
-                    (start, events[-1].seq, lost)
+                last = first + n - 1
+                gap = (gap[0], last, gap[2] + lost) if gap is not None else \
+                    (first + take, last, lost)
                 self.dropped += lost
             self._gap = gap
             self._notify()
@@ -191,7 +201,7 @@ class Subscription:
     def pending(self) -> int:
         """Items waiting for the consumer (a gap not yet delivered counts as one)."""
         with self._lock:
-            return len(self._items) + (self._gap is not None)
+            return self._count + (self._gap is not None)
 
     def __aiter__(self) -> Subscription:
         return self
@@ -213,8 +223,22 @@ class Subscription:
             return self._pop()
 
     def _pop(self) -> BlockEvent | EventGap | None:  # with the lock held
-        if self._items:
-            return self._items.popleft()
+        chunks = self._chunks
+        if chunks:
+            head = chunks[0]
+            self._count -= 1
+            if isinstance(head, EventGap):
+                chunks.popleft()
+                return head
+            first, records = head
+            i = self._pos
+            if i + 1 == len(records):
+                chunks.popleft()
+                self._pos = 0
+            else:
+                self._pos = i + 1
+            kind, key, parent = records[i]
+            return BlockEvent(first + i, kind, key, parent)
         if self._gap is not None:
             gap, self._gap = self._gap, None
             return EventGap(*gap)
