@@ -2,6 +2,7 @@
 
     python benchmarks/event_cost.py [--dir DIR] [--block 1M] [--batch 16] [--callers 2]
                                     [--capacity 1G] [--seconds 3] [--reps 10]
+                                    [--no-sync]
                                     [--out-dir benchmarks/results]
 
 One store of ``--capacity`` bytes (the default engine: io_uring and O_DIRECT where they
@@ -16,8 +17,14 @@ subscriber sees evicted events beside stored ones.
 
 Reported per repetition: put throughput with the subscriber / without (the cost is
 1 - that ratio), the process's CPU time per GB put both ways (what the events add in
-work, which the disk's own variance does not blur), and the events the subscriber read;
+work, which the disk's own variance does not blur), the share of the stream's time the
+index writer's thread spent (its CPU clock) handing events to the subscription (``EventHub.publish``: the part
+of the cost on every put's path; the journal's appends inside the index's own calls are
+not in it), and the events the subscriber read;
 then min / median / max of the ratios.  Results go to ``--out-dir/event_put_cost_<block>_at_<commit>.md`` and ``.json``.
+
+``--no-sync --dir /dev/shm`` takes the disk out: puts then cost only CPU (staging, CRC32C,
+the index commit), the case where the events' own CPU shows most.
 """
 
 from __future__ import annotations
@@ -69,10 +76,20 @@ async def _stream(store: kvstore.Store, args: argparse.Namespace, value: torch.T
         async for _ in sub:
             seen[0] += 1
 
+    hub, publishing = parts(store).events, [0.0]
+    publish = hub.publish
+
+    def timed_publish(records: Any) -> None:  # the writer thread's CPU time in the hub
+        # (its CPU clock, not the wall's: a wait for the GIL is another thread's work)
+        t = time.thread_time()
+        publish(records)
+        publishing[0] += time.thread_time() - t
+
     started, cpu = time.perf_counter(), time.process_time()
     async with anyio.create_task_group() as tg:
         sub = store.subscribe() if subscribed else None
         if sub is not None:
+            hub.publish = timed_publish  # type: ignore[method-assign]
             await sub.__aenter__()
             tg.start_soon(consumer, sub)
         async with anyio.create_task_group() as callers:
@@ -81,14 +98,16 @@ async def _stream(store: kvstore.Store, args: argparse.Namespace, value: torch.T
         if sub is not None:
             sub.close()  # the consumer reads what is left, then ends
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    vars(hub).pop("publish", None)
     return {"put_MBps": put[0] / elapsed / 1e6, "events": seen[0],
-            "cpu_s_per_GB": cpu / (put[0] / 1e9)}
+            "cpu_s_per_GB": cpu / (put[0] / 1e9), "publish_share": publishing[0] / elapsed}
 
 
 async def measure(root: str, args: argparse.Namespace) -> dict[str, Any]:
     value = torch.randint(0, 256, (args.block,), dtype=torch.uint8,
                           generator=torch.Generator().manual_seed(0))
     async with kvstore.open(os.path.join(root, "store"), capacity_bytes=args.capacity,
+                            sync=args.sync,
                             extent_bytes=min(args.capacity, 1 << 30),
                             staging_bytes=max(64 * MIB, 4 * args.batch * args.block)) as store:
         p = parts(store)
@@ -117,9 +136,10 @@ async def measure(root: str, args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python benchmarks/event_cost.py", *sys.argv[1:]]),
         "commit": _commit(), "engine": engine, "block_bytes": args.block,
         "batch": args.batch, "callers": args.callers, "seconds": args.seconds,
-        "capacity_bytes": args.capacity, "reps": reps,
+        "capacity_bytes": args.capacity, "sync": args.sync, "reps": reps,
         "ratio": summary([r["ratio"] for r in reps]),
         "cpu_ratio": summary([r["cpu_ratio"] for r in reps]),
+        "publish_share": summary([r["subscribed"]["publish_share"] for r in reps]),
         "events_published": published, "events_dropped": dropped,
         "machine": f"{info['nproc']} CPUs ({info['cpu']}), kernel {info['kernel']}, "
                    f"{info['fs_type']} on {info['fs_device']}, load {info['loadavg_start']}"}
@@ -136,7 +156,7 @@ def _size(n: int) -> str:
 
 
 def render(doc: dict[str, Any]) -> str:
-    r, c = doc["ratio"], doc["cpu_ratio"]
+    r, c, w = doc["ratio"], doc["cpu_ratio"], doc["publish_share"]
     lines = [
         f"# What one event subscriber costs durable puts, at {doc['commit']}",
         "",
@@ -144,7 +164,9 @@ def render(doc: dict[str, Any]) -> str:
         "",
         f"{doc['callers']} caller(s) putting batches of {doc['batch']} new {_size(doc['block_bytes'])} "
         f"blocks back to back for {doc['seconds']} s into a full store of "
-        f"{_size(doc['capacity_bytes'])} (so puts evict), with no subscriber and with one "
+        f"{_size(doc['capacity_bytes'])} (so puts evict; "
+        f"{'durable puts' if doc['sync'] else 'sync=False: no fdatasync'}), "
+        "with no subscriber and with one "
         "consuming every event on the same event loop, alternating order, "
         f"{len(doc['reps'])} repetitions in one process.",
         "",
@@ -152,6 +174,9 @@ def render(doc: dict[str, Any]) -> str:
         f"{r['median']:.3f}, max {r['max']:.3f}** (cost = 1 - ratio; target <= 2%).  "
         f"Process CPU seconds per GB put, with a subscriber / without: min {c['min']:.3f}, "
         f"median {c['median']:.3f}, max {c['max']:.3f} (what the events add, all threads).  "
+        f"The writer thread's CPU time handing events over (``EventHub.publish``, on "
+        f"every put's path) / the stream's time: min {100 * w['min']:.3f}%, median "
+        f"{100 * w['median']:.3f}%, max {100 * w['max']:.3f}%.  "
         f"Events published {doc['events_published']}, dropped {doc['events_dropped']}.",
         "",
         "| rep | alone MB/s | subscribed MB/s | ratio | CPU s/GB alone / subscribed | "
@@ -183,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=parse_size, default=1 << 30)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--no-sync", dest="sync", action="store_false",
+                   help="open(sync=False): no fdatasync, so with --dir on tmpfs the puts are "
+                        "CPU-bound and the disk's variance is out of the ratio")
     p.add_argument("--out-dir", default=None,
                    help="write event_put_cost_<block>_at_<commit>.md/.json")
     args = p.parse_args(argv)
@@ -193,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     text = render(doc)
     print(text)
     if args.out_dir:
+        kind = "" if args.sync else "_nosync"
         base = os.path.join(args.out_dir, f"event_put_cost_{_size(args.block).replace(' ', '')}"
-                            f"_at_{doc['commit']}")
+                            f"{kind}_at_{doc['commit']}")
         with open(base + ".md", "w", encoding="utf-8") as f:
             f.write(text)
         with open(base + ".json", "w", encoding="utf-8") as f:
