@@ -31,12 +31,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -47,7 +43,15 @@ import anyio  # noqa: E402
 import torch  # noqa: E402
 
 import kvstore  # noqa: E402
-from benchmarks.common import machine_info, parse_size, summary  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    head_commit,
+    in_scratch,
+    machine_info,
+    parse_size,
+    scratch_dir,
+    summary,
+    write_results,
+)
 from kvstore.testing import parts  # noqa: E402
 
 MIB = 1 << 20
@@ -134,7 +138,7 @@ async def measure(root: str, args: argparse.Namespace) -> dict[str, Any]:
     info = machine_info(root)
     return {
         "command": " ".join(["python benchmarks/event_cost.py", *sys.argv[1:]]),
-        "commit": _commit(), "engine": engine, "block_bytes": args.block,
+        "commit": head_commit(HERE), "engine": engine, "block_bytes": args.block,
         "batch": args.batch, "callers": args.callers, "seconds": args.seconds,
         "capacity_bytes": args.capacity, "sync": args.sync, "reps": reps,
         "ratio": summary([r["ratio"] for r in reps]),
@@ -143,12 +147,6 @@ async def measure(root: str, args: argparse.Namespace) -> dict[str, Any]:
         "events_published": published, "events_dropped": dropped,
         "machine": f"{info['nproc']} CPUs ({info['cpu']}), kernel {info['kernel']}, "
                    f"{info['fs_type']} on {info['fs_device']}, load {info['loadavg_start']}"}
-
-
-def _commit() -> str:
-    out = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def _size(n: int) -> str:
@@ -191,14 +189,6 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    root = tempfile.mkdtemp(prefix="event-cost-", dir=args.dir)
-    try:
-        return await measure(root, args)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--dir", default=None, help="scratch directory (on the disk to measure)")
@@ -214,20 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=None,
                    help="write event_put_cost_<block>_at_<commit>.md/.json")
     args = p.parse_args(argv)
-    if args.dir is None:
-        args.dir = os.path.join(HERE, ".bench-tmp")
-        os.makedirs(args.dir, exist_ok=True)
-    doc = anyio.run(main_async, args)
+    args.dir = scratch_dir(args.dir, HERE)
+    doc = anyio.run(in_scratch, "event-cost-", args.dir, lambda root: measure(root, args))
     text = render(doc)
     print(text)
     if args.out_dir:
         kind = "" if args.sync else "_nosync"
         base = os.path.join(args.out_dir, f"event_put_cost_{_size(args.block).replace(' ', '')}"
                             f"{kind}_at_{doc['commit']}")
-        with open(base + ".md", "w", encoding="utf-8") as f:
-            f.write(text)
-        with open(base + ".json", "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, default=str)
+        write_results(base, text, doc)
     return 0
 
 
