@@ -8,8 +8,8 @@ Public API (everything else is private and may change)::
         n = await store.match_prefix(keys)
         blocks = await store.get_many(keys[:n])
 
-This top folder is the public API (``store``, ``blocking``, ``options``, ``stats``,
-``errors``, ``keys``, ``metrics``) and may import every folder below it; the folders and
+This top folder is the public API (``store``, ``events``, ``blocking``, ``options``,
+``stats``, ``errors``, ``keys``, ``metrics``) and may import every folder below it; the folders and
 what each may import are in docs/architecture.md (checked by tests/test_imports.py).
 """
 
