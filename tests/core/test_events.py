@@ -17,9 +17,12 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvstore
 from kvstore import BlockEvent, EventGap, Subscription
+from kvstore.core.events import EventHub
 from kvstore.testing import parts
 from tests.concurrency import GatedEngine, real_engine, run_within
 from tests.conformance import NS, make_tensor
@@ -309,3 +312,54 @@ def test_a_put_that_finds_the_disk_full_leaves_no_event(small_fs: Path) -> None:
             assert changes(drain(sub)) == [("stored", k) for k in failed]
 
     anyio.run(run)
+
+
+@given(max_events=st.integers(1, 6),
+       steps=st.lists(st.one_of(st.integers(1, 7).map(lambda n: ("commit", n)),
+                                st.integers(0, 5).map(lambda n: ("read", n))), max_size=40))
+def test_what_a_consumer_reads_accounts_for_every_event_exactly_once(
+        max_events: int, steps: list[tuple[str, int]]) -> None:
+    """Whatever the commits' sizes and the consumer's pace: events come in ``seq`` order,
+    gaps cover exactly the events that are missing (never two touching), the buffer never
+    holds more than ``max_events`` items, and the drops are counted."""
+    hub = EventHub()
+    sub = Subscription(hub, None, max_events)  # type: ignore[arg-type]  # attached here
+    hub.attach(sub)
+    read: list[BlockEvent | EventGap] = []
+    for what, n in [*steps, ("read", 1 << 30)]:
+        if what == "commit":
+            hub.publish([("stored", i.to_bytes(16, "big"), None) for i in range(n)])
+        else:
+            for _ in range(n):
+                item = sub.next_nowait()
+                if item is None:
+                    break
+                read.append(item)
+        assert sub.pending() <= max_events + 1  # (+1: a gap waiting for room)
+    covered: list[int] = []
+    for before, item in zip([None, *read], read):
+        if isinstance(item, EventGap):
+            assert not isinstance(before, EventGap)
+            covered += range(item.first_seq, item.last_seq + 1)
+            assert item.dropped == item.last_seq - item.first_seq + 1
+        else:
+            covered.append(item.seq)
+    assert covered == list(range(1, hub.published + 1))
+    assert sub.dropped == hub.dropped == sum(g.dropped for g in read if isinstance(g, EventGap))
+
+
+@pytest.mark.anyio
+async def test_what_does_not_change_the_content_is_no_event(tmp_path: Path) -> None:
+    """Gets (and the memory tier's fills), prefetches, pins, lookups: no event."""
+    ks = chain(3)
+    async with opened(tmp_path, memory_bytes=1 << 20) as store:
+        await put_chain(store, ks)
+        async with store.subscribe() as sub:
+            await store.pin(ks[:1])
+            await store.unpin(ks[:1])
+            assert all(v is not None for v in await store.get_many(ks))
+            await store.prefetch(ks)
+            assert await store.match_prefix(ks) == 3
+            await put_chain(store, ks)  # all deduplicated
+            assert store.stats().memory_blocks > 0  # the memory tier did fill
+            assert drain(sub) == [] and store.stats().events_published == 0
