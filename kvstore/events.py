@@ -1,13 +1,15 @@
-"""The store's event calls, ``Store.subscribe`` and ``Store.snapshot`` (docs/events.md).
+"""The store's event calls, ``subscribe`` and ``snapshot`` (docs/events.md).
 
-A base class of :class:`kvstore.Store`, apart so that the store's coordinator stays
+Base classes of :class:`kvstore.Store` (:class:`StoreEvents`) and of
+:class:`kvstore.BlockingStore` (:class:`BlockingEvents`), apart so that both stay
 small; the work is in :mod:`kvstore.core.events` (the stream) and
 :mod:`kvstore.core.snapshot` (the listing).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -23,7 +25,9 @@ from kvstore.core.snapshot import (
     snapshot_pages,
 )
 
-__all__ = ["StoreEvents"]
+__all__ = ["BlockingEvents", "StoreEvents"]
+
+T = TypeVar("T")
 
 
 class StoreEvents:
@@ -60,3 +64,46 @@ class StoreEvents:
         self._ops.check_open()
         with self._ops.track():  # aclose waits for a page being read
             return await anyio.to_thread.run_sync(read_page, self._parts.index, after, limit)
+
+
+class _Facade(Protocol):
+    """What :class:`BlockingEvents` needs of ``BlockingStore``."""
+
+    @property
+    def store(self) -> StoreEvents: ...  # the Store behind the facade
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
+
+
+class BlockingEvents:
+    """``subscribe`` and ``snapshot`` for synchronous callers (``BlockingStore``)."""
+
+    def subscribe(self: _Facade, *, max_events: int = DEFAULT_MAX_EVENTS) -> Subscription:
+        """:meth:`Store.subscribe <kvstore.Store.subscribe>`, opened on the store's loop.
+        Read it from any thread with ``next_nowait()``, which never waits; ``close()`` it
+        from any thread."""
+        async def opened() -> Subscription:
+            return await self.store.subscribe(max_events=max_events).__aenter__()
+
+        return self.call(opened)
+
+    def snapshot(self: _Facade, *, page_blocks: int = DEFAULT_PAGE_BLOCKS,
+                 order: str = KEY_ORDER) -> Iterator[list[StoredBlock]]:
+        """:meth:`Store.snapshot <kvstore.Store.snapshot>`: an iterator of pages, each
+        read by one call on the store's loop."""
+        check_snapshot(page_blocks, order)
+        facade = self
+
+        async def start() -> AsyncIterator[list[StoredBlock]]:
+            return facade.store.snapshot(page_blocks=page_blocks, order=order)
+
+        async def next_page(pages: AsyncIterator[list[StoredBlock]]) -> list[StoredBlock] | None:
+            return await anext(pages, None)
+
+        source = self.call(start)  # a closed store refuses here, not at the first page
+
+        def pages() -> Iterator[list[StoredBlock]]:
+            while (page := facade.call(next_page, source)) is not None:
+                yield page
+
+        return pages()

@@ -74,3 +74,4 @@ def test_the_synchronous_example_follows_a_blocking_store(tmp_path: Path) -> Non
         assert ks[2] in view.blocks and ks[0] not in view.blocks
         view.close()
         assert blocking.stats().event_subscribers == 0
+
