@@ -25,7 +25,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -299,3 +299,41 @@ class CpuMeter:
         return {"seconds": wall,
                 "other_cpu_pct": max(0.0, (busy - busy0) - (own - own0)) / wall * 100,
                 "steal_pct": (steal - steal0) / wall * 100}
+
+
+def head_commit(repo: str) -> str:
+    """The short commit of ``repo``'s HEAD (what a results file is named after)."""
+    out = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def scratch_dir(directory: str | None, repo: str) -> str:
+    """``directory``, or ``repo/.bench-tmp`` (made if missing): where a benchmark writes."""
+    if directory is None:
+        directory = os.path.join(repo, ".bench-tmp")
+        os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+def write_results(base: str, text: str, doc: dict[str, Any]) -> None:
+    """A benchmark's report as ``base.md`` (markdown) and ``base.json`` (every number)."""
+    import json
+
+    with open(base + ".md", "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(base + ".json", "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, default=str)
+
+
+async def in_scratch(prefix: str, directory: str,
+                     run: Callable[[str], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """``await run(root)`` in a new directory under ``directory``, removed after."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix=prefix, dir=directory)
+    try:
+        return await run(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -8,12 +8,14 @@ Public API (everything else is private and may change)::
         n = await store.match_prefix(keys)
         blocks = await store.get_many(keys[:n])
 
-This top folder is the public API (``store``, ``blocking``, ``options``, ``stats``,
-``errors``, ``keys``, ``metrics``) and may import every folder below it; the folders and
+This top folder is the public API (``store``, ``events``, ``blocking``, ``options``,
+``stats``, ``errors``, ``keys``, ``metrics``) and may import every folder below it; the folders and
 what each may import are in docs/architecture.md (checked by tests/test_imports.py).
 """
 
 from kvstore.blocking import BlockingStore, open_blocking
+from kvstore.core.events import BlockEvent, EventGap, Subscription
+from kvstore.core.snapshot import StoredBlock
 from kvstore.disk.format import FORMAT_VERSION
 from kvstore.errors import (
     BlockTooLargeError,
@@ -49,10 +51,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
+    "BlockEvent",
     "BlockTooLargeError",
     "BlockingStore",
     "CapacityError",
     "CorruptionError",
+    "EventGap",
     "FormatVersionError",
     "IndexCorruptionError",
     "InsecurePermissionsError",
@@ -73,6 +77,8 @@ __all__ = [
     "StoreIOError",
     "StoreLockedError",
     "StoreStats",
+    "StoredBlock",
+    "Subscription",
     "UnsafePathError",
     "UnsupportedTensorError",
     "__version__",

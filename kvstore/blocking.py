@@ -62,6 +62,7 @@ from kvstore._handoff import Handoff
 from kvstore.codecs.pipeline import CodecSpec
 from kvstore.core.scrub import DEFAULT_SCRUB_BYTES_PER_S, ProgressFn, ScrubReport
 from kvstore.errors import StoreClosedError, StoreForkedError
+from kvstore.events import BlockingEvents
 from kvstore.keys import Namespace
 from kvstore.options import StoreOptions
 from kvstore.store import PutResult, Store, StoreStats
@@ -72,7 +73,7 @@ from kvstore.tiers.remote.config import RemoteConfig
 T = TypeVar("T")
 
 
-class BlockingStore:
+class BlockingStore(BlockingEvents):
     """Synchronous twin of :class:`~kvstore.store.Store`: the same methods with the same
     parameters and semantics (see the module doc for ``close`` and ``prefetch``)."""
 

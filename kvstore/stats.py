@@ -94,6 +94,9 @@ class StoreStats:
     io_busy_flushes: int = 0  # flushes the scheduler issued to keep writes small under reads
     remote: dict[str, Any] = field(default_factory=dict)  # RemoteStats.as_dict(); {}: no remote
     commits: int = 0
+    events_published: int = 0  # content events made while a subscriber was on (this open)
+    events_dropped: int = 0  # of them, lost by slow subscribers (each reported as a gap)
+    event_subscribers: int = 0  # subscriptions now
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/index/totals.py); the counters above
     # (puts ... evicted_bytes) count only this Store object since it was opened.

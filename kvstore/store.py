@@ -55,6 +55,7 @@ from kvstore.core.tier_ports import Tiers
 from kvstore.disk.format import PAGE
 from kvstore.disk.lock import LOCK_FILE
 from kvstore.errors import KVStoreError
+from kvstore.events import StoreEvents
 from kvstore.keys import check_keys
 from kvstore.options import StoreOptions
 from kvstore.stats import (
@@ -80,7 +81,7 @@ if TYPE_CHECKING:
 __all__ = ["LOCK_FILE", "INDEX_DIR", "PutResult", "Store", "StoreStats", "open"]
 
 
-class Store:
+class Store(StoreEvents):
     """An open store.  Get one from :func:`open`; every method is a coroutine except
     ``stats()`` and ``prefetch()``.  Use a store from the event loop that opened it."""
 
@@ -169,6 +170,7 @@ class Store:
             paths.memory_tier.cancel_prefetches()
         paths.scrubber.cancel()  # scrubs persist their cursor and return
         paths.rechecks.cancel()
+        parts.events.close()  # subscriptions end once their consumers read what they hold
         with anyio.CancelScope(shield=True):
             await self._ops.drain()
             if self.remote is not None:  # remote tier: queued uploads, then its workers
@@ -374,6 +376,8 @@ class Store:
             commits=parts.writer.commits, cuda=parts.arena_lock.status,
             namespaces=list(index.namespaces().values()),
             totals=parts.totals.current(index), backlog_bytes=self._paths.puts.backlog.nbytes,
+            events_published=parts.events.published, events_dropped=parts.events.dropped,
+            event_subscribers=parts.events.subscribers,
             **extra)
 
 

@@ -19,6 +19,7 @@ from kvstore.store import Store, _Paths
 
 if TYPE_CHECKING:
     from kvstore.core.allocator import Allocator
+    from kvstore.core.events import EventHub
     from kvstore.core.free_space import FreeSpace
     from kvstore.core.key_order import KeyOrder
     from kvstore.index.index import Index, IndexWriter
@@ -53,6 +54,7 @@ class Parts(_Paths):
     lost_extents: set[int]
     memory: MemoryCache | None  # the memory tier's cache
     counters: dict[str, int]  # what stats() reports, live
+    events: EventHub  # the event stream's subscriptions (kvstore/core/events.py)
 
 
 def parts(store: Store | BlockingStore) -> Parts:
@@ -64,7 +66,7 @@ def parts(store: Store | BlockingStore) -> Parts:
         index=p.index, writer=p.writer, engine=p.engine, fds=p.files.fds, arena=p.arena,
         allocator=p.allocator, transfers=p.transfers, scheduler=p.scheduler, syncs=p.syncs,
         file_mode=p.file_mode, store_uuid=p.store_uuid, extent_bytes=p.extent_bytes,
-        lost_extents=p.lost_extents, counters=p.counters,
+        lost_extents=p.lost_extents, counters=p.counters, events=p.events,
         memory=None if paths.memory_tier is None else paths.memory_tier.cache)
 
 

@@ -21,6 +21,7 @@ from contextlib import suppress
 from typing import Any
 
 from kvstore.core.allocator import Allocator
+from kvstore.core.events import EventHub
 from kvstore.core.extent_files import ExtentFiles
 from kvstore.core.operations import Health
 from kvstore.core.tier_ports import Tiers
@@ -91,7 +92,8 @@ class StoreParts:
         self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=opts.index_map_bytes,
                            sync=opts.sync, file_mode=self.file_mode)
         self._cleanups.append(self.index.close)
-        self.writer = IndexWriter(self.index)
+        self.events = EventHub()  # its subscribers are fed by the writer's commits
+        self.writer = IndexWriter(self.index, sink=self.events)
         self._cleanups.append(self.writer.close)
         extents_dir = os.path.join(self.path, EXTENT_DIR)
         store_files.check_dir(extents_dir, f"Move the extents directory itself to {extents_dir}.")

@@ -60,6 +60,7 @@ from kvstore.errors import IndexCorruptionError
 from kvstore.index.eviction import ChainTables, lru_leaves
 from kvstore.index.file import open_environment
 from kvstore.index.free_map import FreeMap
+from kvstore.index.journal import DELETED, EVICTED, QUARANTINED, RESTORED, STORED, Journal
 from kvstore.index.meta import (
     META_EXTENT_BYTES,
     META_FORMAT,
@@ -155,6 +156,9 @@ class Index:
          self.pins, self.lru) = dbs
         self.free_map = FreeMap(self.free)
         self.chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
+        # The writer's transaction's record of content changes, while an event sink has
+        # subscribers (kvstore/index/journal.py); writer thread only.
+        self.journal: Journal | None = None
 
     def close(self) -> None:
         self.env.close()
@@ -257,16 +261,24 @@ class Index:
 
     # ------------------------------------------------------------------ chains, LRU, pins
 
-    def add_block(self, txn: Txn, key: bytes, entry: IndexEntry) -> None:
-        """Index a block: entry, LRU row, and one more stored child for its parent."""
+    def add_block(self, txn: Txn, key: bytes, entry: IndexEntry, *,
+                  restored: bool = False) -> None:
+        """Index a block: entry, LRU row, and one more stored child for its parent
+        (``restored``: a quarantined copy that verified, for the event stream)."""
         txn.put(key, entry.encode(), db=self.blocks)
         txn.put(lru_key(entry.last_use, key), b"", db=self.lru)
         if entry.parent is not None:
             self.bump(txn, self.children, entry.parent, +1)
+        if self.journal is not None:
+            self.journal.add(RESTORED if restored else STORED, key, entry.parent)
 
-    def remove_block(self, txn: Txn, key: bytes, entry: IndexEntry, *, quarantine: bool) -> None:
+    def remove_block(self, txn: Txn, key: bytes, entry: IndexEntry, *, quarantine: bool,
+                     evicted: bool = False) -> None:
         """Unindex a block; its space returns to the free map unless it is quarantined
-        (kept allocated so fsck can look at it)."""
+        (kept allocated so fsck can look at it).  ``evicted``: for room, not deleted."""
+        if self.journal is not None:
+            self.journal.add(QUARANTINED if quarantine else EVICTED if evicted else DELETED,
+                             key, entry.parent)
         txn.delete(key, db=self.blocks)
         txn.delete(lru_key(entry.last_use, key), db=self.lru)
         if entry.parent is not None:
@@ -313,7 +325,7 @@ class Index:
             self.apply_touched(txn, touched)
         chosen = lru_leaves(txn, self.chains, need, protect, scan_limit)
         for key, entry in chosen.items():
-            self.remove_block(txn, key, entry, quarantine=False)
+            self.remove_block(txn, key, entry, quarantine=False, evicted=True)
         return list(chosen.items())
 
     # ------------------------------------------------------------------ the store's transactions

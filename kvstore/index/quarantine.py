@@ -65,7 +65,8 @@ class IndexPort(Protocol):
 
     def give_range(self, txn: Txn, extent: int, offset: int, length: int) -> None: ...
 
-    def add_block(self, txn: Txn, key: bytes, entry: IndexEntry) -> None: ...
+    def add_block(self, txn: Txn, key: bytes, entry: IndexEntry, *,
+                  restored: bool = False) -> None: ...
 
     def remove_block(self, txn: Txn, key: bytes, entry: IndexEntry, *,
                      quarantine: bool) -> None: ...
@@ -111,7 +112,7 @@ class QuarantineTable:
             txn.put(key, encode_quarantined(current, unreadable), db=index.quarantine)
             out.moved.append(key)
             if restore is not None:
-                index.add_block(txn, key, restore)
+                index.add_block(txn, key, restore, restored=True)
                 out.restored.append(key)
         return out
 
@@ -160,6 +161,6 @@ class QuarantineTable:
                 index.give_range(txn, entry.extent, entry.offset, entry.slot_len)
                 out.freed.append(entry)
             else:
-                index.add_block(txn, key, entry)
+                index.add_block(txn, key, entry, restored=True)
                 out.restored.append(key)
         return out

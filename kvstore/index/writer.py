@@ -17,6 +17,11 @@ then the meta page that makes them visible, so a failed commit leaves the index 
 was and the next one can succeed once space is back.  Other commit failures (EIO,
 EROFS, ...) are ``StoreIOError`` with the kernel's errno, which makes a put fail the
 store closed (G5).
+
+Events: with an event sink that has subscribers, each transaction carries a
+:class:`~kvstore.index.journal.Journal` of its content changes; a job that aborts
+truncates its part, and the records reach the sink only after the commit succeeded
+(kvstore/index/journal.py).  Without subscribers no journal is made.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ from kvstore.errors import (
     StoreFullError,
     StoreIOError,
 )
+from kvstore.index.journal import Journal, JournalSink
 
-__all__ = ["IndexWriter", "WriterPort"]
+__all__ = ["IndexWriter", "WriterPort", "loop_callback"]
 
 T = TypeVar("T")
 Txn = Any  # lmdb.Transaction (untyped module)
@@ -53,6 +59,7 @@ class WriterPort(Protocol):
     env: Any  # lmdb.Environment
     map_limit: int
     path: str  # the index directory (PATH/index), for error messages
+    journal: Journal | None  # what the transaction changes, while events are wanted
 
     def grow_map(self) -> bool: ...
 
@@ -60,8 +67,9 @@ class WriterPort(Protocol):
 class IndexWriter:
     """The one thread that runs LMDB write transactions, with group commit."""
 
-    def __init__(self, index: WriterPort) -> None:
+    def __init__(self, index: WriterPort, sink: JournalSink | None = None) -> None:
         self._index = index
+        self._sink = sink
         self._jobs: queue.SimpleQueue[tuple[Callable[[Txn], Any], Future[Any]] | None] = \
             queue.SimpleQueue()
         self._closed = False
@@ -116,21 +124,27 @@ class IndexWriter:
             list[tuple[Callable[[Txn], Any], Future[Any]]]]:
         """Apply every job in one transaction, each in a nested one; returns the results
         and the jobs that found the map full (to run again after it grows)."""
-        env = self._index.env
+        env, index, sink = self._index.env, self._index, self._sink
         results: list[tuple[Future[Any], Any, BaseException | None]] = []
         full: list[tuple[Callable[[Txn], Any], Future[Any]]] = []
+        journal = index.journal = Journal() if sink is not None and sink.wants() else None
         try:
             with env.begin(write=True) as txn:
                 for fn, fut in batch:
+                    mark = journal.mark() if journal is not None else 0
                     child = env.begin(write=True, parent=txn)
                     try:
                         value = fn(child)
                     except lmdb.MapFullError:
                         child.abort()
                         full.append((fn, fut))
+                        if journal is not None:
+                            journal.truncate(mark)
                     except BaseException as e:  # noqa: BLE001 - handed to the caller
                         child.abort()
                         results.append((fut, None, _translate(e, self._index.path)))
+                        if journal is not None:
+                            journal.truncate(mark)
                     else:
                         child.commit()
                         results.append((fut, value, None))
@@ -141,6 +155,13 @@ class IndexWriter:
             # One error object per caller (each raise adds to its traceback).
             return [(fut, None, _translate(e, self._index.path, "the index commit failed"))
                     for _, fut in batch], []
+        finally:
+            index.journal = None
+        if journal is not None and journal.records:
+            assert sink is not None
+            # Before the jobs' callers are told: a put's "stored" event never trails the
+            # moment its caller could act on the acknowledgement.
+            sink.publish(journal.records)
         return results, full
 
     def submit(self, fn: Callable[[Txn], T]) -> Future[T]:
@@ -167,7 +188,7 @@ class IndexWriter:
         """
         fut = self.submit(fn)
         done = anyio.Event()
-        call_soon = _loop_callback()
+        call_soon = loop_callback()
         fut.add_done_callback(lambda _: call_soon(done.set))
         with anyio.CancelScope(shield=True):
             await done.wait()
@@ -239,7 +260,7 @@ def lmdb_error(e: Exception, what: str, index_path: str) -> KVStoreError:
     return StoreIOError(code if code > 0 else errno.EIO, f"{what}: {e}")
 
 
-def _loop_callback() -> Callable[[Callable[[], object]], object]:
+def loop_callback() -> Callable[[Callable[[], object]], object]:
     """The running event loop's thread-safe "call this soon" (asyncio or trio)."""
     trio = sys.modules.get("trio")
     if trio is not None:
