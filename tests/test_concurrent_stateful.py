@@ -98,7 +98,8 @@ STATS: dict[str, int] = {"machines": 0, "rounds": 0, "tasks": 0, "cancellations"
                          "child_refusals": 0, "small_fs_machines": 0, "full_rounds": 0,
                          "index_full_refusals": 0, "full_refusals": 0, "puts_after_full": 0,
                          "real_engine_machines": 0, "read_faults": 0, "read_faults_hit": 0,
-                         "persistent_read_faults": 0, "blocks_restored": 0, "scrubs": 0}
+                         "persistent_read_faults": 0, "blocks_restored": 0, "scrubs": 0,
+                         "read_evictions": 0}
 
 CHAINS = [NS.chain_keys(list(range(10_000 * c, 10_000 * c + 4 * 6))) for c in range(3)]
 POOL = [k for chain in CHAINS for k in chain]
@@ -629,8 +630,11 @@ class ConcurrentMachine(RuleBasedStateMachine):
         """After the round (and any crash): read everything back and run fsck.  With a
         bad sector still failing, read once with it (it costs the blocks on it only),
         then clear it and scrub (they come back).  Returns the blocks present."""
+        opened: list[kvstore.Store] = []
+
         async def read() -> list[torch.Tensor | None]:
             async with self.open() as store:
+                opened.append(store)
                 got = await store.get_many(POOL)
                 held = parts(store).index.quarantine_records.of(POOL)
                 if self.armed != "persistent":
@@ -654,6 +658,12 @@ class ConcurrentMachine(RuleBasedStateMachine):
 
         got = dict(zip(POOL, run_within(read, self.backend, ROUND_DEADLINE)))
         self.disarm()
+        # Reading evicts too: blocks fetched from the remote tier are promoted into the
+        # store (a put), which makes room under capacity pressure like any other.
+        read_evictions = parts(opened[0]).counters["evicted_blocks"]
+        self.evicted += read_evictions
+        STATS["evictions"] += read_evictions
+        STATS["read_evictions"] += read_evictions
         for k, g in got.items():
             assert g is None or same(g, VALUES[k]), "G2: wrong bytes"
         present = {k for k, g in got.items() if g is not None}
