@@ -18,7 +18,10 @@ thread with group commit (:class:`~kvstore.index.writer.IndexWriter`, re-exporte
 here), which translates LMDB's errors and grows the memory map (``set_mapsize``, between
 transactions, while no reader is inside one) up to the store's ``index_map_bytes``.
 Reads use short read-only transactions on the calling thread; LMDB reads never block on
-the writer.
+the writer.  Another process on the same store that grew the map shows as LMDB's
+``MapResizedError`` at this process's next begin, read or write: the size it recorded
+is adopted (``set_mapsize(0)``, between transactions) and the begin retried
+(:meth:`Index.adopt_map`).
 
 Every transaction the store and fsck run is a method named for what it does, here
 (``commit_puts``, ``delete_blocks``, ``evict``, ``pin``, ``add_extent``) or on one of
@@ -74,7 +77,7 @@ from kvstore.index.meta import (
 )
 from kvstore.index.quarantine import QuarantineTable
 from kvstore.index.repairs import Repairs
-from kvstore.index.writer import IndexWriter, lmdb_error
+from kvstore.index.writer import ADOPT_TRIES, IndexWriter, lmdb_error
 
 __all__ = ["INITIAL_MAP_BYTES", "MAP_LIMIT_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
            "META_NEXT_EXTENT", "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ",
@@ -98,13 +101,24 @@ _DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"p
 
 
 class _ResizeGate:
-    """Readers on any thread vs. the writer growing the map: LMDB allows ``set_mapsize``
-    only while no transaction of this process is open."""
+    """Readers on any thread vs. the map being resized: LMDB allows ``set_mapsize`` only
+    while no transaction of this process is open.  Readers hold :meth:`reading`, the
+    writer thread holds :meth:`writing` around each write transaction, and a resize
+    (growth by the writer, or adopting the size another process grew the map to) holds
+    :meth:`exclusive`, which waits for both.  Lock order: the writer's lock, then the
+    readers' condition."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._readers = 0
         self._resizing = False
+        self._write = threading.Lock()
+        self._mine = threading.local()  # this thread's read transactions open
+
+    def depth(self) -> int:
+        """Read transactions this thread has open (through :meth:`reading`)."""
+        depth: int = getattr(self._mine, "depth", 0)
+        return depth
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -112,26 +126,35 @@ class _ResizeGate:
             while self._resizing:
                 self._cond.wait()
             self._readers += 1
+        self._mine.depth = self.depth() + 1
         try:
             yield
         finally:
+            self._mine.depth -= 1
             with self._cond:
                 self._readers -= 1
                 if not self._readers:
                     self._cond.notify_all()
 
     @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._resizing = True
-            while self._readers:
-                self._cond.wait()
-        try:
+    def writing(self) -> Iterator[None]:
+        with self._write:
             yield
-        finally:
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._write:
             with self._cond:
-                self._resizing = False
-                self._cond.notify_all()
+                self._resizing = True
+                while self._readers:
+                    self._cond.wait()
+            try:
+                yield
+            finally:
+                with self._cond:
+                    self._resizing = False
+                    self._cond.notify_all()
+
 
 
 class Index:
@@ -147,6 +170,7 @@ class Index:
         :class:`~kvstore.errors.IndexCorruptionError`; nothing LMDB raises escapes."""
         self.path = path
         self.map_limit = map_size
+        self.map_adoptions = 0  # sizes another process grew the map to, taken (adopt_map)
         self._gate = _ResizeGate()
         self.env, dbs = open_environment(
             path, map_size=min(map_size, INITIAL_MAP_BYTES), sync=sync, file_mode=file_mode,
@@ -162,27 +186,61 @@ class Index:
     @contextmanager
     def begin(self, *, buffers: bool = False) -> Iterator[Txn]:
         """A read-only transaction (the map is not resized while one is open).  An LMDB
-        error inside it (a damaged page) leaves as a KVStoreError."""
-        with self._gate.reading():
-            try:
-                txn: Txn = self.env.begin(buffers=True) if buffers else self.env.begin()
-                with txn:
-                    yield txn
-            except lmdb.Error as e:
-                raise lmdb_error(e, "cannot read the index", self.path) from e
+        error inside it (a damaged page) leaves as a KVStoreError.  A map another
+        process grew is adopted first (:meth:`adopt_map`)."""
+        for tries in count(1):
+            with self._gate.reading():
+                try:
+                    txn: Txn = self.env.begin(buffers=True) if buffers else self.env.begin()
+                except lmdb.MapResizedError as e:
+                    if tries >= ADOPT_TRIES or self._gate.depth() > 1:
+                        # (a transaction of this thread is open: it cannot resize)
+                        raise lmdb_error(e, "cannot read the index", self.path) from e
+                else:
+                    try:
+                        with txn:
+                            yield txn
+                    except lmdb.Error as e:
+                        raise lmdb_error(e, "cannot read the index", self.path) from e
+                    return
+            self.adopt_map()  # outside reading(): it waits for every reader to leave
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Held by the writer thread around each write transaction (no resize meanwhile)."""
+        with self._gate.writing():
+            yield
+
+    def adopt_map(self) -> None:
+        """Take the map size another process grew the index to (LMDB reports it as
+        ``MapResizedError`` at this process's next transaction's begin; ``set_mapsize(0)``
+        adopts the size recorded in the data file, nothing is lost).  Between
+        transactions: waits for this process's readers and its writer's transaction to
+        end.  The map may exceed ``map_limit`` this way: it must cover the data."""
+        try:
+            with self._gate.exclusive():
+                self.env.set_mapsize(0)
+        except lmdb.Error as e:
+            raise lmdb_error(e, "cannot adopt the index's grown memory map", self.path) from e
+        self.map_adoptions += 1
 
     def grow_map(self) -> bool:
         """Double the memory map up to ``map_limit`` (writer thread, between transactions);
-        False if it is at the limit already.  LMDB's errors leave as KVStoreErrors."""
+        False if it is at the limit already.  A size another process grew the map to is
+        adopted first (which may be room enough).  LMDB's errors leave as KVStoreErrors."""
         try:
-            size = self.env.info()["map_size"]
-            if size >= self.map_limit:
-                return False
+            size: int = self.env.info()["map_size"]
             with self._gate.exclusive():
-                self.env.set_mapsize(min(self.map_limit, 2 * size))
+                self.env.set_mapsize(0)  # another process's growth, if any
+                adopted: int = self.env.info()["map_size"]
+                if adopted > size:
+                    self.map_adoptions += 1
+                    return True
+                target: int = min(self.map_limit, 2 * size)
+                self.env.set_mapsize(max(size, target))  # (0 may have given a smaller one)
         except lmdb.Error as e:
             raise lmdb_error(e, "cannot grow the index's memory map", self.path) from e
-        return True
+        return target > size
 
     # ------------------------------------------------------------------ reads
 
