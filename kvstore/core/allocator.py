@@ -389,7 +389,9 @@ class Allocator:
         async with self._grow_lock:
             if self._extents != before:
                 return  # another task grew the store while we waited
-            extent_id = self._index.next_extent()
+            # Reserved in a transaction first: another process sharing the store may
+            # grow it at the same moment, and must get another id (issue 43).
+            extent_id = await self._writer.run(self._index.reserve_extent_id)
             await create_extent_file(self._engine, self._path, extent_id, self.extent_bytes,
                                      self._uuid, self._file_mode)
             try:

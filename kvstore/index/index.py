@@ -440,11 +440,20 @@ class Index:
             if delta > 0 or txn.get(key, db=self.pins) is not None:
                 self.bump(txn, self.pins, key, delta)
 
+    def reserve_extent_id(self, txn: Txn) -> int:
+        """The id a new extent file gets, taken from ``next_extent`` in a transaction of
+        its own before the file is made: ids are unique across the processes sharing
+        the store (two that read ``next_extent`` outside a transaction picked one id,
+        and the later one replaced the other's file).  An id whose file then never gets
+        recorded (a crash, a failed preallocation) is skipped for good; a file left
+        under it is an orphan fsck reclaims."""
+        return self.meta_records.take_next_extent(txn)
+
     def add_extent(self, txn: Txn, extent_id: int, extent_bytes: int) -> None:
-        """Record a new (already durable) extent file and its free run."""
+        """Record a new (already durable) extent file, its id reserved
+        (:meth:`reserve_extent_id`), and its free run."""
         txn.put(extent_key(extent_id), pack_u64(extent_bytes), db=self.extents)
         self.give_range(txn, extent_id, PAGE, extent_bytes - PAGE)
-        self.meta_records.set_next_extent(txn, extent_id + 1)
 
     # ------------------------------------------------------------------ the other records
     # Meta records (kvstore/index/meta.py) and fsck's reads and repairs

@@ -2,8 +2,8 @@
 method named for it: nothing outside this module names a meta key or the table.
 
 ``format_version``, ``store_uuid``, ``extent_bytes`` are written once (``init_meta``);
-``next_extent`` and ``seq`` only grow (with the transaction that adds an extent or
-commits puts, or a repair); ``namespace:<digest hex>`` records are JSON; ``file_mode``
+``next_extent`` and ``seq`` only grow (with the transaction that reserves an extent id
+or commits puts, or a repair); ``namespace:<digest hex>`` records are JSON; ``file_mode``
 is a u32 (absent: owner-only, :mod:`kvstore.disk.permissions`); ``scrub_cursor`` and
 ``scrub_completed`` are where the scrub is; ``total:<name>`` the persisted totals
 (:mod:`kvstore.index.totals`).  ``Index.meta_records`` is the table of an open index;
@@ -107,6 +107,12 @@ class MetaRecords:
 
     def next_extent(self) -> int:
         return _u64(self._get(META_NEXT_EXTENT))
+
+    def take_next_extent(self, txn: Txn) -> int:
+        """``next_extent`` as of ``txn``, raised by one in it (an id reserved)."""
+        extent_id = _u64(txn.get(META_NEXT_EXTENT, db=self._table))
+        txn.put(META_NEXT_EXTENT, pack_u64(extent_id + 1), db=self._table)
+        return extent_id
 
     def set_next_extent(self, txn: Txn, extent_id: int) -> None:
         txn.put(META_NEXT_EXTENT, pack_u64(extent_id), db=self._table)
