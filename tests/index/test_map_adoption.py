@@ -85,7 +85,7 @@ def test_a_write_adopts_the_map_another_process_grew(index: Index) -> None:
             assert txn.get(b"mine:1", db=index.meta) == b"after"
         # and it keeps writing (growing on its own map from the adopted size)
         for i in range(80):
-            writer.run_sync(lambda txn, i=i: txn.put(b"mine:big:%d" % i, bytes(VALUE),
-                                                     db=index.meta))
+            key = b"mine:big:%d" % i
+            writer.run_sync(lambda txn: txn.put(key, bytes(VALUE), db=index.meta))
     finally:
         writer.close()
