@@ -15,7 +15,9 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +55,10 @@ def index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Index]:
         ix.close()
 
 
+def put_meta(index: Index, key: bytes, value: bytes, txn: Any) -> None:
+    txn.put(key, value, db=index.meta)
+
+
 def grow_elsewhere(path: str, entries: int = 64) -> int:
     """Another process writes ``entries`` 64 KiB values (4 MiB: the map doubles from
     1 MiB to 8 MiB there); returns the map size it ended with."""
@@ -85,7 +91,6 @@ def test_a_write_adopts_the_map_another_process_grew(index: Index) -> None:
             assert txn.get(b"mine:1", db=index.meta) == b"after"
         # and it keeps writing (growing on its own map from the adopted size)
         for i in range(80):
-            key = b"mine:big:%d" % i
-            writer.run_sync(lambda txn: txn.put(key, bytes(VALUE), db=index.meta))
+            writer.run_sync(partial(put_meta, index, b"mine:big:%d" % i, bytes(VALUE)))
     finally:
         writer.close()
