@@ -44,6 +44,14 @@ class StoreOptions:
                    loss.  False: no fdatasync and no LMDB fsync - acknowledged blocks survive
                    a crash of the process, but a kernel crash or power loss can lose the
                    most recent ones (never corrupt: what is read back still verifies).
+                   Every process sharing a store must open it with the same ``sync``
+                   (``OptionMismatchError`` otherwise).
+    ``exclusive``  False (default): the store's ``LOCK`` is taken shared, so other
+                   processes (and a read-only fsck, later) may open the store beside
+                   this one; True: taken exclusively (as fsck's repairs do): every other
+                   open is refused with ``StoreLockedError`` while this store is open.
+                   (Issue 43, in progress: sharing one store between processes is not
+                   enabled yet; a second process's open is refused either way.)
     ``extent_bytes``  size of each preallocated extent file (fixed at creation).
     ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
                    memory used by transfers in flight and the largest block.  Resident
@@ -116,6 +124,7 @@ class StoreOptions:
     allow_new_namespace: bool = False
     engine: str | IOEngine = "auto"
     sync: bool = True
+    exclusive: bool = False
     extent_bytes: int = 1 << 30
     staging_bytes: int = 256 << 20
     queue_depth: int = 64

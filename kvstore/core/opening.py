@@ -1,8 +1,9 @@
 """Opening a store's parts, in order, and closing them in reverse: what ``Store``
 coordinates once it is open.
 
-:class:`StoreParts` takes the lock, opens (or initialises) the index, settles the file
-mode and the namespace, picks the I/O engine, opens the extent files, maps and
+:class:`StoreParts` takes the lock (shared unless ``exclusive``), opens (or initialises)
+the index, settles the file mode and the namespace, registers the store as one of its
+owners (:mod:`kvstore.core.owners`), picks the I/O engine, opens the extent files, maps and
 page-locks the staging arena, holds the tiers the store attaches, builds the allocator,
 the transfers and the shared fdatasync; a store that uses more than ``capacity_bytes``
 evicts down to it before it serves.  Every file it opens is the store's own, never a
@@ -23,6 +24,7 @@ from typing import Any
 from kvstore.core.allocator import Allocator
 from kvstore.core.extent_files import ExtentFiles
 from kvstore.core.operations import Health
+from kvstore.core.owners import register
 from kvstore.core.tier_ports import Tiers
 from kvstore.disk import permissions, store_files
 from kvstore.disk.format import new_store_uuid
@@ -74,7 +76,7 @@ class StoreParts:
                 raise from_os_error(e, f"cannot create the store directory {path}") from e
         elif not os.path.isdir(os.path.join(path, INDEX_DIR)):
             raise FileNotFoundError(f"no kvstore at {path} (open with create=True to make one)")
-        lock = StoreLock(path)
+        lock = StoreLock(path, exclusive=opts.exclusive)
         self._cleanups: list[Callable[[], Any]] = [lock.release]
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.health = Health(path)
@@ -104,6 +106,13 @@ class StoreParts:
             self.writer.run_sync(lambda txn: init_meta(
                 txn, self.index, store_uuid=new_store_uuid(), extent_bytes=opts.extent_bytes))
         self.index.check_format()
+        # One of the store's owners (kvstore/core/owners.py) until it closes: registered
+        # before anything else is written, so a refused open changes nothing.
+        # (Its lock file gets the store's recorded mode: a group-shared store's other
+        # users must be able to probe it.)
+        self.owner = register(self.path, self.index, self.writer, sync=opts.sync,
+                              file_mode=meta.file_mode() or self.file_mode)
+        self._cleanups.append(self.owner.close)
         self.file_mode = permissions.settle(
             self.path, opts.file_mode, meta.file_mode(),
             lambda mode: self.writer.run_sync(lambda txn: meta.record_file_mode(txn, mode)),

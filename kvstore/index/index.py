@@ -8,6 +8,7 @@ Tables (FORMAT.md, "Index"):
 ``free``        (u32 BE extent, u64 BE offset) -> u64 LE length of a free run
 ``quarantine``  16-byte key -> IndexEntry of a block that failed verification or could
                 not be read (flagged ENTRY_FLAG_UNREADABLE), kept to be read again
+``owners``      u32 BE owner id -> the open Store it is (kvstore/index/owners.py)
 
 Every change of allocation happens in the same write transaction as the index change
 it belongs to, so space is never both free and referenced after a crash.
@@ -27,7 +28,7 @@ Every transaction the store and fsck run is a method named for what it does, her
 (``commit_puts``, ``delete_blocks``, ``evict``, ``pin``, ``add_extent``) or on one of
 the index's record classes: ``meta_records`` (kvstore/index/meta.py: every meta record,
 the totals and the scrub's place included), ``quarantine_records``
-(kvstore/index/quarantine.py) and ``repairs`` (kvstore/index/repairs.py: what fsck reads
+(kvstore/index/quarantine.py), ``owner_records`` (kvstore/index/owners.py) and ``repairs`` (kvstore/index/repairs.py: what fsck reads
 as stored and every repair it makes).  No caller builds a transaction over raw tables or
 names a table.  Two parts have a module of their own: the free table's runs
 (:mod:`kvstore.index.free_map`, ``take_range`` / ``give_range`` here) and the choice of
@@ -37,7 +38,6 @@ eviction victims (:mod:`kvstore.index.eviction`, ``evict`` here, over ``chains``
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -63,6 +63,7 @@ from kvstore.errors import IndexCorruptionError
 from kvstore.index.eviction import ChainTables, lru_leaves
 from kvstore.index.file import open_environment
 from kvstore.index.free_map import FreeMap
+from kvstore.index.map_gate import MapGate
 from kvstore.index.meta import (
     META_EXTENT_BYTES,
     META_FORMAT,
@@ -75,6 +76,7 @@ from kvstore.index.meta import (
     MetaRecords,
     namespace_key,
 )
+from kvstore.index.owners import OwnersTable
 from kvstore.index.quarantine import QuarantineTable
 from kvstore.index.repairs import Repairs
 from kvstore.index.writer import ADOPT_TRIES, IndexWriter, lmdb_error
@@ -97,64 +99,8 @@ MAP_LIMIT_BYTES = 64 << 30
 ``index_map_bytes`` (the option's default); fsck and ``--rebuild-index`` open an index
 with this."""
 
-_DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru")
-
-
-class _ResizeGate:
-    """Readers on any thread vs. the map being resized: LMDB allows ``set_mapsize`` only
-    while no transaction of this process is open.  Readers hold :meth:`reading`, the
-    writer thread holds :meth:`writing` around each write transaction, and a resize
-    (growth by the writer, or adopting the size another process grew the map to) holds
-    :meth:`exclusive`, which waits for both.  Lock order: the writer's lock, then the
-    readers' condition."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._resizing = False
-        self._write = threading.Lock()
-        self._mine = threading.local()  # this thread's read transactions open
-
-    def depth(self) -> int:
-        """Read transactions this thread has open (through :meth:`reading`)."""
-        depth: int = getattr(self._mine, "depth", 0)
-        return depth
-
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._readers += 1
-        self._mine.depth = self.depth() + 1
-        try:
-            yield
-        finally:
-            self._mine.depth -= 1
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def writing(self) -> Iterator[None]:
-        with self._write:
-            yield
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._write:
-            with self._cond:
-                self._resizing = True
-                while self._readers:
-                    self._cond.wait()
-            try:
-                yield
-            finally:
-                with self._cond:
-                    self._resizing = False
-                    self._cond.notify_all()
-
+_DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru",
+        b"owners")
 
 
 class Index:
@@ -170,13 +116,12 @@ class Index:
         :class:`~kvstore.errors.IndexCorruptionError`; nothing LMDB raises escapes."""
         self.path = path
         self.map_limit = map_size
-        self.map_adoptions = 0  # sizes another process grew the map to, taken (adopt_map)
-        self._gate = _ResizeGate()
+        self._gate = MapGate()
         self.env, dbs = open_environment(
             path, map_size=min(map_size, INITIAL_MAP_BYTES), sync=sync, file_mode=file_mode,
             tables=_DBS, verify=verify)
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
-         self.pins, self.lru) = dbs
+         self.pins, self.lru, self.owners) = dbs
         self.free_map = FreeMap(self.free)
         self.chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
 
@@ -201,6 +146,11 @@ class Index:
                         with txn:
                             yield txn
                     except lmdb.Error as e:
+                        if isinstance(e, lmdb.BadTxnError):
+                            # A read transaction turns bad only after one of its reads
+                            # met a damaged page (LMDB flags it, py-lmdb's iterators end
+                            # there quietly): damage, not an I/O error.
+                            e = lmdb.CorruptedError(f"{e} (after a damaged page)")
                         raise lmdb_error(e, "cannot read the index", self.path) from e
                     return
             self.adopt_map()  # outside reading(): it waits for every reader to leave
@@ -212,35 +162,16 @@ class Index:
             yield
 
     def adopt_map(self) -> None:
-        """Take the map size another process grew the index to (LMDB reports it as
-        ``MapResizedError`` at this process's next transaction's begin; ``set_mapsize(0)``
-        adopts the size recorded in the data file, nothing is lost).  Between
-        transactions: waits for this process's readers and its writer's transaction to
-        end.  The map may exceed ``map_limit`` this way: it must cover the data."""
-        try:
-            with self._gate.exclusive():
-                self.env.set_mapsize(0)
-        except lmdb.Error as e:
-            raise lmdb_error(e, "cannot adopt the index's grown memory map", self.path) from e
-        self.map_adoptions += 1
+        """Take the size another process grew the map to (:meth:`MapGate.adopt`)."""
+        self._gate.adopt(self.env, self.path)
 
     def grow_map(self) -> bool:
-        """Double the memory map up to ``map_limit`` (writer thread, between transactions);
-        False if it is at the limit already.  A size another process grew the map to is
-        adopted first (which may be room enough).  LMDB's errors leave as KVStoreErrors."""
-        try:
-            size: int = self.env.info()["map_size"]
-            with self._gate.exclusive():
-                self.env.set_mapsize(0)  # another process's growth, if any
-                adopted: int = self.env.info()["map_size"]
-                if adopted > size:
-                    self.map_adoptions += 1
-                    return True
-                target: int = min(self.map_limit, 2 * size)
-                self.env.set_mapsize(max(size, target))  # (0 may have given a smaller one)
-        except lmdb.Error as e:
-            raise lmdb_error(e, "cannot grow the index's memory map", self.path) from e
-        return target > size
+        """Adopt or double the map up to ``map_limit`` (:meth:`MapGate.grow`)."""
+        return self._gate.grow(self.env, self.map_limit, self.path)
+
+    @property
+    def map_adoptions(self) -> int:
+        return self._gate.adoptions
 
     # ------------------------------------------------------------------ reads
 
@@ -462,6 +393,10 @@ class Index:
     @cached_property
     def meta_records(self) -> MetaRecords:
         return MetaRecords(self.begin, self.meta)
+
+    @cached_property
+    def owner_records(self) -> OwnersTable:
+        return OwnersTable(self.owners, self.meta_records)
 
     @cached_property
     def repairs(self) -> Repairs:

@@ -2,7 +2,7 @@
 method named for it: nothing outside this module names a meta key or the table.
 
 ``format_version``, ``store_uuid``, ``extent_bytes`` are written once (``init_meta``);
-``next_extent`` and ``seq`` only grow (with the transaction that reserves an extent id
+``next_extent``, ``next_owner`` and ``seq`` only grow (with the transaction that reserves an extent id
 or commits puts, or a repair); ``namespace:<digest hex>`` records are JSON; ``file_mode``
 is a u32 (absent: owner-only, :mod:`kvstore.disk.permissions`); ``scrub_cursor`` and
 ``scrub_completed`` are where the scrub is; ``total:<name>`` the persisted totals
@@ -22,7 +22,7 @@ from kvstore.disk import permissions
 from kvstore.disk.format import FORMAT_VERSION, KEY_BYTES, pack_u64, unpack_u64
 from kvstore.errors import FormatVersionError, IndexCorruptionError
 
-__all__ = ["META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX", "META_NEXT_EXTENT",
+__all__ = ["META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX", "META_NEXT_EXTENT", "META_NEXT_OWNER",
            "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ", "META_TOTAL_PREFIX",
            "META_UUID", "MetaRecords", "namespace_key"]
 
@@ -32,6 +32,7 @@ META_FORMAT = b"format_version"
 META_UUID = b"store_uuid"
 META_EXTENT_BYTES = b"extent_bytes"
 META_NEXT_EXTENT = b"next_extent"
+META_NEXT_OWNER = b"next_owner"
 META_SEQ = b"seq"
 META_NAMESPACE_PREFIX = b"namespace:"
 META_SCRUB_CURSOR = b"scrub_cursor"
@@ -113,6 +114,13 @@ class MetaRecords:
         extent_id = _u64(txn.get(META_NEXT_EXTENT, db=self._table))
         txn.put(META_NEXT_EXTENT, pack_u64(extent_id + 1), db=self._table)
         return extent_id
+
+    def take_next_owner(self, txn: Txn) -> int:
+        """``next_owner`` as of ``txn`` (1 in a store that has none), raised by one in it:
+        an owner id (kvstore/index/owners.py), never handed out twice."""
+        owner_id = max(1, _u64(txn.get(META_NEXT_OWNER, db=self._table)))
+        txn.put(META_NEXT_OWNER, pack_u64(owner_id + 1), db=self._table)
+        return owner_id
 
     def set_next_extent(self, txn: Txn, extent_id: int) -> None:
         txn.put(META_NEXT_EXTENT, pack_u64(extent_id), db=self._table)

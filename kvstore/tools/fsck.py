@@ -128,7 +128,7 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
             raise IndexCorruptionError(f"{path} has extent files but no index; run "
                                        f"`python -m kvstore fsck {path} --rebuild-index`")
         raise FileNotFoundError(f"no kvstore at {path}")
-    lock = StoreLock(path)  # the same lock the store takes
+    lock = StoreLock(path)  # exclusively: refused, naming them, while stores are open
     with lock.released_on_error():  # a link for extents/ or the index, damage: exit 2
         check_dir(layout.extents_dir(path), "Move the extents directory itself there.")
         index = Index(layout.index_dir(path), map_size=MAP_LIMIT_BYTES, sync=True, verify=True)

@@ -1,0 +1,147 @@
+"""The owners of a store (issue 43): every open ``Store`` is one, whichever process holds
+it: a row in the index's ``owners`` table (:mod:`kvstore.index.owners`) and a lock file,
+``PATH/owners/NNNNNNNN.lock``, it holds with ``flock`` for its whole life
+(:class:`~kvstore.disk.lock.OwnerLock`): the kernel drops the lock when the process
+dies, so a row whose lock file can be locked is a dead owner.
+
+Registration (:func:`register`, one write transaction on the index writer, after
+``PATH/LOCK`` is held and the index opened; issue 43's DESIGN.md, section 5.1 step 6):
+
+1. Take an owner id (``next_owner``); create its lock file and lock it (held before the
+   row exists, so a row whose lock is free always means a dead owner).
+2. Probe every other row's lock file: a dead owner is recovered (its row deleted; it
+   holds nothing else in the index yet: claims come with DESIGN.md section 6), and its
+   lock file removed once the transaction committed.
+3. Options every owner must agree on: ``sync`` (:class:`~kvstore.errors.OptionMismatchError`
+   naming the live owners' pids).
+4. Until space is shared between processes (claims), a live owner in another process
+   refuses the registration (:class:`~kvstore.errors.StoreLockedError`, naming it): the
+   allocator still assumes it owns the free space alone.
+5. Write this owner's row (pid, its start time and PID namespace, ``sync``, when).
+
+A failure part-way aborts the transaction and releases every lock file it took.  Close
+(:meth:`Owner.close`): one transaction deletes the row, then the lock file goes; a crash
+in between leaves a row whose lock is free, which the next registration recovers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+from kvstore.disk.lock import OwnerLock, probe_owner
+from kvstore.errors import OptionMismatchError, StoreLockedError
+from kvstore.index.index import Index, IndexWriter
+from kvstore.index.owners import OwnerRecord
+
+__all__ = ["SHARING_ENABLED", "Owner", "register"]
+
+Txn = Any  # lmdb.Transaction (untyped module)
+
+SHARING_ENABLED = False
+"""Whether a second process may register beside a live owner (step 4).  False until
+space is shared across processes (issue 43's DESIGN.md, section 6: claims, sequence
+number leases); tests of the owners' bookkeeping turn it on in their own process."""
+
+
+class Owner:
+    """This ``Store``'s registration: its id and lock file, until :meth:`close`."""
+
+    def __init__(self, owner_id: int, lock: OwnerLock, index: Index, writer: IndexWriter,
+                 recovered: int) -> None:
+        self.id, self._lock = owner_id, lock
+        self._index, self._writer = index, writer
+        self.recovered = recovered  # dead owners this registration recovered
+
+    def close(self) -> None:
+        """Delete the row, then the lock file (even if the transaction fails: the next
+        registration then finds a row whose lock is free, and recovers it)."""
+        if self._lock.fd < 0:
+            return
+        try:
+            table = self._index.owner_records
+            self._writer.run_sync(lambda txn: table.remove(txn, self.id))
+        finally:
+            self._lock.remove()
+
+
+def register(path: str, index: Index, writer: IndexWriter, *, sync: bool,
+             file_mode: int) -> Owner:
+    """Register a new owner of the store at ``path`` (the module docstring's steps)."""
+    record = OwnerRecord(pid=os.getpid(), sync=sync, start_time=_start_time(),
+                         pid_namespace=_pid_namespace(), opened_us=time.time_ns() // 1000)
+    dead: list[OwnerLock] = []
+    owner_id, lock = writer.run_sync(_registration(path, index, record, file_mode, dead))
+    for other in dead:  # their rows are gone for good now
+        other.remove()
+    return Owner(owner_id, lock, index, writer, len(dead))
+
+
+def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
+                  dead: list[OwnerLock]) -> Callable[[Txn], tuple[int, OwnerLock]]:
+    table = index.owner_records
+
+    def job(txn: Txn) -> tuple[int, OwnerLock]:
+        _release(dead)  # (a job the writer runs again after growing the map)
+        owner_id = table.take_id(txn)
+        lock = OwnerLock(path, owner_id, file_mode)
+        try:
+            live: dict[int, OwnerRecord] = {}
+            for other_id, other in table.rows(txn).items():
+                probe = probe_owner(path, other_id)
+                if probe is None:
+                    live[other_id] = other
+                else:
+                    dead.append(probe)
+                    table.remove(txn, other_id)
+            _check_agreement(path, record, live)
+            table.add(txn, owner_id, record)
+        except BaseException:
+            lock.remove()  # (inside the transaction: nobody else registers meanwhile)
+            _release(dead)
+            raise
+        return owner_id, lock
+
+    return job
+
+
+def _check_agreement(path: str, mine: OwnerRecord, live: dict[int, OwnerRecord]) -> None:
+    if not live:
+        return
+    pids = ", ".join(str(r.pid) for r in live.values())
+    differ = [r for r in live.values() if r.sync != mine.sync]
+    if differ:
+        raise OptionMismatchError(
+            f"store {path} is open with sync={differ[0].sync} (pid "
+            f"{', '.join(str(r.pid) for r in differ)}); every process sharing a store must "
+            f"open it with the same sync, and this open asks for sync={mine.sync}")
+    if not SHARING_ENABLED:
+        raise StoreLockedError(
+            11, f"store {path} is open in another process (pid {pids}); sharing one store "
+            "between processes is not enabled yet (issue 43). Close it there first, or "
+            "open another path")
+
+
+def _release(locks: list[OwnerLock]) -> None:
+    for other in locks:
+        other.release()
+    locks.clear()
+
+
+def _start_time() -> int:
+    """This process's start time in clock ticks since boot (``/proc/self/stat`` field
+    22), 0 where there is no /proc: with the pid, it names the process even after the
+    pid is reused."""
+    with suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    return 0
+
+
+def _pid_namespace() -> int:
+    with suppress(OSError):
+        return os.stat("/proc/self/ns/pid").st_ino
+    return 0
