@@ -411,7 +411,7 @@ def _open_paths(parts: StoreParts, opts: StoreOptions, ops: Operations, deletes:
     puts = PutPath(
         index=index, writer=writer, allocator=parts.allocator, transfers=parts.transfers,
         syncs=parts.syncs, files=parts.files, health=health, counters=counters, limits=limits,
-        ride_along=parts.flush_totals_in, last_seq=parts.last_seq, codec=opts.codec,
+        ride_along=parts.flush_totals_in, seqs=parts.owner.seqs, codec=opts.codec,
         durable=opts.sync, backlog_bytes=opts.backlog_bytes, tiers=tiers)
     gets = GetPath(index=index, allocator=parts.allocator, limits=limits, counters=counters,
                    reads=reads, tiers=tiers, copier=parts.transfers.copier)

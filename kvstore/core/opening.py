@@ -119,8 +119,6 @@ class StoreParts:
             strict=opts.strict_permissions)
         self.store_uuid = meta.store_uuid() or b""
         self.extent_bytes = meta.extent_bytes()
-        # the highest sequence number recorded: the put path numbers slots after it
-        self.last_seq = meta.seq()
         self._check_namespace(opts.namespace, opts.allow_new_namespace)
         self.totals = Totals(self.counters)
         # Counts since the last write transaction are flushed at close, on the cleanup

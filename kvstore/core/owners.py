@@ -17,7 +17,8 @@ Registration (:func:`register`, one write transaction on the index writer, after
 4. Until space is shared between processes (claims), a live owner in another process
    refuses the registration (:class:`~kvstore.errors.StoreLockedError`, naming it): the
    allocator still assumes it owns the free space alone.
-5. Write this owner's row (pid, its start time and PID namespace, ``sync``, when).
+5. Write this owner's row (pid, its start time and PID namespace, ``sync``, when), and
+   lease its first sequence numbers (:mod:`kvstore.core.seq_lease`).
 
 A failure part-way aborts the transaction and releases every lock file it took.  Close
 (:meth:`Owner.close`): one transaction deletes the row, then the lock file goes; a crash
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
+from kvstore.core.seq_lease import SeqLease
 from kvstore.disk.lock import OwnerLock, probe_owner
 from kvstore.errors import OptionMismatchError, StoreLockedError
 from kvstore.index.index import Index, IndexWriter
@@ -51,10 +53,11 @@ class Owner:
     """This ``Store``'s registration: its id and lock file, until :meth:`close`."""
 
     def __init__(self, owner_id: int, lock: OwnerLock, index: Index, writer: IndexWriter,
-                 recovered: int) -> None:
+                 recovered: int, seqs: SeqLease) -> None:
         self.id, self._lock = owner_id, lock
         self._index, self._writer = index, writer
         self.recovered = recovered  # dead owners this registration recovered
+        self.seqs = seqs  # its sequence numbers (kvstore/core/seq_lease.py)
 
     def close(self) -> None:
         """Delete the row, then the lock file (even if the transaction fails: the next
@@ -74,17 +77,18 @@ def register(path: str, index: Index, writer: IndexWriter, *, sync: bool,
     record = OwnerRecord(pid=os.getpid(), sync=sync, start_time=_start_time(),
                          pid_namespace=_pid_namespace(), opened_us=time.time_ns() // 1000)
     dead: list[OwnerLock] = []
-    owner_id, lock = writer.run_sync(_registration(path, index, record, file_mode, dead))
+    owner_id, lock, first_seq = writer.run_sync(
+        _registration(path, index, record, file_mode, dead))
     for other in dead:  # their rows are gone for good now
         other.remove()
-    return Owner(owner_id, lock, index, writer, len(dead))
+    return Owner(owner_id, lock, index, writer, len(dead), SeqLease(first_seq))
 
 
 def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
-                  dead: list[OwnerLock]) -> Callable[[Txn], tuple[int, OwnerLock]]:
+                  dead: list[OwnerLock]) -> Callable[[Txn], tuple[int, OwnerLock, int]]:
     table = index.owner_records
 
-    def job(txn: Txn) -> tuple[int, OwnerLock]:
+    def job(txn: Txn) -> tuple[int, OwnerLock, int]:
         _release(dead)  # (a job the writer runs again after growing the map)
         owner_id = table.take_id(txn)
         lock = OwnerLock(path, owner_id, file_mode)
@@ -99,11 +103,12 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
                     table.remove(txn, other_id)
             _check_agreement(path, record, live)
             table.add(txn, owner_id, record)
+            first_seq = SeqLease.lease_in(txn, index)
         except BaseException:
             lock.remove()  # (inside the transaction: nobody else registers meanwhile)
             _release(dead)
             raise
-        return owner_id, lock
+        return owner_id, lock, first_seq
 
     return job
 

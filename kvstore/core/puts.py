@@ -40,6 +40,7 @@ from kvstore.codecs.tensors import CODE_DTYPES, check_value, host_bytes
 from kvstore.core.backlog import Backlog
 from kvstore.core.deletes import DeleteWatch
 from kvstore.core.key_order import KeyOrder, Turn
+from kvstore.core.seq_lease import SeqLease
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
 from kvstore.index.index import ChainCut, Txn
@@ -82,21 +83,22 @@ class SlotLimits:
 
 
 class PutPath:
-    """The puts of one open store (see the module docstring).  ``last_seq``: the
-    highest sequence number the index records; this path numbers every slot after it
-    (it is the counter's only owner).  ``ride_along``: the store's writes that go in
-    every transaction that commits puts or evicts (the persisted totals)."""
+    """The puts of one open store (see the module docstring).  ``seqs``: this owner's
+    lease of sequence numbers (kvstore/core/seq_lease.py: unique among the processes
+    sharing the store); this path numbers every slot from it.  ``ride_along``: the
+    store's writes that go in every transaction that commits puts or evicts (the
+    persisted totals)."""
 
     def __init__(self, *, index: Index, writer: IndexWriter, allocator: Allocator,
                  transfers: Transfers, syncs: GroupSync, files: ExtentFiles, health: Health,
                  counters: dict[str, int], limits: SlotLimits,
-                 ride_along: Callable[[Txn], None], last_seq: int, codec: CodecSpec | None,
+                 ride_along: Callable[[Txn], None], seqs: SeqLease, codec: CodecSpec | None,
                  durable: bool, backlog_bytes: int, tiers: Tiers) -> None:
         self._index, self._writer, self._allocator = index, writer, allocator
         self._transfers, self._syncs, self._files = transfers, syncs, files
         self._health, self._counters, self._limits = health, counters, limits
         self._ride_along = ride_along
-        self._seq = last_seq
+        self._seqs = seqs
         self.codec = codec  # the store's default
         self.durable = durable
         # puts in flight beyond backlog_bytes drop background puts (kvstore/core/backlog.py)
@@ -253,12 +255,12 @@ class PutPath:
         self._counters["dedup_blocks"] += blocks
         self._counters["dedup_bytes"] += raw_bytes
 
-    def _number(self, items: Sequence[PutItem]) -> None:
-        """Give each slot the next sequence number (``_seq``, the highest given so far,
-        is what a commit records: puts commit out of order)."""
-        for item in items:
-            self._seq += 1
-            item.seq = self._seq
+    async def _number(self, items: Sequence[PutItem]) -> None:
+        """Give each slot the next sequence number of the lease (renewed first if it
+        runs short; no await between the check and the numbering)."""
+        await self._seqs.ensure(len(items), self._index, self._writer)
+        for item, seq in zip(items, self._seqs.take(len(items))):
+            item.seq = seq
 
     async def _reserve(self, items: Sequence[PutItem]) -> None:
         """The allocator places ``items`` (evicting, adding extents); this path acts on
@@ -293,7 +295,7 @@ class PutPath:
         await self._reserve(items)
         committed = False
         try:
-            self._number(items)
+            await self._number(items)
             await self._transfers.write(items)
             if self.durable:
                 fds = self._files.fds
@@ -308,7 +310,7 @@ class PutPath:
             # own sync succeeded later (the kernel may have dropped pages the failed
             # sync covered); checked again on the writer thread, just before the commit.
             health.check_still_writable()
-            seq, touched = self._seq, allocator.take_touched()
+            seq, touched = max(item.seq for item in items), allocator.take_touched()
             index = self._index
 
             def commit(txn: Txn) -> None:

@@ -101,6 +101,13 @@ class MetaRecords:
     def seq(self) -> int:
         return _u64(self._get(META_SEQ))
 
+    def lease_seq(self, txn: Txn, count: int) -> int:
+        """``count`` sequence numbers for one owner (kvstore/core/seq_lease.py): ``seq``
+        raised by ``count`` in ``txn``; returns the first of them."""
+        prev = unpack_u64(txn.get(META_SEQ, db=self._table) or pack_u64(0))
+        txn.put(META_SEQ, pack_u64(prev + count), db=self._table)
+        return prev + 1
+
     def raise_seq(self, txn: Txn, seq: int) -> None:
         """The sequence counter to at least ``seq`` (a put's commit; fsck's repair)."""
         prev = unpack_u64(txn.get(META_SEQ, db=self._table) or pack_u64(0))
