@@ -197,7 +197,7 @@ class StoreParts:
         schedule = opts.io_schedule()
         self.scheduler = IoScheduler(self.engine, schedule) if schedule is not None else None
         self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.files.fds,
-                                   copier=self._copier)
+                                   copier=self._copier, open_extent=self.files.open_known)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
         self.allocator = Allocator(
             path=self.path, index=self.index, writer=self.writer,
@@ -205,7 +205,7 @@ class StoreParts:
             store_uuid=self.store_uuid, extents=self.extents, free_runs=self.index.free_runs(),
             lost_extents=self.lost_extents,
             capacity_bytes=opts.capacity_bytes, file_mode=self.file_mode,
-            counters=self.counters)
+            counters=self.counters, owner_id=self.owner.id)
         # Capacity is a bound at every instant: a store reopened with a smaller one
         # evicts down to it now, before it serves (or refuses to open: pinned blocks).
         self.allocator.fit_capacity(ride_along=self.flush_totals_in)

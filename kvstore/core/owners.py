@@ -9,9 +9,10 @@ Registration (:func:`register`, one write transaction on the index writer, after
 
 1. Take an owner id (``next_owner``); create its lock file and lock it (held before the
    row exists, so a row whose lock is free always means a dead owner).
-2. Probe every other row's lock file: a dead owner is recovered (its row deleted; it
-   holds nothing else in the index yet: claims come with DESIGN.md section 6), and its
-   lock file removed once the transaction committed.
+2. Probe every other row's lock file: a dead owner is recovered: its row deleted, and
+   its ``creating`` rows (extent files it was making: their ids reserved, never
+   recorded); once the transaction committed, those files and its lock file are
+   removed.  (Claims, DESIGN.md section 6, will go back to the pool here too.)
 3. Options every owner must agree on: ``sync`` (:class:`~kvstore.errors.OptionMismatchError`
    naming the live owners' pids).
 4. Until space is shared between processes (claims), a live owner in another process
@@ -34,6 +35,7 @@ from contextlib import suppress
 from typing import Any
 
 from kvstore.core.seq_lease import SeqLease
+from kvstore.disk.extents import remove_new_extent_file
 from kvstore.disk.lock import OwnerLock, probe_owner
 from kvstore.errors import OptionMismatchError, StoreLockedError
 from kvstore.index.index import Index, IndexWriter
@@ -52,21 +54,23 @@ number leases); tests of the owners' bookkeeping turn it on in their own process
 class Owner:
     """This ``Store``'s registration: its id and lock file, until :meth:`close`."""
 
-    def __init__(self, owner_id: int, lock: OwnerLock, index: Index, writer: IndexWriter,
-                 recovered: int, seqs: SeqLease) -> None:
-        self.id, self._lock = owner_id, lock
+    def __init__(self, path: str, owner_id: int, lock: OwnerLock, index: Index,
+                 writer: IndexWriter, recovered: int, seqs: SeqLease) -> None:
+        self._path, self.id, self._lock = path, owner_id, lock
         self._index, self._writer = index, writer
         self.recovered = recovered  # dead owners this registration recovered
         self.seqs = seqs  # its sequence numbers (kvstore/core/seq_lease.py)
 
     def close(self) -> None:
-        """Delete the row, then the lock file (even if the transaction fails: the next
-        registration then finds a row whose lock is free, and recovers it)."""
+        """Delete the row (and ``creating`` rows of extents it failed to make), then the
+        lock file (even if the transaction fails: the next registration then finds a
+        row whose lock is free, and recovers it)."""
         if self._lock.fd < 0:
             return
         try:
-            table = self._index.owner_records
-            self._writer.run_sync(lambda txn: table.remove(txn, self.id))
+            unmade = self._writer.run_sync(lambda txn: _forget(txn, self._index, self.id))
+            for extent_id in unmade:  # (a failed creation removed its file already)
+                remove_new_extent_file(self._path, extent_id)
         finally:
             self._lock.remove()
 
@@ -77,19 +81,24 @@ def register(path: str, index: Index, writer: IndexWriter, *, sync: bool,
     record = OwnerRecord(pid=os.getpid(), sync=sync, start_time=_start_time(),
                          pid_namespace=_pid_namespace(), opened_us=time.time_ns() // 1000)
     dead: list[OwnerLock] = []
+    unmade: list[int] = []  # extent files dead owners were making
     owner_id, lock, first_seq = writer.run_sync(
-        _registration(path, index, record, file_mode, dead))
+        _registration(path, index, record, file_mode, dead, unmade))
+    for extent_id in unmade:  # no entry names them, no live owner makes them
+        remove_new_extent_file(path, extent_id)
     for other in dead:  # their rows are gone for good now
         other.remove()
-    return Owner(owner_id, lock, index, writer, len(dead), SeqLease(first_seq))
+    return Owner(path, owner_id, lock, index, writer, len(dead), SeqLease(first_seq))
 
 
 def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
-                  dead: list[OwnerLock]) -> Callable[[Txn], tuple[int, OwnerLock, int]]:
+                  dead: list[OwnerLock], unmade: list[int]
+                  ) -> Callable[[Txn], tuple[int, OwnerLock, int]]:
     table = index.owner_records
 
     def job(txn: Txn) -> tuple[int, OwnerLock, int]:
         _release(dead)  # (a job the writer runs again after growing the map)
+        unmade.clear()
         owner_id = table.take_id(txn)
         lock = OwnerLock(path, owner_id, file_mode)
         try:
@@ -100,7 +109,7 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
                     live[other_id] = other
                 else:
                     dead.append(probe)
-                    table.remove(txn, other_id)
+                    unmade.extend(_forget(txn, index, other_id))
             _check_agreement(path, record, live)
             table.add(txn, owner_id, record)
             first_seq = SeqLease.lease_in(txn, index)
@@ -111,6 +120,17 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
         return owner_id, lock, first_seq
 
     return job
+
+
+def _forget(txn: Txn, index: Index, owner_id: int) -> list[int]:
+    """Delete an owner's row and its ``creating`` rows; returns those extent ids (files
+    to delete once the transaction committed)."""
+    table = index.owner_records
+    table.remove(txn, owner_id)
+    unmade = table.creating_of(txn, owner_id)
+    for extent_id in unmade:
+        table.done_creating(txn, extent_id)
+    return unmade
 
 
 def _check_agreement(path: str, mine: OwnerRecord, live: dict[int, OwnerRecord]) -> None:

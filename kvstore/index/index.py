@@ -9,6 +9,7 @@ Tables (FORMAT.md, "Index"):
 ``quarantine``  16-byte key -> IndexEntry of a block that failed verification or could
                 not be read (flagged ENTRY_FLAG_UNREADABLE), kept to be read again
 ``owners``      u32 BE owner id -> the open Store it is (kvstore/index/owners.py)
+``creating``    u32 BE extent id -> u32 LE owner id: an extent file being made
 
 Every change of allocation happens in the same write transaction as the index change
 it belongs to, so space is never both free and referenced after a crash.
@@ -100,7 +101,7 @@ MAP_LIMIT_BYTES = 64 << 30
 with this."""
 
 _DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru",
-        b"owners")
+        b"owners", b"creating")
 
 
 class Index:
@@ -121,7 +122,7 @@ class Index:
             path, map_size=min(map_size, INITIAL_MAP_BYTES), sync=sync, file_mode=file_mode,
             tables=_DBS, verify=verify)
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
-         self.pins, self.lru, self.owners) = dbs
+         self.pins, self.lru, self.owners, self.creating) = dbs
         self.free_map = FreeMap(self.free)
         self.chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
 
@@ -371,20 +372,24 @@ class Index:
             if delta > 0 or txn.get(key, db=self.pins) is not None:
                 self.bump(txn, self.pins, key, delta)
 
-    def reserve_extent_id(self, txn: Txn) -> int:
+    def reserve_extent_id(self, txn: Txn, owner_id: int = 0) -> int:
         """The id a new extent file gets, taken from ``next_extent`` in a transaction of
         its own before the file is made: ids are unique across the processes sharing
         the store (two that read ``next_extent`` outside a transaction picked one id,
         and the later one replaced the other's file).  An id whose file then never gets
         recorded (a crash, a failed preallocation) is skipped for good; a file left
-        under it is an orphan fsck reclaims."""
-        return self.meta_records.take_next_extent(txn)
+        under it is deleted when its owner is found dead (``creating`` names it until
+        it is recorded: :meth:`OwnersTable.creating_of`), else by fsck."""
+        extent_id = self.meta_records.take_next_extent(txn)
+        self.owner_records.start_creating(txn, extent_id, owner_id)
+        return extent_id
 
     def add_extent(self, txn: Txn, extent_id: int, extent_bytes: int) -> None:
         """Record a new (already durable) extent file, its id reserved
         (:meth:`reserve_extent_id`), and its free run."""
         txn.put(extent_key(extent_id), pack_u64(extent_bytes), db=self.extents)
         self.give_range(txn, extent_id, PAGE, extent_bytes - PAGE)
+        self.owner_records.done_creating(txn, extent_id)
 
     # ------------------------------------------------------------------ the other records
     # Meta records (kvstore/index/meta.py) and fsck's reads and repairs
@@ -396,7 +401,7 @@ class Index:
 
     @cached_property
     def owner_records(self) -> OwnersTable:
-        return OwnersTable(self.owners, self.meta_records)
+        return OwnersTable(self.owners, self.creating, self.meta_records)
 
     @cached_property
     def repairs(self) -> Repairs:

@@ -10,6 +10,11 @@ inode u64 (0 if unknown), opened u64 (microseconds since the epoch), reserved u6
 
 Whether an owner is alive is not in the table: its lock file says
 (:func:`kvstore.disk.lock.probe_owner`).
+
+The ``creating`` table: extent id (u32 BE) -> owner id (u32 LE) of an extent file that
+owner is making (its id reserved, the file not recorded in ``extents`` yet): the row
+goes in the transaction that records the extent; a dead owner's rows name the files
+its recovery deletes.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ OWNER_RECORD_VERSION = 1
 _FLAG_SYNC = 0x01
 _RECORD = struct.Struct("<BBHIQQQQ")
 _KEY = struct.Struct(">I")
+_OWNER = struct.Struct("<I")
 
 
 def owner_key(owner_id: int) -> bytes:
@@ -67,8 +73,8 @@ class OwnerRecord:
 class OwnersTable:
     """The owners rows of an open index; every method runs in a transaction it is given."""
 
-    def __init__(self, table: Any, meta: MetaRecords) -> None:
-        self._table, self._meta = table, meta
+    def __init__(self, table: Any, creating: Any, meta: MetaRecords) -> None:
+        self._table, self._creating, self._meta = table, creating, meta
 
     def take_id(self, txn: Txn) -> int:
         """A new owner id (``next_owner``, raised in ``txn``)."""
@@ -84,3 +90,15 @@ class OwnersTable:
     def remove(self, txn: Txn, owner_id: int) -> bool:
         """Delete the row (False if it was gone: another owner recovered it)."""
         return bool(txn.delete(owner_key(owner_id), db=self._table))
+
+    def start_creating(self, txn: Txn, extent_id: int, owner_id: int) -> None:
+        txn.put(_KEY.pack(extent_id), _OWNER.pack(owner_id), db=self._creating)
+
+    def done_creating(self, txn: Txn, extent_id: int) -> None:
+        txn.delete(_KEY.pack(extent_id), db=self._creating)
+
+    def creating_of(self, txn: Txn, owner_id: int) -> list[int]:
+        """The extents ``owner_id`` was making (reserved, not recorded)."""
+        with txn.cursor(self._creating) as cur:
+            return [_KEY.unpack(bytes(k))[0] for k, v in cur
+                    if _OWNER.unpack(bytes(v))[0] == owner_id]

@@ -74,10 +74,14 @@ class Transfers:
     """Moves slots between the caller's blocks, the staging arena and the extent files."""
 
     def __init__(self, engine: IOEngine, arena: Arena, fds: dict[int, int], *,
-                 piece_bytes: int = PIECE_BYTES, copier: DeviceCopier = HOST_COPIER) -> None:
+                 piece_bytes: int = PIECE_BYTES, copier: DeviceCopier = HOST_COPIER,
+                 open_extent: Callable[[int], bool] | None = None) -> None:
         self.engine, self.arena = engine, arena
         self.copier = copier  # device copies: the store's (kvstore/io/device_copies.py)
         self._fds = fds  # extent id -> descriptor; the store adds extents as it grows
+        # An extent another process added (issue 43): opened when an entry first names
+        # it (adds it to ``fds``); False if its file does not exist (missing).
+        self._open_extent = open_extent or (lambda extent_id: False)
         # Chunks of a few MiB, so that staging the next overlaps the device moving this one.
         self._chunk_bytes = max(min(arena.size // 4, 8 << 20), PAGE)
         # A raw block of at least two of these is staged and written in pieces this size.
@@ -301,7 +305,7 @@ class Transfers:
         for i, entry in enumerate(entries):
             if entry is None:
                 continue
-            if entry.extent not in self._fds:
+            if entry.extent not in self._fds and not self._open_extent(entry.extent):
                 counts[0] += 1
                 unreadable.append((keys[i], entry, f"extent file {entry.extent} is missing"))
             else:
@@ -380,6 +384,8 @@ async def read_slot(transfers: Transfers, key: bytes, entry: IndexEntry,
     (:func:`kvstore.io.coalesce.reread_failed`); the check and the copy run on a worker
     thread when large (a remote upload's read of a block)."""
     fd = transfers._fds.get(entry.extent)
+    if fd is None and transfers._open_extent(entry.extent):
+        fd = transfers._fds.get(entry.extent)
     if fd is None:
         return None
     run = await transfers.arena.acquire(entry.slot_len)

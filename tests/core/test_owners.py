@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import kvstore
 from kvstore.disk import layout
@@ -29,7 +30,7 @@ from kvstore.disk.lock import live_owner_pids, probe_owner
 from kvstore.index.owners import OwnerRecord
 from kvstore.testing import parts
 from kvstore.tools import fsck
-from tests.conformance import NS
+from tests.conformance import NS, keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,3 +150,45 @@ def test_an_exclusive_open_refuses_others_and_is_refused_beside_them(tmp_path: P
             fsck.check(str(tmp_path), repair=True)
     said = other_open(tmp_path, exclusive=True)  # all closed: free again
     assert said == "open"
+
+
+MAKER = textwrap.dedent("""
+    import sys, anyio, torch, kvstore
+    from kvstore.io.threads import ThreadPoolEngine
+    from tests.conformance import NS, keys
+    class Held(ThreadPoolEngine):
+        async def initialise(self, fd, nbytes, header):
+            print("creating", flush=True)
+            await anyio.to_thread.run_sync(sys.stdin.readline)  # killed here
+            await super().initialise(fd, nbytes, header)
+    async def main():
+        async with kvstore.open(sys.argv[1], namespace=NS, extent_bytes=1 << 20,
+                                engine=Held(direct=False)) as store:
+            await store.put_many(keys(1), [torch.ones(4)])
+    anyio.run(main)
+""")
+
+
+def test_an_extent_file_a_killed_owner_was_making_is_removed_by_its_recovery(
+        tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", MAKER, str(tmp_path)], cwd=ROOT,
+                            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        assert proc.stdout.readline() == "creating\n"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stdout.close()
+        proc.stdin.close()
+    made = os.listdir(tmp_path / "extents")
+    assert made == [os.path.basename(layout.extent_path(str(tmp_path), 1))]  # not recorded
+    with open_here(tmp_path) as store:
+        assert parts(store).owner.recovered == 1
+        assert os.listdir(tmp_path / "extents") == []  # its reserved id is skipped
+        index = parts(store).index
+        with index.begin() as txn:
+            assert txn.stat(index.creating)["entries"] == 0
+        store.put_many(keys(1), [torch.ones(4)])
+        assert sorted(parts(store).fds) == [2]
+    assert fsck.check(str(tmp_path)).findings == []
