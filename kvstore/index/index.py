@@ -147,10 +147,7 @@ class Index:
                         with txn:
                             yield txn
                     except lmdb.Error as e:
-                        if isinstance(e, lmdb.BadTxnError):
-                            # A read transaction turns bad only after one of its reads
-                            # met a damaged page (LMDB flags it, py-lmdb's iterators end
-                            # there quietly): damage, not an I/O error.
+                        if isinstance(e, lmdb.BadTxnError):  # a read met a damaged page
                             e = lmdb.CorruptedError(f"{e} (after a damaged page)")
                         raise lmdb_error(e, "cannot read the index", self.path) from e
                     return
@@ -373,13 +370,9 @@ class Index:
                 self.bump(txn, self.pins, key, delta)
 
     def reserve_extent_id(self, txn: Txn, owner_id: int = 0) -> int:
-        """The id a new extent file gets, taken from ``next_extent`` in a transaction of
-        its own before the file is made: ids are unique across the processes sharing
-        the store (two that read ``next_extent`` outside a transaction picked one id,
-        and the later one replaced the other's file).  An id whose file then never gets
-        recorded (a crash, a failed preallocation) is skipped for good; a file left
-        under it is deleted when its owner is found dead (``creating`` names it until
-        it is recorded: :meth:`OwnersTable.creating_of`), else by fsck."""
+        """A new extent's id, from ``next_extent`` in a transaction of its own before
+        its file is made (unique across processes), ``creating`` its owner's until
+        :meth:`add_extent` (kvstore/index/owners.py); an id never recorded is skipped."""
         extent_id = self.meta_records.take_next_extent(txn)
         self.owner_records.start_creating(txn, extent_id, owner_id)
         return extent_id

@@ -6,6 +6,10 @@ Each chunk's staging is one arena run (``Arena.acquire`` of the chunk, ``Arena.s
 block), so a transfer never holds part of its staging while waiting for the rest; a chunk
 never exceeds the arena.  Arena runs go back only after the engine returned, i.e. after
 the kernel is done with them, even when the caller is cancelled.
+
+A read of an entry naming an extent this process has no descriptor for (another process
+sharing the store added it, issue 43) calls ``open_extent(id)``, which opens it into
+``fds``; it answers False if the file does not exist: only then is the extent missing.
 """
 
 from __future__ import annotations
@@ -75,16 +79,13 @@ class Transfers:
 
     def __init__(self, engine: IOEngine, arena: Arena, fds: dict[int, int], *,
                  piece_bytes: int = PIECE_BYTES, copier: DeviceCopier = HOST_COPIER,
-                 open_extent: Callable[[int], bool] | None = None) -> None:
+                 open_extent: Callable[[int], bool] = lambda extent_id: False) -> None:
         self.engine, self.arena = engine, arena
         self.copier = copier  # device copies: the store's (kvstore/io/device_copies.py)
-        self._fds = fds  # extent id -> descriptor; the store adds extents as it grows
-        # An extent another process added (issue 43): opened when an entry first names
-        # it (adds it to ``fds``); False if its file does not exist (missing).
-        self._open_extent = open_extent or (lambda extent_id: False)
-        # Chunks of a few MiB, so that staging the next overlaps the device moving this one.
+        self._fds, self._open_extent = fds, open_extent  # extent id -> fd (module docstring)
+        # Chunks of a few MiB (staging the next overlaps the device moving this one); a raw
+        # block of at least two pieces is staged and written a piece at a time.
         self._chunk_bytes = max(min(arena.size // 4, 8 << 20), PAGE)
-        # A raw block of at least two of these is staged and written in pieces this size.
         self._piece_bytes = round_up(piece_bytes)
         self._cores = max(1, len(os.sched_getaffinity(0)))
         self._chunks_active = 0  # chunks being staged/written or read/verified (any task)
