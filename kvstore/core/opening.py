@@ -31,13 +31,8 @@ from kvstore.disk.format import new_store_uuid
 from kvstore.disk.layout import EXTENT_DIR, INDEX_DIR, extent_path
 from kvstore.disk.lock import StoreLock
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
-from kvstore.index.index import (
-    Index,
-    IndexWriter,
-    Txn,
-    init_meta,
-    record_namespace,
-)
+from kvstore.index import environments
+from kvstore.index.index import Txn, init_meta, record_namespace
 from kvstore.index.totals import Totals
 from kvstore.io.arena import Arena
 from kvstore.io.device_copies import DeviceCopier
@@ -90,11 +85,12 @@ class StoreParts:
             raise
 
     def _open_index(self, opts: StoreOptions) -> None:
-        self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=opts.index_map_bytes,
-                           sync=opts.sync, file_mode=self.file_mode)
-        self._cleanups.append(self.index.close)
-        self.writer = IndexWriter(self.index)
-        self._cleanups.append(self.writer.close)
+        # Shared with the other Stores of this process on this path (one LMDB
+        # environment per process: kvstore/index/environments.py).
+        self.index, self.writer = environments.acquire(
+            os.path.join(self.path, INDEX_DIR), map_size=opts.index_map_bytes,
+            sync=opts.sync, file_mode=self.file_mode)
+        self._cleanups.append(lambda: environments.release(self.index))
         extents_dir = os.path.join(self.path, EXTENT_DIR)
         store_files.check_dir(extents_dir, f"Move the extents directory itself to {extents_dir}.")
         meta = self.index.meta_records

@@ -144,10 +144,11 @@ def _check_agreement(path: str, mine: OwnerRecord, live: dict[int, OwnerRecord])
             f"{', '.join(str(r.pid) for r in differ)}); every process sharing a store must "
             f"open it with the same sync, and this open asks for sync={mine.sync}")
     if not SHARING_ENABLED:
+        where = ("is already open in this process" if mine.pid in [r.pid for r in live.values()]
+                 else f"is open in another process (pid {pids})")
         raise StoreLockedError(
-            11, f"store {path} is open in another process (pid {pids}); sharing one store "
-            "between processes is not enabled yet (issue 43). Close it there first, or "
-            "open another path")
+            11, f"store {path} {where}; sharing one store between Stores is not enabled yet "
+            "(issue 43). Close it there first, or open another path")
 
 
 def _release(locks: list[OwnerLock]) -> None:

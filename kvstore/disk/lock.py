@@ -12,12 +12,6 @@ kernel drops the lock when the process dies, so whoever can lock the file knows 
 owner is dead (:func:`probe_owner`; no pid is trusted for that, pids are reused).  The
 owners' rows in the index are :mod:`kvstore.core.owners`'.
 
-One process opens a store's LMDB environment at most once (LMDB: closing a second
-handle of one environment drops the first one's locks), so a shared open of a store
-this process holds already is refused here, before the index is touched.  (Two
-``Store`` objects of one process on one path need a per-process registry of
-environments: DESIGN.md of issue 43, section 5.1.)
-
 Fork: a ``flock`` belongs to the open file description, which a forked child shares
 through its copy of the descriptor, so a child that kept a copy kept the store locked for
 as long as it ran (and an owner alive after its death).  The child closes every copy at
@@ -60,8 +54,6 @@ _HELD: weakref.WeakSet[_Flock] = weakref.WeakSet()
 # inherits a descriptor its at-fork hook does not know.  Never held across a blocking call
 # (every flock is non-blocking).
 _FORK_GUARD = threading.Lock()
-# Store directories (st_dev, st_ino) this process holds shared: opened once per process.
-_SHARED_HERE: set[tuple[int, int]] = set()
 
 
 class _Flock:
@@ -99,7 +91,6 @@ class StoreLock(_Flock):
 
     def __init__(self, path: str, *, exclusive: bool = True) -> None:
         self.path, self.exclusive = path, exclusive
-        self._here: tuple[int, int] | None = None
         lock_path = layout.lock_path(path)
         with _FORK_GUARD:
             # A link, FIFO or directory there is refused (UnsafePathError), never used;
@@ -114,11 +105,6 @@ class StoreLock(_Flock):
             try:
                 check_same(lock_path, os.fstat(fd), None, fix)
                 os.set_blocking(fd, True)
-                here = _store_id(path)
-                if not exclusive and here in _SHARED_HERE:
-                    raise StoreLockedError(
-                        11, f"store {path} is already open in this process; close that Store "
-                        "first (two Stores of one process on one path are not supported yet)")
             except BaseException:
                 os.close(fd)
                 raise
@@ -133,9 +119,6 @@ class StoreLock(_Flock):
                 raise
             self.fd = fd
             _HELD.add(self)
-            if not exclusive:
-                self._here = here
-                _SHARED_HERE.add(here)
         if not exclusive:
             return
         try:
@@ -162,15 +145,7 @@ class StoreLock(_Flock):
         if self.fd >= 0 and self.exclusive:
             with suppress(OSError):  # the pid of a holder that is gone
                 os.ftruncate(self.fd, 0)
-        if self._here is not None:
-            _SHARED_HERE.discard(self._here)
-            self._here = None
         super()._unlock()
-
-
-def _store_id(path: str) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
 
 
 def _in_use(path: str, holder: str, exclusive: bool) -> str:
@@ -287,7 +262,6 @@ def _after_fork_in_child() -> None:
     for lock in list(_HELD):
         lock._forget_in_child()
     _HELD.clear()
-    _SHARED_HERE.clear()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
