@@ -13,6 +13,7 @@ Registration (:func:`register`, one write transaction on the index writer, after
    its ``creating`` rows (extent files it was making: their ids reserved, never
    recorded); once the transaction committed, those files and its lock file are
    removed.  (Claims, DESIGN.md section 6, will go back to the pool here too.)
+   Lock files of no owner (a registration or close killed at the wrong moment) go too.
 3. Options every owner must agree on: ``sync`` (:class:`~kvstore.errors.OptionMismatchError`
    naming the live owners' pids).
 4. Until space is shared between processes (claims), a live owner in another process
@@ -35,6 +36,7 @@ from contextlib import suppress
 from typing import Any
 
 from kvstore.core.seq_lease import SeqLease
+from kvstore.disk import layout
 from kvstore.disk.extents import remove_new_extent_file
 from kvstore.disk.lock import OwnerLock, probe_owner
 from kvstore.errors import OptionMismatchError, StoreLockedError
@@ -110,6 +112,7 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
                 else:
                     dead.append(probe)
                     unmade.extend(_forget(txn, index, other_id))
+            _sweep(path, {owner_id, *live})
             _check_agreement(path, record, live)
             table.add(txn, owner_id, record)
             first_seq = SeqLease.lease_in(txn, index)
@@ -120,6 +123,23 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
         return owner_id, lock, first_seq
 
     return job
+
+
+def _sweep(path: str, owners: set[int]) -> None:
+    """Lock files of no owner (a registration or a close killed at the wrong moment
+    left them): removed unless held (an owner between its closing transaction and its
+    removal of the file).  Called inside the registration transaction: no other
+    registration can be making one meanwhile."""
+    try:
+        names = os.listdir(layout.owners_dir(path))
+    except FileNotFoundError:
+        return
+    for name in names:
+        other_id = layout.owner_id_of(name)
+        if other_id is not None and other_id not in owners:
+            left = probe_owner(path, other_id)
+            if left is not None:
+                left.remove()
 
 
 def _forget(txn: Txn, index: Index, owner_id: int) -> list[int]:

@@ -26,8 +26,8 @@ import os
 __all__ = ["BROKEN_INDEX_PREFIX", "DEMO_MANIFEST", "EXTENT_DIR", "EXTENT_SUFFIX", "INDEX_DIR",
            "INDEX_FILES", "LOCK_FILE", "OWNERS_DIR", "OWNER_LOCK_SUFFIX", "PROBE_PREFIX",
            "STORE_NAMES", "broken_index_dir", "extent_id_of", "extent_name", "extent_path",
-           "extents_dir", "index_dir", "is_extent_name", "lock_path", "owner_lock_path",
-           "owners_dir", "probe_path"]
+           "extents_dir", "index_dir", "is_extent_name", "lock_path", "owner_id_of",
+           "owner_lock_path", "owners_dir", "probe_path"]
 
 LOCK_FILE = "LOCK"
 INDEX_DIR = "index"
@@ -64,6 +64,14 @@ def owners_dir(store_path: str) -> str:
 def owner_lock_path(store_path: str, owner_id: int) -> str:
     """The lock file of owner ``owner_id`` (an open Store), 8 decimal digits."""
     return os.path.join(store_path, OWNERS_DIR, f"{owner_id:08d}{OWNER_LOCK_SUFFIX}")
+
+
+def owner_id_of(name: str) -> int | None:
+    """The owner id in an owner lock file's name ``NNNNNNNN.lock``; None for another name."""
+    stem = name.removesuffix(OWNER_LOCK_SUFFIX)
+    if name.endswith(OWNER_LOCK_SUFFIX) and len(stem) == 8 and stem.isdigit():
+        return int(stem)
+    return None
 
 
 def extent_name(extent_id: int) -> str:

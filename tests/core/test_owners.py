@@ -192,3 +192,16 @@ def test_an_extent_file_a_killed_owner_was_making_is_removed_by_its_recovery(
         store.put_many(keys(1), [torch.ones(4)])
         assert sorted(parts(store).fds) == [2]
     assert fsck.check(str(tmp_path)).findings == []
+
+
+def test_a_lock_file_of_no_owner_is_swept_at_the_next_open(tmp_path: Path) -> None:
+    with open_here(tmp_path):
+        pass
+    # What a registration or close killed between its transaction and the file's
+    # removal leaves: a lock file, not held, with no owners row.
+    left = Path(layout.owner_lock_path(str(tmp_path), 99))
+    left.write_text("12345\n")
+    with open_here(tmp_path) as store:
+        assert not left.exists()
+        assert os.listdir(layout.owners_dir(str(tmp_path))) == [
+            os.path.basename(layout.owner_lock_path(str(tmp_path), parts(store).owner.id))]
