@@ -94,6 +94,12 @@ class StoreStats:
     io_busy_flushes: int = 0  # flushes the scheduler issued to keep writes small under reads
     remote: dict[str, Any] = field(default_factory=dict)  # RemoteStats.as_dict(); {}: no remote
     commits: int = 0
+    # Issue 43, the processes sharing the store: this store's owner id, the dead owners
+    # its open recovered, and the index map sizes another process grew that it adopted
+    # (process-wide: the Stores of a process on one path share the index).
+    owner_id: int = 0
+    owners_recovered: int = 0
+    map_adoptions: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/index/totals.py); the counters above
     # (puts ... evicted_bytes) count only this Store object since it was opened.

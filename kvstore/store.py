@@ -372,6 +372,8 @@ class Store:
             capacity_bytes=alloc.capacity_bytes, used_bytes=alloc.used_bytes,
             peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
             commits=parts.writer.commits, cuda=parts.arena_lock.status,
+            owner_id=parts.owner.id, owners_recovered=parts.owner.recovered,
+            map_adoptions=index.map_adoptions,
             namespaces=list(index.namespaces().values()),
             totals=parts.totals.current(index), backlog_bytes=self._paths.puts.backlog.nbytes,
             **extra)

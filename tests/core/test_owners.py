@@ -114,6 +114,8 @@ def test_a_killed_owner_is_recovered_by_the_next_open(tmp_path: Path) -> None:
     with open_here(tmp_path) as store:
         assert parts(store).owner.recovered == 1
         assert list(owner_rows(store)) == [parts(store).owner.id]
+        stats = store.stats()
+        assert (stats.owner_id, stats.owners_recovered) == (parts(store).owner.id, 1)
         assert left not in os.listdir(layout.owners_dir(str(tmp_path)))
     assert fsck.check(str(tmp_path)).problems == []
 
