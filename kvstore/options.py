@@ -69,8 +69,10 @@ class StoreOptions:
                    concurrent puts: least-recently-used blocks without stored children and
                    not pinned are evicted first (durably, like deletes), only as much as a
                    put needs; parents of blocks being written are never evicted, so chains
-                   never get holes; default: what the store holds plus 90% of the free disk
-                   space.
+                   never get holes.  Recorded in the store (every process sharing it
+                   applies the same): an open that gives it records it, one that does
+                   not (None) takes the recorded one; never given: what the store holds
+                   plus 90% of the free disk space.
     ``page_lock_staging`` page-lock the staging arena (register it with CUDA as
                    host memory the GPU can DMA to and from, what torch calls "pinned";
                    :mod:`kvstore.io.page_locking`), so gets land where the GPU copies them

@@ -195,19 +195,36 @@ class StoreParts:
         self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.files.fds,
                                    copier=self._copier, open_extent=self.files.open_known)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
+        recorded = self.index.meta_records.capacity()
+        capacity = recorded if opts.capacity_bytes is None else opts.capacity_bytes
         self.allocator = Allocator(
             path=self.path, index=self.index, writer=self.writer,
             engine=self.scheduler or self.engine, extent_bytes=self.extent_bytes,
             store_uuid=self.store_uuid, extents=self.extents, free_runs=self.index.free_runs(),
             lost_extents=self.lost_extents,
-            capacity_bytes=opts.capacity_bytes, file_mode=self.file_mode,
+            capacity_bytes=capacity, file_mode=self.file_mode,
             counters=self.counters, owner_id=self.owner.id)
         # Capacity is a bound at every instant: a store reopened with a smaller one
         # evicts down to it now, before it serves (or refuses to open: pinned blocks).
         self.allocator.fit_capacity(ride_along=self.flush_totals_in)
+        self._record_capacity(opts.capacity_bytes, recorded)
         # What it evicted is in no cache yet (the memory tier is empty until the store
         # serves), and it adds no extent: nothing to act on.
         self.allocator.take_changes()
+
+    def _record_capacity(self, given: int | None, recorded: int | None) -> None:
+        """``capacity_bytes`` is the store's, recorded in the index, so every process
+        sharing it applies one (issue 43): one given is recorded once the store fits it
+        (the last explicit setter wins); an open without one took the recorded one (or,
+        none recorded, the default rule: what the store holds plus 90% of the free disk
+        space)."""
+        if given is None or given == recorded:
+            return
+        if recorded is not None:
+            logger.info("kvstore %s: capacity_bytes %d replaces the recorded %d",
+                        self.path, given, recorded)
+        meta = self.index.meta_records
+        self.writer.run_sync(lambda txn: meta.record_capacity(txn, given))
 
     # ------------------------------------------------------------------ totals
 

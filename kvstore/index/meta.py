@@ -22,7 +22,7 @@ from kvstore.disk import permissions
 from kvstore.disk.format import FORMAT_VERSION, KEY_BYTES, pack_u64, unpack_u64
 from kvstore.errors import FormatVersionError, IndexCorruptionError
 
-__all__ = ["META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX", "META_NEXT_EXTENT", "META_NEXT_OWNER",
+__all__ = ["META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX", "META_CAPACITY", "META_NEXT_EXTENT", "META_NEXT_OWNER",
            "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ", "META_TOTAL_PREFIX",
            "META_UUID", "MetaRecords", "namespace_key"]
 
@@ -33,6 +33,7 @@ META_UUID = b"store_uuid"
 META_EXTENT_BYTES = b"extent_bytes"
 META_NEXT_EXTENT = b"next_extent"
 META_NEXT_OWNER = b"next_owner"
+META_CAPACITY = b"capacity_bytes"
 META_SEQ = b"seq"
 META_NAMESPACE_PREFIX = b"namespace:"
 META_SCRUB_CURSOR = b"scrub_cursor"
@@ -162,6 +163,14 @@ class MetaRecords:
         txn.delete(key, db=self._table)
 
     # ------------------------------------------------------------------ file mode
+
+    def capacity(self) -> int | None:
+        """The recorded ``capacity_bytes`` (None: never given; the default rule applies)."""
+        raw = self._get(META_CAPACITY)
+        return None if raw is None else _u64(raw)
+
+    def record_capacity(self, txn: Txn, capacity: int) -> None:
+        txn.put(META_CAPACITY, pack_u64(capacity), db=self._table)
 
     def file_mode(self) -> int | None:
         """The recorded file mode (None: never recorded, the default applies);
