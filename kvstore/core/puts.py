@@ -159,10 +159,10 @@ class PutPath:
                 except ChainCut:
                     # An eviction chose blocks this put deduplicated against before the
                     # put protected them, and committed after the put's decision: decide
-                    # again (now they are absent, so this put writes them).  Or a re-read
-                    # put a quarantined copy of a block it writes back: decide again (it
-                    # deduplicates it now).  Rare; bounded by the evictions and restores
-                    # that were in flight when the put decided.
+                    # again (now they are absent, so this put writes them).  Rare;
+                    # bounded by the evictions that were in flight when the put decided.
+                    # (A block it writes that was indexed meanwhile, by another process
+                    # or a restore from quarantine, is skipped by the commit: dedup_late.)
                     self._counters["put_retries"] += 1
         finally:
             self.order.finish(turn)
@@ -209,13 +209,17 @@ class PutPath:
             if not all([item.plan(spec) for item in items]):
                 await self._encode(items, spec)
             try:
-                await self._put_items(items, list(deduplicated))
+                late = await self._put_items(items, list(deduplicated))
             except PlanMismatch:
                 self._counters["put_replans"] += 1
                 await self._encode(items, spec)
-                await self._put_items(items, list(deduplicated))
+                late = await self._put_items(items, list(deduplicated))
         else:
-            await self._put_items(items, list(deduplicated))
+            late = await self._put_items(items, list(deduplicated))
+        if late:  # indexed by another owner (or restored) since the decision: not ours
+            self._counters["dedup_late"] += len(late)
+            dedup_bytes += sum(item.raw_len for item in items if item.key in late)
+            items = [item for item in items if item.key not in late]
         written = sum(item.payload_len for item in items)
         self._count_dedup(len(keys) - len(items) - n_skipped, dedup_bytes)
         self._counters["put_blocks"] += len(items)
@@ -290,7 +294,9 @@ class PutPath:
                     self._allocator.withdraw_extent(lost)
                 raise
 
-    async def _put_items(self, items: list[PutItem], relies_on: list[bytes]) -> None:
+    async def _put_items(self, items: list[PutItem], relies_on: list[bytes]) -> set[bytes]:
+        """Reserve, number, write, sync and commit ``items``; returns the keys the
+        commit skipped (indexed meanwhile: ``Index.commit_puts``), whose slots went back."""
         health, allocator, ride_along = self._health, self._allocator, self._ride_along
         await self._reserve(items)
         committed = False
@@ -313,13 +319,17 @@ class PutPath:
             seq, touched = max(item.seq for item in items), allocator.take_touched()
             index = self._index
 
-            def commit(txn: Txn) -> None:
+            def commit(txn: Txn) -> list[bytes]:
                 health.check_still_writable()
-                index.commit_puts(txn, entries, touched, seq, relies_on)
+                skipped = index.commit_puts(txn, entries, touched, seq, relies_on)
                 ride_along(txn)
+                return skipped
 
-            await self._writer.run(commit)
+            late = set(await self._writer.run(commit))
             committed = True
+            if late:  # their slots were never indexed: free again (no reader can hold them)
+                allocator.unreserve([item for item in items if item.key in late])
+                items = [item for item in items if item.key not in late]
             allocator.committed(items)
             memory, remote = self._tiers.memory, self._tiers.remote
             if remote is not None:  # uploaded in the background
@@ -334,3 +344,4 @@ class PutPath:
         finally:
             if not committed:
                 allocator.unreserve(items)
+        return late

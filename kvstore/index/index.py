@@ -306,25 +306,28 @@ class Index:
     # ------------------------------------------------------------------ the store's transactions
 
     def commit_puts(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]],
-                    touched: Touched, seq: int, relies_on: Sequence[bytes] = ()) -> None:
+                    touched: Touched, seq: int, relies_on: Sequence[bytes] = ()
+                    ) -> list[bytes]:
         """Index written blocks: their ranges leave the free map in the same transaction.
 
         ``relies_on`` are the stored blocks the put deduplicated against; if one of them
         was unindexed since the put decided (an eviction that chose it before the put
         protected it, or a delete), nothing is applied and :class:`ChainCut` names them.
-        So it is if a block the put writes was indexed since it decided: a quarantined
-        copy that a re-read verified went back (indexing it again would leave its LRU
-        row, its parent's child count and its slot behind)."""
+        A block the put writes that was indexed since it decided (another process
+        committed it, or a re-read restored its quarantined copy) is skipped: its slot
+        stays free, and it is returned (the put counts it as deduplicated, late)."""
         with txn.cursor(self.blocks) as cur:
             gone = [k for k in relies_on if not cur.set_key(k)]
-            back = [k for k, _ in entries if cur.set_key(k)]
-        if gone or back:
-            raise ChainCut(gone + back)
+            late = {k for k, _ in entries if cur.set_key(k)}
+        if gone:
+            raise ChainCut(gone)
+        entries = [(k, e) for k, e in entries if k not in late]
         self.apply_touched(txn, touched)
         self.free_map.take_slots(txn, entries)
         for key, entry in entries:
             self.add_block(txn, key, entry)
         self.meta_records.raise_seq(txn, seq)
+        return list(late)
 
     def delete_blocks(self, txn: Txn, keys: Sequence[bytes]) -> list[IndexEntry]:
         """Unindex ``keys`` (those stored); returns their entries, whose space is free."""
@@ -403,14 +406,12 @@ class Index:
                        free_map=self.free_map)
 
 class ChainCut(Exception):
-    """A put's commit found blocks it deduplicated against unindexed meanwhile, or
-    blocks it writes indexed meanwhile (restored from quarantine); the put is redone
-    (it writes the first itself, deduplicates the second).  Internal: never reaches a
-    caller."""
+    """A put's commit found blocks it deduplicated against unindexed meanwhile; the put
+    is redone (it writes them itself).  Internal: never reaches a caller."""
 
     def __init__(self, keys: Sequence[bytes]) -> None:
-        super().__init__(f"{len(keys)} block(s) the put decided on were unindexed or "
-                         "indexed again before the commit")
+        super().__init__(f"{len(keys)} block(s) the put deduplicated against were "
+                         "unindexed before its commit")
         self.keys = list(keys)
 
 
