@@ -17,7 +17,7 @@ import torch
 
 import kvstore
 from kvstore.disk.extents import extent_path
-from kvstore.disk.format import FORMAT_VERSION, SLOT_HEADER_BYTES, crc32c
+from kvstore.disk.format import SLOT_HEADER_BYTES, SLOT_VERSION, crc32c
 from kvstore.index.index import META_FORMAT
 from kvstore.testing import parts
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor, same
@@ -258,7 +258,7 @@ async def test_a_slot_of_a_newer_format_is_refused_with_a_clear_error(
     with open(extent_path(str(tmp_path), entry.extent), "r+b") as f:
         f.seek(entry.offset)
         header = bytearray(f.read(SLOT_HEADER_BYTES))
-        struct.pack_into("<H", header, 4, FORMAT_VERSION + 1)
+        struct.pack_into("<H", header, 4, SLOT_VERSION + 1)
         struct.pack_into("<I", header, SLOT_HEADER_BYTES - 4, crc32c(bytes(header[:-4])))
         f.seek(entry.offset)
         f.write(header)

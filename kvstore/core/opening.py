@@ -27,7 +27,7 @@ from kvstore.core.operations import Health
 from kvstore.core.owners import register
 from kvstore.core.tier_ports import Tiers
 from kvstore.disk import permissions, store_files
-from kvstore.disk.format import new_store_uuid
+from kvstore.disk.format import FORMAT_VERSION, new_store_uuid
 from kvstore.disk.layout import EXTENT_DIR, INDEX_DIR, extent_path
 from kvstore.disk.lock import StoreLock
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
@@ -101,7 +101,11 @@ class StoreParts:
                     f"fsck {self.path} --rebuild-index` to rebuild it (nothing was changed)")
             self.writer.run_sync(lambda txn: init_meta(
                 txn, self.index, store_uuid=new_store_uuid(), extent_bytes=opts.extent_bytes))
-        self.index.check_format()
+        # An older format is upgraded in place (kvstore/index/space_counters.py), under
+        # LOCK held shared: an older build takes it exclusively, so none is in.
+        if meta.check_format() != FORMAT_VERSION and \
+                self.writer.run_sync(self.index.space.upgrade):
+            logger.info("kvstore %s: upgraded to on-disk format %d", self.path, FORMAT_VERSION)
         # One of the store's owners (kvstore/core/owners.py) until it closes: registered
         # before anything else is written, so a refused open changes nothing.
         # (Its lock file gets the store's recorded mode: a group-shared store's other

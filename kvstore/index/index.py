@@ -10,6 +10,8 @@ Tables (FORMAT.md, "Index"):
                 not be read (flagged ENTRY_FLAG_UNREADABLE), kept to be read again
 ``owners``      u32 BE owner id -> the open Store it is (kvstore/index/owners.py)
 ``creating``    u32 BE extent id -> u32 LE owner id: an extent file being made
+``claims``, ``pending``  space taken by an owner, space freed not yet reusable
+                (kvstore/index/space_counters.py, with the meta counters of free space)
 
 Every change of allocation happens in the same write transaction as the index change
 it belongs to, so space is never both free and referenced after a crash.
@@ -80,6 +82,7 @@ from kvstore.index.meta import (
 from kvstore.index.owners import OwnersTable
 from kvstore.index.quarantine import QuarantineTable
 from kvstore.index.repairs import Repairs
+from kvstore.index.space_counters import SpaceCounters
 from kvstore.index.writer import ADOPT_TRIES, IndexWriter, lmdb_error
 
 __all__ = ["INITIAL_MAP_BYTES", "MAP_LIMIT_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
@@ -101,7 +104,7 @@ MAP_LIMIT_BYTES = 64 << 30
 with this."""
 
 _DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru",
-        b"owners", b"creating")
+        b"owners", b"creating", b"claims", b"pending")
 
 
 class Index:
@@ -122,8 +125,9 @@ class Index:
             path, map_size=min(map_size, INITIAL_MAP_BYTES), sync=sync, file_mode=file_mode,
             tables=_DBS, verify=verify)
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
-         self.pins, self.lru, self.owners, self.creating) = dbs
-        self.free_map = FreeMap(self.free)
+         self.pins, self.lru, self.owners, self.creating, claims, pending) = dbs
+        self.space = SpaceCounters(self.meta, self.meta_records, self.free, claims, pending)
+        self.free_map = FreeMap(self.free, self.space.free_changed)
         self.chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
 
     def close(self) -> None:
@@ -228,9 +232,6 @@ class Index:
 
     def namespaces(self) -> dict[bytes, str]:
         return self.meta_records.namespaces()
-
-    def check_format(self) -> None:
-        self.meta_records.check_format()
 
     # ------------------------------------------------------------------ writes (writer thread)
 
