@@ -11,8 +11,8 @@ Registration (:func:`register`, one write transaction on the index writer, after
    row exists, so a row whose lock is free always means a dead owner).
 2. Probe every other row's lock file: a dead owner is recovered: its row deleted, and
    its ``creating`` rows (extent files it was making: their ids reserved, never
-   recorded); once the transaction committed, those files and its lock file are
-   removed.  (Claims, DESIGN.md section 6, will go back to the pool here too.)
+   recorded), and its claims go back to the free pool; once the transaction
+   committed, those files and its lock file are removed.
    Lock files of no owner (a registration or close killed at the wrong moment) go too.
 3. Options every owner must agree on: ``sync`` (:class:`~kvstore.errors.OptionMismatchError`
    naming the live owners' pids).
@@ -23,7 +23,8 @@ Registration (:func:`register`, one write transaction on the index writer, after
    lease its first sequence numbers (:mod:`kvstore.core.seq_lease`).
 
 A failure part-way aborts the transaction and releases every lock file it took.  Close
-(:meth:`Owner.close`): one transaction deletes the row, then the lock file goes; a crash
+(:meth:`Owner.close`): one transaction deletes the row and returns its claims to the
+pool, then the lock file goes; a crash
 in between leaves a row whose lock is free, which the next registration recovers.
 """
 
@@ -64,7 +65,8 @@ class Owner:
         self.seqs = seqs  # its sequence numbers (kvstore/core/seq_lease.py)
 
     def close(self) -> None:
-        """Delete the row (and ``creating`` rows of extents it failed to make), then the
+        """Delete the row (and ``creating`` rows of extents it failed to make; its claims
+        go back to the pool), then the
         lock file (even if the transaction fails: the next registration then finds a
         row whose lock is free, and recovers it)."""
         if self._lock.fd < 0:
@@ -143,10 +145,12 @@ def _sweep(path: str, owners: set[int]) -> None:
 
 
 def _forget(txn: Txn, index: Index, owner_id: int) -> list[int]:
-    """Delete an owner's row and its ``creating`` rows; returns those extent ids (files
-    to delete once the transaction committed)."""
+    """Delete an owner's row and its ``creating`` rows, and return its claims to the
+    pool (kvstore/index/space_counters.py); returns those extent ids (files to delete
+    once the transaction committed)."""
     table = index.owner_records
     table.remove(txn, owner_id)
+    index.space.return_claims(txn, index.free_map, owner_id)
     unmade = table.creating_of(txn, owner_id)
     for extent_id in unmade:
         table.done_creating(txn, extent_id)

@@ -11,9 +11,11 @@ capacity shared by every process sharing the store is checked against.
 ``claims``: owner u32 BE || extent u32 BE || offset u64 BE -> run length u64 LE: space an
 owner took from the free pool to allocate in alone.  ``pending``: txnid u64 BE || extent
 u32 BE || offset u64 BE -> run length u64 LE: space freed by that transaction, not
-reusable while a reader may still copy it.  This build writes neither yet (one process
-allocates: the interim guard of kvstore/core/owners.py); fsck counts their rows as used
-space and checks their counters.
+reusable while a reader may still copy it.  An owner's claims go back to the pool when
+it closes or when another owner finds it dead (kvstore/core/owners.py).  The store's
+allocator does not claim yet (one process allocates: the interim guard of
+kvstore/core/owners.py), and nothing writes ``pending`` rows yet; fsck counts both
+tables' rows as used space and checks their counters.
 
 Upgrade (:meth:`SpaceCounters.upgrade`): one write transaction that re-reads the version
 (another opener may have upgraded first: LMDB serializes writers) and, for version 1,
@@ -29,6 +31,7 @@ from typing import Any
 
 from kvstore.disk.format import pack_u64, unpack_u64
 from kvstore.errors import IndexCorruptionError
+from kvstore.index.free_map import FreeMap
 from kvstore.index.meta import (
     META_CLAIMED_BYTES,
     META_FREE_BYTES,
@@ -116,6 +119,40 @@ class SpaceCounters:
         self.recount(txn)
         self._records.set_format(txn)
         return True
+
+    # ------------------------------------------------------------------ claims
+
+    def claim(self, txn: Txn, pool: FreeMap, owner: int, extent: int, offset: int,
+              length: int) -> None:
+        """Take ``[offset, offset + length)`` of ``extent`` from the pool (it must be
+        free) into ``owner``'s claims, counters with it."""
+        pool.take(txn, extent, offset, length)
+        txn.put(_CLAIM.pack(owner, extent, offset), pack_u64(length), db=self.claims)
+        self.add(txn, CLAIMED, length)
+
+    def claims_of(self, txn: Txn, owner: int) -> list[tuple[int, int, int]]:
+        """``owner``'s claims: (extent, offset, length)."""
+        prefix = _CLAIM.pack(owner, 0, 0)[:4]
+        out = []
+        with txn.cursor(self.claims) as cur:
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if bytes(k[:4]) != prefix:
+                        break
+                    out.append((*claim_row(bytes(k))[1:], unpack_u64(bytes(v))))
+        return out
+
+    def return_claims(self, txn: Txn, pool: FreeMap, owner: int) -> int:
+        """Every claim of ``owner`` back to the pool, merged with its neighbours (it
+        closes, or it died: whatever it wrote there and did not commit is unreachable);
+        returns the bytes returned."""
+        runs = self.claims_of(txn, owner)
+        for extent, offset, length in runs:
+            txn.delete(_CLAIM.pack(owner, extent, offset), db=self.claims)
+            pool.give(txn, extent, offset, length)
+        returned = sum(length for _, _, length in runs)
+        self.add(txn, CLAIMED, -returned)
+        return returned
 
     # ------------------------------------------------------------------ fsck
 
