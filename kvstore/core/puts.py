@@ -15,7 +15,8 @@
    slot (O_DIRECT), encoding FP8 chunks as they are staged (``kvstore/io/transfers.py``);
 5. fdatasync every extent written, shared with concurrent puts (``kvstore/io/group_sync.py``);
 6. one LMDB write transaction: index entries in, their ranges out of the durable free
-   map, sequence counter up; commit (fsync);
+   map (sequence numbers come from the owner's lease: kvstore/core/seq_lease.py);
+   commit (fsync);
 7. acknowledge; then queue the remote upload and cache the blocks in memory.
 
 A crash before 6 leaves no index entry and the space still free in the index: the
@@ -316,12 +317,12 @@ class PutPath:
             # own sync succeeded later (the kernel may have dropped pages the failed
             # sync covered); checked again on the writer thread, just before the commit.
             health.check_still_writable()
-            seq, touched = max(item.seq for item in items), allocator.take_touched()
+            touched = allocator.take_touched()
             index = self._index
 
             def commit(txn: Txn) -> list[bytes]:
                 health.check_still_writable()
-                skipped = index.commit_puts(txn, entries, touched, seq, relies_on)
+                skipped = index.commit_puts(txn, entries, touched, relies_on)
                 ride_along(txn)
                 return skipped
 

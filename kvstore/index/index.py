@@ -307,9 +307,9 @@ class Index:
     # ------------------------------------------------------------------ the store's transactions
 
     def commit_puts(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]],
-                    touched: Touched, seq: int, relies_on: Sequence[bytes] = ()
-                    ) -> list[bytes]:
-        """Index written blocks: their ranges leave the free map in the same transaction.
+                    touched: Touched, relies_on: Sequence[bytes] = ()) -> list[bytes]:
+        """Index written blocks: their ranges leave the free map in the same transaction
+        (their sequence numbers came from the owner's lease, which raised ``seq``).
 
         ``relies_on`` are the stored blocks the put deduplicated against; if one of them
         was unindexed since the put decided (an eviction that chose it before the put
@@ -327,7 +327,6 @@ class Index:
         self.free_map.take_slots(txn, entries)
         for key, entry in entries:
             self.add_block(txn, key, entry)
-        self.meta_records.raise_seq(txn, seq)
         return list(late)
 
     def delete_blocks(self, txn: Txn, keys: Sequence[bytes]) -> list[IndexEntry]:

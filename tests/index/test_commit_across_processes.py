@@ -33,7 +33,7 @@ OTHER = textwrap.dedent("""
     writer = IndexWriter(index)
     entry = IndexEntry(extent=2, offset=4096, slot_len=4096, payload_len=1, raw_len=1,
                        codec=0, dtype=0, payload_crc=0, seq=2, last_use=2, parent=b"p" * 16)
-    writer.run_sync(lambda txn: index.commit_puts(txn, [(b"k" * 16, entry)], {}, 2))
+    writer.run_sync(lambda txn: index.commit_puts(txn, [(b"k" * 16, entry)], {}))
     writer.close()
     index.close()
 """)
@@ -70,7 +70,7 @@ def test_a_commit_skips_a_key_another_process_committed(
     mine = IndexEntry(extent=1, offset=2 * PAGE, slot_len=PAGE, payload_len=1, raw_len=1,
                       codec=0, dtype=0, payload_crc=0, seq=4, last_use=4, parent=None)
     late = writer.run_sync(lambda txn: ix.commit_puts(
-        txn, [(KEY, entry(1, 3)), (other, mine)], {}, 4))
+        txn, [(KEY, entry(1, 3)), (other, mine)], {}))
     assert late == [KEY]
     assert ix.get_entries([other]) == [mine]  # the rest of the batch is indexed
     assert ix.get_entries([KEY]) == [entry(2, 2)]  # the other process's, untouched
