@@ -124,6 +124,9 @@ class MetaRecords:
     def extent_bytes(self) -> int:
         return _u64(self._get(META_EXTENT_BYTES))
 
+    def extent_bytes_in(self, txn: Txn) -> int:
+        return _u64(txn.get(META_EXTENT_BYTES, db=self._table))
+
     # ------------------------------------------------------------------ counters
 
     def seq(self) -> int:
