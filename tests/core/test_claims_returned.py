@@ -5,10 +5,6 @@ process, SIGKILLed while it holds a claim."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,8 +16,8 @@ from kvstore.index.space_counters import CLAIMED, FREE
 from kvstore.testing import parts
 from kvstore.tools import fsck
 from tests.conformance import NS, keys, same
+from tests.core.test_owners import killed_at
 
-ROOT = Path(__file__).resolve().parents[2]
 EXTENT = 1 << 20
 VALUES = [torch.arange(1000 * (i + 1), dtype=torch.float32) for i in range(4)]
 
@@ -87,16 +83,7 @@ def fsck_free_of_findings_while_open(index: Index) -> bool:
 
 def test_a_killed_owners_claims_go_back_to_the_pool_at_the_next_open(tmp_path: Path) -> None:
     before = fill(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-c", CLAIMER, str(tmp_path)], cwd=ROOT,
-                            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stdin is not None
-    try:
-        assert proc.stdout.readline() == "claimed\n"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        proc.stdout.close()
-        proc.stdin.close()
+    killed_at(CLAIMER, tmp_path, "claimed\n")
     index = Index(str(tmp_path / "index"), map_size=1 << 30, sync=True)
     try:
         runs, have, want = state(index)  # as the killed owner left it: claimed

@@ -171,18 +171,24 @@ MAKER = textwrap.dedent("""
 """)
 
 
-def test_an_extent_file_a_killed_owner_was_making_is_removed_by_its_recovery(
-        tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", MAKER, str(tmp_path)], cwd=ROOT,
+def killed_at(script: str, path: Path, line: str) -> None:
+    """Run ``script`` on the store in another process and SIGKILL it once it printed
+    ``line`` (it waits on its stdin meanwhile)."""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=ROOT,
                             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdin is not None
     try:
-        assert proc.stdout.readline() == "creating\n"
+        assert proc.stdout.readline() == line
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stdout.close()
         proc.stdin.close()
+
+
+def test_an_extent_file_a_killed_owner_was_making_is_removed_by_its_recovery(
+        tmp_path: Path) -> None:
+    killed_at(MAKER, tmp_path, "creating\n")
     made = os.listdir(tmp_path / "extents")
     assert made == [os.path.basename(layout.extent_path(str(tmp_path), 1))]  # not recorded
     with open_here(tmp_path) as store:

@@ -70,7 +70,7 @@ def recorded_format(path: Path) -> int:
     env = lmdb.open(str(path / "index"), max_dbs=16, readonly=True)
     meta = env.open_db(b"meta", create=False)
     with env.begin() as txn:
-        version = int(struct.unpack("<I", txn.get(META_FORMAT, db=meta))[0])
+        version = int(struct.unpack("<I", bytes(txn.get(META_FORMAT, db=meta)))[0])
     env.close()
     return version
 

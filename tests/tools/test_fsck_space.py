@@ -9,36 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import lmdb
-import torch
 
-import kvstore
-from kvstore.disk.format import IndexEntry, free_key, pack_u64, unpack_u64
-from kvstore.testing import parts
+from kvstore.disk.format import free_key, pack_u64, unpack_u64
 from kvstore.tools import fsck
-from tests.conformance import NS, keys, make_tensor, same
+from tests.conformance import same
 from tests.index.test_space_counters import downgrade_to_version_1, recorded_format
-
-N = 6
-VALUES = [make_tensor(torch.float16, (3000 + 7 * i,), i) for i in range(N)]
-
-
-def build(path: Path) -> list[IndexEntry]:
-    async def run() -> list[IndexEntry]:
-        async with kvstore.open(path, namespace=NS, extent_bytes=1 << 20) as store:
-            await store.put_many(keys(N), VALUES, parents=kvstore.chain_parents(keys(N)))
-            return [e for e in parts(store).index.get_entries(keys(N)) if e is not None]
-
-    return anyio.run(run)
-
-
-def read_back(path: Path) -> list[torch.Tensor | None]:
-    async def run() -> list[torch.Tensor | None]:
-        async with kvstore.open(path, namespace=NS) as store:
-            return await store.get_many(keys(N))
-
-    return anyio.run(run)
+from tests.tools.test_fsck import VALUES, N, build, read_back
 
 
 def edit(path: Path, fn: Callable[[Any, dict[bytes, Any]], None]) -> None:
