@@ -44,7 +44,7 @@ from kvstore.errors import OptionMismatchError, StoreLockedError
 from kvstore.index.index import Index, IndexWriter
 from kvstore.index.owners import OwnerRecord
 
-__all__ = ["SHARING_ENABLED", "Owner", "register"]
+__all__ = ["SHARING_ENABLED", "Owner", "forget", "register"]
 
 Txn = Any  # lmdb.Transaction (untyped module)
 
@@ -72,7 +72,7 @@ class Owner:
         if self._lock.fd < 0:
             return
         try:
-            unmade = self._writer.run_sync(lambda txn: _forget(txn, self._index, self.id))
+            unmade = self._writer.run_sync(lambda txn: forget(txn, self._index, self.id))
             for extent_id in unmade:  # (a failed creation removed its file already)
                 remove_new_extent_file(self._path, extent_id)
         finally:
@@ -113,7 +113,7 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
                     live[other_id] = other
                 else:
                     dead.append(probe)
-                    unmade.extend(_forget(txn, index, other_id))
+                    unmade.extend(forget(txn, index, other_id))
             _sweep(path, {owner_id, *live})
             _check_agreement(path, record, live)
             table.add(txn, owner_id, record)
@@ -144,7 +144,7 @@ def _sweep(path: str, owners: set[int]) -> None:
                 left.remove()
 
 
-def _forget(txn: Txn, index: Index, owner_id: int) -> list[int]:
+def forget(txn: Txn, index: Index, owner_id: int) -> list[int]:
     """Delete an owner's row and its ``creating`` rows, and return its claims to the
     pool (kvstore/index/space_counters.py); returns those extent ids (files to delete
     once the transaction committed)."""

@@ -97,6 +97,11 @@ class OwnersTable:
     def done_creating(self, txn: Txn, extent_id: int) -> None:
         txn.delete(_KEY.pack(extent_id), db=self._creating)
 
+    def creating_owners(self, txn: Txn) -> dict[int, int]:
+        """Every ``creating`` row: extent id -> owner id."""
+        with txn.cursor(self._creating) as cur:
+            return {_KEY.unpack(bytes(k))[0]: _OWNER.unpack(bytes(v))[0] for k, v in cur}
+
     def creating_of(self, txn: Txn, owner_id: int) -> list[int]:
         """The extents ``owner_id`` was making (reserved, not recorded)."""
         with txn.cursor(self._creating) as cur:

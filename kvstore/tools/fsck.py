@@ -44,7 +44,10 @@ a bad sector, a bug, a file edited by hand):
    every extent id, namespace records are valid JSON (damage: meta); the space counters
    (``free_bytes``, ``claimed_bytes``, ``pending_bytes``) equal the sums of their tables
    (damage: counter-drift; repair recounts them).  A store of an older format is noted
-   (old-format); --repair upgrades it (kvstore/index/space_counters.py).
+   (old-format); --repair upgrades it (kvstore/index/space_counters.py).  An ``owners``
+   row (fsck's exclusive lock means none is live) is an owner that did not close
+   (reclaimable: dead-owner); --repair recovers it as the next open would: its claims
+   back to the pool, its rows deleted, its lock file removed (fsck_space.py).
 
 8. Chain bookkeeping: the ``children`` counts (stored blocks naming each parent) and the
    ``lru`` rows (one per block, at its last use) must equal what the ``blocks`` table
@@ -115,7 +118,7 @@ from kvstore.tools.fsck_files import (
 from kvstore.tools.fsck_rebuild import rebuild_index
 from kvstore.tools.fsck_repairs import Repairs, chain_tables
 from kvstore.tools.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, ProgressFn, Report
-from kvstore.tools.fsck_space import check_counters, shared_runs
+from kvstore.tools.fsck_space import check_space, shared_runs
 
 
 def check(path: str, *, repair: bool = False, deep: bool = False,
@@ -448,7 +451,7 @@ class _Checker(Repairs):
         for k in bad:
             self.find("meta", DAMAGE, f"namespace record {k!r} is not valid JSON")
             self.fixes.append(partial(meta.drop_namespace, key=k))
-        check_counters(self, self.version)
+        check_space(self, self.version)
 
 
 __all__ = ["DAMAGE", "NOTE", "RECLAIMABLE", "Finding", "Report", "check", "rebuild_index"]

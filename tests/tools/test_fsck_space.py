@@ -1,9 +1,11 @@
 """fsck and format 2's space state (issue 43): the claims and pending tables own space
 in the allocation map, the space counters are checked against their tables and
-recounted by --repair, and a version-1 store is noted and upgraded by --repair."""
+recounted by --repair, a version-1 store is noted and upgraded by --repair, and an
+owner that did not close is recovered by --repair."""
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -11,9 +13,13 @@ from typing import Any
 
 import lmdb
 
+import kvstore
 from kvstore.disk.format import free_key, pack_u64, unpack_u64
+from kvstore.testing import parts
 from kvstore.tools import fsck
-from tests.conformance import same
+from tests.conformance import NS, same
+from tests.core.test_claims_returned import CLAIMER
+from tests.core.test_owners import killed_at
 from tests.index.test_space_counters import downgrade_to_version_1, recorded_format
 from tests.tools.test_fsck import VALUES, N, build, read_back
 
@@ -111,3 +117,19 @@ def test_rebuild_index_counts_the_free_space(tmp_path: Path) -> None:
     assert report.blocks == N
     again = fsck.check(str(tmp_path))
     assert again.findings == [] and again.exit_code == 0, again.findings
+
+
+def test_an_owner_that_did_not_close_is_reclaimable_and_repair_recovers_it(
+        tmp_path: Path) -> None:
+    """A real process SIGKILLed while it holds a claim: fsck (exclusive: no owner is
+    live) reports it; --repair returns its claim and removes its row and lock file, as
+    the next open would have."""
+    build(tmp_path)
+    killed_at(CLAIMER, tmp_path, "claimed\n")
+    report = fsck.check(str(tmp_path))
+    assert kinds(report) == {"dead-owner"} and not report.damage and report.exit_code == 1
+    assert "16384 bytes claimed" in report.findings[0].detail
+    repaired_then_clean(tmp_path)
+    assert os.listdir(tmp_path / "owners") == []
+    with kvstore.open_blocking(tmp_path, namespace=NS, engine="threads") as store:
+        assert parts(store).owner.recovered == 0  # nothing left for the open
