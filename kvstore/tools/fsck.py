@@ -47,7 +47,8 @@ a bad sector, a bug, a file edited by hand):
    (old-format); --repair upgrades it (kvstore/index/space_counters.py).  An ``owners``
    row (fsck's exclusive lock means none is live) is an owner that did not close
    (reclaimable: dead-owner); --repair recovers it as the next open would: its claims
-   back to the pool, its rows deleted, its lock file removed (fsck_space.py).
+   back to the pool, its rows deleted, its lock file removed (fsck_space.py); a lock
+   file of no owner is a note (stale-owner-lock), removed by --repair.
 
 8. Chain bookkeeping: the ``children`` counts (stored blocks naming each parent) and the
    ``lru`` rows (one per block, at its last use) must equal what the ``blocks`` table

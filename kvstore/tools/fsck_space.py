@@ -5,13 +5,14 @@ the owners left by processes that did not close (step 7)."""
 
 from __future__ import annotations
 
+import os
 from contextlib import suppress
 from functools import partial
 from typing import Any
 
 from kvstore.core.owners import forget
 from kvstore.disk.format import FORMAT_VERSION
-from kvstore.disk.layout import owner_lock_path
+from kvstore.disk.layout import owner_id_of, owner_lock_path, owners_dir
 from kvstore.index.index import Index
 from kvstore.tools.fsck_files import remove_file
 from kvstore.tools.fsck_repairs import Repairs
@@ -66,7 +67,8 @@ def check_owners(checker: Repairs) -> None:
     naming an owner) is one.  Reclaimable (dead-owner): ``--repair`` recovers it as the
     next open would (kvstore/core/owners.py): its claims back to the free pool, its
     ``creating`` rows and row deleted (the extent files they name are orphan extent
-    files, step 2), its lock file removed."""
+    files, step 2), its lock file removed.  A lock file of no owner is a note
+    (stale-owner-lock), removed by ``--repair``."""
     index = checker.index
     with index.begin() as txn:
         rows = index.owner_records.rows(txn)
@@ -81,6 +83,18 @@ def check_owners(checker: Repairs) -> None:
                          "--repair recovers it")
         checker.fixes.append(partial(_forget, index=index, owner_id=owner_id))
         checker.file_fixes.append((f, partial(_remove_lock, checker.path, owner_id)))
+    try:
+        names = sorted(os.listdir(owners_dir(checker.path)))
+    except FileNotFoundError:
+        return
+    for name in names:
+        left = owner_id_of(name)
+        if left is not None and left not in claimed:
+            # a registration or a close killed between its transaction and the file's
+            # removal (the next open sweeps it too)
+            f = checker.find("stale-owner-lock", NOTE, f"{owner_lock_path(checker.path, left)}"
+                             " belongs to no owner; --repair removes it")
+            checker.file_fixes.append((f, partial(_remove_lock, checker.path, left)))
 
 
 def _forget(txn: Any, *, index: Index, owner_id: int) -> None:

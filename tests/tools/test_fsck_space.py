@@ -133,3 +133,17 @@ def test_an_owner_that_did_not_close_is_reclaimable_and_repair_recovers_it(
     assert os.listdir(tmp_path / "owners") == []
     with kvstore.open_blocking(tmp_path, namespace=NS, engine="threads") as store:
         assert parts(store).owner.recovered == 0  # nothing left for the open
+
+
+def test_a_lock_file_of_no_owner_is_a_note_and_repair_removes_it(tmp_path: Path) -> None:
+    build(tmp_path)
+    # what a registration or close killed between its transaction and the file's removal
+    # leaves: a lock file, not held, with no owners row
+    left = tmp_path / "owners" / "00000099.lock"
+    fd = os.open(left, os.O_CREAT | os.O_WRONLY, 0o600)  # (the store's mode)
+    os.write(fd, b"12345\n")
+    os.close(fd)
+    report = fsck.check(str(tmp_path))
+    assert kinds(report) == {"stale-owner-lock"} and report.exit_code == 0
+    repaired_then_clean(tmp_path)
+    assert not left.exists()
