@@ -9,7 +9,10 @@ Registration (:func:`register`, one write transaction on the index writer, after
 
 1. Take an owner id (``next_owner``); create its lock file and lock it (held before the
    row exists, so a row whose lock is free always means a dead owner).
-2. Probe every other row's lock file: a dead owner is recovered: its row deleted, and
+2. Probe every other row's lock file: a dead owner (its lock free; or held, but its
+   process gone or its pid reused: a child forked by native code, without the at-fork
+   hooks, keeps a copy of the lock's descriptor; told by pid and start time, in this
+   PID namespace only) is recovered: its row deleted, and
    its ``creating`` rows (extent files it was making: their ids reserved, never
    recorded), and its claims go back to the free pool; once the transaction
    committed, those files and its lock file are removed.
@@ -86,34 +89,40 @@ def register(path: str, index: Index, writer: IndexWriter, *, sync: bool,
                          pid_namespace=_pid_namespace(), opened_us=time.time_ns() // 1000)
     dead: list[OwnerLock] = []
     unmade: list[int] = []  # extent files dead owners were making
+    orphans: list[int] = []  # dead owners whose lock a forked child still holds
     owner_id, lock, first_seq = writer.run_sync(
-        _registration(path, index, record, file_mode, dead, unmade))
+        _registration(path, index, record, file_mode, dead, unmade, orphans))
     for extent_id in unmade:  # no entry names them, no live owner makes them
         remove_new_extent_file(path, extent_id)
     for other in dead:  # their rows are gone for good now
         other.remove()
-    return Owner(path, owner_id, lock, index, writer, len(dead), SeqLease(first_seq))
+    return Owner(path, owner_id, lock, index, writer, len(dead) + len(orphans),
+                 SeqLease(first_seq))
 
 
 def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
-                  dead: list[OwnerLock], unmade: list[int]
+                  dead: list[OwnerLock], unmade: list[int], orphans: list[int]
                   ) -> Callable[[Txn], tuple[int, OwnerLock, int]]:
     table = index.owner_records
 
     def job(txn: Txn) -> tuple[int, OwnerLock, int]:
         _release(dead)  # (a job the writer runs again after growing the map)
         unmade.clear()
+        orphans.clear()
         owner_id = table.take_id(txn)
         lock = OwnerLock(path, owner_id, file_mode)
         try:
             live: dict[int, OwnerRecord] = {}
             for other_id, other in table.rows(txn).items():
                 probe = probe_owner(path, other_id)
-                if probe is None:
+                if probe is None and not _orphaned(other, record):
                     live[other_id] = other
+                    continue
+                if probe is None:  # its lock file stays (held), swept once free
+                    orphans.append(other_id)
                 else:
                     dead.append(probe)
-                    unmade.extend(forget(txn, index, other_id))
+                unmade.extend(forget(txn, index, other_id))
             _sweep(path, {owner_id, *live})
             _check_agreement(path, record, live)
             table.add(txn, owner_id, record)
@@ -181,12 +190,31 @@ def _release(locks: list[OwnerLock]) -> None:
     locks.clear()
 
 
-def _start_time() -> int:
-    """This process's start time in clock ticks since boot (``/proc/self/stat`` field
-    22), 0 where there is no /proc: with the pid, it names the process even after the
-    pid is reused."""
+def _orphaned(other: OwnerRecord, mine: OwnerRecord) -> bool:
+    """An owner whose lock file is held, yet whose process is gone: a child forked
+    without the at-fork hooks (by native code) keeps a copy of the lock's descriptor
+    (DESIGN.md 10.2).  Told only in this process's PID namespace, by the pid and its
+    start time (a reused pid has another); what cannot be told (no record, another
+    user's process hidden by ``hidepid``) counts as alive."""
+    if not other.start_time or not other.pid_namespace \
+            or other.pid_namespace != mine.pid_namespace:
+        return False
+    try:
+        os.kill(other.pid, 0)  # (signal 0: only whether the pid exists)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # EPERM: it exists, another user's
+    now = _start_time(other.pid)
+    return bool(now) and now != other.start_time
+
+
+def _start_time(pid: int | str = "self") -> int:
+    """A process's start time in clock ticks since boot (``/proc/PID/stat`` field 22):
+    with the pid, it names the process even after the pid is reused; 0 if it cannot
+    be read."""
     with suppress(OSError, ValueError, IndexError):
-        with open("/proc/self/stat", "rb") as f:
+        with open(f"/proc/{pid}/stat", "rb") as f:
             return int(f.read().rsplit(b")", 1)[1].split()[19])
     return 0
 

@@ -213,3 +213,47 @@ def test_a_lock_file_of_no_owner_is_swept_at_the_next_open(tmp_path: Path) -> No
         assert not left.exists()
         assert os.listdir(layout.owners_dir(str(tmp_path))) == [
             os.path.basename(layout.owner_lock_path(str(tmp_path), parts(store).owner.id))]
+
+
+FORKER = textwrap.dedent("""
+    import ctypes, os, sys, time, kvstore
+    from tests.conformance import NS
+    store = kvstore.open_blocking(sys.argv[1], namespace=NS, extent_bytes=1 << 20,
+                                  engine="threads")
+    # fork(2) as native code would call it: no at-fork hooks run, so the child keeps a
+    # copy of the owner lock's descriptor (PyDLL: the GIL held across the call)
+    child = ctypes.PyDLL(None).fork()
+    if child == 0:
+        time.sleep(600)  # killed by the test
+        os._exit(0)
+    print(child, flush=True)
+    sys.stdin.readline()  # killed meanwhile
+""")
+
+
+def test_an_owner_whose_lock_only_a_native_fork_child_holds_is_recovered(
+        tmp_path: Path) -> None:
+    """The owner process is SIGKILLed; a child it forked without the at-fork hooks still
+    holds its lock file, so the lock says alive: the next open tells by the row's pid
+    (gone) and recovers it instead of refusing (DESIGN.md 10.2)."""
+    proc = subprocess.Popen([sys.executable, "-c", FORKER, str(tmp_path)], cwd=ROOT,
+                            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdin is not None
+    child = 0
+    try:
+        child = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        [left] = os.listdir(layout.owners_dir(str(tmp_path)))
+        assert probe_owner(str(tmp_path), int(left[:8])) is None  # held: by the child
+        with open_here(tmp_path) as store:
+            assert parts(store).owner.recovered == 1
+            assert list(owner_rows(store)) == [parts(store).owner.id]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        if child > 0:
+            os.kill(child, signal.SIGKILL)
+        proc.stdout.close()
+        proc.stdin.close()
