@@ -20,6 +20,7 @@ __all__ = [
     "StoreLockedError",
     "FormatVersionError",
     "NamespaceMismatchError",
+    "OptionMismatchError",
     "InvalidKeyError",
     "UnsupportedTensorError",
     "OutputMismatchError",
@@ -57,11 +58,22 @@ class StoreForkedError(StoreClosedError):
 
 
 class StoreLockedError(KVStoreError, BlockingIOError):
-    """Raised by ``open()`` when another process (or another open in this process) holds the store.
+    """Raised by ``open()`` when the store is held in a way this open cannot share: open
+    exclusively (``open(..., exclusive=True)`` or fsck) by another process, open in
+    another process while this open asks for it exclusively, or already open in this
+    process.  fsck (``--repair``, ``--rebuild-index``) raises it when the store is in use.
+    The message names the holders' pids.  Close the other owner, or open another path.
 
-    One store directory is served by one ``Store`` object at a time: LMDB's writer lock and
-    the in-memory allocator both assume it.  Close the other owner, or open another path.
+    (Issue 43, in progress: until stores share space across processes, a second process
+    opening a store that another one has open is refused with it too.)
     """
+
+
+class OptionMismatchError(KVStoreError, ValueError):
+    """Raised by ``open()`` when an option every process sharing a store must agree on
+    differs from the one the store's live owners opened it with (``sync``: an owner
+    committing without LMDB's fsync could corrupt the index for all of them after a
+    system crash).  The message names the option and the other owners' pids."""
 
 
 class FormatVersionError(KVStoreError, ValueError):

@@ -44,6 +44,14 @@ class StoreOptions:
                    loss.  False: no fdatasync and no LMDB fsync - acknowledged blocks survive
                    a crash of the process, but a kernel crash or power loss can lose the
                    most recent ones (never corrupt: what is read back still verifies).
+                   Every process sharing a store must open it with the same ``sync``
+                   (``OptionMismatchError`` otherwise).
+    ``exclusive``  False (default): the store's ``LOCK`` is taken shared, so other
+                   processes (and a read-only fsck, later) may open the store beside
+                   this one; True: taken exclusively (as fsck's repairs do): every other
+                   open is refused with ``StoreLockedError`` while this store is open.
+                   (Issue 43, in progress: sharing one store between processes is not
+                   enabled yet; a second process's open is refused either way.)
     ``extent_bytes``  size of each preallocated extent file (fixed at creation).
     ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
                    memory used by transfers in flight and the largest block.  Resident
@@ -61,8 +69,10 @@ class StoreOptions:
                    concurrent puts: least-recently-used blocks without stored children and
                    not pinned are evicted first (durably, like deletes), only as much as a
                    put needs; parents of blocks being written are never evicted, so chains
-                   never get holes; default: what the store holds plus 90% of the free disk
-                   space.
+                   never get holes.  Recorded in the store (every process sharing it
+                   applies the same): an open that gives it records it, one that does
+                   not (None) takes the recorded one; never given: what the store holds
+                   plus 90% of the free disk space.
     ``page_lock_staging`` page-lock the staging arena (register it with CUDA as
                    host memory the GPU can DMA to and from, what torch calls "pinned";
                    :mod:`kvstore.io.page_locking`), so gets land where the GPU copies them
@@ -116,6 +126,7 @@ class StoreOptions:
     allow_new_namespace: bool = False
     engine: str | IOEngine = "auto"
     sync: bool = True
+    exclusive: bool = False
     extent_bytes: int = 1 << 30
     staging_bytes: int = 256 << 20
     queue_depth: int = 64

@@ -23,7 +23,7 @@ COUNTERS = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes", "g
             "put_replans", "memory_hits", "memory_misses", "memory_read_bytes",
             "prefetch_blocks", "prefetch_read_bytes", "dropped_puts", "dropped_blocks",
             "quarantined_blocks", "read_retries", "restored_blocks", "scrubbed_blocks",
-            "scrubbed_bytes", "scrub_failed_blocks", "scrub_passes")
+            "scrubbed_bytes", "scrub_failed_blocks", "scrub_passes", "dedup_late")
 
 
 @dataclass
@@ -97,6 +97,13 @@ class StoreStats:
     events_published: int = 0  # content events made while a subscriber was on (this open)
     events_dropped: int = 0  # of them, lost by slow subscribers (each reported as a gap)
     event_subscribers: int = 0  # subscriptions now
+    # Issue 43, the processes sharing the store: this store's owner id, the dead owners
+    # its open recovered, and the index map sizes another process grew that it adopted
+    # (process-wide: the Stores of a process on one path share the index).
+    owner_id: int = 0
+    owners_recovered: int = 0
+    dedup_late: int = 0  # blocks a put wrote that were indexed (another owner) before its commit
+    map_adoptions: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/index/totals.py); the counters above
     # (puts ... evicted_bytes) count only this Store object since it was opened.

@@ -374,6 +374,8 @@ class Store(StoreEvents):
             capacity_bytes=alloc.capacity_bytes, used_bytes=alloc.used_bytes,
             peak_used_bytes=alloc.peak_used_bytes, pinned_blocks=counts["pins"],
             commits=parts.writer.commits, cuda=parts.arena_lock.status,
+            owner_id=parts.owner.id, owners_recovered=parts.owner.recovered,
+            map_adoptions=index.map_adoptions,
             namespaces=list(index.namespaces().values()),
             totals=parts.totals.current(index), backlog_bytes=self._paths.puts.backlog.nbytes,
             events_published=parts.events.published, events_dropped=parts.events.dropped,
@@ -415,7 +417,7 @@ def _open_paths(parts: StoreParts, opts: StoreOptions, ops: Operations, deletes:
     puts = PutPath(
         index=index, writer=writer, allocator=parts.allocator, transfers=parts.transfers,
         syncs=parts.syncs, files=parts.files, health=health, counters=counters, limits=limits,
-        ride_along=parts.flush_totals_in, last_seq=parts.last_seq, codec=opts.codec,
+        ride_along=parts.flush_totals_in, seqs=parts.owner.seqs, codec=opts.codec,
         durable=opts.sync, backlog_bytes=opts.backlog_bytes, tiers=tiers)
     gets = GetPath(index=index, allocator=parts.allocator, limits=limits, counters=counters,
                    reads=reads, tiers=tiers, copier=parts.transfers.copier)

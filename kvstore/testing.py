@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvstore.core.events import EventHub
     from kvstore.core.free_space import FreeSpace
     from kvstore.core.key_order import KeyOrder
+    from kvstore.core.owners import Owner
     from kvstore.index.index import Index, IndexWriter
     from kvstore.io.arena import Arena
     from kvstore.io.group_sync import GroupSync
@@ -55,6 +56,7 @@ class Parts(_Paths):
     memory: MemoryCache | None  # the memory tier's cache
     counters: dict[str, int]  # what stats() reports, live
     events: EventHub  # the event stream's subscriptions (kvstore/core/events.py)
+    owner: Owner  # this store's registration among the store's owners (issue 43)
 
 
 def parts(store: Store | BlockingStore) -> Parts:
@@ -66,7 +68,7 @@ def parts(store: Store | BlockingStore) -> Parts:
         index=p.index, writer=p.writer, engine=p.engine, fds=p.files.fds, arena=p.arena,
         allocator=p.allocator, transfers=p.transfers, scheduler=p.scheduler, syncs=p.syncs,
         file_mode=p.file_mode, store_uuid=p.store_uuid, extent_bytes=p.extent_bytes,
-        lost_extents=p.lost_extents, counters=p.counters, events=p.events,
+        lost_extents=p.lost_extents, counters=p.counters, events=p.events, owner=p.owner,
         memory=None if paths.memory_tier is None else paths.memory_tier.cache)
 
 

@@ -131,3 +131,19 @@ def test_used_bytes_never_exceed_capacity_across_reopens(
             assert pinned * SLOT > slots * SLOT
     report = fsck.check(str(path))
     assert not report.damage, report.findings
+
+
+def test_capacity_is_recorded_and_applies_to_an_open_that_gives_none(tmp_path: Path) -> None:
+    """capacity_bytes is the store's (issue 43: every process sharing it applies one): an
+    open that gives it records it, the last one wins, an open without it takes it."""
+    def capacity(**given: Any) -> int:
+        with kvstore.open_blocking(tmp_path, extent_bytes=1 << 20, engine="threads",
+                                   **given) as store:
+            return store.stats().capacity_bytes
+
+    default = capacity()  # never given: the default rule, not recorded
+    assert default > 64 << 20
+    assert capacity(capacity_bytes=8 << 20) == 8 << 20
+    assert capacity() == 8 << 20
+    assert capacity(capacity_bytes=16 << 20) == 16 << 20
+    assert capacity() == 16 << 20

@@ -128,8 +128,9 @@ class Allocator:
                  store_uuid: bytes, extents: Iterable[int],
                  free_runs: Iterable[tuple[int, int, int]], capacity_bytes: int | None,
                  lost_extents: Iterable[int] = (),
-                 file_mode: int, counters: dict[str, int]) -> None:
+                 file_mode: int, counters: dict[str, int], owner_id: int = 0) -> None:
         self._path, self._index, self._writer = path, index, writer
+        self._owner_id = owner_id  # the store's, among its owners (kvstore/core/owners.py)
         self._engine = engine  # new extent files are made through it
         self.extent_bytes, self._uuid, self._file_mode = extent_bytes, store_uuid, file_mode
         self._counters = counters  # the store's: evicted_blocks, evicted_bytes
@@ -389,7 +390,10 @@ class Allocator:
         async with self._grow_lock:
             if self._extents != before:
                 return  # another task grew the store while we waited
-            extent_id = self._index.next_extent()
+            # Reserved in a transaction first: another process sharing the store may
+            # grow it at the same moment, and must get another id (issue 43).
+            extent_id = await self._writer.run(
+                lambda txn: self._index.reserve_extent_id(txn, self._owner_id))
             await create_extent_file(self._engine, self._path, extent_id, self.extent_bytes,
                                      self._uuid, self._file_mode)
             try:

@@ -1,7 +1,9 @@
 """The open extent files of one store: a descriptor per extent, opened through the I/O
 engine, each the store's own regular file, never a link (:mod:`kvstore.disk.store_files`).
 The transfers read and write through these descriptors; the put path opens the extents
-the allocator adds (:class:`~kvstore.core.allocator.Changes`)."""
+the allocator adds (:class:`~kvstore.core.allocator.Changes`), and a read opens an
+extent another process sharing the store added when an entry first names it
+(:meth:`ExtentFiles.open_known`)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ class ExtentFiles:
     def open(self, extent_id: int) -> None:
         """Open an extent file through the engine: the store's own regular file, not a
         link (checked before the open, and the descriptor after it: the engine's
-        ``open_file`` takes a path).  FileNotFoundError: missing."""
+        ``open_file`` takes a path).  FileNotFoundError: missing.  Already open: nothing
+        to do."""
+        if extent_id in self.fds:
+            return
         path = extent_path(self._path, extent_id)
         fix = (f"Put the real extent file at {path} in place of it, or run `python -m "
                f"kvstore fsck {self._path} --repair` to remove the link (extent {extent_id}'s "
@@ -45,6 +50,18 @@ class ExtentFiles:
             self._engine.close_file(fd)
             raise
         self.fds[extent_id] = fd
+
+    def open_known(self, extent_id: int) -> bool:
+        """Open an extent another process sharing the store added (an index entry names
+        it; issue 43): True once open, False if its file does not exist (missing).
+        Other failures (a link there, an open error) raise, as :meth:`open` does."""
+        if extent_id in self.fds:
+            return True
+        try:
+            self.open(extent_id)
+        except FileNotFoundError:
+            return False
+        return True
 
     def close(self) -> None:
         for fd in self.fds.values():

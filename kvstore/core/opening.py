@@ -1,8 +1,9 @@
 """Opening a store's parts, in order, and closing them in reverse: what ``Store``
 coordinates once it is open.
 
-:class:`StoreParts` takes the lock, opens (or initialises) the index, settles the file
-mode and the namespace, picks the I/O engine, opens the extent files, maps and
+:class:`StoreParts` takes the lock (shared unless ``exclusive``), opens (or initialises)
+the index, settles the file mode and the namespace, registers the store as one of its
+owners (:mod:`kvstore.core.owners`), picks the I/O engine, opens the extent files, maps and
 page-locks the staging arena, holds the tiers the store attaches, builds the allocator,
 the transfers and the shared fdatasync; a store that uses more than ``capacity_bytes``
 evicts down to it before it serves.  Every file it opens is the store's own, never a
@@ -24,19 +25,15 @@ from kvstore.core.allocator import Allocator
 from kvstore.core.events import EventHub
 from kvstore.core.extent_files import ExtentFiles
 from kvstore.core.operations import Health
+from kvstore.core.owners import register
 from kvstore.core.tier_ports import Tiers
 from kvstore.disk import permissions, store_files
-from kvstore.disk.format import new_store_uuid
+from kvstore.disk.format import FORMAT_VERSION, new_store_uuid
 from kvstore.disk.layout import EXTENT_DIR, INDEX_DIR, extent_path
 from kvstore.disk.lock import StoreLock
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
-from kvstore.index.index import (
-    Index,
-    IndexWriter,
-    Txn,
-    init_meta,
-    record_namespace,
-)
+from kvstore.index import environments
+from kvstore.index.index import Txn, init_meta, record_namespace
 from kvstore.index.totals import Totals
 from kvstore.io.arena import Arena
 from kvstore.io.device_copies import DeviceCopier
@@ -75,7 +72,7 @@ class StoreParts:
                 raise from_os_error(e, f"cannot create the store directory {path}") from e
         elif not os.path.isdir(os.path.join(path, INDEX_DIR)):
             raise FileNotFoundError(f"no kvstore at {path} (open with create=True to make one)")
-        lock = StoreLock(path)
+        lock = StoreLock(path, exclusive=opts.exclusive)
         self._cleanups: list[Callable[[], Any]] = [lock.release]
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.health = Health(path)
@@ -89,12 +86,13 @@ class StoreParts:
             raise
 
     def _open_index(self, opts: StoreOptions) -> None:
-        self.index = Index(os.path.join(self.path, INDEX_DIR), map_size=opts.index_map_bytes,
-                           sync=opts.sync, file_mode=self.file_mode)
-        self._cleanups.append(self.index.close)
-        self.events = EventHub()  # its subscribers are fed by the writer's commits
-        self.writer = IndexWriter(self.index, sink=self.events)
-        self._cleanups.append(self.writer.close)
+        # Shared with the other Stores of this process on this path (one LMDB
+        # environment per process: kvstore/index/environments.py), and so is the event
+        # stream its writer feeds.
+        self.index, self.writer, self.events = environments.acquire(
+            os.path.join(self.path, INDEX_DIR), map_size=opts.index_map_bytes,
+            sync=opts.sync, file_mode=self.file_mode, make_sink=EventHub)
+        self._cleanups.append(lambda: environments.release(self.index))
         extents_dir = os.path.join(self.path, EXTENT_DIR)
         store_files.check_dir(extents_dir, f"Move the extents directory itself to {extents_dir}.")
         meta = self.index.meta_records
@@ -105,15 +103,24 @@ class StoreParts:
                     f"fsck {self.path} --rebuild-index` to rebuild it (nothing was changed)")
             self.writer.run_sync(lambda txn: init_meta(
                 txn, self.index, store_uuid=new_store_uuid(), extent_bytes=opts.extent_bytes))
-        self.index.check_format()
+        # An older format is upgraded in place (kvstore/index/space_counters.py), under
+        # LOCK held shared: an older build takes it exclusively, so none is in.
+        if meta.check_format() != FORMAT_VERSION and \
+                self.writer.run_sync(self.index.space.upgrade):
+            logger.info("kvstore %s: upgraded to on-disk format %d", self.path, FORMAT_VERSION)
+        # One of the store's owners (kvstore/core/owners.py) until it closes: registered
+        # before anything else is written, so a refused open changes nothing.
+        # (Its lock file gets the store's recorded mode: a group-shared store's other
+        # users must be able to probe it.)
+        self.owner = register(self.path, self.index, self.writer, sync=opts.sync,
+                              file_mode=meta.file_mode() or self.file_mode)
+        self._cleanups.append(self.owner.close)
         self.file_mode = permissions.settle(
             self.path, opts.file_mode, meta.file_mode(),
             lambda mode: self.writer.run_sync(lambda txn: meta.record_file_mode(txn, mode)),
             strict=opts.strict_permissions)
         self.store_uuid = meta.store_uuid() or b""
         self.extent_bytes = meta.extent_bytes()
-        # the highest sequence number recorded: the put path numbers slots after it
-        self.last_seq = meta.seq()
         self._check_namespace(opts.namespace, opts.allow_new_namespace)
         self.totals = Totals(self.counters)
         # Counts since the last write transaction are flushed at close, on the cleanup
@@ -192,21 +199,38 @@ class StoreParts:
         schedule = opts.io_schedule()
         self.scheduler = IoScheduler(self.engine, schedule) if schedule is not None else None
         self.transfers = Transfers(self.scheduler or self.engine, self.arena, self.files.fds,
-                                   copier=self._copier)
+                                   copier=self._copier, open_extent=self.files.open_known)
         self.syncs = GroupSync(self.scheduler or self.engine)  # concurrent puts share fdatasyncs
+        recorded = self.index.meta_records.capacity()
+        capacity = recorded if opts.capacity_bytes is None else opts.capacity_bytes
         self.allocator = Allocator(
             path=self.path, index=self.index, writer=self.writer,
             engine=self.scheduler or self.engine, extent_bytes=self.extent_bytes,
             store_uuid=self.store_uuid, extents=self.extents, free_runs=self.index.free_runs(),
             lost_extents=self.lost_extents,
-            capacity_bytes=opts.capacity_bytes, file_mode=self.file_mode,
-            counters=self.counters)
+            capacity_bytes=capacity, file_mode=self.file_mode,
+            counters=self.counters, owner_id=self.owner.id)
         # Capacity is a bound at every instant: a store reopened with a smaller one
         # evicts down to it now, before it serves (or refuses to open: pinned blocks).
         self.allocator.fit_capacity(ride_along=self.flush_totals_in)
+        self._record_capacity(opts.capacity_bytes, recorded)
         # What it evicted is in no cache yet (the memory tier is empty until the store
         # serves), and it adds no extent: nothing to act on.
         self.allocator.take_changes()
+
+    def _record_capacity(self, given: int | None, recorded: int | None) -> None:
+        """``capacity_bytes`` is the store's, recorded in the index, so every process
+        sharing it applies one (issue 43): one given is recorded once the store fits it
+        (the last explicit setter wins); an open without one took the recorded one (or,
+        none recorded, the default rule: what the store holds plus 90% of the free disk
+        space)."""
+        if given is None or given == recorded:
+            return
+        if recorded is not None:
+            logger.info("kvstore %s: capacity_bytes %d replaces the recorded %d",
+                        self.path, given, recorded)
+        meta = self.index.meta_records
+        self.writer.run_sync(lambda txn: meta.record_capacity(txn, given))
 
     # ------------------------------------------------------------------ totals
 

@@ -15,7 +15,8 @@
    slot (O_DIRECT), encoding FP8 chunks as they are staged (``kvstore/io/transfers.py``);
 5. fdatasync every extent written, shared with concurrent puts (``kvstore/io/group_sync.py``);
 6. one LMDB write transaction: index entries in, their ranges out of the durable free
-   map, sequence counter up; commit (fsync);
+   map (sequence numbers come from the owner's lease: kvstore/core/seq_lease.py);
+   commit (fsync);
 7. acknowledge; then queue the remote upload and cache the blocks in memory.
 
 A crash before 6 leaves no index entry and the space still free in the index: the
@@ -40,6 +41,7 @@ from kvstore.codecs.tensors import CODE_DTYPES, check_value, host_bytes
 from kvstore.core.backlog import Backlog
 from kvstore.core.deletes import DeleteWatch
 from kvstore.core.key_order import KeyOrder, Turn
+from kvstore.core.seq_lease import SeqLease
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
 from kvstore.index.index import ChainCut, Txn
@@ -82,21 +84,22 @@ class SlotLimits:
 
 
 class PutPath:
-    """The puts of one open store (see the module docstring).  ``last_seq``: the
-    highest sequence number the index records; this path numbers every slot after it
-    (it is the counter's only owner).  ``ride_along``: the store's writes that go in
-    every transaction that commits puts or evicts (the persisted totals)."""
+    """The puts of one open store (see the module docstring).  ``seqs``: this owner's
+    lease of sequence numbers (kvstore/core/seq_lease.py: unique among the processes
+    sharing the store); this path numbers every slot from it.  ``ride_along``: the
+    store's writes that go in every transaction that commits puts or evicts (the
+    persisted totals)."""
 
     def __init__(self, *, index: Index, writer: IndexWriter, allocator: Allocator,
                  transfers: Transfers, syncs: GroupSync, files: ExtentFiles, health: Health,
                  counters: dict[str, int], limits: SlotLimits,
-                 ride_along: Callable[[Txn], None], last_seq: int, codec: CodecSpec | None,
+                 ride_along: Callable[[Txn], None], seqs: SeqLease, codec: CodecSpec | None,
                  durable: bool, backlog_bytes: int, tiers: Tiers) -> None:
         self._index, self._writer, self._allocator = index, writer, allocator
         self._transfers, self._syncs, self._files = transfers, syncs, files
         self._health, self._counters, self._limits = health, counters, limits
         self._ride_along = ride_along
-        self._seq = last_seq
+        self._seqs = seqs
         self.codec = codec  # the store's default
         self.durable = durable
         # puts in flight beyond backlog_bytes drop background puts (kvstore/core/backlog.py)
@@ -157,10 +160,10 @@ class PutPath:
                 except ChainCut:
                     # An eviction chose blocks this put deduplicated against before the
                     # put protected them, and committed after the put's decision: decide
-                    # again (now they are absent, so this put writes them).  Or a re-read
-                    # put a quarantined copy of a block it writes back: decide again (it
-                    # deduplicates it now).  Rare; bounded by the evictions and restores
-                    # that were in flight when the put decided.
+                    # again (now they are absent, so this put writes them).  Rare;
+                    # bounded by the evictions that were in flight when the put decided.
+                    # (A block it writes that was indexed meanwhile, by another process
+                    # or a restore from quarantine, is skipped by the commit: dedup_late.)
                     self._counters["put_retries"] += 1
         finally:
             self.order.finish(turn)
@@ -207,13 +210,17 @@ class PutPath:
             if not all([item.plan(spec) for item in items]):
                 await self._encode(items, spec)
             try:
-                await self._put_items(items, list(deduplicated))
+                late = await self._put_items(items, list(deduplicated))
             except PlanMismatch:
                 self._counters["put_replans"] += 1
                 await self._encode(items, spec)
-                await self._put_items(items, list(deduplicated))
+                late = await self._put_items(items, list(deduplicated))
         else:
-            await self._put_items(items, list(deduplicated))
+            late = await self._put_items(items, list(deduplicated))
+        if late:  # indexed by another owner (or restored) since the decision: not ours
+            self._counters["dedup_late"] += len(late)
+            dedup_bytes += sum(item.raw_len for item in items if item.key in late)
+            items = [item for item in items if item.key not in late]
         written = sum(item.payload_len for item in items)
         self._count_dedup(len(keys) - len(items) - n_skipped, dedup_bytes)
         self._counters["put_blocks"] += len(items)
@@ -253,12 +260,12 @@ class PutPath:
         self._counters["dedup_blocks"] += blocks
         self._counters["dedup_bytes"] += raw_bytes
 
-    def _number(self, items: Sequence[PutItem]) -> None:
-        """Give each slot the next sequence number (``_seq``, the highest given so far,
-        is what a commit records: puts commit out of order)."""
-        for item in items:
-            self._seq += 1
-            item.seq = self._seq
+    async def _number(self, items: Sequence[PutItem]) -> None:
+        """Give each slot the next sequence number of the lease (renewed first if it
+        runs short; no await between the check and the numbering)."""
+        await self._seqs.ensure(len(items), self._index, self._writer)
+        for item, seq in zip(items, self._seqs.take(len(items))):
+            item.seq = seq
 
     async def _reserve(self, items: Sequence[PutItem]) -> None:
         """The allocator places ``items`` (evicting, adding extents); this path acts on
@@ -288,12 +295,14 @@ class PutPath:
                     self._allocator.withdraw_extent(lost)
                 raise
 
-    async def _put_items(self, items: list[PutItem], relies_on: list[bytes]) -> None:
+    async def _put_items(self, items: list[PutItem], relies_on: list[bytes]) -> set[bytes]:
+        """Reserve, number, write, sync and commit ``items``; returns the keys the
+        commit skipped (indexed meanwhile: ``Index.commit_puts``), whose slots went back."""
         health, allocator, ride_along = self._health, self._allocator, self._ride_along
         await self._reserve(items)
         committed = False
         try:
-            self._number(items)
+            await self._number(items)
             await self._transfers.write(items)
             if self.durable:
                 fds = self._files.fds
@@ -308,16 +317,20 @@ class PutPath:
             # own sync succeeded later (the kernel may have dropped pages the failed
             # sync covered); checked again on the writer thread, just before the commit.
             health.check_still_writable()
-            seq, touched = self._seq, allocator.take_touched()
+            touched = allocator.take_touched()
             index = self._index
 
-            def commit(txn: Txn) -> None:
+            def commit(txn: Txn) -> list[bytes]:
                 health.check_still_writable()
-                index.commit_puts(txn, entries, touched, seq, relies_on)
+                skipped = index.commit_puts(txn, entries, touched, relies_on)
                 ride_along(txn)
+                return skipped
 
-            await self._writer.run(commit)
+            late = set(await self._writer.run(commit))
             committed = True
+            if late:  # their slots were never indexed: free again (no reader can hold them)
+                allocator.unreserve([item for item in items if item.key in late])
+                items = [item for item in items if item.key not in late]
             allocator.committed(items)
             memory, remote = self._tiers.memory, self._tiers.remote
             if remote is not None:  # uploaded in the background
@@ -332,3 +345,4 @@ class PutPath:
         finally:
             if not committed:
                 allocator.unreserve(items)
+        return late

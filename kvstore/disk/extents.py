@@ -37,9 +37,11 @@ def new_extent_file(store_path: str, extent_id: int, file_mode: int
     check_dir(directory, f"Move the extents directory itself to {directory}.")
     try:
         permissions.make_dirs(directory, file_mode)
-        # A file of this id can only be an orphan of a crash before its index commit
-        # (or a link planted there): replaced, and the new one made with O_EXCL and
-        # O_NOFOLLOW, so nothing outside the store is truncated or written.
+        # The id was reserved in a transaction (Index.reserve_extent_id): no other
+        # process or task makes this file, so one already there can only be an orphan
+        # of an older build's crash before its index commit (or a link planted there):
+        # replaced, and the new one made with O_EXCL and O_NOFOLLOW, so nothing outside
+        # the store is truncated or written.
         with suppress(FileNotFoundError):
             os.unlink(path)
         fd = permissions.open_file(path, os.O_RDWR | os.O_CLOEXEC, file_mode)

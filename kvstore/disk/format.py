@@ -18,9 +18,16 @@ import crc32c as _crc32c
 
 from kvstore.errors import CorruptionError, FormatVersionError
 
-FORMAT_VERSION = 1
-"""Version of the on-disk format written by this build (slot headers, extent headers,
-index values, meta records).  Bumped whenever old builds could misread new stores."""
+FORMAT_VERSION = 2
+"""Version of the store's format written by this build: the index's tables and meta
+records (the ``format_version`` meta record).  Bumped whenever old builds could misread
+new stores.  2: the free-space counters and the ``claims``/``pending`` tables of stores
+shared by several processes (issue 43); a version-1 store is upgraded in place by the
+first open (kvstore/index/space_counters.py)."""
+
+SLOT_VERSION = 1
+"""Version of the slot and extent headers (their ``version`` field); format 2 did not
+change them."""
 
 PAGE = 4096
 """Alignment of every slot, extent header and O_DIRECT transfer."""
@@ -84,7 +91,7 @@ class SlotHeader:
         flags = SLOT_FLAG_HAS_PARENT if self.parent is not None else 0
         dims = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         body = _SLOT.pack(
-            SLOT_MAGIC, FORMAT_VERSION, SLOT_HEADER_BYTES, self.key,
+            SLOT_MAGIC, SLOT_VERSION, SLOT_HEADER_BYTES, self.key,
             self.parent if self.parent is not None else NO_PARENT,
             flags, self.codec, self.dtype, len(self.shape), self.payload_crc,
             self.payload_len, self.raw_len, self.seq, *dims,
@@ -104,9 +111,9 @@ class SlotHeader:
             raise CorruptionError("slot header checksum mismatch")
         (_, version, header_len, key, parent, flags, codec, dtype, ndim, payload_crc,
          payload_len, raw_len, seq, *dims) = _SLOT.unpack_from(raw)
-        if version != FORMAT_VERSION:
+        if version != SLOT_VERSION:
             raise FormatVersionError(
-                f"slot written by format version {version}; this build reads {FORMAT_VERSION}")
+                f"slot written by format version {version}; this build reads {SLOT_VERSION}")
         if header_len != SLOT_HEADER_BYTES or ndim > MAX_NDIM:
             raise CorruptionError(f"bad slot header_len={header_len} ndim={ndim}")
         return cls(
@@ -135,7 +142,7 @@ class ExtentHeader:
 
     def encode(self) -> bytes:
         _check_len("store_uuid", self.store_uuid, 16)
-        body = _EXTENT.pack(EXTENT_MAGIC, FORMAT_VERSION, self.extent_id, self.extent_bytes,
+        body = _EXTENT.pack(EXTENT_MAGIC, SLOT_VERSION, self.extent_id, self.extent_bytes,
                             self.store_uuid)
         return (body + struct.pack("<I", crc32c(body))).ljust(EXTENT_HEADER_BYTES, b"\0")
 
@@ -152,9 +159,9 @@ class ExtentHeader:
             raise CorruptionError(f"bad extent magic {magic!r}")
         if crc32c(raw[:n]) != struct.unpack_from("<I", raw, n)[0]:
             raise CorruptionError("extent header checksum mismatch")
-        if version != FORMAT_VERSION:
+        if version != SLOT_VERSION:
             raise FormatVersionError(
-                f"extent written by format version {version}; this build reads {FORMAT_VERSION}")
+                f"extent written by format version {version}; this build reads {SLOT_VERSION}")
         return cls(extent_id, extent_bytes, store_uuid)
 
 

@@ -3,11 +3,14 @@
 ::
 
     PATH/
-      LOCK                  the process lock (kvstore.disk.lock)
+      LOCK                  the store lock: shared by every open Store, exclusive for an
+                            exclusive open and fsck (kvstore.disk.lock)
       index/                the LMDB index (kvstore.index)
         data.mdb, lock.mdb  LMDB's two files, created by the store, never links
       extents/              the extent files (kvstore.disk.extents)
         NNNNNNNN.kvx        one per extent id, 8 decimal digits
+      owners/               the open Stores (owners) sharing the store (issue 43)
+        NNNNNNNN.lock       one per owner id, flock'd by it for its life (its liveness)
       index.broken-<time>   an index that ``fsck --rebuild-index`` moved aside
       .probe-<kind>-<pid>   a file the I/O probe writes and removes (one a kill left)
       kvstore-demo.json     the manifest of a store ``python -m kvstore demo`` made
@@ -21,9 +24,10 @@ from __future__ import annotations
 import os
 
 __all__ = ["BROKEN_INDEX_PREFIX", "DEMO_MANIFEST", "EXTENT_DIR", "EXTENT_SUFFIX", "INDEX_DIR",
-           "INDEX_FILES", "LOCK_FILE", "PROBE_PREFIX", "STORE_NAMES", "broken_index_dir",
-           "extent_id_of", "extent_name", "extent_path", "extents_dir", "index_dir", "is_extent_name",
-           "lock_path", "probe_path"]
+           "INDEX_FILES", "LOCK_FILE", "OWNERS_DIR", "OWNER_LOCK_SUFFIX", "PROBE_PREFIX",
+           "STORE_NAMES", "broken_index_dir", "extent_id_of", "extent_name", "extent_path",
+           "extents_dir", "index_dir", "is_extent_name", "lock_path", "owner_id_of",
+           "owner_lock_path", "owners_dir", "probe_path"]
 
 LOCK_FILE = "LOCK"
 INDEX_DIR = "index"
@@ -31,11 +35,13 @@ INDEX_FILES = ("data.mdb", "lock.mdb")
 """LMDB's data and lock files inside ``index/`` (the names LMDB gives them)."""
 EXTENT_DIR = "extents"
 EXTENT_SUFFIX = ".kvx"
+OWNERS_DIR = "owners"
+OWNER_LOCK_SUFFIX = ".lock"
 BROKEN_INDEX_PREFIX = "index.broken-"
 PROBE_PREFIX = ".probe-"
 DEMO_MANIFEST = "kvstore-demo.json"
 
-STORE_NAMES = frozenset({LOCK_FILE, INDEX_DIR, EXTENT_DIR})
+STORE_NAMES = frozenset({LOCK_FILE, INDEX_DIR, EXTENT_DIR, OWNERS_DIR})
 """The entries every store's directory holds (besides the prefixed ones above)."""
 
 
@@ -49,6 +55,23 @@ def extents_dir(store_path: str) -> str:
 
 def lock_path(store_path: str) -> str:
     return os.path.join(store_path, LOCK_FILE)
+
+
+def owners_dir(store_path: str) -> str:
+    return os.path.join(store_path, OWNERS_DIR)
+
+
+def owner_lock_path(store_path: str, owner_id: int) -> str:
+    """The lock file of owner ``owner_id`` (an open Store), 8 decimal digits."""
+    return os.path.join(store_path, OWNERS_DIR, f"{owner_id:08d}{OWNER_LOCK_SUFFIX}")
+
+
+def owner_id_of(name: str) -> int | None:
+    """The owner id in an owner lock file's name ``NNNNNNNN.lock``; None for another name."""
+    stem = name.removesuffix(OWNER_LOCK_SUFFIX)
+    if name.endswith(OWNER_LOCK_SUFFIX) and len(stem) == 8 and stem.isdigit():
+        return int(stem)
+    return None
 
 
 def extent_name(extent_id: int) -> str:

@@ -49,7 +49,7 @@ FILE_MODE = 0o600            # owner read/write, nobody else
 META_FILE_MODE = b"file_mode"  # u32 LE; absent means FILE_MODE
 _MODE = struct.Struct("<I")
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-_SHOWN = 8  # loose paths named in a warning; the rest are counted
+_SHOWN = 10  # loose paths named in a warning (a store has 8 entries and its extents); the rest are counted
 
 
 def check_file_mode(mode: object) -> int:

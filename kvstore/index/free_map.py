@@ -6,12 +6,13 @@ taking a range splits the run that holds it.  A range that is not wholly free wh
 taken, or that overlaps a free run when given back, means the allocation map and the
 index disagree: :class:`~kvstore.errors.IndexCorruptionError` (fsck repairs it).  Every
 change runs in the caller's write transaction (:class:`kvstore.index.index.Index` owns it), in
-the same one as the index change it belongs to.
+the same one as the index change it belongs to, and is reported to ``changed`` with the
+bytes it added or removed (the ``free_bytes`` counter: kvstore/index/space_counters.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.disk.format import IndexEntry, decode_free_key, free_key, pack_u64, unpack_u64
@@ -24,8 +25,10 @@ Run = tuple[int, int, int]  # (extent, offset, length)
 class FreeMap:
     """The free runs in ``table`` (an LMDB database handle of the index's environment)."""
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: Any,
+                 changed: Callable[[Txn, int], None] = lambda txn, delta: None) -> None:
         self.table = table
+        self._changed = changed
 
     def runs(self, txn: Txn) -> list[Run]:
         with txn.cursor(self.table) as cur:
@@ -59,6 +62,7 @@ class FreeMap:
         end, run_end = offset + length, run_offset + run_len
         if end < run_end:
             txn.put(free_key(extent, end), pack_u64(run_end - end), db=self.table)
+        self._changed(txn, -length)
 
     def take_slots(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]]) -> None:
         """Take the slots of ``entries`` (a put's batch): touching slots as one range."""
@@ -73,6 +77,7 @@ class FreeMap:
         """Add [offset, offset+length) to the free map, merging neighbours."""
         nxt, prev = self._neighbours(txn, extent, offset)
         end = offset + length
+        self._changed(txn, length)
         if nxt is not None and nxt[0] == extent:
             if nxt[1] < end:
                 raise drift(extent, offset, length)
@@ -90,15 +95,20 @@ class FreeMap:
     def put_run(self, txn: Txn, extent: int, offset: int, length: int) -> None:
         """Record a run as it is, no merging (fsck's ``--rebuild-index``)."""
         txn.put(free_key(extent, offset), pack_u64(length), db=self.table)
+        self._changed(txn, length)
 
     def delete_run(self, txn: Txn, extent: int, offset: int) -> None:
-        txn.delete(free_key(extent, offset), db=self.table)
+        raw = txn.pop(free_key(extent, offset), db=self.table)
+        if raw is not None:
+            self._changed(txn, -unpack_u64(bytes(raw)))
 
     def drop_extent(self, txn: Txn, extent_key: bytes) -> None:
         """Forget every run of the extent whose key prefix is ``extent_key``."""
-        doomed = [k for k, _ in txn.cursor(self.table) if k[:4] == extent_key]
-        for k in doomed:
+        doomed = [(bytes(k), unpack_u64(bytes(v))) for k, v in txn.cursor(self.table)
+                  if k[:4] == extent_key]
+        for k, _ in doomed:
             txn.delete(k, db=self.table)
+        self._changed(txn, -sum(length for _, length in doomed))
 
 
 def adjacent_ranges_merged(entries: Sequence[tuple[bytes, IndexEntry]]

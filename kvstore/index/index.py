@@ -8,6 +8,10 @@ Tables (FORMAT.md, "Index"):
 ``free``        (u32 BE extent, u64 BE offset) -> u64 LE length of a free run
 ``quarantine``  16-byte key -> IndexEntry of a block that failed verification or could
                 not be read (flagged ENTRY_FLAG_UNREADABLE), kept to be read again
+``owners``      u32 BE owner id -> the open Store it is (kvstore/index/owners.py)
+``creating``    u32 BE extent id -> u32 LE owner id: an extent file being made
+``claims``, ``pending``  space taken by an owner, space freed not yet reusable
+                (kvstore/index/space_counters.py, with the meta counters of free space)
 
 Every change of allocation happens in the same write transaction as the index change
 it belongs to, so space is never both free and referenced after a crash.
@@ -18,13 +22,16 @@ thread with group commit (:class:`~kvstore.index.writer.IndexWriter`, re-exporte
 here), which translates LMDB's errors and grows the memory map (``set_mapsize``, between
 transactions, while no reader is inside one) up to the store's ``index_map_bytes``.
 Reads use short read-only transactions on the calling thread; LMDB reads never block on
-the writer.
+the writer.  Another process on the same store that grew the map shows as LMDB's
+``MapResizedError`` at this process's next begin, read or write: the size it recorded
+is adopted (``set_mapsize(0)``, between transactions) and the begin retried
+(:meth:`Index.adopt_map`).
 
 Every transaction the store and fsck run is a method named for what it does, here
 (``commit_puts``, ``delete_blocks``, ``evict``, ``pin``, ``add_extent``) or on one of
 the index's record classes: ``meta_records`` (kvstore/index/meta.py: every meta record,
 the totals and the scrub's place included), ``quarantine_records``
-(kvstore/index/quarantine.py) and ``repairs`` (kvstore/index/repairs.py: what fsck reads
+(kvstore/index/quarantine.py), ``owner_records`` (kvstore/index/owners.py) and ``repairs`` (kvstore/index/repairs.py: what fsck reads
 as stored and every repair it makes).  No caller builds a transaction over raw tables or
 names a table.  Two parts have a module of their own: the free table's runs
 (:mod:`kvstore.index.free_map`, ``take_range`` / ``give_range`` here) and the choice of
@@ -34,9 +41,8 @@ eviction victims (:mod:`kvstore.index.eviction`, ``evict`` here, over ``chains``
 from __future__ import annotations
 
 import operator
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from functools import cached_property
 from itertools import compress, count, islice
@@ -61,6 +67,7 @@ from kvstore.index.eviction import ChainTables, lru_leaves
 from kvstore.index.file import open_environment
 from kvstore.index.free_map import FreeMap
 from kvstore.index.journal import DELETED, EVICTED, QUARANTINED, RESTORED, STORED, Journal
+from kvstore.index.map_gate import MapGate
 from kvstore.index.meta import (
     META_EXTENT_BYTES,
     META_FORMAT,
@@ -73,9 +80,11 @@ from kvstore.index.meta import (
     MetaRecords,
     namespace_key,
 )
+from kvstore.index.owners import OwnersTable
 from kvstore.index.quarantine import QuarantineTable
 from kvstore.index.repairs import Repairs
-from kvstore.index.writer import IndexWriter, lmdb_error
+from kvstore.index.space_counters import SpaceCounters
+from kvstore.index.writer import ADOPT_TRIES, IndexWriter, lmdb_error
 
 __all__ = ["INITIAL_MAP_BYTES", "MAP_LIMIT_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
            "META_NEXT_EXTENT", "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ",
@@ -95,44 +104,8 @@ MAP_LIMIT_BYTES = 64 << 30
 ``index_map_bytes`` (the option's default); fsck and ``--rebuild-index`` open an index
 with this."""
 
-_DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru")
-
-
-class _ResizeGate:
-    """Readers on any thread vs. the writer growing the map: LMDB allows ``set_mapsize``
-    only while no transaction of this process is open."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._resizing = False
-
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._resizing = True
-            while self._readers:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._resizing = False
-                self._cond.notify_all()
+_DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru",
+        b"owners", b"creating", b"claims", b"pending")
 
 
 class Index:
@@ -148,13 +121,14 @@ class Index:
         :class:`~kvstore.errors.IndexCorruptionError`; nothing LMDB raises escapes."""
         self.path = path
         self.map_limit = map_size
-        self._gate = _ResizeGate()
+        self._gate = MapGate()
         self.env, dbs = open_environment(
             path, map_size=min(map_size, INITIAL_MAP_BYTES), sync=sync, file_mode=file_mode,
             tables=_DBS, verify=verify)
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
-         self.pins, self.lru) = dbs
-        self.free_map = FreeMap(self.free)
+         self.pins, self.lru, self.owners, self.creating, claims, pending) = dbs
+        self.space = SpaceCounters(self.meta, self.meta_records, self.free, claims, pending)
+        self.free_map = FreeMap(self.free, self.space.free_changed)
         self.chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
         # The writer's transaction's record of content changes, while an event sink has
         # subscribers (kvstore/index/journal.py); writer thread only.
@@ -166,27 +140,44 @@ class Index:
     @contextmanager
     def begin(self, *, buffers: bool = False) -> Iterator[Txn]:
         """A read-only transaction (the map is not resized while one is open).  An LMDB
-        error inside it (a damaged page) leaves as a KVStoreError."""
-        with self._gate.reading():
-            try:
-                txn: Txn = self.env.begin(buffers=True) if buffers else self.env.begin()
-                with txn:
-                    yield txn
-            except lmdb.Error as e:
-                raise lmdb_error(e, "cannot read the index", self.path) from e
+        error inside it (a damaged page) leaves as a KVStoreError.  A map another
+        process grew is adopted first (:meth:`adopt_map`)."""
+        for tries in count(1):
+            with self._gate.reading():
+                try:
+                    txn: Txn = self.env.begin(buffers=True) if buffers else self.env.begin()
+                except lmdb.MapResizedError as e:
+                    if tries >= ADOPT_TRIES or self._gate.depth() > 1:
+                        # (a transaction of this thread is open: it cannot resize)
+                        raise lmdb_error(e, "cannot read the index", self.path) from e
+                else:
+                    try:
+                        with txn:
+                            yield txn
+                    except lmdb.Error as e:
+                        if isinstance(e, lmdb.BadTxnError):  # a read met a damaged page
+                            e = lmdb.CorruptedError(f"{e} (after a damaged page)")
+                        raise lmdb_error(e, "cannot read the index", self.path) from e
+                    return
+            self.adopt_map()  # outside reading(): it waits for every reader to leave
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Held by the writer thread around each write transaction (no resize meanwhile)."""
+        with self._gate.writing():
+            yield
+
+    def adopt_map(self) -> None:
+        """Take the size another process grew the map to (:meth:`MapGate.adopt`)."""
+        self._gate.adopt(self.env, self.path)
 
     def grow_map(self) -> bool:
-        """Double the memory map up to ``map_limit`` (writer thread, between transactions);
-        False if it is at the limit already.  LMDB's errors leave as KVStoreErrors."""
-        try:
-            size = self.env.info()["map_size"]
-            if size >= self.map_limit:
-                return False
-            with self._gate.exclusive():
-                self.env.set_mapsize(min(self.map_limit, 2 * size))
-        except lmdb.Error as e:
-            raise lmdb_error(e, "cannot grow the index's memory map", self.path) from e
-        return True
+        """Adopt or double the map up to ``map_limit`` (:meth:`MapGate.grow`)."""
+        return self._gate.grow(self.env, self.map_limit, self.path)
+
+    @property
+    def map_adoptions(self) -> int:
+        return self._gate.adoptions
 
     # ------------------------------------------------------------------ reads
 
@@ -245,9 +236,6 @@ class Index:
 
     def namespaces(self) -> dict[bytes, str]:
         return self.meta_records.namespaces()
-
-    def check_format(self) -> None:
-        self.meta_records.check_format()
 
     # ------------------------------------------------------------------ writes (writer thread)
 
@@ -331,25 +319,27 @@ class Index:
     # ------------------------------------------------------------------ the store's transactions
 
     def commit_puts(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]],
-                    touched: Touched, seq: int, relies_on: Sequence[bytes] = ()) -> None:
-        """Index written blocks: their ranges leave the free map in the same transaction.
+                    touched: Touched, relies_on: Sequence[bytes] = ()) -> list[bytes]:
+        """Index written blocks: their ranges leave the free map in the same transaction
+        (their sequence numbers came from the owner's lease, which raised ``seq``).
 
         ``relies_on`` are the stored blocks the put deduplicated against; if one of them
         was unindexed since the put decided (an eviction that chose it before the put
         protected it, or a delete), nothing is applied and :class:`ChainCut` names them.
-        So it is if a block the put writes was indexed since it decided: a quarantined
-        copy that a re-read verified went back (indexing it again would leave its LRU
-        row, its parent's child count and its slot behind)."""
+        A block the put writes that was indexed since it decided (another process
+        committed it, or a re-read restored its quarantined copy) is skipped: its slot
+        stays free, and it is returned (the put counts it as deduplicated, late)."""
         with txn.cursor(self.blocks) as cur:
             gone = [k for k in relies_on if not cur.set_key(k)]
-            back = [k for k, _ in entries if cur.set_key(k)]
-        if gone or back:
-            raise ChainCut(gone + back)
+            late = {k for k, _ in entries if cur.set_key(k)}
+        if gone:
+            raise ChainCut(gone)
+        entries = [(k, e) for k, e in entries if k not in late]
         self.apply_touched(txn, touched)
         self.free_map.take_slots(txn, entries)
         for key, entry in entries:
             self.add_block(txn, key, entry)
-        self.meta_records.raise_seq(txn, seq)
+        return list(late)
 
     def delete_blocks(self, txn: Txn, keys: Sequence[bytes]) -> list[IndexEntry]:
         """Unindex ``keys`` (those stored); returns their entries, whose space is free."""
@@ -373,19 +363,12 @@ class Index:
     def block_rows_after(self, after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
         """Up to ``limit`` undecoded rows of the blocks table after key ``after`` (None:
         from the first), in key order: the scrub's walk."""
-        return self._rows_after(self.blocks, after, limit)
+        return _rows_after(self.begin, self.blocks, after, limit)
 
     def quarantine_rows_after(self, after: bytes | None, limit: int
                               ) -> list[tuple[bytes, bytes]]:
         """:meth:`block_rows_after` of the quarantine table: its re-reads."""
-        return self._rows_after(self.quarantine, after, limit)
-
-    def _rows_after(self, table: Any, after: bytes | None, limit: int
-                    ) -> list[tuple[bytes, bytes]]:
-        with self.begin() as txn, txn.cursor(table) as cur:
-            if not (cur.set_range(after) if after is not None else cur.first()):
-                return []
-            return list(islice(((bytes(k), bytes(v)) for k, v in cur if k != after), limit))
+        return _rows_after(self.begin, self.quarantine, after, limit)
 
     def pin(self, txn: Txn, keys: Sequence[bytes], delta: int) -> None:
         """Add ``delta`` (+1 or -1) to each key's pin count; unpinning an unpinned key is
@@ -394,19 +377,31 @@ class Index:
             if delta > 0 or txn.get(key, db=self.pins) is not None:
                 self.bump(txn, self.pins, key, delta)
 
+    def reserve_extent_id(self, txn: Txn, owner_id: int = 0) -> int:
+        """A new extent's id, from ``next_extent`` in a transaction of its own before
+        its file is made (unique across processes), ``creating`` its owner's until
+        :meth:`add_extent` (kvstore/index/owners.py); an id never recorded is skipped."""
+        extent_id = self.meta_records.take_next_extent(txn)
+        self.owner_records.start_creating(txn, extent_id, owner_id)
+        return extent_id
+
     def add_extent(self, txn: Txn, extent_id: int, extent_bytes: int) -> None:
-        """Record a new (already durable) extent file and its free run."""
+        """Record a new (already durable) extent file, its id reserved
+        (:meth:`reserve_extent_id`), and its free run."""
         txn.put(extent_key(extent_id), pack_u64(extent_bytes), db=self.extents)
         self.give_range(txn, extent_id, PAGE, extent_bytes - PAGE)
-        self.meta_records.set_next_extent(txn, extent_id + 1)
+        self.owner_records.done_creating(txn, extent_id)
 
     # ------------------------------------------------------------------ the other records
-    # Meta records (kvstore/index/meta.py) and fsck's reads and repairs
-    # (kvstore/index/repairs.py) have a class of their own, each method named for one thing.
+    # Meta, owners, fsck's reads and repairs: a class of their own each (meta.py, ...).
 
     @cached_property
     def meta_records(self) -> MetaRecords:
         return MetaRecords(self.begin, self.meta)
+
+    @cached_property
+    def owner_records(self) -> OwnersTable:
+        return OwnersTable(self.owners, self.creating, self.meta_records)
 
     @cached_property
     def repairs(self) -> Repairs:
@@ -414,15 +409,21 @@ class Index:
                        extents=self.extents, children=self.children, lru=self.lru,
                        free_map=self.free_map)
 
+def _rows_after(begin: Callable[[], AbstractContextManager[Txn]], table: Any,
+                after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
+    with begin() as txn, txn.cursor(table) as cur:
+        if not (cur.set_range(after) if after is not None else cur.first()):
+            return []
+        return list(islice(((bytes(k), bytes(v)) for k, v in cur if k != after), limit))
+
+
 class ChainCut(Exception):
-    """A put's commit found blocks it deduplicated against unindexed meanwhile, or
-    blocks it writes indexed meanwhile (restored from quarantine); the put is redone
-    (it writes the first itself, deduplicates the second).  Internal: never reaches a
-    caller."""
+    """A put's commit found blocks it deduplicated against unindexed meanwhile; the put
+    is redone (it writes them itself).  Internal: never reaches a caller."""
 
     def __init__(self, keys: Sequence[bytes]) -> None:
-        super().__init__(f"{len(keys)} block(s) the put decided on were unindexed or "
-                         "indexed again before the commit")
+        super().__init__(f"{len(keys)} block(s) the put deduplicated against were "
+                         "unindexed before its commit")
         self.keys = list(keys)
 
 

@@ -1,9 +1,12 @@
 """The ``meta`` table's records (FORMAT.md, "Meta records"), each read and written by a
 method named for it: nothing outside this module names a meta key or the table.
 
-``format_version``, ``store_uuid``, ``extent_bytes`` are written once (``init_meta``);
-``next_extent`` and ``seq`` only grow (with the transaction that adds an extent or
-commits puts, or a repair); ``namespace:<digest hex>`` records are JSON; ``file_mode``
+``format_version``, ``store_uuid``, ``extent_bytes`` are written once (``init_meta``;
+``format_version`` again by the upgrade of an older store); ``free_bytes``,
+``claimed_bytes``, ``pending_bytes`` change with their tables
+(kvstore/index/space_counters.py);
+``next_extent``, ``next_owner`` and ``seq`` only grow (with the transaction that reserves an extent id
+or commits puts, or a repair); ``namespace:<digest hex>`` records are JSON; ``file_mode``
 is a u32 (absent: owner-only, :mod:`kvstore.disk.permissions`); ``scrub_cursor`` and
 ``scrub_completed`` are where the scrub is; ``total:<name>`` the persisted totals
 (:mod:`kvstore.index.totals`).  ``Index.meta_records`` is the table of an open index;
@@ -22,7 +25,7 @@ from kvstore.disk import permissions
 from kvstore.disk.format import FORMAT_VERSION, KEY_BYTES, pack_u64, unpack_u64
 from kvstore.errors import FormatVersionError, IndexCorruptionError
 
-__all__ = ["META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX", "META_NEXT_EXTENT",
+__all__ = ["SPACE_COUNTERS", "UPGRADABLE", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX", "META_CAPACITY", "META_NEXT_EXTENT", "META_NEXT_OWNER",
            "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ", "META_TOTAL_PREFIX",
            "META_UUID", "MetaRecords", "namespace_key"]
 
@@ -32,11 +35,22 @@ META_FORMAT = b"format_version"
 META_UUID = b"store_uuid"
 META_EXTENT_BYTES = b"extent_bytes"
 META_NEXT_EXTENT = b"next_extent"
+META_NEXT_OWNER = b"next_owner"
+META_CAPACITY = b"capacity_bytes"
 META_SEQ = b"seq"
 META_NAMESPACE_PREFIX = b"namespace:"
 META_SCRUB_CURSOR = b"scrub_cursor"
 META_SCRUB_COMPLETED = b"scrub_completed"
 META_TOTAL_PREFIX = b"total:"
+
+META_FREE_BYTES = b"free_bytes"
+META_CLAIMED_BYTES = b"claimed_bytes"
+META_PENDING_BYTES = b"pending_bytes"
+SPACE_COUNTERS = (META_FREE_BYTES, META_CLAIMED_BYTES, META_PENDING_BYTES)
+"""Sums of the free, claims and pending tables (kvstore/index/space_counters.py)."""
+
+UPGRADABLE = (1,)
+"""Format versions an open upgrades to ``FORMAT_VERSION`` in place."""
 
 
 def namespace_key(digest: bytes) -> bytes:
@@ -75,18 +89,33 @@ class MetaRecords:
         txn.put(META_EXTENT_BYTES, pack_u64(extent_bytes), db=self._table)
         txn.put(META_NEXT_EXTENT, pack_u64(1), db=self._table)
         txn.put(META_SEQ, pack_u64(0), db=self._table)
+        for name in SPACE_COUNTERS:  # every table they sum is empty
+            txn.put(name, pack_u64(0), db=self._table)
 
-    def check_format(self) -> None:
+    def check_format(self) -> int:
+        """The store's format version: this build's, or one it upgrades
+        (``UPGRADABLE``: kvstore/index/space_counters.py); any other is
+        :class:`FormatVersionError`."""
         raw = self._get(META_FORMAT)
         if raw is None:
             raise IndexCorruptionError("index has no format_version record")
         if len(raw) != 4:
             raise IndexCorruptionError(f"format_version record of {len(raw)} bytes")
-        version = struct.unpack("<I", raw)[0]
-        if version != FORMAT_VERSION:
+        version = int(struct.unpack("<I", raw)[0])
+        if version != FORMAT_VERSION and version not in UPGRADABLE:
             raise FormatVersionError(
                 f"store has on-disk format version {version}; this kvstore reads version "
                 f"{FORMAT_VERSION}. Use a kvstore release that supports it; nothing was changed.")
+        return version
+
+    def format_in(self, txn: Txn) -> int | None:
+        """The format version as of ``txn`` (None: no valid record)."""
+        raw = txn.get(META_FORMAT, db=self._table)
+        return None if raw is None or len(raw) != 4 else int(struct.unpack("<I", raw)[0])
+
+    def set_format(self, txn: Txn) -> None:
+        """This build's format version (an upgraded store)."""
+        txn.put(META_FORMAT, struct.pack("<I", FORMAT_VERSION), db=self._table)
 
     def store_uuid(self) -> bytes | None:
         """None: a new index, not initialised yet."""
@@ -95,10 +124,20 @@ class MetaRecords:
     def extent_bytes(self) -> int:
         return _u64(self._get(META_EXTENT_BYTES))
 
+    def extent_bytes_in(self, txn: Txn) -> int:
+        return _u64(txn.get(META_EXTENT_BYTES, db=self._table))
+
     # ------------------------------------------------------------------ counters
 
     def seq(self) -> int:
         return _u64(self._get(META_SEQ))
+
+    def lease_seq(self, txn: Txn, count: int) -> int:
+        """``count`` sequence numbers for one owner (kvstore/core/seq_lease.py): ``seq``
+        raised by ``count`` in ``txn``; returns the first of them."""
+        prev = unpack_u64(txn.get(META_SEQ, db=self._table) or pack_u64(0))
+        txn.put(META_SEQ, pack_u64(prev + count), db=self._table)
+        return prev + 1
 
     def raise_seq(self, txn: Txn, seq: int) -> None:
         """The sequence counter to at least ``seq`` (a put's commit; fsck's repair)."""
@@ -107,6 +146,19 @@ class MetaRecords:
 
     def next_extent(self) -> int:
         return _u64(self._get(META_NEXT_EXTENT))
+
+    def take_next_extent(self, txn: Txn) -> int:
+        """``next_extent`` as of ``txn``, raised by one in it (an id reserved)."""
+        extent_id = _u64(txn.get(META_NEXT_EXTENT, db=self._table))
+        txn.put(META_NEXT_EXTENT, pack_u64(extent_id + 1), db=self._table)
+        return extent_id
+
+    def take_next_owner(self, txn: Txn) -> int:
+        """``next_owner`` as of ``txn`` (1 in a store that has none), raised by one in it:
+        an owner id (kvstore/index/owners.py), never handed out twice."""
+        owner_id = max(1, _u64(txn.get(META_NEXT_OWNER, db=self._table)))
+        txn.put(META_NEXT_OWNER, pack_u64(owner_id + 1), db=self._table)
+        return owner_id
 
     def set_next_extent(self, txn: Txn, extent_id: int) -> None:
         txn.put(META_NEXT_EXTENT, pack_u64(extent_id), db=self._table)
@@ -141,6 +193,14 @@ class MetaRecords:
         txn.delete(key, db=self._table)
 
     # ------------------------------------------------------------------ file mode
+
+    def capacity(self) -> int | None:
+        """The recorded ``capacity_bytes`` (None: never given; the default rule applies)."""
+        raw = self._get(META_CAPACITY)
+        return None if raw is None else _u64(raw)
+
+    def record_capacity(self, txn: Txn, capacity: int) -> None:
+        txn.put(META_CAPACITY, pack_u64(capacity), db=self._table)
 
     def file_mode(self) -> int | None:
         """The recorded file mode (None: never recorded, the default applies);

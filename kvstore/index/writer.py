@@ -8,7 +8,9 @@ A job that fills the memory map is retried after the map grows (between transact
 up to the index's limit, past which it fails with
 :class:`~kvstore.errors.StoreFullError`; other LMDB errors are translated by
 :func:`lmdb_error` (which the index's reads use too): nothing LMDB raises leaves
-kvstore untranslated, and no error stops the writer thread.
+kvstore untranslated, and no error stops the writer thread.  A map another process
+grew (LMDB's ``MapResizedError`` when a transaction begins) is adopted
+(``Index.adopt_map``) and the batch begun again.
 
 A commit that finds no room on the file system (ENOSPC, EDQUOT: ``data.mdb`` cannot
 grow) fails every job of its transaction with ``StoreFullError``, and nothing of it
@@ -33,6 +35,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -47,7 +50,7 @@ from kvstore.errors import (
 )
 from kvstore.index.journal import Journal, JournalSink
 
-__all__ = ["IndexWriter", "WriterPort", "loop_callback"]
+__all__ = ["ADOPT_TRIES", "IndexWriter", "WriterPort", "loop_callback"]
 
 T = TypeVar("T")
 Txn = Any  # lmdb.Transaction (untyped module)
@@ -62,6 +65,10 @@ class WriterPort(Protocol):
     journal: Journal | None  # what the transaction changes, while events are wanted
 
     def grow_map(self) -> bool: ...
+
+    def adopt_map(self) -> None: ...
+
+    def writing(self) -> AbstractContextManager[None]: ...
 
 
 class IndexWriter:
@@ -124,12 +131,39 @@ class IndexWriter:
             list[tuple[Callable[[Txn], Any], Future[Any]]]]:
         """Apply every job in one transaction, each in a nested one; returns the results
         and the jobs that found the map full (to run again after it grows)."""
+        for tries in range(1, ADOPT_TRIES + 1):
+            with self._index.writing():
+                try:
+                    txn = self._index.env.begin(write=True)
+                except lmdb.MapResizedError as e:
+                    if tries == ADOPT_TRIES:
+                        return self._failed(batch, e), []
+                else:
+                    return self._commit_in(txn, batch)
+            # Another process grew the map: adopt its size (no transaction of this
+            # writer is open now) and begin again.  The failed begin left LMDB's write
+            # mutex free.
+            try:
+                self._index.adopt_map()
+            except KVStoreError as e:
+                return self._failed(batch, e), []
+        raise AssertionError("unreachable")
+
+    def _failed(self, batch: list[tuple[Callable[[Txn], Any], Future[Any]]],
+                e: BaseException) -> list[tuple[Future[Any], Any, BaseException | None]]:
+        # One error object per caller (each raise adds to its traceback).
+        return [(fut, None, _translate(e, self._index.path, "the index commit failed"))
+                for _, fut in batch]
+
+    def _commit_in(self, txn: Txn, batch: list[tuple[Callable[[Txn], Any], Future[Any]]]
+                   ) -> tuple[list[tuple[Future[Any], Any, BaseException | None]],
+                              list[tuple[Callable[[Txn], Any], Future[Any]]]]:
         env, index, sink = self._index.env, self._index, self._sink
         results: list[tuple[Future[Any], Any, BaseException | None]] = []
         full: list[tuple[Callable[[Txn], Any], Future[Any]]] = []
         journal = index.journal = Journal() if sink is not None and sink.wants() else None
         try:
-            with env.begin(write=True) as txn:
+            with txn:
                 for fn, fut in batch:
                     mark = journal.mark() if journal is not None else 0
                     child = env.begin(write=True, parent=txn)
@@ -152,9 +186,7 @@ class IndexWriter:
         except lmdb.MapFullError:  # the commit itself needed pages: run the whole batch again
             return [], batch
         except Exception as e:  # noqa: BLE001 - every job of the transaction gets it
-            # One error object per caller (each raise adds to its traceback).
-            return [(fut, None, _translate(e, self._index.path, "the index commit failed"))
-                    for _, fut in batch], []
+            return self._failed(batch, e), []
         finally:
             index.journal = None
         if journal is not None and journal.records:
@@ -208,6 +240,11 @@ def _translate(e: BaseException, index_path: str,
         return lmdb_error(e, what, index_path)
     return e
 
+
+ADOPT_TRIES = 8
+"""Adoptions of a map another process grew that one transaction's begin (a read's or
+a batch's) tries before it fails: each takes the size recorded then, so only a map that
+keeps growing faster than this process can begin exhausts them."""
 
 _DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
            lmdb.VersionMismatchError)

@@ -5,8 +5,10 @@ durability go the same road as every slot's bytes, so the simulated engine's fau
 The steps (``create_extent_file``; data first, then the index, as for every change):
 
 1. The file is made empty, the store's own (:func:`kvstore.disk.extents.new_extent_file`:
-   no link followed, exactly the store's file mode; a file of this id can only be an
-   orphan of a crash before its index commit, and is replaced).
+   no link followed, exactly the store's file mode).  Its id was reserved in a
+   transaction before (``Index.reserve_extent_id``), so no other process sharing the
+   store makes it too; a file of this id can only be an orphan of an older build's
+   crash before its index commit, and is replaced.
 2. The engine opens it and initialises it (``IOEngine.initialise``: preallocated with
    ``posix_fallocate``, so a put never finds a hole there on a full disk, the extent
    header written, both made durable).
@@ -15,8 +17,8 @@ The steps (``create_extent_file``; data first, then the index, as for every chan
 Every failure is a typed error with the kernel's errno (no room: ENOSPC, EDQUOT, EFBIG
 is :class:`~kvstore.errors.StoreFullError`) and leaves no file behind, so the space a
 failed preallocation took returns to the file system.  The caller then records the
-extent in the index; a crash in between leaves a file no index entry names, which
-``open`` reuses and fsck reports as a reclaimable orphan.
+extent in the index; a crash in between leaves a file no index entry names under an id
+that is never handed out again: fsck reports it as a reclaimable orphan.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ async def create_extent_file(engine: IOEngine, store_path: str, extent_id: int,
             await _initialise(engine, path, made, extent_id, extent_bytes, store_uuid)
     except Exception:
         # A failure: its space goes back now.  A stop of the process (or of the simulated
-        # machine) leaves the file, an orphan that open reuses and fsck reclaims.
+        # machine) leaves the file, an orphan fsck reclaims.
         remove_new_extent_file(store_path, extent_id)
         raise
     try:

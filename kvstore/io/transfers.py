@@ -6,6 +6,10 @@ Each chunk's staging is one arena run (``Arena.acquire`` of the chunk, ``Arena.s
 block), so a transfer never holds part of its staging while waiting for the rest; a chunk
 never exceeds the arena.  Arena runs go back only after the engine returned, i.e. after
 the kernel is done with them, even when the caller is cancelled.
+
+A read of an entry naming an extent this process has no descriptor for (another process
+sharing the store added it, issue 43) calls ``open_extent(id)``, which opens it into
+``fds``; it answers False if the file does not exist: only then is the extent missing.
 """
 
 from __future__ import annotations
@@ -74,13 +78,14 @@ class Transfers:
     """Moves slots between the caller's blocks, the staging arena and the extent files."""
 
     def __init__(self, engine: IOEngine, arena: Arena, fds: dict[int, int], *,
-                 piece_bytes: int = PIECE_BYTES, copier: DeviceCopier = HOST_COPIER) -> None:
+                 piece_bytes: int = PIECE_BYTES, copier: DeviceCopier = HOST_COPIER,
+                 open_extent: Callable[[int], bool] = lambda extent_id: False) -> None:
         self.engine, self.arena = engine, arena
         self.copier = copier  # device copies: the store's (kvstore/io/device_copies.py)
-        self._fds = fds  # extent id -> descriptor; the store adds extents as it grows
-        # Chunks of a few MiB, so that staging the next overlaps the device moving this one.
+        self._fds, self._open_extent = fds, open_extent  # extent id -> fd (module docstring)
+        # Chunks of a few MiB (staging the next overlaps the device moving this one); a raw
+        # block of at least two pieces is staged and written a piece at a time.
         self._chunk_bytes = max(min(arena.size // 4, 8 << 20), PAGE)
-        # A raw block of at least two of these is staged and written in pieces this size.
         self._piece_bytes = round_up(piece_bytes)
         self._cores = max(1, len(os.sched_getaffinity(0)))
         self._chunks_active = 0  # chunks being staged/written or read/verified (any task)
@@ -301,7 +306,7 @@ class Transfers:
         for i, entry in enumerate(entries):
             if entry is None:
                 continue
-            if entry.extent not in self._fds:
+            if entry.extent not in self._fds and not self._open_extent(entry.extent):
                 counts[0] += 1
                 unreadable.append((keys[i], entry, f"extent file {entry.extent} is missing"))
             else:
@@ -380,6 +385,8 @@ async def read_slot(transfers: Transfers, key: bytes, entry: IndexEntry,
     (:func:`kvstore.io.coalesce.reread_failed`); the check and the copy run on a worker
     thread when large (a remote upload's read of a block)."""
     fd = transfers._fds.get(entry.extent)
+    if fd is None and transfers._open_extent(entry.extent):
+        fd = transfers._fds.get(entry.extent)
     if fd is None:
         return None
     run = await transfers.arena.acquire(entry.slot_len)

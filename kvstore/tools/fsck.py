@@ -20,7 +20,8 @@ a bad sector, a bug, a file edited by hand):
    header reads: one that cannot be read is unreadable, kept).  Any other file there is
    not the store's: listed, never deleted (note: foreign-file).
 3. Allocation map: the ranges of ``blocks`` and ``quarantine`` entries and the runs of the
-   ``free`` table must tile every extent from 4096 to its end exactly once.  Two owners
+   ``free``, ``claims`` and ``pending`` tables must tile every extent from 4096 to its
+   end exactly once.  Two owners
    of one byte is damage (overlap, free-and-referenced, out-of-bounds); bytes owned by
    nobody are reclaimable (leaked-space).
 4. Slot headers: each indexed slot's header must decode and agree with its index entry
@@ -40,7 +41,14 @@ a bad sector, a bug, a file edited by hand):
    A range of free space that cannot be read (narrowed to its pages: fsck_files.py) is
    damage with its errno (unreadable), left as it is.
 7. Meta records: the sequence counter is at least every entry's, ``next_extent`` is past
-   every extent id, namespace records are valid JSON (damage: meta).
+   every extent id, namespace records are valid JSON (damage: meta); the space counters
+   (``free_bytes``, ``claimed_bytes``, ``pending_bytes``) equal the sums of their tables
+   (damage: counter-drift; repair recounts them).  A store of an older format is noted
+   (old-format); --repair upgrades it (kvstore/index/space_counters.py).  An ``owners``
+   row (fsck's exclusive lock means none is live) is an owner that did not close
+   (reclaimable: dead-owner); --repair recovers it as the next open would: its claims
+   back to the pool, its rows deleted, its lock file removed (fsck_space.py); a lock
+   file of no owner is a note (stale-owner-lock), removed by --repair.
 
 8. Chain bookkeeping: the ``children`` counts (stored blocks naming each parent) and the
    ``lru`` rows (one per block, at its last use) must equal what the ``blocks`` table
@@ -111,6 +119,7 @@ from kvstore.tools.fsck_files import (
 from kvstore.tools.fsck_rebuild import rebuild_index
 from kvstore.tools.fsck_repairs import Repairs, chain_tables
 from kvstore.tools.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, ProgressFn, Report
+from kvstore.tools.fsck_space import check_space, shared_runs
 
 
 def check(path: str, *, repair: bool = False, deep: bool = False,
@@ -128,14 +137,13 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
             raise IndexCorruptionError(f"{path} has extent files but no index; run "
                                        f"`python -m kvstore fsck {path} --rebuild-index`")
         raise FileNotFoundError(f"no kvstore at {path}")
-    lock = StoreLock(path)  # the same lock the store takes
+    lock = StoreLock(path)  # exclusively: refused, naming them, while stores are open
     with lock.released_on_error():  # a link for extents/ or the index, damage: exit 2
         check_dir(layout.extents_dir(path), "Move the extents directory itself there.")
         index = Index(layout.index_dir(path), map_size=MAP_LIMIT_BYTES, sync=True, verify=True)
     writer = IndexWriter(index)
     try:
         with ExtentReader(engine) as reader:
-            index.check_format()
             _Checker(path, index, writer, reader, report, repair, deep, progress).run()
     finally:
         writer.close()
@@ -149,10 +157,10 @@ class _Checker(Repairs):
     def __init__(self, path: str, index: Index, writer: IndexWriter, reader: ExtentReader,
                  report: Report, repair: bool, deep: bool, progress: ProgressFn | None) -> None:
         super().__init__(report, writer, index, path)
-        self.reader = reader
-        self.repair, self.deep = repair, deep
+        self.reader, self.repair, self.deep = reader, repair, deep
         self.progress = progress or (lambda stage, done, total: None)
         self.kept: set[int] = set()  # extents that could not be examined: never dropped
+        self.version = index.meta_records.check_format()  # (older: repair upgrades it)
         self.uuid: bytes = index.meta_records.store_uuid() or b""
 
     def run(self) -> None:
@@ -166,7 +174,7 @@ class _Checker(Repairs):
         self.check_chains(entries)
         self.check_permissions()
         if self.repair and self.report.findings:
-            self.apply_fixes(self.rewrite_chain_tables)
+            self.apply_fixes(self.rewrite_derived)
 
     # -- step 2
     def check_extents(self) -> dict[int, int]:
@@ -272,6 +280,7 @@ class _Checker(Repairs):
         for extent_id, offset, length in self.index.free_runs():
             if extents.get(extent_id, 0):
                 owners.append((extent_id, offset, length, "free", None))
+        owners += [o for o in shared_runs(self.index) if extents.get(o[0], 0)]
         owners.sort(key=lambda o: (o[0], o[1]))
         by_extent: dict[int, list[tuple[int, int, int, str, bytes | None]]] = {}
         for o in owners:
@@ -443,6 +452,7 @@ class _Checker(Repairs):
         for k in bad:
             self.find("meta", DAMAGE, f"namespace record {k!r} is not valid JSON")
             self.fixes.append(partial(meta.drop_namespace, key=k))
+        check_space(self, self.version)
 
 
 __all__ = ["DAMAGE", "NOTE", "RECLAIMABLE", "Finding", "Report", "check", "rebuild_index"]

@@ -136,7 +136,7 @@ def rebuild_index(path: str, *, progress: ProgressFn | None = None,
     progress = progress or (lambda stage, done, total: None)
     directory = layout.extents_dir(path)
     _require_extents(path, directory)  # before the lock: a foreign directory gets nothing
-    lock = StoreLock(path)  # the same lock the store takes
+    lock = StoreLock(path)  # exclusively: refused, naming them, while stores are open
     try:
         with ExtentReader(engine) as reader:
             _rebuild(path, directory, reader, report, progress)

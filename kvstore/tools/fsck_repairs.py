@@ -82,9 +82,15 @@ class Repairs:
 
     def drop_later_owner(self, what: str, key: bytes | None, extent_id: int,
                          offset: int) -> None:
-        """Repair of a double-owned range: drop the later owner (a free run, or an entry)."""
+        """Repair of a double-owned range: drop the later owner (a free run, a claims or
+        pending row: ``key`` its owner or txnid, or an entry)."""
         if what == "free":
             self.fixes.append(partial(self.index.repairs.delete_free_run, extent=extent_id,
+                                      offset=offset))
+        elif what in ("claim", "pending"):
+            assert key is not None
+            self.fixes.append(partial(self.index.space.drop_run, claimed=what == "claim",
+                                      first=int.from_bytes(key, "big"), extent=extent_id,
                                       offset=offset))
         else:
             assert key is not None
@@ -112,6 +118,14 @@ class Repairs:
         self.file_fixes.append((f, partial(zero_page, p, e.offset)))
         self.fixes.append(partial(self.index.repairs.free_slot, key=key, entry=e,
                                   quarantined=quarantined))
+
+    def rewrite_derived(self, txn: Txn) -> None:
+        """The last step of a repair: the chain tables, then the space counters
+        recounted (they follow every repair of the tables they sum; this mends drift)
+        and the format upgraded if the store was of an older one."""
+        self.rewrite_chain_tables(txn)
+        self.index.space.recount(txn)
+        self.index.space.upgrade(txn)
 
     def rewrite_chain_tables(self, txn: Txn) -> None:
         """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,

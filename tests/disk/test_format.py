@@ -26,6 +26,7 @@ from kvstore.disk.format import (
     MAX_NDIM,
     PAGE,
     SLOT_HEADER_BYTES,
+    SLOT_VERSION,
     ExtentHeader,
     IndexEntry,
     SlotHeader,
@@ -97,8 +98,10 @@ def flip(buf: bytes, bit: int) -> bytes:
 # ----------------------------------------------------------------- constants and CRC
 
 def test_layout_constants() -> None:
-    """These numbers are the format; changing one needs a FORMAT_VERSION bump."""
-    assert FORMAT_VERSION == 1
+    """These numbers are the format; changing one needs a FORMAT_VERSION bump (the
+    store's) or a SLOT_VERSION bump (the slot and extent headers')."""
+    assert FORMAT_VERSION == 2
+    assert SLOT_VERSION == 1
     assert PAGE == 4096
     assert SLOT_HEADER_BYTES == 256
     assert EXTENT_HEADER_BYTES == PAGE

@@ -68,7 +68,7 @@ def test_demo_reports_where_its_data_is_and_one_verdict(demo_store: tuple[Path, 
     assert any(line.startswith(f"data:      {path} (") and "on disk, manifest inside" in line
                for line in lines)
     assert f"python -m kvstore demo --remove --path {path}" in out
-    assert sorted(os.listdir(path)) == ["LOCK", "extents", "index", MANIFEST]  # manifest inside
+    assert sorted(os.listdir(path)) == ["LOCK", "extents", "index", MANIFEST, "owners"]  # manifest inside
     assert not (path.parent / "demo-manifest.json").exists()
     assert fsck.check(str(path), deep=True).findings == []
 

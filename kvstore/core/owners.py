@@ -1,0 +1,225 @@
+"""The owners of a store (issue 43): every open ``Store`` is one, whichever process holds
+it: a row in the index's ``owners`` table (:mod:`kvstore.index.owners`) and a lock file,
+``PATH/owners/NNNNNNNN.lock``, it holds with ``flock`` for its whole life
+(:class:`~kvstore.disk.lock.OwnerLock`): the kernel drops the lock when the process
+dies, so a row whose lock file can be locked is a dead owner.
+
+Registration (:func:`register`, one write transaction on the index writer, after
+``PATH/LOCK`` is held and the index opened; issue 43's DESIGN.md, section 5.1 step 6):
+
+1. Take an owner id (``next_owner``); create its lock file and lock it (held before the
+   row exists, so a row whose lock is free always means a dead owner).
+2. Probe every other row's lock file: a dead owner (its lock free; or held, but its
+   process gone or its pid reused: a child forked by native code, without the at-fork
+   hooks, keeps a copy of the lock's descriptor; told by pid and start time, in this
+   PID namespace only) is recovered: its row deleted, and
+   its ``creating`` rows (extent files it was making: their ids reserved, never
+   recorded), and its claims go back to the free pool; once the transaction
+   committed, those files and its lock file are removed.
+   Lock files of no owner (a registration or close killed at the wrong moment) go too.
+3. Options every owner must agree on: ``sync`` (:class:`~kvstore.errors.OptionMismatchError`
+   naming the live owners' pids).
+4. Until space is shared between processes (claims), a live owner in another process
+   refuses the registration (:class:`~kvstore.errors.StoreLockedError`, naming it): the
+   allocator still assumes it owns the free space alone.
+5. Write this owner's row (pid, its start time and PID namespace, ``sync``, when), and
+   lease its first sequence numbers (:mod:`kvstore.core.seq_lease`).
+
+A failure part-way aborts the transaction and releases every lock file it took.  Close
+(:meth:`Owner.close`): one transaction deletes the row and returns its claims to the
+pool, then the lock file goes; a crash
+in between leaves a row whose lock is free, which the next registration recovers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+from kvstore.core.seq_lease import SeqLease
+from kvstore.disk import layout
+from kvstore.disk.extents import remove_new_extent_file
+from kvstore.disk.lock import OwnerLock, probe_owner
+from kvstore.errors import OptionMismatchError, StoreLockedError
+from kvstore.index.index import Index, IndexWriter
+from kvstore.index.owners import OwnerRecord
+
+__all__ = ["SHARING_ENABLED", "Owner", "forget", "register"]
+
+Txn = Any  # lmdb.Transaction (untyped module)
+
+SHARING_ENABLED = False
+"""Whether a second process may register beside a live owner (step 4).  False until
+space is shared across processes (issue 43's DESIGN.md, section 6: claims, sequence
+number leases); tests of the owners' bookkeeping turn it on in their own process."""
+
+
+class Owner:
+    """This ``Store``'s registration: its id and lock file, until :meth:`close`."""
+
+    def __init__(self, path: str, owner_id: int, lock: OwnerLock, index: Index,
+                 writer: IndexWriter, recovered: int, seqs: SeqLease) -> None:
+        self._path, self.id, self._lock = path, owner_id, lock
+        self._index, self._writer = index, writer
+        self.recovered = recovered  # dead owners this registration recovered
+        self.seqs = seqs  # its sequence numbers (kvstore/core/seq_lease.py)
+
+    def close(self) -> None:
+        """Delete the row (and ``creating`` rows of extents it failed to make; its claims
+        go back to the pool), then the
+        lock file (even if the transaction fails: the next registration then finds a
+        row whose lock is free, and recovers it)."""
+        if self._lock.fd < 0:
+            return
+        try:
+            unmade = self._writer.run_sync(lambda txn: forget(txn, self._index, self.id))
+            for extent_id in unmade:  # (a failed creation removed its file already)
+                remove_new_extent_file(self._path, extent_id)
+        finally:
+            self._lock.remove()
+
+
+def register(path: str, index: Index, writer: IndexWriter, *, sync: bool,
+             file_mode: int) -> Owner:
+    """Register a new owner of the store at ``path`` (the module docstring's steps)."""
+    record = OwnerRecord(pid=os.getpid(), sync=sync, start_time=_start_time(),
+                         pid_namespace=_pid_namespace(), opened_us=time.time_ns() // 1000)
+    dead: list[OwnerLock] = []
+    unmade: list[int] = []  # extent files dead owners were making
+    orphans: list[int] = []  # dead owners whose lock a forked child still holds
+    owner_id, lock, first_seq = writer.run_sync(
+        _registration(path, index, record, file_mode, dead, unmade, orphans))
+    for extent_id in unmade:  # no entry names them, no live owner makes them
+        remove_new_extent_file(path, extent_id)
+    for other in dead:  # their rows are gone for good now
+        other.remove()
+    return Owner(path, owner_id, lock, index, writer, len(dead) + len(orphans),
+                 SeqLease(first_seq))
+
+
+def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
+                  dead: list[OwnerLock], unmade: list[int], orphans: list[int]
+                  ) -> Callable[[Txn], tuple[int, OwnerLock, int]]:
+    table = index.owner_records
+
+    def job(txn: Txn) -> tuple[int, OwnerLock, int]:
+        _release(dead)  # (a job the writer runs again after growing the map)
+        unmade.clear()
+        orphans.clear()
+        owner_id = table.take_id(txn)
+        lock = OwnerLock(path, owner_id, file_mode)
+        try:
+            live: dict[int, OwnerRecord] = {}
+            for other_id, other in table.rows(txn).items():
+                probe = probe_owner(path, other_id)
+                if probe is None and not _orphaned(other, record):
+                    live[other_id] = other
+                    continue
+                if probe is None:  # its lock file stays (held), swept once free
+                    orphans.append(other_id)
+                else:
+                    dead.append(probe)
+                unmade.extend(forget(txn, index, other_id))
+            _sweep(path, {owner_id, *live})
+            _check_agreement(path, record, live)
+            table.add(txn, owner_id, record)
+            first_seq = SeqLease.lease_in(txn, index)
+        except BaseException:
+            lock.remove()  # (inside the transaction: nobody else registers meanwhile)
+            _release(dead)
+            raise
+        return owner_id, lock, first_seq
+
+    return job
+
+
+def _sweep(path: str, owners: set[int]) -> None:
+    """Lock files of no owner (a registration or a close killed at the wrong moment
+    left them): removed unless held (an owner between its closing transaction and its
+    removal of the file).  Called inside the registration transaction: no other
+    registration can be making one meanwhile."""
+    try:
+        names = os.listdir(layout.owners_dir(path))
+    except FileNotFoundError:
+        return
+    for name in names:
+        other_id = layout.owner_id_of(name)
+        if other_id is not None and other_id not in owners:
+            left = probe_owner(path, other_id)
+            if left is not None:
+                left.remove()
+
+
+def forget(txn: Txn, index: Index, owner_id: int) -> list[int]:
+    """Delete an owner's row and its ``creating`` rows, and return its claims to the
+    pool (kvstore/index/space_counters.py); returns those extent ids (files to delete
+    once the transaction committed)."""
+    table = index.owner_records
+    table.remove(txn, owner_id)
+    index.space.return_claims(txn, index.free_map, owner_id)
+    unmade = table.creating_of(txn, owner_id)
+    for extent_id in unmade:
+        table.done_creating(txn, extent_id)
+    return unmade
+
+
+def _check_agreement(path: str, mine: OwnerRecord, live: dict[int, OwnerRecord]) -> None:
+    if not live:
+        return
+    pids = ", ".join(str(r.pid) for r in live.values())
+    differ = [r for r in live.values() if r.sync != mine.sync]
+    if differ:
+        raise OptionMismatchError(
+            f"store {path} is open with sync={differ[0].sync} (pid "
+            f"{', '.join(str(r.pid) for r in differ)}); every process sharing a store must "
+            f"open it with the same sync, and this open asks for sync={mine.sync}")
+    if not SHARING_ENABLED:
+        where = ("is already open in this process" if mine.pid in [r.pid for r in live.values()]
+                 else f"is open in another process (pid {pids})")
+        raise StoreLockedError(
+            11, f"store {path} {where}; sharing one store between Stores is not enabled yet "
+            "(issue 43). Close it there first, or open another path")
+
+
+def _release(locks: list[OwnerLock]) -> None:
+    for other in locks:
+        other.release()
+    locks.clear()
+
+
+def _orphaned(other: OwnerRecord, mine: OwnerRecord) -> bool:
+    """An owner whose lock file is held, yet whose process is gone: a child forked
+    without the at-fork hooks (by native code) keeps a copy of the lock's descriptor
+    (DESIGN.md 10.2).  Told only in this process's PID namespace, by the pid and its
+    start time (a reused pid has another); what cannot be told (no record, another
+    user's process hidden by ``hidepid``) counts as alive."""
+    if not other.start_time or not other.pid_namespace \
+            or other.pid_namespace != mine.pid_namespace:
+        return False
+    try:
+        os.kill(other.pid, 0)  # (signal 0: only whether the pid exists)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # EPERM: it exists, another user's
+    now = _start_time(other.pid)
+    return bool(now) and now != other.start_time
+
+
+def _start_time(pid: int | str = "self") -> int:
+    """A process's start time in clock ticks since boot (``/proc/PID/stat`` field 22):
+    with the pid, it names the process even after the pid is reused; 0 if it cannot
+    be read."""
+    with suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    return 0
+
+
+def _pid_namespace() -> int:
+    with suppress(OSError):
+        return os.stat("/proc/self/ns/pid").st_ino
+    return 0

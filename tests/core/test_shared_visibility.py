@@ -1,0 +1,59 @@
+"""A block another process stored is a hit here on the next lookup, even in an extent
+file this process has never opened (issue 43, DESIGN.md 6.7): the read opens the extent
+when an entry first names it; only a file that does not exist is missing.  Before,
+every extent unknown to this process was "missing": the block was answered as a miss
+and quarantined.
+
+The other process is a real one.  Sharing space is not enabled yet
+(``kvstore.core.owners.SHARING_ENABLED``): it turns it on for itself, and this process
+stays idle (no put of its own) while it writes, which is what keeps that safe here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+import kvstore
+from kvstore.testing import parts
+from kvstore.tools import fsck
+from tests.conformance import NS, keys
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 300_000  # three per 1 MiB extent
+
+OTHER = textwrap.dedent("""
+    import sys, torch, kvstore, kvstore.core.owners
+    from tests.conformance import NS, keys
+    from kvstore.testing import parts
+    kvstore.core.owners.SHARING_ENABLED = True
+    with kvstore.open_blocking(sys.argv[1], namespace=NS, engine="threads") as store:
+        ks = keys(8)[1:]
+        store.put_many(ks, [torch.full((300_000,), i, dtype=torch.uint8)
+                            for i in range(1, 8)])
+        print(*sorted(parts(store).fds))
+""")
+
+
+def test_a_block_another_process_stored_in_a_new_extent_is_a_hit(tmp_path: Path) -> None:
+    ks = keys(8)
+    with kvstore.open_blocking(tmp_path, namespace=NS, extent_bytes=1 << 20,
+                               engine="threads") as store:
+        store.put_many(ks[:1], [torch.zeros(BLOCK, dtype=torch.uint8)])
+        assert sorted(parts(store).fds) == [1]
+        run = subprocess.run([sys.executable, "-c", OTHER, str(tmp_path)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        theirs = [int(x) for x in run.stdout.split()]
+        assert len(theirs) >= 3  # it added extents this process never opened
+        got = store.get_many(ks)
+        assert [g is not None for g in got] == [True] * 8
+        for i, g in enumerate(got):
+            assert g is not None and torch.equal(g, torch.full((BLOCK,), i, dtype=torch.uint8))
+        assert store.stats().quarantined_blocks == 0
+        assert sorted(parts(store).fds) == theirs  # opened as entries named them
+    assert fsck.check(str(tmp_path)).problems == []
