@@ -463,6 +463,11 @@ class ConcurrentMachine(RuleBasedStateMachine):
                     outer.start_soon(fork_later, fork[1])
                 await body(fork[1] if fork is not None and fork[0] == "round" else None)
 
+        if self.s3 is not None:
+            # A Store bounds its own requests: what the last one (the checks' store)
+            # abandoned at a read deadline ends first, so the cluster's count below is
+            # this round's Store alone (two Stores' requests may overlap at a cluster).
+            assert self.s3.wait_idle(ROUND_DEADLINE)
         if self.s3 is not None and slow_remote:
             self.s3.hold = {"GET"}
             self.s3.rearm()
