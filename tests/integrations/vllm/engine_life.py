@@ -248,10 +248,11 @@ def main(spec_path: str, result_path: str) -> None:
         }
     result: dict[str, Any] = {}
     try:
-        llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
-                  max_model_len=1024, max_num_seqs=4, seed=0, disable_log_stats=False,
-                  enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
-                  gpu_memory_utilization=0.3, **kwargs)
+        llm = LLM(model=spec["model"], **{
+            "dtype": "float32", "enforce_eager": True, "block_size": BLOCK_SIZE,
+            "max_model_len": 1024, "max_num_seqs": 4, "seed": 0, "disable_log_stats": False,
+            "enable_prefix_caching": True, "kv_cache_memory_bytes": 64 << 20,
+            "gpu_memory_utilization": 0.3, **kwargs})
     except Exception as e:  # the test asserts on the message
         result["error"] = f"{type(e).__name__}: {e}"
         cause = e.__cause__
@@ -310,6 +311,10 @@ def main(spec_path: str, result_path: str) -> None:
         result["batch_outputs"] = [_out(o) for o in
                                    llm.generate(spec["prompts"], params, use_tqdm=False)]
     result["metrics"] = metrics(llm)
+    config = llm.llm_engine.vllm_config
+    result["hybrid_kv_cache_manager"] = \
+        config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    result["block_size"] = config.cache_config.block_size
     if "abort_in_flight" in result:  # after the prompts that followed
         held = result["abort_in_flight"]
         held["free_after"] = llm.llm_engine.engine_core.engine_core.scheduler \
@@ -324,8 +329,8 @@ def main(spec_path: str, result_path: str) -> None:
             stats = None
         result["connector"] = stats
         for out in outputs if stats is not None else []:
-            out["keys"] = block_keys(out["prompt_token_ids"] + out["tokens"], BLOCK_SIZE,
-                                     stats["namespace"])
+            out["keys"] = block_keys(out["prompt_token_ids"] + out["tokens"],
+                                     result["block_size"], stats["namespace"])
         if tensor_parallel:
             # Every rank's counters, from its worker process; keys per rank.
             ranks = [s for per_worker in llm.collective_rpc(_rank_stats) for s in per_worker]
