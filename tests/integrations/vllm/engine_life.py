@@ -61,7 +61,8 @@ def metrics(llm: Any) -> dict[str, Any]:
     return out
 
 
-def block_keys(token_ids: list[int], block_size: int, namespace_json: str) -> list[str]:
+def block_keys(token_ids: list[int], block_size: int, namespace_json: str,
+               group: int | None = None) -> list[str]:
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
@@ -75,7 +76,8 @@ def block_keys(token_ids: list[int], block_size: int, namespace_json: str) -> li
     for i in range(len(token_ids) // block_size):
         parent = kv_cache_utils.hash_block_tokens(
             fn, parent, token_ids[i * block_size:(i + 1) * block_size], None)
-        hashes.append(bytes(parent))
+        # A hybrid model's group: the group's index appended (as the connector does)
+        hashes.append(bytes(parent) + (b"" if group is None else group.to_bytes(4, "big")))
     return [k.hex() for k in Namespace.from_json(namespace_json).engine_keys(hashes)]
 
 
@@ -315,6 +317,9 @@ def main(spec_path: str, result_path: str) -> None:
     result["hybrid_kv_cache_manager"] = \
         config.scheduler_config.disable_hybrid_kv_cache_manager is False
     result["block_size"] = config.cache_config.block_size
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    groups = [] if core is None else core.scheduler.kv_cache_config.kv_cache_groups
+    result["groups"] = [type(g.kv_cache_spec).__name__ for g in groups]
     if "abort_in_flight" in result:  # after the prompts that followed
         held = result["abort_in_flight"]
         held["free_after"] = llm.llm_engine.engine_core.engine_core.scheduler \
@@ -331,6 +336,10 @@ def main(spec_path: str, result_path: str) -> None:
         for out in outputs if stats is not None else []:
             out["keys"] = block_keys(out["prompt_token_ids"] + out["tokens"],
                                      result["block_size"], stats["namespace"])
+            if len(result["groups"]) > 1:  # per KV cache group, in group order
+                out["group_keys"] = [block_keys(out["prompt_token_ids"] + out["tokens"],
+                                                result["block_size"], stats["namespace"], g)
+                                     for g in range(len(result["groups"]))]
         if tensor_parallel:
             # Every rank's counters, from its worker process; keys per rank.
             ranks = [s for per_worker in llm.collective_rpc(_rank_stats) for s in per_worker]

@@ -1,0 +1,176 @@
+"""End to end: hybrid models (several KV cache groups) on vLLM's CPU engine with its
+hybrid KV cache manager on and the kvstore connector, across restarts.
+
+Two tiny random models made at test time (``tiny_hybrid.py``): Gemma 3 shaped
+(sliding-window and full-attention groups) and Nemotron-H shaped (Mamba2 state groups
+and a full-attention group).  Per model, sharing one store:
+
+* ``ref``  no connector: the reference greedy outputs.
+* ``A``    fresh store: every prompt computed and saved; the second prompt shares the
+           first one's leading blocks, so it loads them within the life.
+* ``B``    restart: the prompts load their prefixes from kvstore.
+* tamper   a stored part of the first prompt's hit is corrupted: the sliding-window
+           block at the hit's end (Gemma), the state at the hit (Nemotron-H).
+* ``C``    restart: the load of the first prompt fails as a whole (reported per
+           request, never partially used); vLLM asks again and gets a shorter hit; the
+           outputs equal the reference.
+* ``D``    restart: the recomputed part was saved again: full hits, same outputs.
+* ``V``    restart with another group structure (window 96 instead of 64; a float16
+           SSM state instead of float32): nothing is loaded.
+
+Every life asserts that vLLM kept its hybrid KV cache manager on (it turns it off, with
+a warning, for a connector without ``SupportsHMA``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.integrations.vllm.test_vllm import HERE, REPO, VLLM_PYTHON, _tamper, life, started
+
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+_BASE = ("you are a helpful assistant . answer the question of the user in one short "
+         "sentence . what is the capital of france ? paris is the capital of france . the "
+         "quick brown fox jumps over the lazy dog . a store keeps blocks of attention keys "
+         "and values on disk so that an engine restart does not throw every computed "
+         "prefix away . tell me a story about a cat and a mouse who live in an old house "
+         "by the river , and the winter when the river froze . ")
+PROMPTS = [_BASE * 2, _BASE + "how many legs has a spider ? a spider has eight legs ."]
+
+MODELS: dict[str, dict[str, Any]] = {
+    # block 32: a 64-token window needs the 2 blocks before a hit's end
+    # Sliding-window blocks are stored densely: the second prompt's shared blocks are a
+    # hit in the first life.
+    "gemma3": {"llm": {}, "corrupt": "SlidingWindowSpec", "first_life_hit": True,
+               "variant": {"hf_overrides": {"sliding_window": 96}}},
+    # Mamba2 on CPU needs max_num_batched_tokens == the block size (an in-forward
+    # state checkpoint the CPU kernel lacks); the block is set so that the float16
+    # state variant keeps it.
+    "nemotronh": {"llm": {"block_size": 64, "max_num_batched_tokens": 64},
+                  "corrupt": "MambaSpec",
+                  # States are stored where vLLM keeps them (the first prompt's replay
+                  # boundary, 128): none at 64 for the second prompt in the first life.
+                  "first_life_hit": False,
+                  "variant": {"mamba_ssm_cache_dtype": "float16"}},
+}
+
+
+def _model(tmp: Path, kind: str) -> Path:
+    model = tmp / kind
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    subprocess.run([str(VLLM_PYTHON), str(HERE / "tiny_hybrid.py"), kind, str(model)],
+                   env=env, check=True, capture_output=True, timeout=300)
+    return model
+
+
+def _life(tmp: Path, name: str, model: Path, store: Path | None, llm: dict[str, Any]
+          ) -> dict[str, Any]:
+    result = started(life(tmp, name, model, store, prompts=PROMPTS, llm=llm), name)
+    result["hma_warning"] = HMA_OFF in result["stderr"]
+    return result
+
+
+def _scenario(tmp: Path, kind: str) -> dict[str, Any]:
+    spec = MODELS[kind]
+    model, store = _model(tmp, kind), tmp / "store"
+    lives: dict[str, Any] = {"store": store}
+    for name in ("ref", "A", "B"):
+        lives[name] = _life(tmp, name, model, None if name == "ref" else store, spec["llm"])
+    b = lives["B"]
+    group = b["groups"].index(spec["corrupt"])
+    hit = b["outputs"][0]["num_cached_tokens"] // b["block_size"]
+    lives["corrupted"] = bytes.fromhex(b["outputs"][0]["group_keys"][group][hit - 1])
+    anyio.run(_tamper, store, lives["corrupted"], [])
+    for name in ("C", "D"):
+        lives[name] = _life(tmp, name, model, store, spec["llm"])
+    lives["V"] = _life(tmp, "V", model, store, {**spec["llm"], **spec["variant"]})
+    return lives
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> dict[str, Any]:
+    lives = _scenario(tmp_path_factory.mktemp(f"hybrid-{request.param}"), request.param)
+    lives["kind"] = request.param
+    return lives
+
+
+def tokens(result: dict[str, Any]) -> list[list[int]]:
+    return [out["tokens"] for out in result["outputs"]]
+
+
+def cached(result: dict[str, Any]) -> list[int]:
+    return [out["num_cached_tokens"] for out in result["outputs"]]
+
+
+def test_the_hybrid_kv_cache_manager_stays_on(hybrid: dict[str, Any]) -> None:
+    for name in ("ref", "A", "B", "C", "D", "V"):
+        life_ = hybrid[name]
+        assert life_["hybrid_kv_cache_manager"], name
+        assert not life_["hma_warning"], name
+        assert len(life_["groups"]) > 1, (name, life_["groups"])
+
+
+def test_first_life_saves_every_group_and_matches_reference(hybrid: dict[str, Any]) -> None:
+    a = hybrid["A"]
+    assert tokens(a) == tokens(hybrid["ref"])
+    c = a["connector"]
+    assert c["saved_blocks"] > 0 and c["save_failed_blocks"] == 0
+    assert c["store"]["blocks"] == c["saved_blocks"]
+    assert c["load_failed_blocks"] == 0
+    # The second prompt's shared leading blocks, from kvstore within the life, where
+    # every group has them.
+    if MODELS[hybrid["kind"]]["first_life_hit"]:
+        assert cached(a)[1] > 0 and c["loaded_blocks"] > 0
+    else:
+        assert cached(a) == [0, 0] and c["loaded_blocks"] == 0
+
+
+def test_restart_loads_every_group_and_outputs_stay_identical(hybrid: dict[str, Any]) -> None:
+    b = hybrid["B"]
+    assert tokens(b) == tokens(hybrid["ref"])
+    assert all(n > 0 for n in cached(b)), cached(b)
+    assert cached(b)[0] > cached(b)[1]  # the first prompt's own blocks too
+    c = b["connector"]
+    assert c["load_failed_blocks"] == 0 and c["saved_blocks"] == 0
+    external = "vllm:prompt_tokens_by_source[external_kv_transfer]"
+    assert b["metrics"][external] == sum(cached(b))
+
+
+def test_a_corrupt_part_fails_the_whole_load_and_is_recomputed(hybrid: dict[str, Any]) -> None:
+    b, c = hybrid["B"], hybrid["C"]
+    assert tokens(c) == tokens(hybrid["ref"])
+    conn = c["connector"]
+    assert conn["store"]["corrupt_blocks"] == 1 and conn["store"]["quarantined"] == 1
+    # The first prompt's load failed whole (no part of it used) ...
+    assert conn["load_failed_blocks"] > 0
+    # ... vLLM asked again and was given a shorter hit, never the corrupt one.
+    assert 0 < cached(c)[0] < cached(b)[0]
+    assert cached(c)[1] == cached(b)[1]
+    # The recomputed part was saved again.
+    assert conn["saved_blocks"] > 0
+
+
+def test_store_heals_after_recompute(hybrid: dict[str, Any]) -> None:
+    b, d = hybrid["B"], hybrid["D"]
+    assert tokens(d) == tokens(hybrid["ref"])
+    assert cached(d) == cached(b)
+    assert d["connector"]["load_failed_blocks"] == 0
+    assert d["connector"]["loaded_blocks"] == b["connector"]["loaded_blocks"]
+
+
+def test_another_group_structure_loads_nothing(hybrid: dict[str, Any]) -> None:
+    """A restart with another window or state dtype finds nothing of the earlier lives:
+    it computes and loads exactly what a fresh store would (life A)."""
+    a, v = hybrid["A"], hybrid["V"]
+    assert cached(v)[0] == 0
+    assert cached(v) == cached(a)
+    assert v["connector"]["loaded_blocks"] == a["connector"]["loaded_blocks"]
+    assert v["connector"]["namespace"] != hybrid["B"]["connector"]["namespace"]
