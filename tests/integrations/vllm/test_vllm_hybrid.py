@@ -15,6 +15,8 @@ and a full-attention group).  Per model, sharing one store:
            request, never partially used); vLLM asks again and gets a shorter hit; the
            outputs equal the reference.
 * ``D``    restart: the recomputed part was saved again: full hits, same outputs.
+* ``E``    restart with vLLM's multiprocess engine: the scheduler's lookups reach the
+           worker over its socket; same hits, same outputs.
 * ``V``    restart with another group structure (window 96 instead of 64; a float16
            SSM state instead of float32): nothing is loaded.
 
@@ -70,9 +72,10 @@ def _model(tmp: Path, kind: str) -> Path:
     return model
 
 
-def _life(tmp: Path, name: str, model: Path, store: Path | None, llm: dict[str, Any]
-          ) -> dict[str, Any]:
-    result = started(life(tmp, name, model, store, prompts=PROMPTS, llm=llm), name)
+def _life(tmp: Path, name: str, model: Path, store: Path | None, llm: dict[str, Any],
+          multiprocessing: bool = False) -> dict[str, Any]:
+    result = started(life(tmp, name, model, store, multiprocessing, prompts=PROMPTS,
+                          llm=llm), name)
     result["hma_warning"] = HMA_OFF in result["stderr"]
     return result
 
@@ -90,6 +93,7 @@ def _scenario(tmp: Path, kind: str) -> dict[str, Any]:
     anyio.run(_tamper, store, lives["corrupted"], [])
     for name in ("C", "D"):
         lives[name] = _life(tmp, name, model, store, spec["llm"])
+    lives["E"] = _life(tmp, "E", model, store, spec["llm"], multiprocessing=True)
     lives["V"] = _life(tmp, "V", model, store, {**spec["llm"], **spec["variant"]})
     return lives
 
@@ -111,11 +115,12 @@ def cached(result: dict[str, Any]) -> list[int]:
 
 
 def test_the_hybrid_kv_cache_manager_stays_on(hybrid: dict[str, Any]) -> None:
-    for name in ("ref", "A", "B", "C", "D", "V"):
+    for name in ("ref", "A", "B", "C", "D", "E", "V"):
         life_ = hybrid[name]
         assert life_["hybrid_kv_cache_manager"], name
         assert not life_["hma_warning"], name
-        assert len(life_["groups"]) > 1, (name, life_["groups"])
+        if name != "E":  # (its engine core is a child process)
+            assert len(life_["groups"]) > 1, (name, life_["groups"])
 
 
 def test_first_life_saves_every_group_and_matches_reference(hybrid: dict[str, Any]) -> None:
@@ -164,6 +169,14 @@ def test_store_heals_after_recompute(hybrid: dict[str, Any]) -> None:
     assert cached(d) == cached(b)
     assert d["connector"]["load_failed_blocks"] == 0
     assert d["connector"]["loaded_blocks"] == b["connector"]["loaded_blocks"]
+
+
+def test_multiprocess_engine_finds_every_group_through_the_worker(
+        hybrid: dict[str, Any]) -> None:
+    b, e = hybrid["B"], hybrid["E"]
+    assert e["connector"] is None  # the store is open in the worker process, not here
+    assert tokens(e) == tokens(hybrid["ref"])
+    assert cached(e) == cached(b)
 
 
 def test_another_group_structure_loads_nothing(hybrid: dict[str, Any]) -> None:
