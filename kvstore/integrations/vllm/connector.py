@@ -29,6 +29,13 @@ bound to a fingerprint of the adapter's files (vLLM hashes only its name and pat
 (``[layers, *block shape]``): a hit means the whole block is there for all layers, and a
 chain is ``parent``-linked in the store, so eviction never leaves holes.
 
+*Hybrid models* (several KV cache groups, vLLM's hybrid KV cache manager on: the
+connector is ``SupportsHMA``): each group's block is a stored block of its own, keyed by
+the group's hash, and a hit is promised only where every group has what resuming there
+needs (full-attention blocks, the sliding window's, the Mamba state); loads are
+asynchronous and land all or nothing, a failure reported per request
+(:mod:`kvstore.integrations.vllm.groups`, :mod:`kvstore.integrations.vllm.worker.groups`).
+
 *One store, opened by the worker.*  A store directory is locked by one ``Store``; the
 worker opens it (so a path that cannot be opened stops the engine at start, saying
 why) and sets the namespace when its KV tensors are registered, from their real shape
