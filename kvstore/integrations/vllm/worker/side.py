@@ -262,8 +262,8 @@ class WorkerSide:
         vLLM calls right after this, in the same step; a hybrid model's in
         :meth:`take_failed`).  ``meta``: the step's, if one is bound."""
         idle = meta is not None and meta.idle
-        if self.groups is not None:
-            return None, self.groups.finished(idle)
+        if self.groups is not None:  # (landed after a CUDA graph capture, not in it)
+            return None, None if self._capturing() else self.groups.finished(idle)
         return None, self.loads.finished(idle)
 
     def take_failed(self) -> set[str]:
