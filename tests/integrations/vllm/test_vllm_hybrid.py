@@ -12,7 +12,9 @@ Per model, sharing one store:
            group has them (not the state models: no state is kept at their junction).
 * ``B``    restart: the prompts load their prefixes from kvstore.
 * tamper   a stored part of the first prompt's hit is corrupted: the sliding-window
-           block at the hit's end (Gemma), the state at the hit (the others).
+           block at the hit's end (Gemma), the state at the hit (the others); and the
+           second prompt's last full-attention block where the first prompt does not
+           share it (Gemma).
 * ``C``    restart: the load of the first prompt fails as a whole (reported per
            request, never partially used); vLLM asks again and gets a shorter hit; the
            outputs equal the reference.
@@ -94,10 +96,17 @@ def _scenario(tmp: Path, kind: str) -> dict[str, Any]:
     for name in ("ref", "A", "B"):
         lives[name] = _life(tmp, name, model, None if name == "ref" else store, spec["llm"])
     b = lives["B"]
-    group = b["groups"].index(spec["corrupt"])
-    hit = b["outputs"][0]["num_cached_tokens"] // b["block_size"]
-    lives["corrupted"] = bytes.fromhex(b["outputs"][0]["group_keys"][group][hit - 1])
-    anyio.run(_tamper, store, lives["corrupted"], [])
+    first, second = b["outputs"]
+    group, full = b["groups"].index(spec["corrupt"]), b["groups"].index("FullAttentionSpec")
+    hits = [out["num_cached_tokens"] // b["block_size"] for out in b["outputs"]]
+    corrupted = [first["group_keys"][group][hits[0] - 1]]
+    # The second prompt's last full-attention block of its hit, if the first prompt
+    # does not share it (Gemma: it does not).
+    if second["group_keys"][full][hits[1] - 1] not in first["group_keys"][full]:
+        corrupted.append(second["group_keys"][full][hits[1] - 1])
+    lives["corrupted"] = corrupted
+    for key in corrupted:
+        anyio.run(_tamper, store, bytes.fromhex(key), [])
     for name in ("C", "D"):
         lives[name] = _life(tmp, name, model, store, spec["llm"])
     lives["E"] = _life(tmp, "E", model, store, spec["llm"], multiprocessing=True)
@@ -136,6 +145,8 @@ def test_first_life_saves_every_group_and_matches_reference(hybrid: dict[str, An
     c = a["connector"]
     assert c["saved_blocks"] > 0 and c["save_failed_blocks"] == 0
     assert c["store"]["blocks"] == c["saved_blocks"]
+    assert sum(c[f"group_save_{k}"] for k in ("full", "sliding", "state")) == \
+        c["save_blocks"]
     assert c["load_failed_blocks"] == 0
     # The second prompt's shared leading blocks, from kvstore within the life, where
     # every group has them.
@@ -154,18 +165,35 @@ def test_restart_loads_every_group_and_outputs_stay_identical(hybrid: dict[str, 
     assert c["load_failed_blocks"] == 0 and c["saved_blocks"] == 0
     external = "vllm:prompt_tokens_by_source[external_kv_transfer]"
     assert b["metrics"][external] == sum(cached(b))
+    # Per kind of group: every kind the model has loaded parts, summing to the total;
+    # vLLM's /metrics shows the same numbers.
+    kinds = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding", "MambaSpec": "state"}
+    has = {kinds[g] for g in b["groups"]}
+    loaded = {k: c[f"group_loaded_{k}"] for k in ("full", "sliding", "state")}
+    assert {k for k, n in loaded.items() if n} == has
+    assert sum(loaded.values()) == c["loaded_blocks"]
+    for kind in has:
+        assert b["metrics"][f"vllm:kvstore_group_load_parts_total{{kind={kind},"
+                            f"outcome=loaded,rank=0}}"] == loaded[kind]
 
 
 def test_a_corrupt_part_fails_the_whole_load_and_is_recomputed(hybrid: dict[str, Any]) -> None:
     b, c = hybrid["B"], hybrid["C"]
+    assert hybrid["kind"] != "gemma3" or len(hybrid["corrupted"]) == 2
     assert tokens(c) == tokens(hybrid["ref"])
-    conn = c["connector"]
-    assert conn["store"]["corrupt_blocks"] == 1 and conn["store"]["quarantined"] == 1
+    conn, corrupted = c["connector"], len(hybrid["corrupted"])
+    assert conn["store"]["corrupt_blocks"] == corrupted
+    assert conn["store"]["quarantined"] == corrupted
     # The first prompt's load failed whole (no part of it used) ...
     assert conn["load_failed_blocks"] > 0
+    assert sum(conn[f"group_failed_{k}"] for k in ("full", "sliding", "state")) == \
+        conn["load_failed_blocks"]
     # ... vLLM asked again and was given a shorter hit, never the corrupt one.
     assert 0 < cached(c)[0] < cached(b)[0]
-    assert cached(c)[1] == cached(b)[1]
+    if corrupted == 2:  # the second prompt's full-attention block too
+        assert 0 < cached(c)[1] < cached(b)[1]
+    else:
+        assert cached(c)[1] == cached(b)[1]
     # The recomputed part was saved again.
     assert conn["saved_blocks"] > 0
 

@@ -24,7 +24,7 @@ unique across groups.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import suppress
@@ -124,9 +124,14 @@ class GroupWorker:
     def end_step(self, meta: KVStoreConnectorMetadata, discard: bool) -> None:
         """Every group's saves of the step (state groups copy all their layers here:
         their layers have no ``save_kv_layer``)."""
-        for copy, sub in zip(self.saves, meta.groups):
+        for g, copy, sub in zip(self.plan.groups, self.saves, meta.groups):
             if sub.saves:
+                # (what the group's copy-out hands to the store, stored parts left out)
+                before = self._open.counters["save_blocks"]
                 copy.end_step(sub, discard)
+                handed = self._open.counters["save_blocks"] - before
+                if handed:
+                    self._open.count(**{f"group_save_{g.kind}": handed})
 
     def drop_saves(self) -> None:
         for copy in self.saves:
@@ -237,6 +242,9 @@ class GroupWorker:
                          loaded_bytes=sum(self.movers[r.group].block_bytes * len(r.keys)
                                           for r in pending.reads) if ok else 0)
         self._open.record_load(elapsed / 1e9)
+        outcome = "loaded" if ok else "failed"
+        kinds = Counter(self.plan.groups[p.group].kind for p in pending.load.parts)
+        self._open.count(**{f"group_{outcome}_{kind}": n for kind, n in kinds.items()})
         if not ok:
             self._failed.add(pending.load.req_id)
 
