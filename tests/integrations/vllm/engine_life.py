@@ -14,7 +14,8 @@ aborted, then served as usual, without a prefix-cache reset in between),
 ``outputs_after_update``, ``reset``), ``"abort_in_flight": [I, J]`` (prompt I's kvstore load is held in flight by a gate while
 the request is aborted and prompt J is served; see ``abort_in_flight``) and ``"hold":
 true`` (after writing RESULT, print KVSTORE-ENGINE-LIFE-READY and keep the engine alive until stdin closes),
-``"batch": true`` (after the prompts, vLLM's prefix cache reset, all prompts submitted at
+``"group_count": N`` (a hybrid model's KV cache groups, for the per-group keys when the
+engine core is a child process), ``"batch": true`` (after the prompts, vLLM's prefix cache reset, all prompts submitted at
 once: ``batch_outputs``; with no other prompts when ``"prompts_in_turn": false``) and
 ``"update_while_running"`` (see :func:`update_while_running`).
 ``store: null`` runs without the connector (the reference outputs).  Prompts are served
@@ -344,9 +345,17 @@ def main(spec_path: str, result_path: str) -> None:
             # Every rank's counters, from its worker process; keys per rank.
             ranks = [s for per_worker in llm.collective_rpc(_rank_stats) for s in per_worker]
             result["ranks"] = ranks
+            # (a hybrid model's groups, when the engine core is a child: from the spec)
+            groups = len(result["groups"]) or spec.get("group_count", 1)
             for out in outputs:
                 out["rank_keys"] = [block_keys(out["prompt_token_ids"] + out["tokens"],
-                                               BLOCK_SIZE, r["namespace"]) for r in ranks]
+                                               result["block_size"], r["namespace"])
+                                    for r in ranks]
+                if groups > 1:  # per rank, per group
+                    out["rank_group_keys"] = [
+                        [block_keys(out["prompt_token_ids"] + out["tokens"],
+                                    result["block_size"], r["namespace"], g)
+                         for g in range(groups)] for r in ranks]
     with open(result_path, "w") as f:
         json.dump(result, f)
     if spec.get("hold"):

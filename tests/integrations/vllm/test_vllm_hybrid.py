@@ -24,6 +24,11 @@ Per model, sharing one store:
 * ``V``    restart with another group structure (window 96 instead of 64; a float16 or
            bfloat16 SSM state instead of float32): nothing is loaded.
 
+Tensor parallel 2 (Nemotron-H shaped: its states are sharded per rank), lives ``T0``
+(no connector), ``TA``, ``TB`` (restart: every rank loads its shards of every group),
+then the state at the first prompt's hit corrupted on rank 1 only, ``TC``: rank 1's load
+fails, vLLM asks again and both ranks load the shorter hit; outputs equal ``T0``'s.
+
 Every life asserts that vLLM kept its hybrid KV cache manager on (it turns it off, with
 a warning, for a connector without ``SupportsHMA``).
 """
@@ -38,7 +43,18 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.integrations.vllm.test_vllm import HERE, REPO, VLLM_PYTHON, _tamper, life, started
+from tests.integrations.vllm.test_vllm import (
+    _CPUS,
+    HERE,
+    REPO,
+    TP,
+    TP_ENV,
+    VLLM_PYTHON,
+    _tamper,
+    _why_not_started,
+    life,
+    started,
+)
 
 HMA_OFF = "Turning off hybrid kv cache manager"
 
@@ -173,7 +189,8 @@ def test_restart_loads_every_group_and_outputs_stay_identical(hybrid: dict[str, 
     assert {k for k, n in loaded.items() if n} == has
     assert sum(loaded.values()) == c["loaded_blocks"]
     for kind in has:
-        assert b["metrics"][f"vllm:kvstore_group_load_parts_total{{kind={kind},"
+        # (vLLM's get_metrics names counters without their _total)
+        assert b["metrics"][f"vllm:kvstore_group_load_parts{{kind={kind},"
                             f"outcome=loaded,rank=0}}"] == loaded[kind]
 
 
@@ -222,3 +239,54 @@ def test_another_group_structure_loads_nothing(hybrid: dict[str, Any]) -> None:
     assert cached(v) == cached(a)
     assert v["connector"]["loaded_blocks"] == a["connector"]["loaded_blocks"]
     assert v["connector"]["namespace"] != hybrid["B"]["connector"]["namespace"]
+
+
+@pytest.fixture(scope="module")
+def tp_hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if len(_CPUS) < 2:
+        pytest.skip(f"tensor parallel 2 on CPU needs 2 CPUs to bind, this process has {_CPUS}")
+    tmp = tmp_path_factory.mktemp("hybrid-tp")
+    model, store = _model(tmp, "nemotronh"), tmp / "store"
+    llm = {**MODELS["nemotronh"]["llm"], **TP}
+
+    def run(name: str, with_store: bool) -> dict[str, Any]:
+        return life(tmp, name, model, store if with_store else None, True, env_extra=TP_ENV,
+                    prompts=PROMPTS, llm=llm, group_count=3)
+
+    t0 = run("T0", False)
+    if "error" in t0:
+        pytest.skip(f"vLLM's tensor parallel does not start here, without kvstore: "
+                    f"{_why_not_started(t0)}")
+    lives: dict[str, Any] = {"T0": t0}
+    for name in ("TA", "TB"):
+        lives[name] = started(run(name, True), name)
+    tb = lives["TB"]
+    first = tb["outputs"][0]
+    hit = first["num_cached_tokens"] // tb["block_size"]
+    # rank 1's shard of the first Mamba group's state at the first prompt's hit
+    anyio.run(_tamper, store / "rank-1-of-2",
+              bytes.fromhex(first["rank_group_keys"][1][0][hit - 1]), [])
+    lives["TC"] = started(run("TC", True), "TC")
+    return lives
+
+
+def test_tp_every_rank_loads_its_shards_of_every_group(tp_hybrid: dict[str, Any]) -> None:
+    t0, ta, tb = tp_hybrid["T0"], tp_hybrid["TA"], tp_hybrid["TB"]
+    assert tb["hybrid_kv_cache_manager"] and HMA_OFF not in tb["stderr"]
+    assert tokens(ta) == tokens(tb) == tokens(t0)
+    assert all(n > 0 for n in cached(tb))
+    loaded = [r["loaded_blocks"] for r in tb["ranks"]]
+    assert loaded[0] == loaded[1] > 0
+    assert all(r["group_loaded_state"] > 0 and r["load_failed_blocks"] == 0
+               for r in tb["ranks"])
+
+
+def test_tp_a_rank_whose_state_fails_makes_the_hit_shorter_on_every_rank(
+        tp_hybrid: dict[str, Any]) -> None:
+    t0, tb, tc = tp_hybrid["T0"], tp_hybrid["TB"], tp_hybrid["TC"]
+    assert tokens(tc) == tokens(t0)
+    rank0, rank1 = tc["ranks"]
+    assert rank1["store"]["corrupt_blocks"] == 1 and rank0["store"]["corrupt_blocks"] == 0
+    assert rank1["load_failed_blocks"] > 0
+    assert 0 < cached(tc)[0] < cached(tb)[0]
+    assert cached(tc)[1] == cached(tb)[1]
