@@ -29,6 +29,9 @@ Tensor parallel 2 (Nemotron-H shaped: its states are sharded per rank), lives ``
 then the state at the first prompt's hit corrupted on rank 1 only, ``TC``: rank 1's load
 fails, vLLM asks again and both ranks load the shorter hit; outputs equal ``T0``'s.
 
+Nemotron-H shaped, ``F``: a load that fails (a corrupted state) and whose request is
+aborted before it recomputes; the same prompt sent again gets the reference output.
+
 Every life asserts that vLLM kept its hybrid KV cache manager on (it turns it off, with
 a warning, for a connector without ``SupportsHMA``).
 """
@@ -290,3 +293,33 @@ def test_tp_a_rank_whose_state_fails_makes_the_hit_shorter_on_every_rank(
     assert rank1["load_failed_blocks"] > 0
     assert 0 < cached(tc)[0] < cached(tb)[0]
     assert cached(tc)[1] == cached(tb)[1]
+
+
+@pytest.fixture(scope="module")
+def aborted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Nemotron-H shaped: ``A`` saves; the state at the first prompt's hit is corrupted;
+    ``F``: the first prompt is submitted, stepped once (its load fails whole) and
+    aborted before it recomputes, then sent again without a prefix-cache reset."""
+    tmp = tmp_path_factory.mktemp("hybrid-abort")
+    model, store = _model(tmp, "nemotronh"), tmp / "store"
+    llm = MODELS["nemotronh"]["llm"]
+    lives = {"ref": _life(tmp, "ref", model, None, llm), "A": _life(tmp, "A", model, store, llm)}
+    a = lives["A"]
+    state = a["groups"].index("MambaSpec")
+    blocks = (len(a["outputs"][0]["prompt_token_ids"]) - 1) // a["block_size"]
+    anyio.run(_tamper, store, bytes.fromhex(a["outputs"][0]["group_keys"][state][blocks - 1]),
+              [])
+    lives["F"] = started(life(tmp, "F", model, store, prompts=PROMPTS, llm=llm,
+                              abort_first={"0": 1}), "F")
+    return lives
+
+
+def test_a_failed_load_aborted_before_its_recompute_leaves_nothing_wrong(
+        aborted: dict[str, Any]) -> None:
+    """Nothing of a hybrid load that failed is used: not by its request, not by the
+    same prompt sent again after an abort (vLLM's prefix cache never took it)."""
+    f = aborted["F"]
+    assert tokens(f) == tokens(aborted["ref"])
+    conn = f["connector"]
+    assert conn["store"]["corrupt_blocks"] == 1 and conn["load_failed_blocks"] > 0
+    assert cached(f)[0] > 0  # the shorter hit, at the second prompt's state
