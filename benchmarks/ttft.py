@@ -211,7 +211,10 @@ LIVES: list[tuple[str, dict[str, Any], list[str], bool]] = [
 
 
 def run_life(work: Path, name: str, spec: dict[str, Any],
-             env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+             env_extra: dict[str, str] | None = None, script: str = __file__
+             ) -> dict[str, Any]:
+    """One life: ``script --life SPEC OUT`` in a new process (this file's, or a sibling
+    benchmark's), with the other processes' CPU share meanwhile."""
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env_extra or {}))
@@ -219,7 +222,7 @@ def run_life(work: Path, name: str, spec: dict[str, Any],
 
     meter = CpuMeter()
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--life", str(spec_path), str(out_path)],
+    proc = subprocess.run([sys.executable, script, "--life", str(spec_path), str(out_path)],
                           env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not out_path.exists():
         sys.exit(f"life {name} failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}")

@@ -29,6 +29,13 @@ bound to a fingerprint of the adapter's files (vLLM hashes only its name and pat
 (``[layers, *block shape]``): a hit means the whole block is there for all layers, and a
 chain is ``parent``-linked in the store, so eviction never leaves holes.
 
+*Hybrid models* (several KV cache groups, vLLM's hybrid KV cache manager on: the
+connector is ``SupportsHMA``): each group's block is a stored block of its own, keyed by
+the group's hash, and a hit is promised only where every group has what resuming there
+needs (full-attention blocks, the sliding window's, the Mamba state); loads are
+asynchronous and land all or nothing, a failure reported per request
+(:mod:`kvstore.integrations.vllm.groups`, :mod:`kvstore.integrations.vllm.worker.groups`).
+
 *One store, opened by the worker.*  A store directory is locked by one ``Store``; the
 worker opens it (so a path that cannot be opened stops the engine at start, saying
 why) and sets the namespace when its KV tensors are registered, from their real shape
@@ -122,10 +129,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.groups import GroupPlan
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.metrics import (
     STORE_COUNTERS,
@@ -156,7 +166,7 @@ __all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata",
            "all_connector_stats", "connector_stats"]
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """The connector class vLLM instantiates, once per role: it checks the config, derives
     the key scope both roles share, and hands every call to its role's half
     (:class:`~kvstore.integrations.vllm.scheduler.side.SchedulerSide` or
@@ -182,10 +192,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                 "kvstore connector: set kv_transfer_config kv_load_failure_policy="
                 "'recompute'. A block that fails its checksum is answered as a miss; vLLM "
                 "must recompute it rather than fail the request.")
+        plan = None
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError(
-                "kvstore connector: models with several KV cache groups (hybrid "
-                "attention) are not supported; one stored block holds every layer")
+            # A hybrid model (vLLM's hybrid KV cache manager): every group stored on
+            # its own, a hit all or nothing (kvstore.integrations.vllm.groups).
+            plan = GroupPlan.of(kv_cache_config, vllm_config.cache_config.block_size)
+            if not config.async_loads:
+                raise ValueError(
+                    "kvstore connector: async_loads must stay on for models with several "
+                    "KV cache groups: a load's failure is reported per request, and a "
+                    "state must be in place before vLLM copies it at the step's start")
         engine_id = str(transfer.engine_id)
         # Everything but the KV tensor layout: both sides derive it from the config, and
         # compare it at the lookup handshake.
@@ -199,9 +215,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.WORKER:
             self._worker = WorkerSide(vllm_config, kv_cache_config, config, scope, digest,
-                                      engine_id)
+                                      engine_id, plan)
         else:
-            self._scheduler = SchedulerSide(vllm_config, config, scope, digest, engine_id)
+            self._scheduler = SchedulerSide(vllm_config, config, scope, digest, engine_id,
+                                            plan)
 
     @property
     def _sched(self) -> SchedulerSide:
@@ -230,6 +247,13 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """With vLLM's hybrid KV cache manager on (``SupportsHMA``), in place of
+        ``request_finished``: saves were copied out during the steps, nothing delays
+        freeing."""
         return self._sched.request_finished(request, block_ids)
 
     def reset_cache(self) -> bool | None:
@@ -284,6 +308,13 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work.get_finished(self._bound())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s loads, and a hybrid model's failed ones (vLLM forgets
+        their hit and asks again: the lookup then answers a shorter one)."""
+        _, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=set(recving or ()),
+                                          failed_recving=self._work.take_failed())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.get_block_ids_with_load_errors()

@@ -309,11 +309,18 @@ class RankLookups:
 
     def match(self, hashes: Sequence[bytes], epoch: int = 0) -> int:
         hit = len(hashes)
-        for client in self._clients:
-            if hit == 0:
-                break
-            # Later ranks are asked only about what every earlier rank has.
-            hit = min(hit, client.match(hashes[:hit], epoch))
+        answers = [-1] * len(self._clients)
+        # Until every rank answered the same: each answers the longest hit it can
+        # serve within what it is asked.  A hybrid model's hits are not prefix-closed
+        # (a rank that can serve 4 blocks may not serve 3: no state at 3), so a rank
+        # that answered more than the others settled on is asked again.
+        while hit and any(a != hit for a in answers):
+            for i, client in enumerate(self._clients):
+                if hit == 0:
+                    break
+                if answers[i] != hit:
+                    answers[i] = client.match(hashes[:hit], epoch)
+                    hit = min(hit, answers[i])
         return hit
 
     def close(self) -> None:

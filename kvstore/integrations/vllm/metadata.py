@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["KVStoreConnectorMetadata", "Load", "Save"]
+from kvstore.integrations.vllm.groups import Part
+
+__all__ = ["HybridLoad", "KVStoreConnectorMetadata", "Load", "Save"]
 
 
 @dataclass
@@ -17,6 +19,15 @@ class Load:
     req_id: str
     block_ids: list[int]
     hashes: list[bytes]
+
+
+@dataclass
+class HybridLoad:
+    """A hybrid model's load: every part (each group's block) the hit needs, loaded
+    all or nothing (:mod:`kvstore.integrations.vllm.groups`)."""
+
+    req_id: str
+    parts: list[Part]
 
 
 @dataclass
@@ -40,5 +51,9 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     # of the scope now.  The worker moves with it before this step's loads and saves.
     scope_epoch: int = 0
     weights: str = ""
+    # A hybrid model (several KV cache groups): its loads, and per group the blocks to
+    # save (the group's hashes: each group's block is a block of its own in the store).
+    hybrid_loads: list[HybridLoad] = field(default_factory=list)
+    groups: list[KVStoreConnectorMetadata] = field(default_factory=list)
 
 

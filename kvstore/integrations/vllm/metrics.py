@@ -31,7 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-__all__ = ["FAMILIES", "SCHEDULER_COUNTERS", "STORE_COUNTERS", "STORE_GAUGES",
+__all__ = ["FAMILIES", "GROUP_COUNTERS", "SCHEDULER_COUNTERS", "STORE_COUNTERS",
+           "STORE_GAUGES",
            "KVStoreConnectorStats", "KVStorePromMetrics"]
 
 # StoreStats fields each worker samples from its store when something changed.
@@ -42,6 +43,12 @@ STORE_GAUGES = ("used_bytes", "capacity_bytes", "blocks", "memory_used_bytes",
 # Counted by the scheduler (lookups; no rank label), the rest by the workers.
 SCHEDULER_COUNTERS = ("lookups", "lookup_hit_blocks", "lookups_deferred",
                       "reset_stale_requests")
+
+# A hybrid model's parts (each KV cache group's block or state), by kind of group:
+# loaded, failed (a failed load counts every part of it) and handed over for saving.
+GROUP_KINDS = ("full", "sliding", "state")
+GROUP_COUNTERS = tuple(f"group_{what}_{kind}" for what in ("loaded", "failed", "save")
+                       for kind in GROUP_KINDS)
 
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MAX_SAMPLES = 4096
@@ -117,6 +124,18 @@ FAMILIES: dict[str, tuple[str, str, str, dict[str, str], float]] = {
     "store_memory_capacity_bytes": ("vllm:kvstore_memory_capacity_bytes",
                                     "Size of the host-memory tier (0: off)", "gauge", {},
                                     1.0),
+    **{f"group_{what}_{kind}": (
+        "vllm:kvstore_group_load_parts_total",
+        "A hybrid model's parts (each KV cache group's block or state) loaded, or failed "
+        "(every part of a load that failed), by kind of group (full, sliding, state)"
+        if (what, kind) == ("loaded", "full") else "", "counter",
+        {"kind": kind, "outcome": "loaded" if what == "loaded" else "failed"}, 1.0)
+       for what in ("loaded", "failed") for kind in GROUP_KINDS},
+    **{f"group_save_{kind}": (
+        "vllm:kvstore_group_save_requested_parts_total",
+        "A hybrid model's parts handed to the store for saving, by kind of group"
+        if kind == "full" else "", "counter", {"kind": kind}, 1.0)
+       for kind in GROUP_KINDS},
 }
 _LOAD_HISTOGRAM = ("vllm:kvstore_load_duration_seconds",
                    "Duration of one request's load, from start to blocks in vLLM's KV cache")

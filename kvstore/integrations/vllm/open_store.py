@@ -23,8 +23,9 @@ from typing import Any, Protocol
 from kvstore.blocking import open_blocking
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.groups import GroupPlan, longest_hit
 from kvstore.integrations.vllm.lookup_socket import LookupServer, socket_name
-from kvstore.integrations.vllm.metrics import SCHEDULER_COUNTERS
+from kvstore.integrations.vllm.metrics import GROUP_COUNTERS, SCHEDULER_COUNTERS
 from kvstore.keys import Namespace
 
 __all__ = ["OpenStore", "WorkerPort", "acquire", "all_connector_stats", "connector_stats",
@@ -47,7 +48,9 @@ _COUNTERS = (*SCHEDULER_COUNTERS, "load_blocks", "loaded_blocks", "loaded_bytes"
              "load_no_staging_blocks", "load_deferred_blocks",
              # steps whose presence lookup had not answered by their first save_kv_layer
              # (all their blocks copied out; the put deduplicates)
-             "save_lookup_late_steps")
+             "save_lookup_late_steps",
+             # a hybrid model's parts per kind of group
+             *GROUP_COUNTERS)
 _MAX_LOAD_SAMPLES = 4096  # load durations kept for vLLM's histogram between two steps
 _MAX_FAILED_KEYS = 1 << 16  # keys whose load failed, answered as misses
 
@@ -86,6 +89,9 @@ class OpenStore:
         # The most blocks the worker's load staging holds (0: no limit): a lookup
         # claims no more.
         self.load_max_blocks = 0
+        # A hybrid model's KV cache groups (set by the worker): a lookup's hit then
+        # needs every group's parts (kvstore.integrations.vllm.groups).
+        self.groups: GroupPlan | None = None
         self.failed_keys: set[bytes] = set()  # loads that failed: misses from now on
         # Moves to a new key scope since start (a weight update: KVStoreConnector
         # .reset_cache); lookups of another epoch are answered 0.
@@ -163,6 +169,8 @@ class OpenStore:
         ns = self.namespace
         if ns is None or not hashes or epoch != self.scope_epoch or self.suspended:
             return 0
+        if self.groups is not None:
+            return self._match_groups(ns, hashes, self.groups)
         keys = ns.engine_keys(hashes)
         with self._lock:
             # A load that failed would be retried by vLLM forever if the same keys
@@ -183,6 +191,19 @@ class OpenStore:
         if hit > cap:
             self.count(load_no_staging_blocks=hit - cap)
         return min(hit, cap)
+
+    def _match_groups(self, ns: Namespace, hashes: list[bytes], plan: GroupPlan) -> int:
+        """A hybrid model's hit: the most leading blocks (up to what the load staging
+        holds) at which every group's parts are stored and none failed to load."""
+        hashes = hashes[:self.load_max_blocks or len(hashes)]
+
+        def present(group_hashes: list[bytes]) -> list[bool]:
+            keys = ns.engine_keys(group_hashes)
+            stored = self.blocking.contains_many(keys)
+            with self._lock:
+                return [s and k not in self.failed_keys for k, s in zip(keys, stored)]
+
+        return longest_hit(plan, hashes, present)
 
     async def _match_and_prefetch(self, keys: list[bytes], cap: int) -> int:
         store = self.blocking.store  # (on its loop: BlockingStore.call)

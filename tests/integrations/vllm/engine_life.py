@@ -14,7 +14,8 @@ aborted, then served as usual, without a prefix-cache reset in between),
 ``outputs_after_update``, ``reset``), ``"abort_in_flight": [I, J]`` (prompt I's kvstore load is held in flight by a gate while
 the request is aborted and prompt J is served; see ``abort_in_flight``) and ``"hold":
 true`` (after writing RESULT, print KVSTORE-ENGINE-LIFE-READY and keep the engine alive until stdin closes),
-``"batch": true`` (after the prompts, vLLM's prefix cache reset, all prompts submitted at
+``"group_count": N`` (a hybrid model's KV cache groups, for the per-group keys when the
+engine core is a child process), ``"batch": true`` (after the prompts, vLLM's prefix cache reset, all prompts submitted at
 once: ``batch_outputs``; with no other prompts when ``"prompts_in_turn": false``) and
 ``"update_while_running"`` (see :func:`update_while_running`).
 ``store: null`` runs without the connector (the reference outputs).  Prompts are served
@@ -61,7 +62,8 @@ def metrics(llm: Any) -> dict[str, Any]:
     return out
 
 
-def block_keys(token_ids: list[int], block_size: int, namespace_json: str) -> list[str]:
+def block_keys(token_ids: list[int], block_size: int, namespace_json: str,
+               group: int | None = None) -> list[str]:
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
@@ -75,7 +77,8 @@ def block_keys(token_ids: list[int], block_size: int, namespace_json: str) -> li
     for i in range(len(token_ids) // block_size):
         parent = kv_cache_utils.hash_block_tokens(
             fn, parent, token_ids[i * block_size:(i + 1) * block_size], None)
-        hashes.append(bytes(parent))
+        # A hybrid model's group: the group's index appended (as the connector does)
+        hashes.append(bytes(parent) + (b"" if group is None else group.to_bytes(4, "big")))
     return [k.hex() for k in Namespace.from_json(namespace_json).engine_keys(hashes)]
 
 
@@ -248,10 +251,11 @@ def main(spec_path: str, result_path: str) -> None:
         }
     result: dict[str, Any] = {}
     try:
-        llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
-                  max_model_len=1024, max_num_seqs=4, seed=0, disable_log_stats=False,
-                  enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
-                  gpu_memory_utilization=0.3, **kwargs)
+        llm = LLM(model=spec["model"], **{
+            "dtype": "float32", "enforce_eager": True, "block_size": BLOCK_SIZE,
+            "max_model_len": 1024, "max_num_seqs": 4, "seed": 0, "disable_log_stats": False,
+            "enable_prefix_caching": True, "kv_cache_memory_bytes": 64 << 20,
+            "gpu_memory_utilization": 0.3, **kwargs})
     except Exception as e:  # the test asserts on the message
         result["error"] = f"{type(e).__name__}: {e}"
         cause = e.__cause__
@@ -310,6 +314,13 @@ def main(spec_path: str, result_path: str) -> None:
         result["batch_outputs"] = [_out(o) for o in
                                    llm.generate(spec["prompts"], params, use_tqdm=False)]
     result["metrics"] = metrics(llm)
+    config = llm.llm_engine.vllm_config
+    result["hybrid_kv_cache_manager"] = \
+        config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    result["block_size"] = config.cache_config.block_size
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    groups = [] if core is None else core.scheduler.kv_cache_config.kv_cache_groups
+    result["groups"] = [type(g.kv_cache_spec).__name__ for g in groups]
     if "abort_in_flight" in result:  # after the prompts that followed
         held = result["abort_in_flight"]
         held["free_after"] = llm.llm_engine.engine_core.engine_core.scheduler \
@@ -324,15 +335,27 @@ def main(spec_path: str, result_path: str) -> None:
             stats = None
         result["connector"] = stats
         for out in outputs if stats is not None else []:
-            out["keys"] = block_keys(out["prompt_token_ids"] + out["tokens"], BLOCK_SIZE,
-                                     stats["namespace"])
+            out["keys"] = block_keys(out["prompt_token_ids"] + out["tokens"],
+                                     result["block_size"], stats["namespace"])
+            if len(result["groups"]) > 1:  # per KV cache group, in group order
+                out["group_keys"] = [block_keys(out["prompt_token_ids"] + out["tokens"],
+                                                result["block_size"], stats["namespace"], g)
+                                     for g in range(len(result["groups"]))]
         if tensor_parallel:
             # Every rank's counters, from its worker process; keys per rank.
             ranks = [s for per_worker in llm.collective_rpc(_rank_stats) for s in per_worker]
             result["ranks"] = ranks
+            # (a hybrid model's groups, when the engine core is a child: from the spec)
+            groups = len(result["groups"]) or spec.get("group_count", 1)
             for out in outputs:
                 out["rank_keys"] = [block_keys(out["prompt_token_ids"] + out["tokens"],
-                                               BLOCK_SIZE, r["namespace"]) for r in ranks]
+                                               result["block_size"], r["namespace"])
+                                    for r in ranks]
+                if groups > 1:  # per rank, per group
+                    out["rank_group_keys"] = [
+                        [block_keys(out["prompt_token_ids"] + out["tokens"],
+                                    result["block_size"], r["namespace"], g)
+                         for g in range(groups)] for r in ranks]
     with open(result_path, "w") as f:
         json.dump(result, f)
     if spec.get("hold"):

@@ -246,3 +246,24 @@ def test_a_lookup_of_another_scope_epoch_is_answered_zero() -> None:
     finally:
         client.close()
         server.close()
+
+
+def test_rank_lookups_settle_on_a_hit_every_rank_can_serve(tmp_path: Path) -> None:
+    """A hybrid model's hits are not prefix-closed: a rank may serve a hit of 4 blocks
+    and not one of 3 (no state stored at 3).  Rank 0 serves 4 or 2, rank 1 serves 3 or
+    2: the engine's hit is 2, never 3 (rank 0 would fail it) nor 4."""
+    valid = [{4, 2}, {3, 2}]
+    servers = [LookupServer(socket_name(tmp_path / f"rank-{r}-of-2", ENGINE),
+                            lambda hashes, ok=ok: max((n for n in ok if n <= len(hashes)),
+                                                      default=0), ENGINE, SCOPE)
+               for r, ok in enumerate(valid)]
+    try:
+        lookups = RankLookups([s.name for s in servers], ENGINE, SCOPE, timeout=10)
+        try:
+            assert lookups.match(HASHES[:5]) == 2
+            assert lookups.match(HASHES[:1]) == 0
+        finally:
+            lookups.close()
+    finally:
+        for s in servers:
+            s.close()

@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.groups import GroupPlan
 from kvstore.integrations.vllm.lookup_socket import LookupClient, RankLookups, socket_name
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, Load, Save
 from kvstore.integrations.vllm.metrics import SCHEDULER_COUNTERS
 from kvstore.integrations.vllm.open_store import OpenStore, find, release, warn_once
 from kvstore.integrations.vllm.ranks import rank_dirs
+from kvstore.integrations.vllm.scheduler.group_saves import GroupSaves
 from kvstore.integrations.vllm.scheduler.lookup_pool import LookupPool
 from kvstore.integrations.vllm.scheduler.save_plan import SaveMark, plan_saves
 from kvstore.integrations.vllm.scheduler.stale import StaleCache
@@ -42,7 +44,7 @@ logger = logging.getLogger("kvstore.integrations.vllm")
 @dataclass
 class _RequestState:
     request: Request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     lookup_from: int = 0  # block-aligned local hit passed to the last lookup
     saves: SaveMark = field(default_factory=SaveMark)
     # Known when the key scope moved (a weight update): its KV so far may mix both
@@ -59,9 +61,12 @@ class SchedulerSide:
     """What vLLM's scheduler asks of the connector (one per engine)."""
 
     def __init__(self, vllm_config: Any, config: ConnectorConfig, scope: Scope,
-                 scope_digest: bytes, engine_id: str) -> None:
+                 scope_digest: bytes, engine_id: str, plan: GroupPlan | None = None) -> None:
         self._vllm_config, self._config = vllm_config, config
         self._block_size = vllm_config.cache_config.block_size
+        # A hybrid model's groups: each group's blocks are saved and loaded on their own
+        # (kvstore.integrations.vllm.groups), all or nothing per hit.
+        self._groups = GroupSaves(plan) if plan is not None and plan.hybrid else None
         world = vllm_config.parallel_config.world_size
         # Weight updates (reset_cache): the scope's epoch and weights item now.  The
         # lookup handshake keeps comparing the scope the engine started with.
@@ -168,9 +173,14 @@ class SchedulerSide:
         state.external = max(num_external_tokens, 0)
         if num_external_tokens <= 0:
             return
-        block_ids = list(blocks.get_block_ids()[0])
         first = state.lookup_from // self._block_size
         n = num_external_tokens // self._block_size
+        if self._groups is not None:
+            self._groups.load(request.request_id, blocks.get_block_ids(),
+                              self._hashes(request), first, n)
+            self._count(lookup_hit_blocks=n)
+            return
+        block_ids = list(blocks.get_block_ids()[0])
         hashes = self._hashes(request)[first:first + n]
         self._pending_loads.append(Load(request.request_id, block_ids[first:first + n], hashes))
         self._count(lookup_hit_blocks=n)
@@ -180,11 +190,13 @@ class SchedulerSide:
             loads=self._pending_loads, idle=scheduler_output.total_num_scheduled_tokens == 0,
             scope_epoch=self._scope_epoch, weights=self._weights)
         self._pending_loads = []
+        if self._groups is not None:
+            self._groups.begin_step(meta)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = [list(ids) for ids in new.block_ids]
                 self._first_scheduled(state, new.num_computed_tokens)
                 self._plan_saves(state, new.num_computed_tokens, scheduled[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -194,12 +206,25 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
                 self._first_scheduled(state, cached.num_computed_tokens[i])
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_ids]
+                for have, more in zip(state.block_ids, new_ids):
+                    have.extend(more)
             self._plan_saves(state, cached.num_computed_tokens[i], scheduled[req_id], meta)
+        if self._groups is not None:
+            self._groups.save_states(scheduler_output, meta, self._state_hashes)
         return meta
+
+    def _state_hashes(self, req_id: str) -> list[bytes]:
+        """The hashes of a request whose states may be saved (none once frozen, stale
+        or unknown)."""
+        state = self._requests.get(req_id)
+        if state is None or state.frozen or state.stale:
+            return []
+        return self._hashes(state.request)
 
     def _plan_saves(self, state: _RequestState, computed: int, scheduled: int,
                     meta: KVStoreConnectorMetadata) -> None:
@@ -207,10 +232,15 @@ class SchedulerSide:
         if state.frozen or state.stale:
             return
         hashes = self._hashes(state.request)
-        for idx in plan_saves(state.saves, computed, scheduled, self._block_size,
-                              len(hashes), len(state.block_ids)):
-            meta.saves.append(Save(state.block_ids[idx], hashes[idx],
-                                    hashes[idx - 1] if idx else None))
+        allocated = max((len(ids) for ids in state.block_ids), default=0)
+        planned = plan_saves(state.saves, computed, scheduled, self._block_size,
+                             len(hashes), allocated)
+        if self._groups is not None:
+            self._groups.save_blocks(state.block_ids, hashes, planned, meta)
+            return
+        ids = state.block_ids[0] if state.block_ids else []
+        for idx in planned:
+            meta.saves.append(Save(ids[idx], hashes[idx], hashes[idx - 1] if idx else None))
 
     def _is_stale(self, state: _RequestState, local_tokens: int) -> bool:
         """Whether the request uses KV of vLLM's prefix cache from before a weight update
@@ -285,7 +315,7 @@ class SchedulerSide:
                     self._scope_epoch, new)
         return cleared is not False
 
-    def request_finished(self, request: Request, block_ids: list[int]
+    def request_finished(self, request: Request, block_ids: Any
                          ) -> tuple[bool, dict[str, Any] | None]:
         # Saves copied their blocks out during the steps, and vLLM itself holds the
         # blocks of a request whose load is in flight until the worker reports it

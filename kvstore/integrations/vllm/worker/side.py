@@ -40,11 +40,13 @@ from kvstore.cuda import reason as cuda_reason
 from kvstore.cuda.mover import LoadBatch, Mover
 from kvstore.cuda.paged import Layout
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.groups import GroupPlan
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.open_store import acquire, release, warn_once
 from kvstore.integrations.vllm.ranks import rank_config
 from kvstore.integrations.vllm.scope import Scope
 from kvstore.integrations.vllm.worker.copy_out import StepCopyOut
+from kvstore.integrations.vllm.worker.groups import GroupWorker
 from kvstore.integrations.vllm.worker.loads import StepLoads
 from kvstore.integrations.vllm.worker.mover import load_blocks, make_mover
 from kvstore.integrations.vllm.worker.store import WorkerStore
@@ -60,7 +62,8 @@ class WorkerSide:
     each call the step's metadata it holds (bound before the forward, cleared after)."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig,
-                 scope: Scope, scope_digest: bytes, engine_id: str) -> None:
+                 scope: Scope, scope_digest: bytes, engine_id: str,
+                 plan: GroupPlan | None = None) -> None:
         self._vllm_config, self._kv_cache_config, self._config = \
             vllm_config, kv_cache_config, config
         self._block_size = vllm_config.cache_config.block_size
@@ -79,6 +82,9 @@ class WorkerSide:
         self._block_shape: tuple[int, ...] = ()
         self._dtype = torch.float32
         self.mover: Mover | None = None
+        # A hybrid model (several KV cache groups): its groups' movers, saves and loads.
+        self._plan = plan if plan is not None and plan.hybrid else None
+        self.groups: GroupWorker | None = None
         self.clock = time.monotonic  # the copy-out rate cap's (a test sets its own)
         self.saves = StepCopyOut(self.store)  # save_kv_layer and wait_for_save
         self.loads = StepLoads(self.store, config, self._scatter, self._block_bytes,
@@ -88,6 +94,9 @@ class WorkerSide:
         if not kv_caches:
             raise ValueError("kvstore connector: the engine registered no KV cache tensors")
         num_blocks = self._kv_cache_config.num_blocks
+        if self._plan is not None:
+            self._register_groups(kv_caches, num_blocks)
+            return
         names = list(kv_caches)
         first = kv_caches[names[0]]
         axes = [i for i, s in enumerate(first.shape) if s == num_blocks]
@@ -132,6 +141,21 @@ class WorkerSide:
         self.open.attach_remote(namespace)
         self.open.serve_lookups(self._scope_digest)
 
+    def _register_groups(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """A hybrid model's tensors: a mover per group (worker.groups)."""
+        assert self._plan is not None
+        if self.groups is not None:  # registered again: the old caches are gone
+            self.groups.close()
+        self.groups = GroupWorker(self._plan, self.store, self._config, kv_caches,
+                                  num_blocks, self.clock)
+        self._layers = dict(kv_caches)
+        names = list(kv_caches)
+        first = kv_caches[self._plan.groups[0].layers[0]]
+        namespace = self.open.namespace = self._namespace(first, 0, names)
+        self.open.groups = self._plan
+        self.open.attach_remote(namespace)
+        self.open.serve_lookups(self._scope_digest)
+
     def _namespace(self, t: torch.Tensor, axis: int, names: list[str]) -> Namespace:
         from vllm.platforms import current_platform
 
@@ -139,6 +163,8 @@ class WorkerSide:
         order = sorted(range(t.dim()), key=lambda i: -t.stride()[i])
         layout = (f"vllm-v1;{current_platform.device_type};shape={'x'.join(dims)};"
                   f"order={','.join(map(str, order))}")
+        if self.groups is not None:  # every group's kind, window, state shapes, tensors
+            layout = f"vllm-v1-hybrid;{current_platform.device_type};{self.groups.layout()}"
         parallel = self._vllm_config.parallel_config
         model = str(self._vllm_config.model_config.model)
         return Namespace(
@@ -167,6 +193,9 @@ class WorkerSide:
                 "reset_prefix_cache(reset_connector=True); the stored KV cannot be told "
                 "apart, so the connector loads and saves nothing until that reset",
                 self._vllm_config.model_config.model)
+        if self.groups is not None:
+            self.groups.look_up(connector_metadata)
+            return
         self.saves.look_up(connector_metadata)
 
     def _rescope(self, meta: KVStoreConnectorMetadata) -> None:
@@ -176,17 +205,25 @@ class WorkerSide:
         names = list(self._layers)
         namespace = self._namespace(self._layers[names[0]], self._block_axis, names)
         self.saves.drop()
+        if self.groups is not None:
+            self.groups.drop_saves()
         self.open.rescope(meta.scope_epoch, namespace)
         logger.info("kvstore connector: worker moved to key scope epoch %d (%s)",
                     meta.scope_epoch, namespace.digest.hex()[:16])
 
     def start_load_kv(self, meta: KVStoreConnectorMetadata) -> None:
-        """Start this step's loads (:meth:`StepLoads.start`)."""
+        """Start this step's loads (:meth:`StepLoads.start`; a hybrid model's:
+        :meth:`GroupWorker.start`)."""
+        if self.groups is not None:
+            self.groups.start(meta.hybrid_loads, self._capturing())
+            return
         self.loads.start(meta)
 
     def _capturing(self) -> bool:
         """The engine is capturing a CUDA graph: the mover may enqueue nothing (its
         copies and events would become nodes of the graph)."""
+        if self.groups is not None:
+            return any(m.capturing() for m in self.groups.movers)
         return self.mover is not None and self.mover.capturing()
 
     def _block_bytes(self) -> int:
@@ -208,6 +245,10 @@ class WorkerSide:
         """The compute stream waits (on the GPU, not this thread) for the loads into
         this layer enqueued so far; async loads are enqueued before their request is
         scheduled, sync loads in ``start_load_kv``: a stored block holds all layers."""
+        if self.groups is not None:
+            if not self._capturing():
+                self.groups.wait_layer(layer_name)
+            return
         index = self._layer_index.get(layer_name)
         # (In a graph capture the wait cannot be captured: loads stay unwaited until
         # this layer's next wait outside one.)
@@ -218,16 +259,31 @@ class WorkerSide:
                      ) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose background load is done, their blocks copied into the KV
         cache (the failed ones reported by ``get_block_ids_with_load_errors``, which
-        vLLM calls right after this, in the same step).  ``meta``: the step's, if one
-        is bound."""
-        return None, self.loads.finished(meta is not None and meta.idle)
+        vLLM calls right after this, in the same step; a hybrid model's in
+        :meth:`take_failed`).  ``meta``: the step's, if one is bound."""
+        idle = meta is not None and meta.idle
+        if self.groups is not None:  # (landed after a CUDA graph capture, not in it)
+            return None, None if self._capturing() else self.groups.finished(idle)
+        return None, self.loads.finished(idle)
+
+    def take_failed(self) -> set[str]:
+        """A hybrid model's requests whose load failed (vLLM's ``failed_recving``; they
+        are among those :meth:`get_finished` reported)."""
+        return set() if self.groups is None else self.groups.take_failed()
 
     def save_kv_layer(self, meta: KVStoreConnectorMetadata, layer_name: str) -> None:
+        if self.groups is not None:
+            if self.open.suspended is None:
+                self.groups.save_layer(meta, layer_name)
+            return
         if meta.saves and layer_name in self._layer_index and not self.loads.step_failed \
                 and self.open.suspended is None:
             self.saves.save_layer(meta, self._layer_index[layer_name])
 
     def wait_for_save(self, meta: KVStoreConnectorMetadata | None) -> None:
+        if meta is not None and self.groups is not None:
+            self.groups.end_step(meta, discard=sys.exc_info()[1] is not None)
+            return
         if meta is None or not meta.saves:
             return
         # vLLM calls this from a `finally`, so also when the forward raised: layers not
@@ -248,6 +304,9 @@ class WorkerSide:
         self.store.load_staging = None
         self.open.load_max_blocks = 0
         self.store.flush()  # the saves still hold the mover's staging
+        if self.groups is not None:
+            self.groups.close()
+            self.groups = None
         release(self.open)
         if self.mover is not None:
             self.mover.close()
