@@ -25,8 +25,9 @@ from kvstore.codecs.pipeline import CodecSpec
 from kvstore.options import ENGINES, StoreOptions, check_file_mode
 from kvstore.tiers.remote.config import RemoteConfig, read_hmac_key_file
 
-__all__ = ["CODECS", "INTEGRATION_SETS", "SECRETS", "STORE_KEYS", "codec_name", "file_mode",
-           "refuse_integration_keys", "remote_config", "store_open_options", "store_options"]
+__all__ = ["CODECS", "INTEGRATION_SETS", "SECRETS", "STORE_KEYS", "codec_name",
+           "engine_store_defaults", "file_mode", "refuse_integration_keys", "remote_config",
+           "store_open_options", "store_options"]
 
 # Never in an engine's config: engines log their configs.
 SECRETS = ("access_key_id", "secret_access_key", "session_token", "hmac_key")
@@ -49,6 +50,12 @@ _KEY_OF = {"engine": "io_engine"}  # store option -> its extra-config key, where
 STORE_KEYS = {_KEY_OF.get(f.name, f.name): f.name for f in fields(StoreOptions)
               if f.name not in INTEGRATION_SETS}
 """Extra-config key -> the StoreOptions field it sets."""
+
+
+def engine_store_defaults() -> StoreOptions:
+    """An engine's store options when its config gives none: an engine opens its key
+    scope (model, weights, layout) as a new namespace the first time it runs."""
+    return StoreOptions(allow_new_namespace=True)
 
 
 def refuse_integration_keys(extra: Mapping[str, Any], who: str, where: str) -> None:

@@ -18,6 +18,7 @@ from kvstore.integrations.common.extra_config import (
     CODECS,
     STORE_KEYS,
     codec_name,
+    engine_store_defaults,
     refuse_integration_keys,
     store_open_options,
     store_options,
@@ -36,10 +37,6 @@ SGLANG_KEYS = frozenset({
     "hicache_storage_pass_prefix_keys", "tp_lcm_size"})
 
 _P = "kvstore HiCache backend"
-
-
-def _default_store() -> StoreOptions:
-    return StoreOptions(allow_new_namespace=True)
 
 
 @dataclass(frozen=True)
@@ -76,7 +73,7 @@ class BackendConfig:
     """
 
     path: str
-    store: StoreOptions = field(default_factory=_default_store)
+    store: StoreOptions = field(default_factory=engine_store_defaults)
     background_saves: bool = False
     model: str | None = None
     cache_salt: str | None = None

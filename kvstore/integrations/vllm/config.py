@@ -15,6 +15,7 @@ from kvstore.integrations.common.extra_config import (
     CODECS,
     STORE_KEYS,
     codec_name,
+    engine_store_defaults,
     refuse_integration_keys,
     store_open_options,
     store_options,
@@ -31,10 +32,6 @@ DEFAULT_REMOTE_LOOKUP_WAIT_S = 0.005
 
 _WHO = "kvstore connector"
 _WHERE = "kv_connector_extra_config"
-
-
-def _default_store() -> StoreOptions:
-    return StoreOptions(allow_new_namespace=True)
 
 
 @dataclass(frozen=True)
@@ -104,7 +101,7 @@ class ConnectorConfig:
     """
 
     path: str
-    store: StoreOptions = field(default_factory=_default_store)
+    store: StoreOptions = field(default_factory=engine_store_defaults)
     max_pending_save_bytes: int = 1 << 30
     load_staging_bytes: int = 512 << 20
     device_loads: bool | str = "auto"
