@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvstore
+import kvstore.core.owners
 from kvstore.disk.format import IndexEntry
 from kvstore.index.index import Index
 from kvstore.index.space_counters import FREE, PENDING
@@ -127,3 +128,26 @@ def test_a_killed_owners_pending_runs_ripen_at_the_next_open(tmp_path: Path) -> 
         assert all(same(g, v) for g, v in zip(store.get_many(keys(4)[:2]), VALUES))
         assert store.contains_many(keys(4)[2:]) == [False, False]
     assert fsck.check(str(tmp_path)).findings == []
+
+
+def test_an_owner_closing_beside_another_ripens_what_it_freed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its reads have all ended when it closes: its own pending runs go back to the
+    pool in its close, while the other owner stays (that one only reads here: the
+    allocator does not claim yet)."""
+    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
+    a = open_here(tmp_path)
+    with a:
+        a.put_many(keys(4), VALUES)
+        b = open_here(tmp_path)
+        a.delete_many(keys(4)[2:])
+        index = parts(a).index
+        assert len(pending(index)) == 2
+    with b:
+        assert pending(index) == [] and tiled(index)  # b keeps the environment open
+        assert all(same(g, v) for g, v in zip(b.get_many(keys(4)[:2]), VALUES))
+    assert fsck.check(str(tmp_path)).findings == []
+
+
+def open_here(path: Path) -> kvstore.BlockingStore:
+    return kvstore.open_blocking(path, namespace=NS, extent_bytes=EXTENT, engine="threads")
