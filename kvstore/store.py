@@ -175,11 +175,10 @@ class Store(StoreEvents):
             await self._ops.drain()
             if self.remote is not None:  # remote tier: queued uploads, then its workers
                 await self.remote.aclose()
-            touched = parts.allocator.take_touched()
-            if touched and not self.read_only:
+            touched, ripe = parts.allocator.take_touched(), parts.allocator.epochs.take_ripe()
+            if (touched or ripe) and not self.read_only:
                 with suppress(KVStoreError):
-                    await parts.writer.run(parts.with_totals(
-                        lambda txn: parts.index.apply_touched(txn, touched)))
+                    await parts.writer.run(parts.last_writes(touched, ripe))
             await parts.engine.aclose()
             await anyio.to_thread.run_sync(parts.close)
 

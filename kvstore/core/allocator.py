@@ -55,7 +55,9 @@ totals) are an argument of ``reserve`` and ``fit_capacity``.
 The LMDB ``free`` table is the durable free map; this module keeps its runtime mirror.
 A reserved range leaves the durable map in the transaction that indexes its block, so a
 crash before that commit leaves the space free in the index and the written bytes as
-reclaimable orphans (FORMAT.md, "Allocation").
+reclaimable orphans (FORMAT.md, "Allocation").  Pending-free space is a ``pending`` row
+in the index; once no read holds it, the put path's next commit moves it back to
+``free`` before taking any slot (:class:`~kvstore.core.free_space.ReadEpochs`).
 """
 
 from __future__ import annotations

@@ -75,7 +75,13 @@ class FreeSpace:
 
 class ReadEpochs:
     """Reads in flight, so that freed ranges are reused only once no reader can still be
-    transferring them.  ``on_release`` is told when held space became free."""
+    transferring them.  ``on_release`` is told when held space became free.
+
+    Freed ranges are ``pending`` rows in the index until they ripen
+    (kvstore/index/space_counters.py): each one released here is also kept in
+    :attr:`ripe` until a transaction moves its row back to the free pool
+    (:meth:`take_ripe`; one that did not commit gives them back with :meth:`unripe`).
+    That transaction must come before the commit of any slot placed in them."""
 
     def __init__(self, space: FreeSpace, on_release: Callable[[], None] = lambda: None) -> None:
         self._space = space
@@ -84,6 +90,15 @@ class ReadEpochs:
         self._active: Counter[int] = Counter()
         self._held: list[tuple[int, int, int, int]] = []  # (epoch, extent, offset, length)
         self.held_bytes = 0
+        self.ripe: list[tuple[int, int, int]] = []  # released, still pending in the index
+
+    def take_ripe(self) -> list[tuple[int, int, int]]:
+        ripe, self.ripe = self.ripe, []
+        return ripe
+
+    def unripe(self, runs: list[tuple[int, int, int]]) -> None:
+        """Runs a transaction took but did not move (it failed): ahead of the others."""
+        self.ripe[:0] = runs
 
     def begin(self) -> int:
         self._active[self._epoch] += 1
@@ -108,6 +123,7 @@ class ReadEpochs:
         for held in self._held:
             if held[0] < oldest:
                 self._space.free(*held[1:])
+                self.ripe.append(held[1:])
                 self.held_bytes -= held[3]
             else:
                 keep.append(held)

@@ -33,7 +33,7 @@ from kvstore.disk.layout import EXTENT_DIR, INDEX_DIR, extent_path
 from kvstore.disk.lock import StoreLock
 from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
 from kvstore.index import environments
-from kvstore.index.index import Txn, init_meta, record_namespace
+from kvstore.index.index import Touched, Txn, init_meta, record_namespace
 from kvstore.index.totals import Totals
 from kvstore.io.arena import Arena
 from kvstore.io.device_copies import DeviceCopier
@@ -239,12 +239,18 @@ class StoreParts:
         evicts or records last use."""
         self.totals.flush(txn, self.index)
 
-    def with_totals(self, job: Callable[[Txn], None]) -> Callable[[Txn], None]:
-        def with_totals(txn: Txn) -> None:
-            job(txn)
+    def last_writes(self, touched: Touched, ripe: list[tuple[int, int, int]]
+                    ) -> Callable[[Txn], None]:
+        """The closing transaction, once every call ended: what this owner freed back to
+        the pool (``ripe``: no read of it is left), gets' last uses, the totals."""
+        index = self.index
+
+        def last(txn: Txn) -> None:
+            index.space.ripen(txn, index.free_map, ripe)
+            index.apply_touched(txn, touched)
             self.flush_totals_in(txn)
 
-        return with_totals
+        return last
 
     def flush_totals(self) -> None:
         if self.totals.pending() and not self.health.read_only:

@@ -123,6 +123,8 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
                 else:
                     dead.append(probe)
                 unmade.extend(forget(txn, index, other_id))
+            if not live:  # (runs freed by an owner that closed beside others, or fsck)
+                index.space.ripen_all(txn, index.free_map)
             _sweep(path, {owner_id, *live})
             _check_agreement(path, record, live)
             table.add(txn, owner_id, record)
@@ -156,10 +158,13 @@ def _sweep(path: str, owners: set[int]) -> None:
 def forget(txn: Txn, index: Index, owner_id: int) -> list[int]:
     """Delete an owner's row and its ``creating`` rows, and return its claims to the
     pool (kvstore/index/space_counters.py); returns those extent ids (files to delete
-    once the transaction committed)."""
+    once the transaction committed).  The last owner gone, no read of a pending run
+    is left: every one ripens."""
     table = index.owner_records
     table.remove(txn, owner_id)
     index.space.return_claims(txn, index.free_map, owner_id)
+    if not table.rows(txn):
+        index.space.ripen_all(txn, index.free_map)
     unmade = table.creating_of(txn, owner_id)
     for extent_id in unmade:
         table.done_creating(txn, extent_id)

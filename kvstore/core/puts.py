@@ -319,14 +319,29 @@ class PutPath:
             health.check_still_writable()
             touched = allocator.take_touched()
             index = self._index
+            ripe = allocator.epochs.take_ripe()
 
-            def commit(txn: Txn) -> list[bytes]:
+            def commit(txn: Txn) -> list[bytes] | ChainCut:
                 health.check_still_writable()
-                skipped = index.commit_puts(txn, entries, touched, relies_on)
+                # Freed ranges no read of ours can still copy leave ``pending`` first,
+                # even if this commit is cut: a commit queued after this one may have
+                # placed slots in them.
+                index.space.ripen(txn, index.free_map, ripe)
+                try:
+                    skipped = index.commit_puts(txn, entries, touched, relies_on)
+                except ChainCut as cut:  # (it wrote nothing: the ripening stays)
+                    return cut
                 ride_along(txn)
                 return skipped
 
-            late = set(await self._writer.run(commit))
+            try:
+                done = await self._writer.run(commit)
+            except BaseException:
+                allocator.epochs.unripe(ripe)  # not committed: still pending
+                raise
+            if isinstance(done, ChainCut):
+                raise done
+            late = set(done)
             committed = True
             if late:  # their slots were never indexed: free again (no reader can hold them)
                 allocator.unreserve([item for item in items if item.key in late])

@@ -262,7 +262,7 @@ class Index:
 
     def remove_block(self, txn: Txn, key: bytes, entry: IndexEntry, *, quarantine: bool,
                      evicted: bool = False) -> None:
-        """Unindex a block; its space returns to the free map unless it is quarantined
+        """Unindex a block; its space goes to ``pending`` unless it is quarantined
         (kept allocated so fsck can look at it).  ``evicted``: for room, not deleted."""
         if self.journal is not None:
             self.journal.add(QUARANTINED if quarantine else EVICTED if evicted else DELETED,
@@ -274,7 +274,7 @@ class Index:
         if quarantine:
             txn.put(key, entry.encode(), db=self.quarantine)
         else:
-            self.give_range(txn, entry.extent, entry.offset, entry.slot_len)
+            self.space.hold(txn, entry.extent, entry.offset, entry.slot_len)
 
     def touch(self, txn: Txn, key: bytes, last_use: int) -> None:
         raw = txn.get(key, db=self.blocks)

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from kvstore.disk.format import IndexEntry, encode_quarantined, quarantined_unreadable
 from kvstore.errors import KVStoreError
+from kvstore.index.space_counters import SpaceCounters
 
 __all__ = ["CORRUPT", "OK", "UNREADABLE", "IndexPort", "Quarantined", "QuarantineTable",
            "same_slot"]
@@ -63,7 +64,7 @@ class IndexPort(Protocol):
     def quarantine_rows_after(self, after: bytes | None, limit: int
                               ) -> list[tuple[bytes, bytes]]: ...
 
-    def give_range(self, txn: Txn, extent: int, offset: int, length: int) -> None: ...
+    space: SpaceCounters  # (a freed copy goes to ``pending``)
 
     def add_block(self, txn: Txn, key: bytes, entry: IndexEntry, *,
                   restored: bool = False) -> None: ...
@@ -106,7 +107,7 @@ class QuarantineTable:
                 if seen[1]:
                     restore = old
                 else:  # it failed its re-read just now: this copy is the one kept
-                    index.give_range(txn, old.extent, old.offset, old.slot_len)
+                    index.space.hold(txn, old.extent, old.offset, old.slot_len)
                     out.freed.append(old)
             index.remove_block(txn, key, current, quarantine=True)
             txn.put(key, encode_quarantined(current, unreadable), db=index.quarantine)
@@ -158,7 +159,7 @@ class QuarantineTable:
                 continue
             txn.delete(key, db=index.quarantine)
             if txn.get(key, db=index.blocks) is not None:
-                index.give_range(txn, entry.extent, entry.offset, entry.slot_len)
+                index.space.hold(txn, entry.extent, entry.offset, entry.slot_len)
                 out.freed.append(entry)
             else:
                 index.add_block(txn, key, entry, restored=True)

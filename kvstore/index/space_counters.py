@@ -14,7 +14,11 @@ u32 BE || offset u64 BE -> run length u64 LE: space freed by that transaction, n
 reusable while a reader may still copy it.  An owner's claims go back to the pool when
 it closes or when another owner finds it dead (kvstore/core/owners.py).  The store's
 allocator does not claim yet (one process allocates: the interim guard of
-kvstore/core/owners.py), and nothing writes ``pending`` rows yet; fsck counts both
+kvstore/core/owners.py).  Every range a running store unindexes goes to ``pending``
+(:meth:`SpaceCounters.hold`); the owner that freed it moves it back to the pool once
+none of its reads can still copy it (:meth:`SpaceCounters.ripen`, in its next commit),
+and every pending run ripens when no owner is left (:meth:`SpaceCounters.ripen_all`:
+the last close, a registration or fsck finding only dead owners).  fsck counts both
 tables' rows as used space and checks their counters.
 
 Upgrade (:meth:`SpaceCounters.upgrade`): one write transaction that re-reads the version
@@ -27,6 +31,7 @@ takes ``LOCK`` exclusively, so none can be using the store meanwhile.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 from kvstore.disk.format import pack_u64, unpack_u64
@@ -153,6 +158,50 @@ class SpaceCounters:
         returned = sum(length for _, _, length in runs)
         self.add(txn, CLAIMED, -returned)
         return returned
+
+    # ------------------------------------------------------------------ pending
+
+    def hold(self, txn: Txn, extent: int, offset: int, length: int) -> None:
+        """Space unindexed by ``txn`` (a delete, an eviction, a redundant quarantined
+        copy): a ``pending`` row under its txnid, not reusable until it ripens."""
+        txn.put(_PENDING.pack(txn.id(), extent, offset), pack_u64(length), db=self.pending)
+        self.add(txn, PENDING, length)
+
+    def ripen(self, txn: Txn, pool: FreeMap, runs: Iterable[tuple[int, int, int]]) -> None:
+        """Pending ``runs`` (extent, offset, length) that no reader can still copy (the
+        owner that held them says so) back to the pool, merged with their neighbours."""
+        wanted = {(extent, offset): length for extent, offset, length in runs}
+        if not wanted:
+            return
+        found = []
+        with txn.cursor(self.pending) as cur:
+            for k, v in cur:
+                _, extent, offset = pending_row(bytes(k))
+                if wanted.get((extent, offset)) == unpack_u64(bytes(v)):
+                    found.append((bytes(k), extent, offset, wanted.pop((extent, offset))))
+        if wanted:
+            (extent, offset), length = next(iter(wanted.items()))
+            raise IndexCorruptionError(
+                f"no pending run at extent {extent} offset {offset} length {length}; run "
+                "`python -m kvstore fsck` on the store")
+        self._to_pool(txn, pool, found)
+
+    def ripen_all(self, txn: Txn, pool: FreeMap) -> int:
+        """Every pending run back to the pool (no owner is left that could be reading
+        one: the last one closed, or died); returns the bytes."""
+        with txn.cursor(self.pending) as cur:
+            rows = [(bytes(k), *pending_row(bytes(k))[1:], unpack_u64(bytes(v)))
+                    for k, v in cur]
+        self._to_pool(txn, pool, rows)
+        return sum(row[3] for row in rows)
+
+    def _to_pool(self, txn: Txn, pool: FreeMap, rows: list[tuple[bytes, int, int, int]]
+                 ) -> None:
+        for key, extent, offset, length in rows:
+            txn.delete(key, db=self.pending)
+            pool.give(txn, extent, offset, length)
+        if rows:
+            self.add(txn, PENDING, -sum(row[3] for row in rows))
 
     # ------------------------------------------------------------------ fsck
 

@@ -6,7 +6,7 @@ These totals are meta records ``total:<name>`` (u64 LE, FORMAT.md "Meta records"
 written by ``Index.meta_records``, kvstore/index/meta.py) that
 the store raises inside its own write transactions by what its counters grew since the
 previous one: :meth:`Totals.flush` rides along in every transaction that commits puts,
-evicts or records last use (``StoreParts.flush_totals_in`` / ``with_totals``,
+evicts or records last use (``StoreParts.flush_totals_in`` / ``last_writes``,
 kvstore/core/opening.py), and runs once more at close (``StoreParts.flush_totals``, a cleanup
 run before the writer thread stops) for the counts of the last operations.
 
