@@ -8,6 +8,7 @@ Tables (FORMAT.md, "Index"):
 ``free``        (u32 BE extent, u64 BE offset) -> u64 LE length of a free run
 ``quarantine``  16-byte key -> IndexEntry of a block that failed verification or could
                 not be read (flagged ENTRY_FLAG_UNREADABLE), kept to be read again
+``tags``        16-byte key -> a caller's opaque tag (optional: kvstore/index/tags.py)
 
 Every change of allocation happens in the same write transaction as the index change
 it belongs to, so space is never both free and referenced after a crash.
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import cached_property
@@ -75,6 +76,7 @@ from kvstore.index.meta import (
 )
 from kvstore.index.quarantine import QuarantineTable
 from kvstore.index.repairs import Repairs
+from kvstore.index.tags import TagTable
 from kvstore.index.writer import IndexWriter, lmdb_error
 
 __all__ = ["INITIAL_MAP_BYTES", "MAP_LIMIT_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
@@ -96,6 +98,7 @@ MAP_LIMIT_BYTES = 64 << 30
 with this."""
 
 _DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru")
+_TAGS = b"tags"  # optional and additive (FORMAT.md): older builds do not open it
 
 
 class _ResizeGate:
@@ -151,9 +154,10 @@ class Index:
         self._gate = _ResizeGate()
         self.env, dbs = open_environment(
             path, map_size=min(map_size, INITIAL_MAP_BYTES), sync=sync, file_mode=file_mode,
-            tables=_DBS, verify=verify)
+            tables=(*_DBS, _TAGS), verify=verify)
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
-         self.pins, self.lru) = dbs
+         self.pins, self.lru, tags) = dbs
+        self.tags = TagTable(self.begin, tags, self.blocks, self.quarantine)
         self.free_map = FreeMap(self.free)
         self.chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
         # The writer's transaction's record of content changes, while an event sink has
@@ -262,23 +266,32 @@ class Index:
     # ------------------------------------------------------------------ chains, LRU, pins
 
     def add_block(self, txn: Txn, key: bytes, entry: IndexEntry, *,
-                  restored: bool = False) -> None:
-        """Index a block: entry, LRU row, and one more stored child for its parent
-        (``restored``: a quarantined copy that verified, for the event stream)."""
+                  restored: bool = False, tag: bytes | None = None) -> None:
+        """Index a block: entry, LRU row, one more stored child for its parent, and its
+        ``tag`` if it has one (else a tag the key kept keeps); ``restored``: a
+        quarantined copy that verified, for the event stream."""
         txn.put(key, entry.encode(), db=self.blocks)
         txn.put(lru_key(entry.last_use, key), b"", db=self.lru)
         if entry.parent is not None:
             self.bump(txn, self.children, entry.parent, +1)
+        if tag is not None:
+            self.tags.put(txn, key, tag)
         if self.journal is not None:
-            self.journal.add(RESTORED if restored else STORED, key, entry.parent)
+            self.journal.add(RESTORED if restored else STORED, key, entry.parent,
+                             tag if tag is not None else self.tags.get(txn, key))
 
     def remove_block(self, txn: Txn, key: bytes, entry: IndexEntry, *, quarantine: bool,
                      evicted: bool = False) -> None:
         """Unindex a block; its space returns to the free map unless it is quarantined
-        (kept allocated so fsck can look at it).  ``evicted``: for room, not deleted."""
+        (kept allocated so fsck can look at it), and so does its tag (kept while it is
+        quarantined).  ``evicted``: for room, not deleted."""
+        if not quarantine:
+            tag = self.tags.drop(txn, key)
+        else:  # (read only for the event: it stays)
+            tag = self.tags.get(txn, key) if self.journal is not None else None
         if self.journal is not None:
             self.journal.add(QUARANTINED if quarantine else EVICTED if evicted else DELETED,
-                             key, entry.parent)
+                             key, entry.parent, tag)
         txn.delete(key, db=self.blocks)
         txn.delete(lru_key(entry.last_use, key), db=self.lru)
         if entry.parent is not None:
@@ -331,8 +344,10 @@ class Index:
     # ------------------------------------------------------------------ the store's transactions
 
     def commit_puts(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]],
-                    touched: Touched, seq: int, relies_on: Sequence[bytes] = ()) -> None:
-        """Index written blocks: their ranges leave the free map in the same transaction.
+                    touched: Touched, seq: int, relies_on: Sequence[bytes] = (),
+                    tags: Mapping[bytes, bytes] | None = None) -> None:
+        """Index written blocks: their ranges leave the free map in the same transaction,
+        and their ``tags`` (key -> tag, for the keys that have one) go in with them.
 
         ``relies_on`` are the stored blocks the put deduplicated against; if one of them
         was unindexed since the put decided (an eviction that chose it before the put
@@ -348,7 +363,7 @@ class Index:
         self.apply_touched(txn, touched)
         self.free_map.take_slots(txn, entries)
         for key, entry in entries:
-            self.add_block(txn, key, entry)
+            self.add_block(txn, key, entry, tag=tags.get(key) if tags else None)
         self.meta_records.raise_seq(txn, seq)
 
     def delete_blocks(self, txn: Txn, keys: Sequence[bytes]) -> list[IndexEntry]:

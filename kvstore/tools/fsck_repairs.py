@@ -20,7 +20,7 @@ from kvstore.errors import KVStoreError
 from kvstore.index.index import Index, IndexWriter, Txn
 from kvstore.index.quarantine import OK
 from kvstore.tools.fsck_files import zero_page
-from kvstore.tools.fsck_report import DAMAGE, Finding, Report
+from kvstore.tools.fsck_report import DAMAGE, RECLAIMABLE, Finding, Report
 
 __all__ = ["Repairs", "chain_tables"]
 
@@ -74,6 +74,14 @@ class Repairs:
             # could not be read, fixes that failed.
             f.fixed = f.kind != "foreign-file" and all(f is not u for u in self.unfixable)
 
+    def check_tags(self) -> None:
+        """Step 8's tags: orphans are reclaimable; :meth:`last_fixes` drops them."""
+        orphans = self.index.tags.orphans()
+        if orphans:
+            self.find("orphan-tag", RECLAIMABLE,
+                      f"{len(orphans)} tag(s) of blocks no longer stored (left by a build "
+                      f"that does not keep tags), e.g. {orphans[0].hex()}; --repair drops them")
+
     # ------------------------------------------------------------------ the repairs
 
     def free_range(self, extent_id: int, offset: int, length: int) -> None:
@@ -112,6 +120,12 @@ class Repairs:
         self.file_fixes.append((f, partial(zero_page, p, e.offset)))
         self.fixes.append(partial(self.index.repairs.free_slot, key=key, entry=e,
                                   quarantined=quarantined))
+
+    def last_fixes(self, txn: Txn) -> None:
+        """The last steps of a repair, after every other fix has changed ``blocks`` and
+        ``quarantine``: the derived tables rewritten, the orphan tags dropped."""
+        self.rewrite_chain_tables(txn)
+        self.index.tags.drop_orphans(txn)
 
     def rewrite_chain_tables(self, txn: Txn) -> None:
         """Recompute ``children`` and ``lru`` from ``blocks`` (the last step of a repair,
