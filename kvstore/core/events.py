@@ -33,7 +33,8 @@ from kvstore.index.writer import IndexWriter, loop_callback
 __all__ = ["DEFAULT_MAX_EVENTS", "BlockEvent", "EventGap", "EventHub", "Subscription"]
 
 DEFAULT_MAX_EVENTS = 65536
-"""Items a subscription holds for its consumer before it drops (about 100 bytes each)."""
+"""Items a subscription holds for its consumer before it drops (about 100 bytes each,
+plus the block's tag, which is shared with the index writer's record, not copied)."""
 
 
 @dataclass(frozen=True, slots=True)
