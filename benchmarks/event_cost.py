@@ -2,7 +2,7 @@
 
     python benchmarks/event_cost.py [--dir DIR] [--block 1M] [--batch 16] [--callers 2]
                                     [--capacity 1G] [--seconds 3] [--reps 10]
-                                    [--no-sync]
+                                    [--no-sync] [--tags BYTES]
                                     [--out-dir benchmarks/results]
 
 One store of ``--capacity`` bytes (the default engine: io_uring and O_DIRECT where they
@@ -22,6 +22,10 @@ index writer's thread spent (its CPU clock) handing events to the subscription (
 of the cost on every put's path; the journal's appends inside the index's own calls are
 not in it), and the events the subscriber read;
 then min / median / max of the ratios.  Results go to ``--out-dir/event_put_cost_<block>_at_<commit>.md`` and ``.json``.
+
+``--tags BYTES`` gives every block put in the stream a tag of that many bytes
+(``put_many(tags=)``: a row of the index's ``tags`` table, written in the put's commit,
+dropped when the block is evicted, carried by its events).
 
 ``--no-sync --dir /dev/shm`` takes the disk out: puts then cost only CPU (staging, CRC32C,
 the index commit), the case where the events' own CPU shows most.
@@ -69,11 +73,13 @@ async def _stream(store: kvstore.Store, args: argparse.Namespace, value: torch.T
     put = [0]
     seen = [0]
     deadline = time.perf_counter() + args.seconds
+    tag = b"t" * args.tags
 
     async def caller() -> None:
         while time.perf_counter() < deadline:
             keys = _batch_keys(args.batch)
-            await store.put_many(keys, [value] * len(keys), parents=kvstore.chain_parents(keys))
+            await store.put_many(keys, [value] * len(keys), parents=kvstore.chain_parents(keys),
+                                 tags=[tag] * len(keys) if tag else None)
             put[0] += len(keys) * args.block
 
     async def consumer(sub: kvstore.Subscription) -> None:
@@ -140,7 +146,7 @@ async def measure(root: str, args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python benchmarks/event_cost.py", *sys.argv[1:]]),
         "commit": head_commit(HERE), "engine": engine, "block_bytes": args.block,
         "batch": args.batch, "callers": args.callers, "seconds": args.seconds,
-        "capacity_bytes": args.capacity, "sync": args.sync, "reps": reps,
+        "capacity_bytes": args.capacity, "sync": args.sync, "tag_bytes": args.tags, "reps": reps,
         "ratio": summary([r["ratio"] for r in reps]),
         "cpu_ratio": summary([r["cpu_ratio"] for r in reps]),
         "publish_share": summary([r["subscribed"]["publish_share"] for r in reps]),
@@ -164,6 +170,7 @@ def render(doc: dict[str, Any]) -> str:
         f"blocks back to back for {doc['seconds']} s into a full store of "
         f"{_size(doc['capacity_bytes'])} (so puts evict; "
         f"{'durable puts' if doc['sync'] else 'sync=False: no fdatasync'}), "
+        f"{'each with a ' + str(doc.get('tag_bytes')) + '-byte tag, ' if doc.get('tag_bytes') else ''}"
         "with no subscriber and with one "
         "consuming every event on the same event loop, alternating order, "
         f"{len(doc['reps'])} repetitions in one process.",
@@ -201,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sync", dest="sync", action="store_false",
                    help="open(sync=False): no fdatasync, so with --dir on tmpfs the puts are "
                         "CPU-bound and the disk's variance is out of the ratio")
+    p.add_argument("--tags", type=int, default=0,
+                   help="a tag of this many bytes with every block the stream puts")
     p.add_argument("--out-dir", default=None,
                    help="write event_put_cost_<block>_at_<commit>.md/.json")
     args = p.parse_args(argv)
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(doc)
     print(text)
     if args.out_dir:
-        kind = "" if args.sync else "_nosync"
+        kind = ("" if args.sync else "_nosync") + (f"_tags{args.tags}" if args.tags else "")
         base = os.path.join(args.out_dir, f"event_put_cost_{_size(args.block).replace(' ', '')}"
                             f"{kind}_at_{doc['commit']}")
         write_results(base, text, doc)

@@ -265,10 +265,11 @@ class BlockingStore(BlockingEvents):
 
     def put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor], *,
                  parents: Sequence[bytes | None] | None = None,
-                 codec: CodecSpec | None = None, background: bool = False) -> PutResult:
+                 codec: CodecSpec | None = None, background: bool = False,
+                 tags: Sequence[bytes | None] | None = None) -> PutResult:
         """:meth:`Store.put_many <kvstore.store.Store.put_many>`, blocking."""
         return self._run(lambda: self._store.put_many(
-            keys, values, parents=parents, codec=codec, background=background))
+            keys, values, parents=parents, codec=codec, background=background, tags=tags))
 
     def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None = None
                  ) -> list[torch.Tensor | None]:
@@ -301,9 +302,10 @@ class BlockingStore(BlockingEvents):
         """:meth:`Store.unpin <kvstore.store.Store.unpin>`, blocking."""
         self._run(lambda: self._store.unpin(keys))
 
-    def put(self, key: bytes, value: torch.Tensor, *, parent: bytes | None = None) -> bool:
+    def put(self, key: bytes, value: torch.Tensor, *, parent: bytes | None = None,
+            tag: bytes | None = None) -> bool:
         """:meth:`Store.put <kvstore.store.Store.put>`, blocking."""
-        return self._run(lambda: self._store.put(key, value, parent=parent))
+        return self._run(lambda: self._store.put(key, value, parent=parent, tag=tag))
 
     def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """:meth:`Store.get <kvstore.store.Store.get>`, blocking."""

@@ -22,6 +22,7 @@ __all__ = [
     "NamespaceMismatchError",
     "OptionMismatchError",
     "InvalidKeyError",
+    "InvalidTagError",
     "UnsupportedTensorError",
     "OutputMismatchError",
     "BlockTooLargeError",
@@ -93,6 +94,12 @@ class NamespaceMismatchError(KVStoreError, ValueError):
 class InvalidKeyError(KVStoreError, TypeError):
     """Raised by every call taking keys when a key is not 16 ``bytes``, or by key
     derivation when token ids / extra keys cannot be encoded canonically."""
+
+
+class InvalidTagError(KVStoreError, ValueError):
+    """Raised by ``put_many(tags=...)`` before any I/O when ``tags`` is not one ``bytes``
+    or ``None`` per key, or a tag is longer than ``MAX_TAG_BYTES`` (4096); the message
+    names the tag's index."""
 
 
 class UnsupportedTensorError(KVStoreError, TypeError):

@@ -48,22 +48,25 @@ class StoreEvents:
         self._ops.check_open()
         return Subscription(self._parts.events, self._parts.writer, max_events)
 
-    def snapshot(self, *, page_blocks: int = DEFAULT_PAGE_BLOCKS, order: str = KEY_ORDER
-                 ) -> AsyncIterator[list[StoredBlock]]:
-        """Every stored block, as pages of :class:`~kvstore.StoredBlock`, each page one
-        short read transaction (:mod:`kvstore.core.snapshot`).  ``order="key"`` streams
-        in key order; ``order="parents_first"`` lists each block after its parent when the
-        parent is stored (it reads every page before the first is returned).  Taken
-        after :meth:`subscribe`, it and that subscription's events give the exact
-        content (docs/events.md)."""
+    def snapshot(self, *, page_blocks: int = DEFAULT_PAGE_BLOCKS, order: str = KEY_ORDER,
+                 tag_prefix: bytes | None = None) -> AsyncIterator[list[StoredBlock]]:
+        """Every stored block, as pages of :class:`~kvstore.StoredBlock` (with its tag),
+        each page one short read transaction (:mod:`kvstore.core.snapshot`).
+        ``order="key"`` streams in key order; ``order="parents_first"`` lists each block
+        after its parent when the parent is stored (it reads every page before the first
+        is returned).  ``tag_prefix``: only the blocks whose tag starts with these bytes
+        (an engine's scope; untagged blocks are left out).  Taken after
+        :meth:`subscribe`, it and that subscription's events give the exact content
+        (docs/events.md)."""
         self._ops.check_open()
-        check_snapshot(page_blocks, order)
-        return snapshot_pages(self._snapshot_page, page_blocks, order)
+        check_snapshot(page_blocks, order, tag_prefix)
+        return snapshot_pages(self._snapshot_page, page_blocks, order, tag_prefix)
 
     async def _snapshot_page(self, after: bytes | None, limit: int) -> list[StoredBlock]:
         self._ops.check_open()
         with self._ops.track():  # aclose waits for a page being read
-            return await anyio.to_thread.run_sync(read_page, self._parts.index, after, limit)
+            return await anyio.to_thread.run_sync(read_page, self._parts.index.tags, after,
+                                                  limit)
 
 
 class _Facade(Protocol):
@@ -88,14 +91,16 @@ class BlockingEvents:
         return self.call(opened)
 
     def snapshot(self: _Facade, *, page_blocks: int = DEFAULT_PAGE_BLOCKS,
-                 order: str = KEY_ORDER) -> Iterator[list[StoredBlock]]:
+                 order: str = KEY_ORDER, tag_prefix: bytes | None = None
+                 ) -> Iterator[list[StoredBlock]]:
         """:meth:`Store.snapshot <kvstore.Store.snapshot>`: an iterator of pages, each
         read by one call on the store's loop."""
-        check_snapshot(page_blocks, order)
+        check_snapshot(page_blocks, order, tag_prefix)
         facade = self
 
         async def start() -> AsyncIterator[list[StoredBlock]]:
-            return facade.store.snapshot(page_blocks=page_blocks, order=order)
+            return facade.store.snapshot(page_blocks=page_blocks, order=order,
+                                         tag_prefix=tag_prefix)
 
         async def next_page(pages: AsyncIterator[list[StoredBlock]]) -> list[StoredBlock] | None:
             return await anext(pages, None)

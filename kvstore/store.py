@@ -132,7 +132,7 @@ class Store(StoreEvents):
         its namespace only after opening (the vLLM connector: from the KV tensors vLLM
         registers).  Same checks as ``open(remote=...)``; needs a store from
         :func:`open` (its background task group runs the uploads)."""
-        self._check_open()
+        self._ops.check_open()
         if self.remote is not None:
             raise ValueError(f"store {self.path} already has a remote tier")
         if self._background is None:
@@ -184,9 +184,6 @@ class Store(StoreEvents):
 
     # ------------------------------------------------------------------ guards
 
-    def _check_open(self) -> None:
-        self._ops.check_open()
-
     @contextmanager
     def _operation(self, *, write: bool = False) -> Iterator[None]:
         """One public call: refused once the store is closed, waited for by ``aclose``."""
@@ -219,14 +216,16 @@ class Store(StoreEvents):
 
     async def put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor], *,
                        parents: Sequence[bytes | None] | None = None,
-                       codec: CodecSpec | None = None, background: bool = False) -> PutResult:
+                       codec: CodecSpec | None = None, background: bool = False,
+                       tags: Sequence[bytes | None] | None = None) -> PutResult:
         """Store blocks durably; returns once they survive a crash (if ``sync=True``).
 
         ``parents[i]`` is the key of the block before ``keys[i]`` in its chain (or None):
-        eviction uses it to keep chains free of holes, and fsck to rebuild them.  Keys
-        that are already stored (or being stored by another task) are not written again.
-        ``codec`` overrides the store's default codec (``open(codec=...)``) for this batch;
-        each block records the codec it was written with, so reads need no option.
+        eviction uses it to keep chains free of holes, and fsck to rebuild them.
+        ``tags[i]``: the caller's opaque bytes (at most 4096) that ``snapshot()`` and the
+        events give back.  Stored keys (or being stored) are not written again, nor their
+        tags.  ``codec`` overrides ``open(codec=...)`` for this batch; each block records
+        the codec it was written with, so reads need no option.
 
         Backpressure: ``background=True`` says this save may be dropped.  When the puts
         in flight already hold ``backlog_bytes`` (``open()``), or a foreground put is
@@ -237,7 +236,8 @@ class Store(StoreEvents):
         reported as deduplicated, never dropped or waited for.
         """
         with self._operation(write=True), self.latency.time("put"):
-            return await self._paths.puts.put_many(keys, values, parents, codec, background)
+            return await self._paths.puts.put_many(keys, values, parents, codec, background,
+                                                   tags=tags)
 
     async def get_many(self, keys: Sequence[bytes], out: Sequence[torch.Tensor | None] | None = None
                        ) -> list[torch.Tensor | None]:
@@ -261,7 +261,7 @@ class Store(StoreEvents):
         :mod:`kvstore.tiers.memory.prefetch`.  Bounded: prefetched blocks not yet read by a get never
         take more than ``prefetch_share`` of ``memory_bytes``, and a prefetch never evicts
         a pinned block or one being read.  Needs ``open(memory_bytes=...)``."""
-        self._check_open()
+        self._ops.check_open()
         memory = self._paths.memory_tier
         if memory is None or self._background is None:
             raise ValueError("prefetch needs the memory tier: open the store with "
@@ -318,9 +318,10 @@ class Store(StoreEvents):
 
     # ------------------------------------------------------------------ single-block sugar
 
-    async def put(self, key: bytes, value: torch.Tensor, *, parent: bytes | None = None) -> bool:
+    async def put(self, key: bytes, value: torch.Tensor, *, parent: bytes | None = None,
+                  tag: bytes | None = None) -> bool:
         """Store one block; True if it was written, False if it was already stored."""
-        return (await self.put_many([key], [value], parents=[parent])).written == 1
+        return (await self.put_many([key], [value], parents=[parent], tags=[tag])).written > 0
 
     async def get(self, key: bytes, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return (await self.get_many([key], None if out is None else [out]))[0]
@@ -351,7 +352,7 @@ class Store(StoreEvents):
 
     def stats(self) -> StoreStats:
         """A snapshot of the store's state and counters (:class:`kvstore.stats.StoreStats`)."""
-        self._check_open()
+        self._ops.check_open()
         parts, alloc, index, engine = self._parts, self._parts.allocator, self._parts.index, \
             self._parts.engine
         extents = index.extents_list()

@@ -99,12 +99,13 @@ STATS: dict[str, int] = {"machines": 0, "rounds": 0, "tasks": 0, "cancellations"
                          "index_full_refusals": 0, "full_refusals": 0, "puts_after_full": 0,
                          "real_engine_machines": 0, "read_faults": 0, "read_faults_hit": 0,
                          "persistent_read_faults": 0, "blocks_restored": 0, "scrubs": 0,
-                         "read_evictions": 0}
+                         "read_evictions": 0, "tag_checks": 0}
 
 CHAINS = [NS.chain_keys(list(range(10_000 * c, 10_000 * c + 4 * 6))) for c in range(3)]
 POOL = [k for chain in CHAINS for k in chain]
 PARENTS = {k: (chain[i - 1] if i else None) for chain in CHAINS for i, k in enumerate(chain)}
 VALUES = {k: make_tensor(torch.uint8, ((1500, 5000, 7000)[i % 3],), i) for i, k in enumerate(POOL)}
+TAGS = {k: b"tag:" + k for k in POOL}  # every put tags its blocks (issue 45)
 SLOTS = {k: round_up(SLOT_HEADER_BYTES + v.numel()) for k, v in VALUES.items()}
 MAX_SLOT = max(SLOTS.values())
 CAPACITY = 28 << 10  # about 4 of the 18 blocks: most puts evict
@@ -544,7 +545,8 @@ class ConcurrentMachine(RuleBasedStateMachine):
         if kind == "put":
             keys = CHAINS[op[1]][:op[2]]
             return await store.put_many(keys, [VALUES[k] for k in keys],
-                                        parents=[PARENTS[k] for k in keys])
+                                        parents=[PARENTS[k] for k in keys],
+                                        tags=[TAGS[k] for k in keys])
         if kind == "get":  # twice: the second read starts after the round's first deletes
             for _ in range(2):
                 gone_before = self.deleted & self.unput
@@ -663,6 +665,7 @@ class ConcurrentMachine(RuleBasedStateMachine):
 
         got = dict(zip(POOL, run_within(read, self.backend, ROUND_DEADLINE)))
         self.disarm()
+        self.check_tags()
         # Reading evicts too: blocks fetched from the remote tier are promoted into the
         # store (a put), which makes room under capacity pressure like any other.
         read_evictions = parts(opened[0]).counters["evicted_blocks"]
@@ -691,10 +694,23 @@ class ConcurrentMachine(RuleBasedStateMachine):
         self.maybe -= present
         report = fsck.check(str(self.path))
         assert not report.damage, [f.detail for f in report.damage]
+        assert "orphan-tag" not in {f.kind for f in report.findings}, "a tag outlived its block"
         assert report.quarantined == 0, "a block stayed quarantined"
         if not self.deletes and self.s3 is None:
             assert report.chain_holes == 0, report.chain_hole_examples
         return present
+
+    def check_tags(self) -> None:
+        """Every stored block has its put's tag (none only for a block the remote tier
+        brought back after eviction: promotions carry no tag), and no tag outlives its
+        block (fsck finds no orphan tag)."""
+        async def listed() -> dict[bytes, bytes | None]:
+            async with self.open() as store:
+                return {b.key: b.tag async for page in store.snapshot() for b in page}
+
+        for k, tag in run_within(listed, self.backend, ROUND_DEADLINE).items():
+            assert tag == TAGS[k] or (tag is None and self.s3 is not None), "a tag was lost"
+        STATS["tag_checks"] += 1
 
     def check_child(self, child: LiveChild, at_fork: str, present: set[bytes]) -> None:
         """A forked child, now that the parent has closed the store, opens it itself.

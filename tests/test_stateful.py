@@ -6,6 +6,9 @@ extent.  The model is the set of acknowledged blocks plus the keys of an operati
 was in flight when the machine stopped; after every restart every acknowledged block must
 read back bit-exact (G1), no get may return other bytes (G2), the in-flight put must be
 all-or-nothing (G3), and fsck must find nothing but reclaimable leftovers (G4).
+Puts draw whether they tag their blocks (``put_many(tags=)``): every block's tag reads
+back exactly (the snapshot, the table), a re-put keeps the stored tag, a quarantined
+block keeps its tag, and no tag outlives its block (fsck finds no orphan tag).
 Each rule opens the store, acts and closes it, so persistence is exercised throughout.
 Profiles (tests/conftest.py): "ci" derandomised and short; "nightly" long.
 """
@@ -53,6 +56,8 @@ PARENTS = dict(zip(CHAIN_1, kvstore.chain_parents(CHAIN_1))) | \
     dict(zip(CHAIN_2, kvstore.chain_parents(CHAIN_2)))
 OPTIONS: dict[str, Any] = dict(namespace=NS, extent_bytes=48 << 10, staging_bytes=1 << 20)
 
+TAGS = {k: b"tag:" + k for k in POOL}  # a key's tag is a function of the key, as an engine's is
+
 key_lists = st.lists(st.sampled_from(POOL), min_size=1, max_size=5, unique=True)
 
 
@@ -64,6 +69,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.disk = SimulatedDisk(seed=STATS["machines"])
         self.acked: set[bytes] = set()
         self.unsure: set[bytes] = set()  # keys of an operation in flight at a crash/fault
+        self.unsure_tagged = False  # whether that operation tagged its blocks
+        self.tagged: set[bytes] = set()  # keys whose tag row exists (stored or quarantined)
+        self.held: set[bytes] = set()  # keys with a quarantine record (their tag stays)
         STATS["machines"] += 1
 
     def teardown(self) -> None:
@@ -93,6 +101,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert g is None or same(g, VALUES[k]), "G2: wrong bytes"
         new = present - self.acked
         assert new in (set(), set(keys) - self.acked), "G3: in-flight put partly applied"
+        if self.unsure_tagged:
+            self.tagged |= new
         self.acked |= present
         self.unsure.clear()
 
@@ -105,19 +115,33 @@ class StoreMachine(RuleBasedStateMachine):
             STATS["g1_checks"] += k in self.acked
             STATS["g2_checks"] += 1
             assert same(g, VALUES[k]) if k in self.acked else g is None, "G1/G2 after restart"
+        self.check_tags()
+
+    def check_tags(self) -> None:
+        """Every stored block's tag reads back exactly, in the snapshot and the table."""
+        async def read(s: kvstore.Store) -> Any:
+            listed = {b.key: b.tag async for page in s.snapshot() for b in page}
+            return listed, parts(s).index.tags.read_many(POOL)
+
+        listed, table = self.run(read)
+        assert listed == {k: TAGS[k] if k in self.tagged else None for k in self.acked}
+        assert table == {k: TAGS[k] for k in self.tagged}, "a tag outlived its block"
 
     # ------------------------------------------------------------------ rules
 
-    @rule(keys=key_lists)
-    def put(self, keys: list[bytes]) -> None:
+    @rule(keys=key_lists, tagged=st.booleans())
+    def put(self, keys: list[bytes], tagged: bool) -> None:
         self.resolve()
 
         async def go(s: kvstore.Store) -> kvstore.PutResult:
             return await s.put_many(keys, [VALUES[k] for k in keys],
-                                    parents=[PARENTS[k] for k in keys])
+                                    parents=[PARENTS[k] for k in keys],
+                                    tags=[TAGS[k] for k in keys] if tagged else None)
 
         result = self.run(go)
         assert result.written == len(set(keys) - self.acked)
+        if tagged:
+            self.tagged |= set(keys) - self.acked
         self.acked |= set(keys)
 
     @rule()
@@ -127,10 +151,12 @@ class StoreMachine(RuleBasedStateMachine):
         if not keys:
             return
 
-        async def go(s: kvstore.Store) -> kvstore.PutResult:
-            return await s.put_many(keys, [VALUES[k] for k in keys])
+        async def go(s: kvstore.Store) -> kvstore.PutResult:  # (another tag: not written)
+            return await s.put_many(keys, [VALUES[k] for k in keys],
+                                    tags=[b"other" + k for k in keys])
 
         assert self.run(go).written == 0
+        self.check_tags()
 
     @rule(keys=key_lists)
     def get(self, keys: list[bytes]) -> None:
@@ -155,7 +181,9 @@ class StoreMachine(RuleBasedStateMachine):
             return await s.delete_many(keys)
 
         assert self.run(go) == len(set(keys) & self.acked)
+        self.tagged -= (set(keys) & self.acked) - self.held
         self.acked -= set(keys)
+        self.check_tags()
 
     @rule(chain=st.sampled_from([CHAIN_1, CHAIN_2]))
     def match_prefix(self, chain: list[bytes]) -> None:
@@ -167,16 +195,21 @@ class StoreMachine(RuleBasedStateMachine):
         want = next((i for i, k in enumerate(chain) if k not in self.acked), len(chain))
         assert self.run(go) == want
 
-    @rule(keys=key_lists, after=st.integers(1, 8), mode=st.sampled_from(CRASH_MODES))
-    def crash_and_restart(self, keys: list[bytes], after: int, mode: str) -> None:
+    @rule(keys=key_lists, after=st.integers(1, 8), mode=st.sampled_from(CRASH_MODES),
+          tagged=st.booleans())
+    def crash_and_restart(self, keys: list[bytes], after: int, mode: str, tagged: bool) -> None:
         self.resolve()
         self.disk.crash_at = self.disk.ops + after
 
         async def go(s: kvstore.Store) -> None:
-            await s.put_many(keys, [VALUES[k] for k in keys], parents=[PARENTS[k] for k in keys])
+            await s.put_many(keys, [VALUES[k] for k in keys], parents=[PARENTS[k] for k in keys],
+                             tags=[TAGS[k] for k in keys] if tagged else None)
 
+        self.unsure_tagged = tagged
         try:
             self.run(go)
+            if tagged:
+                self.tagged |= set(keys) - self.acked
             self.acked |= set(keys)  # finished before the chosen operation
             self.disk.crash_at = None
         except BaseException as e:
@@ -190,6 +223,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.check_all()
         report = fsck.check(str(self.path), deep=True)
         assert not report.damage, f"G4: {[f.detail for f in report.damage]}"
+        assert "orphan-tag" not in {f.kind for f in report.findings}, "a tag outlived its block"
 
     @rule(keys=key_lists, fault=st.sampled_from([("write", 5), ("write", 28), ("write", -1),
                                                  ("datasync", 5)]))
@@ -206,6 +240,7 @@ class StoreMachine(RuleBasedStateMachine):
                 return False
             return True
 
+        self.unsure_tagged = False
         if self.run(go):
             self.acked |= set(keys)  # nothing to write: the fault was never reached
             self.disk.faults.clear()
@@ -242,6 +277,8 @@ class StoreMachine(RuleBasedStateMachine):
         got, corrupt = self.run(get)
         assert got is None and corrupt == 1, "G2: a flipped bit was returned as data"
         self.acked.discard(key)  # detected, quarantined, a miss from now on
+        self.held.add(key)  # (its tag, if any, stays with the quarantine record)
+        self.check_tags()
 
     @invariant()
     def nothing_unsure_outside_a_crash_rule(self) -> None:

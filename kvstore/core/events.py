@@ -33,7 +33,8 @@ from kvstore.index.writer import IndexWriter, loop_callback
 __all__ = ["DEFAULT_MAX_EVENTS", "BlockEvent", "EventGap", "EventHub", "Subscription"]
 
 DEFAULT_MAX_EVENTS = 65536
-"""Items a subscription holds for its consumer before it drops (about 100 bytes each)."""
+"""Items a subscription holds for its consumer before it drops (about 100 bytes each,
+plus the block's tag, which is shared with the index writer's record, not copied)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +43,15 @@ class BlockEvent:
 
     ``kind`` is one of ``"stored"``, ``"evicted"``, ``"deleted"``, ``"quarantined"``,
     ``"restored"``; ``key`` the block's key, ``parent`` its parent's key (None: the
-    block starts a chain).  ``seq`` numbers events in commit order, from 1 for each open
+    block starts a chain), ``tag`` the caller's tag of the block (``put_many(tags=)``;
+    None: it has none).  ``seq`` numbers events in commit order, from 1 for each open
     of the store; within one transaction, in the order its changes were made."""
 
     seq: int
     kind: str
     key: bytes
     parent: bytes | None
+    tag: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +240,7 @@ class Subscription:
                 self._pos = 0
             else:
                 self._pos = i + 1
-            kind, key, parent = records[i]
-            return BlockEvent(first + i, kind, key, parent)
+            return BlockEvent(first + i, *records[i])
         if self._gap is not None:
             gap, self._gap = self._gap, None
             return EventGap(*gap)

@@ -14,9 +14,9 @@
 4. stage header + payload in the arena, CRC32C over the staged bytes, and write every
    slot (O_DIRECT), encoding FP8 chunks as they are staged (``kvstore/io/transfers.py``);
 5. fdatasync every extent written, shared with concurrent puts (``kvstore/io/group_sync.py``);
-6. one LMDB write transaction: index entries in, their ranges out of the durable free
-   map (sequence numbers come from the owner's lease: kvstore/core/seq_lease.py);
-   commit (fsync);
+6. one LMDB write transaction: index entries (and the caller's tags) in, their ranges
+   out of the durable free map (sequence numbers come from the owner's lease:
+   kvstore/core/seq_lease.py); commit (fsync);
 7. acknowledge; then queue the remote upload and cache the blocks in memory.
 
 A crash before 6 leaves no index entry and the space still free in the index: the
@@ -45,6 +45,7 @@ from kvstore.core.seq_lease import SeqLease
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
 from kvstore.index.index import ChainCut, Txn
+from kvstore.index.tags import check_tags
 from kvstore.io.slots import PlanMismatch, PutItem
 from kvstore.keys import check_key, check_keys
 from kvstore.stats import PutResult
@@ -111,13 +112,22 @@ class PutPath:
     async def put_many(self, keys: Sequence[bytes], values: Sequence[torch.Tensor],
                        parents: Sequence[bytes | None] | None,
                        codec: CodecSpec | None, background: bool = False,
-                       skip_deleted: DeleteWatch | None = None) -> PutResult:
+                       skip_deleted: DeleteWatch | None = None,
+                       tags: Sequence[bytes | None] | None = None) -> PutResult:
         """``Store.put_many``; ``skip_deleted`` (a promotion's): keys deleted since the
         watch began are not stored (reported as ``dropped``)."""
         keys = check_keys(keys)
         values = list(values)
         if len(values) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        tag_list = check_tags(tags, len(keys))
+        # key -> tag, the first given for a key (the blocks a put writes take theirs in
+        # its commit; a deduplicated key's stored tag stays: kvstore/index/tags.py)
+        tag_of: dict[bytes, bytes] = {}
+        if tag_list is not None:
+            for key, tag in zip(keys, tag_list):
+                if tag is not None:
+                    tag_of.setdefault(key, tag)
         if parents is None:
             parent_list: list[bytes | None] = [None] * len(keys)
         else:
@@ -156,7 +166,7 @@ class PutPath:
             while True:
                 try:
                     return await self._put_once(turn, keys, parent_list, sized, values, spec,
-                                                skip_deleted)
+                                                skip_deleted, tag_of)
                 except ChainCut:
                     # An eviction chose blocks this put deduplicated against before the
                     # put protected them, and committed after the put's decision: decide
@@ -174,7 +184,8 @@ class PutPath:
     async def _put_once(self, turn: Turn, keys: Sequence[bytes],
                         parent_list: Sequence[bytes | None], sized: Sequence[Sized],
                         values: Sequence[torch.Tensor], spec: CodecSpec | None,
-                        skip_deleted: DeleteWatch | None) -> PutResult:
+                        skip_deleted: DeleteWatch | None, tag_of: dict[bytes, bytes]
+                        ) -> PutResult:
         # Wait out the puts and deletes of these keys that started earlier, then decide
         # without yielding.
         await self.order.wait_earlier(turn, self._health.check_writable)
@@ -210,13 +221,13 @@ class PutPath:
             if not all([item.plan(spec) for item in items]):
                 await self._encode(items, spec)
             try:
-                late = await self._put_items(items, list(deduplicated))
+                late = await self._put_items(items, list(deduplicated), tag_of)
             except PlanMismatch:
                 self._counters["put_replans"] += 1
                 await self._encode(items, spec)
-                late = await self._put_items(items, list(deduplicated))
+                late = await self._put_items(items, list(deduplicated), tag_of)
         else:
-            late = await self._put_items(items, list(deduplicated))
+            late = await self._put_items(items, list(deduplicated), tag_of)
         if late:  # indexed by another owner (or restored) since the decision: not ours
             self._counters["dedup_late"] += len(late)
             dedup_bytes += sum(item.raw_len for item in items if item.key in late)
@@ -295,7 +306,8 @@ class PutPath:
                     self._allocator.withdraw_extent(lost)
                 raise
 
-    async def _put_items(self, items: list[PutItem], relies_on: list[bytes]) -> set[bytes]:
+    async def _put_items(self, items: list[PutItem], relies_on: list[bytes],
+                         tag_of: dict[bytes, bytes]) -> set[bytes]:
         """Reserve, number, write, sync and commit ``items``; returns the keys the
         commit skipped (indexed meanwhile: ``Index.commit_puts``), whose slots went back."""
         health, allocator, ride_along = self._health, self._allocator, self._ride_along
@@ -328,7 +340,7 @@ class PutPath:
                 # placed slots in them.
                 index.space.ripen(txn, index.free_map, ripe)
                 try:
-                    skipped = index.commit_puts(txn, entries, touched, relies_on)
+                    skipped = index.commit_puts(txn, entries, touched, relies_on, tag_of)
                 except ChainCut as cut:  # (it wrote nothing: the ripening stays)
                     return cut
                 ride_along(txn)

@@ -12,6 +12,7 @@ Tables (FORMAT.md, "Index"):
 ``creating``    u32 BE extent id -> u32 LE owner id: an extent file being made
 ``claims``, ``pending``  space taken by an owner, space freed not yet reusable
                 (kvstore/index/space_counters.py, with the meta counters of free space)
+``tags``        16-byte key -> a caller's opaque tag (optional: kvstore/index/tags.py)
 
 Every change of allocation happens in the same write transaction as the index change
 it belongs to, so space is never both free and referenced after a crash.
@@ -41,14 +42,12 @@ eviction victims (:mod:`kvstore.index.eviction`, ``evict`` here, over ``chains``
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from functools import cached_property
 from itertools import compress, count, islice
 from typing import Any
-
-import lmdb
 
 from kvstore.disk import permissions
 from kvstore.disk.format import (
@@ -84,7 +83,8 @@ from kvstore.index.owners import OwnersTable
 from kvstore.index.quarantine import QuarantineTable
 from kvstore.index.repairs import Repairs
 from kvstore.index.space_counters import SpaceCounters
-from kvstore.index.writer import ADOPT_TRIES, IndexWriter, lmdb_error
+from kvstore.index.tags import TagTable
+from kvstore.index.writer import IndexWriter
 
 __all__ = ["INITIAL_MAP_BYTES", "MAP_LIMIT_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
            "META_NEXT_EXTENT", "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ",
@@ -106,6 +106,7 @@ with this."""
 
 _DBS = (b"meta", b"blocks", b"extents", b"free", b"quarantine", b"children", b"pins", b"lru",
         b"owners", b"creating", b"claims", b"pending")
+_TAGS = b"tags"  # optional and additive (FORMAT.md): older builds do not open it
 
 
 class Index:
@@ -124,11 +125,12 @@ class Index:
         self._gate = MapGate()
         self.env, dbs = open_environment(
             path, map_size=min(map_size, INITIAL_MAP_BYTES), sync=sync, file_mode=file_mode,
-            tables=_DBS, verify=verify)
+            tables=(*_DBS, _TAGS), verify=verify)
         (self.meta, self.blocks, self.extents, self.free, self.quarantine, self.children,
-         self.pins, self.lru, self.owners, self.creating, claims, pending) = dbs
+         self.pins, self.lru, self.owners, self.creating, claims, pending, tags) = dbs
         self.space = SpaceCounters(self.meta, self.meta_records, self.free, claims, pending)
         self.free_map = FreeMap(self.free, self.space.free_changed)
+        self.tags = TagTable(self.begin, tags, self.blocks, self.quarantine)
         self.chains = ChainTables(self.blocks, self.children, self.pins, self.lru)
         # The writer's transaction's record of content changes, while an event sink has
         # subscribers (kvstore/index/journal.py); writer thread only.
@@ -141,25 +143,9 @@ class Index:
     def begin(self, *, buffers: bool = False) -> Iterator[Txn]:
         """A read-only transaction (the map is not resized while one is open).  An LMDB
         error inside it (a damaged page) leaves as a KVStoreError.  A map another
-        process grew is adopted first (:meth:`adopt_map`)."""
-        for tries in count(1):
-            with self._gate.reading():
-                try:
-                    txn: Txn = self.env.begin(buffers=True) if buffers else self.env.begin()
-                except lmdb.MapResizedError as e:
-                    if tries >= ADOPT_TRIES or self._gate.depth() > 1:
-                        # (a transaction of this thread is open: it cannot resize)
-                        raise lmdb_error(e, "cannot read the index", self.path) from e
-                else:
-                    try:
-                        with txn:
-                            yield txn
-                    except lmdb.Error as e:
-                        if isinstance(e, lmdb.BadTxnError):  # a read met a damaged page
-                            e = lmdb.CorruptedError(f"{e} (after a damaged page)")
-                        raise lmdb_error(e, "cannot read the index", self.path) from e
-                    return
-            self.adopt_map()  # outside reading(): it waits for every reader to leave
+        process grew is adopted first (:meth:`MapGate.read_transaction`)."""
+        with self._gate.read_transaction(self.env, self.path, buffers=buffers) as txn:
+            yield txn
 
     @contextmanager
     def writing(self) -> Iterator[None]:
@@ -250,23 +236,32 @@ class Index:
     # ------------------------------------------------------------------ chains, LRU, pins
 
     def add_block(self, txn: Txn, key: bytes, entry: IndexEntry, *,
-                  restored: bool = False) -> None:
-        """Index a block: entry, LRU row, and one more stored child for its parent
-        (``restored``: a quarantined copy that verified, for the event stream)."""
+                  restored: bool = False, tag: bytes | None = None) -> None:
+        """Index a block: entry, LRU row, one more stored child for its parent, and its
+        ``tag`` if it has one (else a tag the key kept keeps); ``restored``: a
+        quarantined copy that verified, for the event stream."""
         txn.put(key, entry.encode(), db=self.blocks)
         txn.put(lru_key(entry.last_use, key), b"", db=self.lru)
         if entry.parent is not None:
             self.bump(txn, self.children, entry.parent, +1)
+        if tag is not None:
+            self.tags.put(txn, key, tag)
         if self.journal is not None:
-            self.journal.add(RESTORED if restored else STORED, key, entry.parent)
+            self.journal.add(RESTORED if restored else STORED, key, entry.parent,
+                             tag if tag is not None else self.tags.get(txn, key))
 
     def remove_block(self, txn: Txn, key: bytes, entry: IndexEntry, *, quarantine: bool,
                      evicted: bool = False) -> None:
         """Unindex a block; its space goes to ``pending`` unless it is quarantined
-        (kept allocated so fsck can look at it).  ``evicted``: for room, not deleted."""
+        (kept allocated so fsck can look at it), and so does its tag (kept while it is
+        quarantined).  ``evicted``: for room, not deleted."""
+        if not quarantine:
+            tag = self.tags.drop(txn, key)
+        else:  # (read only for the event: it stays)
+            tag = self.tags.get(txn, key) if self.journal is not None else None
         if self.journal is not None:
             self.journal.add(QUARANTINED if quarantine else EVICTED if evicted else DELETED,
-                             key, entry.parent)
+                             key, entry.parent, tag)
         txn.delete(key, db=self.blocks)
         txn.delete(lru_key(entry.last_use, key), db=self.lru)
         if entry.parent is not None:
@@ -319,9 +314,11 @@ class Index:
     # ------------------------------------------------------------------ the store's transactions
 
     def commit_puts(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]],
-                    touched: Touched, relies_on: Sequence[bytes] = ()) -> list[bytes]:
+                    touched: Touched, relies_on: Sequence[bytes] = (),
+                    tags: Mapping[bytes, bytes] | None = None) -> list[bytes]:
         """Index written blocks: their ranges leave the free map in the same transaction
-        (their sequence numbers came from the owner's lease, which raised ``seq``).
+        (their sequence numbers came from the owner's lease, which raised ``seq``), and
+        their ``tags`` (key -> tag, for the keys that have one) go in with them.
 
         ``relies_on`` are the stored blocks the put deduplicated against; if one of them
         was unindexed since the put decided (an eviction that chose it before the put
@@ -338,7 +335,7 @@ class Index:
         self.apply_touched(txn, touched)
         self.free_map.take_slots(txn, entries)
         for key, entry in entries:
-            self.add_block(txn, key, entry)
+            self.add_block(txn, key, entry, tag=tags.get(key) if tags else None)
         return list(late)
 
     def delete_blocks(self, txn: Txn, keys: Sequence[bytes]) -> list[IndexEntry]:

@@ -27,7 +27,7 @@ QUARANTINED = "quarantined"  # a read of it failed: out of the index, kept to re
 RESTORED = "restored"  # a quarantined copy verified when read again: back in the index
 KINDS = (STORED, EVICTED, DELETED, QUARANTINED, RESTORED)
 
-Record = tuple[str, bytes, bytes | None]  # (kind, key, parent key)
+Record = tuple[str, bytes, bytes | None, bytes | None]  # (kind, key, parent key, tag)
 
 
 class Journal:
@@ -38,8 +38,8 @@ class Journal:
     def __init__(self) -> None:
         self.records: list[Record] = []
 
-    def add(self, kind: str, key: bytes, parent: bytes | None) -> None:
-        self.records.append((kind, key, parent))
+    def add(self, kind: str, key: bytes, parent: bytes | None, tag: bytes | None) -> None:
+        self.records.append((kind, key, parent, tag))
 
     def mark(self) -> int:
         return len(self.records)

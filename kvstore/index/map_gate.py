@@ -18,11 +18,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import count
 from typing import Any
 
 import lmdb
 
-from kvstore.index.writer import lmdb_error
+from kvstore.index.writer import ADOPT_TRIES, lmdb_error
 
 __all__ = ["MapGate"]
 
@@ -58,6 +59,31 @@ class MapGate:
                 self._readers -= 1
                 if not self._readers:
                     self._cond.notify_all()
+
+    @contextmanager
+    def read_transaction(self, env: Any, path: str, *, buffers: bool) -> Iterator[Any]:
+        """A read-only transaction of ``env`` inside :meth:`reading`; a map another
+        process grew is adopted (:meth:`adopt`) and the transaction begun again.  LMDB's
+        errors leave as KVStoreErrors; a transaction LMDB turned bad after a damaged page
+        as damage (``IndexCorruptionError``)."""
+        for tries in count(1):
+            with self.reading():
+                try:
+                    txn = env.begin(buffers=True) if buffers else env.begin()
+                except lmdb.MapResizedError as e:
+                    if tries >= ADOPT_TRIES or self.depth() > 1:
+                        # (a transaction of this thread is open: it cannot resize)
+                        raise lmdb_error(e, "cannot read the index", path) from e
+                else:
+                    try:
+                        with txn:
+                            yield txn
+                    except lmdb.Error as e:
+                        if isinstance(e, lmdb.BadTxnError):  # a read met a damaged page
+                            e = lmdb.CorruptedError(f"{e} (after a damaged page)")
+                        raise lmdb_error(e, "cannot read the index", path) from e
+                    return
+            self.adopt(env, path)  # outside reading(): it waits for every reader to leave
 
     @contextmanager
     def writing(self) -> Iterator[None]:

@@ -57,6 +57,10 @@ a bad sector, a bug, a file edited by hand):
    before them), counted in ``Report.chain_holes``: a caller's delete or a quarantine
    (or a repair dropping a damaged block) leaves them legitimately, so they are not
    findings; eviction never does, so holes in a store nobody deleted from point at a bug.
+   A tag (``tags`` table) whose key has neither a block nor a quarantine record is an
+   orphan (reclaimable: orphan-tag, one finding for all; an older build that does not
+   keep tags leaves them when it evicts or deletes); repair drops every tag that is an
+   orphan after the other repairs (kvstore/index/tags.py).
 9. Permissions: no path under the store grants group/other users more than the store's
    file mode (``file_mode`` meta record, default owner-only 0600/0700) or belongs to
    another user (damage: loose-permissions, repaired by a chmod to the store's mode;
@@ -172,6 +176,7 @@ class _Checker(Repairs):
             self.scan_free_space(extents)
         self.check_meta(extents, entries)
         self.check_chains(entries)
+        self.check_tags()  # (fsck_repairs.py: the finding and its repair)
         self.check_permissions()
         if self.repair and self.report.findings:
             self.apply_fixes(self.rewrite_derived)
@@ -195,8 +200,7 @@ class _Checker(Repairs):
         try:
             names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
         except OSError as e:
-            self.unreadable(f"{directory} cannot be listed: files no entry names are not "
-                            "looked for", e)
+            self.unreadable(f"{directory} cannot be listed: unnamed files not looked for", e)
             names = []
         for name in names:
             p = os.path.join(directory, name)

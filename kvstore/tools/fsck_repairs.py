@@ -20,7 +20,7 @@ from kvstore.errors import KVStoreError
 from kvstore.index.index import Index, IndexWriter, Txn
 from kvstore.index.quarantine import OK
 from kvstore.tools.fsck_files import zero_page
-from kvstore.tools.fsck_report import DAMAGE, Finding, Report
+from kvstore.tools.fsck_report import DAMAGE, RECLAIMABLE, Finding, Report
 
 __all__ = ["Repairs", "chain_tables"]
 
@@ -74,6 +74,14 @@ class Repairs:
             # could not be read, fixes that failed.
             f.fixed = f.kind != "foreign-file" and all(f is not u for u in self.unfixable)
 
+    def check_tags(self) -> None:
+        """Step 8's tags: orphans are reclaimable; :meth:`last_fixes` drops them."""
+        orphans = self.index.tags.orphans()
+        if orphans:
+            self.find("orphan-tag", RECLAIMABLE,
+                      f"{len(orphans)} tag(s) of blocks no longer stored (left by a build "
+                      f"that does not keep tags), e.g. {orphans[0].hex()}; --repair drops them")
+
     # ------------------------------------------------------------------ the repairs
 
     def free_range(self, extent_id: int, offset: int, length: int) -> None:
@@ -120,10 +128,12 @@ class Repairs:
                                   quarantined=quarantined))
 
     def rewrite_derived(self, txn: Txn) -> None:
-        """The last step of a repair: the chain tables, then the space counters
-        recounted (they follow every repair of the tables they sum; this mends drift)
-        and the format upgraded if the store was of an older one."""
+        """The last step of a repair, after every other fix has changed ``blocks`` and
+        ``quarantine``: the chain tables rewritten, the orphan tags dropped, then the
+        space counters recounted (they follow every repair of the tables they sum; this
+        mends drift) and the format upgraded if the store was of an older one."""
         self.rewrite_chain_tables(txn)
+        self.index.tags.drop_orphans(txn)
         self.index.space.recount(txn)
         self.index.space.upgrade(txn)
 

@@ -30,3 +30,16 @@ def test_event_cost_measures_both_ways_and_reads_every_event(tmp_path: Path) -> 
     assert 0 < doc["ratio"]["min"] <= doc["ratio"]["median"] <= doc["ratio"]["max"]
     assert (out / doc_path.name.replace(".json", ".md")).read_text().startswith(
         "# What one event subscriber costs durable puts")
+
+
+def test_event_cost_puts_tagged_blocks_when_asked(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = event_cost.main(["--dir", str(tmp_path), "--block", "64K", "--capacity", "4M",
+                          "--batch", "4", "--seconds", "0.05", "--reps", "1", "--tags", "200",
+                          "--out-dir", str(out)])
+    assert rc == 0
+    [doc_path] = out.glob("event_put_cost_64KiB_tags200_at_*.json")
+    doc = json.loads(doc_path.read_text())
+    assert doc["tag_bytes"] == 200 and doc["reps"][0]["subscribed"]["events"] > 0
+    assert "each with a 200-byte tag" in (out / doc_path.name.replace(".json", ".md")).read_text()

@@ -64,10 +64,11 @@ def test_a_failed_job_leaves_no_record_and_the_rest_are_published_after_commit(
     writer = IndexWriter(index, sink=sink)
     try:
         def ok(i: int) -> Any:
-            return lambda txn: index.add_block(txn, key(i), entry(i, key(i - 1) if i else None))
+            return lambda txn: index.add_block(txn, key(i), entry(i, key(i - 1) if i else None),
+                                               tag=b"tag%d" % i)
 
         def fails(txn: Any) -> None:
-            index.add_block(txn, key(7), entry(7))
+            index.add_block(txn, key(7), entry(7), tag=b"tag7")
             raise RuntimeError("the job fails after indexing")
 
         def fills_the_map(txn: Any) -> None:
@@ -82,10 +83,14 @@ def test_a_failed_job_leaves_no_record_and_the_rest_are_published_after_commit(
         assert [type(e) for e in errors] == [type(None), RuntimeError, type(None),
                                              StoreFullError, type(None)]
         # (the holding job's transaction had no content change: nothing published for it)
-        assert sink.published == [[("stored", key(0), None), ("stored", key(1), key(0)),
-                                    ("evicted", key(1), key(0)),
-                                    ("quarantined", key(0), None)]]
+        assert sink.published == [[("stored", key(0), None, b"tag0"),
+                                    ("stored", key(1), key(0), b"tag1"),
+                                    ("evicted", key(1), key(0), b"tag1"),
+                                    ("quarantined", key(0), None, b"tag0")]]
         assert index.journal is None
+        # the aborted job's tag is gone with it; the evicted block's went with the block;
+        # the quarantined one's stays
+        assert index.tags.read_many([key(i) for i in range(9)]) == {key(0): b"tag0"}
     finally:
         writer.close()
 
@@ -97,9 +102,11 @@ def test_nothing_is_journaled_while_the_sink_wants_nothing(index: Index) -> None
         journals = writer.run_sync(lambda txn: (index.add_block(txn, key(1), entry(1)),
                                                 index.journal)[1])
         assert journals is None and sink.published == []
+        # (a quarantined block's tag stayed in the table: its restore carries it)
+        writer.run_sync(lambda txn: index.tags.put(txn, key(2), b"kept"))
         sink.on = True
         writer.run_sync(lambda txn: index.add_block(txn, key(2), entry(2, key(1)),
                                                     restored=True))
-        assert sink.published == [[("restored", key(2), key(1))]]
+        assert sink.published == [[("restored", key(2), key(1), b"kept")]]
     finally:
         writer.close()
