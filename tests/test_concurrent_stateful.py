@@ -98,6 +98,7 @@ STATS: dict[str, int] = {"machines": 0, "rounds": 0, "tasks": 0, "cancellations"
                          "child_refusals": 0, "small_fs_machines": 0, "full_rounds": 0,
                          "index_full_refusals": 0, "full_refusals": 0, "puts_after_full": 0,
                          "real_engine_machines": 0, "read_faults": 0, "read_faults_hit": 0,
+                         "round_promotions": 0,
                          "persistent_read_faults": 0, "blocks_restored": 0, "scrubs": 0,
                          "read_evictions": 0, "tag_checks": 0}
 
@@ -447,6 +448,10 @@ class ConcurrentMachine(RuleBasedStateMachine):
                     round_stats["evicted"] = parts(store).counters["evicted_blocks"]
                     round_stats["evicted_bytes"] = parts(store).counters["evicted_bytes"]
                     round_stats["peak"] = parts(store).allocator.peak_used_bytes
+                    # the round's gets promote blocks fetched from the remote tier: puts
+                    # of their own, which make room under pressure like the tasks' puts
+                    round_stats["promoted"] = (store.remote.stats().promoted_blocks
+                                               if store.remote is not None else 0)
             if faulty:  # unspent when the round crashed first: never carried to the next
                 self.disk.faults = [f for f in self.disk.faults if f[0] != "datasync"]
             if crashed:
@@ -602,6 +607,10 @@ class ConcurrentMachine(RuleBasedStateMachine):
         deleted = {k for (op, _) in tasks if op[0] == "delete" for k in CHAINS[op[1]][op[2]:]}
         self.maybe |= put_keys & deleted
         self.acked -= put_keys & deleted
+        promoted = round_stats.get("promoted", 0)
+        put_need += promoted * MAX_SLOT
+        puts += promoted
+        STATS["round_promotions"] += promoted
         evicted = round_stats.get("evicted", 0)
         self.evicted += evicted
         STATS["evictions"] += evicted
