@@ -57,3 +57,44 @@ def test_a_block_another_process_stored_in_a_new_extent_is_a_hit(tmp_path: Path)
         assert store.stats().quarantined_blocks == 0
         assert sorted(parts(store).fds) == theirs  # opened as entries named them
     assert fsck.check(str(tmp_path)).problems == []
+
+
+LIVE_WRITER = textwrap.dedent("""
+    import sys, torch, kvstore, kvstore.core.owners
+    from tests.conformance import NS, keys
+    kvstore.core.owners.SHARING_ENABLED = True
+    with kvstore.open_blocking(sys.argv[1], namespace=NS) as store:
+        for i, k in enumerate(keys(int(sys.argv[2]))):
+            sys.stdin.readline()
+            store.put(k, torch.full((4096,), i, dtype=torch.uint8))
+            print("acked", flush=True)
+        sys.stdin.readline()
+""")
+
+
+def test_a_put_acknowledged_in_a_live_process_is_a_hit_at_the_next_lookup(tmp_path: Path
+                                                                         ) -> None:
+    """Both processes stay open: each block the other one acknowledges is a hit here at
+    the very next lookup (no reopen, no wait), and was a miss at the lookup before."""
+    n = 5
+    ks = keys(n)
+    with kvstore.open_blocking(tmp_path, namespace=NS) as store:
+        writer = subprocess.Popen([sys.executable, "-c", LIVE_WRITER, str(tmp_path), str(n)],
+                                  cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
+        assert writer.stdin is not None and writer.stdout is not None
+        try:
+            for i, k in enumerate(ks):
+                assert store.contains_many([k]) == [False]
+                writer.stdin.write("\n")
+                writer.stdin.flush()
+                assert writer.stdout.readline().strip() == "acked"
+                assert store.contains_many([k]) == [True], f"block {i} not seen"
+                got = store.get(k)
+                assert got is not None and torch.equal(
+                    got, torch.full((4096,), i, dtype=torch.uint8))
+            writer.stdin.write("\n")
+            writer.stdin.flush()
+            assert writer.wait(timeout=120) == 0
+        finally:
+            writer.kill()
