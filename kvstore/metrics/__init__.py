@@ -53,7 +53,7 @@ except ImportError as e:  # an optional extra: say how to get it
 
 from kvstore.metrics.collector import StoreCollector, register, unregister
 from kvstore.metrics.server import MetricsServer, serve
-from kvstore.metrics.specs import METRICS, MetricSpec, metric_table
+from kvstore.metrics.specs import METRICS, UNEXPORTED, MetricSpec, metric_table
 
-__all__ = ["METRICS", "MetricSpec", "MetricsServer", "StoreCollector",
+__all__ = ["METRICS", "UNEXPORTED", "MetricSpec", "MetricsServer", "StoreCollector",
            "metric_table", "register", "serve", "unregister"]

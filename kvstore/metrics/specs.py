@@ -11,7 +11,7 @@ from typing import Any
 
 from kvstore.stats import StoreStats
 
-__all__ = ["CLASS", "LATENCY", "METRICS", "TIER", "UP", "MetricSpec", "Samples",
+__all__ = ["CLASS", "LATENCY", "METRICS", "TIER", "UNEXPORTED", "UP", "MetricSpec", "Samples",
            "metric_table"]
 
 Samples = dict[tuple[str, ...], float]  # extra label values (beyond ``store``) -> value
@@ -30,58 +30,82 @@ class MetricSpec:
     help: str
     read: Callable[[StoreStats], Samples] | None = None
 
+    @property
+    def source(self) -> str:
+        """The ``StoreStats`` field(s) it is read from ("" for those the collector makes)."""
+        return str(getattr(self.read, "source", ""))
+
 
 _ABSENT = object()
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A reader of one metric's samples, and the ``StoreStats`` field(s) it reads."""
+
+    source: str
+    fn: Reader
+
+    def __call__(self, stats: StoreStats) -> Samples:
+        return self.fn(stats)
 
 
 def _has(stats: StoreStats, name: str) -> bool:
     return getattr(stats, name, _ABSENT) is not _ABSENT
 
 
-def _field(name: str) -> Callable[[StoreStats], Samples]:
+def _field(name: str) -> _Read:
     """A plain field; nothing when this store's StoreStats has no such field."""
     def read(stats: StoreStats) -> Samples:
         return {(): float(getattr(stats, name))} if _has(stats, name) else {}
-    return read
+    return _Read(name, read)
 
 
-def _tiers(disk: Callable[[StoreStats], float], memory: str) -> Callable[[StoreStats], Samples]:
-    """``tier="disk"`` always; ``tier="memory"`` when the store has the ``memory`` field."""
+def _tiers(disk: str, memory: str, *, less: str | None = None) -> _Read:
+    """``tier="disk"`` always (field ``disk``, less field ``less`` if the store has it);
+    ``tier="memory"`` when the store has the ``memory`` field."""
     def read(stats: StoreStats) -> Samples:
-        out: Samples = {("disk",): float(disk(stats))}
+        on_disk = float(getattr(stats, disk)) - (_memory(stats, less) if less else 0.0)
+        out: Samples = {("disk",): on_disk}
         if _has(stats, memory):
             out[("memory",)] = float(getattr(stats, memory))
         return out
-    return read
+    return _Read(f"{disk}{f' - {less}' if less else ''}; memory: {memory}", read)
 
 
-def _per_class(name: str) -> Callable[[StoreStats], Samples]:
+def _per_class(name: str) -> _Read:
     """A ``{class: value}`` field of the I/O scheduler, one sample per class."""
     def read(stats: StoreStats) -> Samples:
         values: dict[str, float] = getattr(stats, name, None) or {}
         return {(str(cls),): float(v) for cls, v in sorted(values.items())}
-    return read
+    return _Read(name, read)
 
 
-def _remote(value: Callable[[dict[str, Any]], float]) -> Callable[[StoreStats], Samples]:
-    """A number of the remote tier's stats; nothing when the store has no remote tier."""
+def _remote(key: str, value: Callable[[Any], float] = float) -> _Read:
+    """``value`` of one number of the remote tier's stats (``stats.remote[key]``);
+    nothing when the store has no remote tier."""
     def read(stats: StoreStats) -> Samples:
         remote = getattr(stats, "remote", None)
-        return {(): float(value(remote))} if remote else {}
-    return read
+        return {(): float(value(remote[key]))} if remote else {}
+    return _Read(f"remote[{key!r}]", read)
+
+
+def _info(stats: StoreStats) -> Samples:
+    """The store's identity as labels of one sample, 1: its engine, O_DIRECT,
+    durability and its owner id (the processes sharing a store have one each)."""
+    return {(stats.engine, str(stats.o_direct).lower(), str(stats.durable).lower(),
+             str(stats.owner_id)): 1.0}
 
 
 def _memory(stats: StoreStats, name: str) -> float:
     return float(getattr(stats, name, 0))
 
 
-def _counter(name: str, help: str, read: Callable[[StoreStats], Samples],
-             labels: tuple[str, ...] = ()) -> MetricSpec:
+def _counter(name: str, help: str, read: Reader, labels: tuple[str, ...] = ()) -> MetricSpec:
     return MetricSpec(f"kvstore_{name}_total", "counter", labels, help, read)
 
 
-def _gauge(name: str, help: str, read: Callable[[StoreStats], Samples],
-           labels: tuple[str, ...] = ()) -> MetricSpec:
+def _gauge(name: str, help: str, read: Reader, labels: tuple[str, ...] = ()) -> MetricSpec:
     return MetricSpec(f"kvstore_{name}", "gauge", labels, help, read)
 
 
@@ -96,13 +120,13 @@ LATENCY = MetricSpec("kvstore_operation_duration_seconds", "histogram", ("op",),
 METRICS: tuple[MetricSpec, ...] = (
     UP,
     _gauge("read_only", "1 once the store stopped accepting writes after an I/O error "
-           "(reads still work), else 0", lambda s: {(): float(s.read_only)}),
+           "(reads still work), else 0", _field("read_only")),
     _counter("puts", "put_many calls (a put is one)", _field("puts")),
     _counter("put_blocks", "Blocks written by puts (not already stored)", _field("put_blocks")),
     _counter("put_bytes", "Bytes of the blocks written, as given (before the codec)",
              _field("put_bytes")),
     _counter("written_bytes", "Bytes written per tier (disk: block payloads after the codec)",
-             _tiers(lambda s: s.put_payload_bytes, "memory_written_bytes"), TIER),
+             _tiers("put_payload_bytes", "memory_written_bytes"), TIER),
     _counter("dedup_blocks", "Blocks a put skipped because they were already stored",
              _field("dedup_blocks")),
     _counter("dedup_bytes", "Bytes of the blocks skipped as already stored",
@@ -118,11 +142,11 @@ METRICS: tuple[MetricSpec, ...] = (
              _field("dropped_blocks")),
     _counter("gets", "get_many calls (a get is one)", _field("gets")),
     _counter("hits", "Blocks a get found, by the tier that served them",
-             _tiers(lambda s: s.hits - _memory(s, "memory_hits"), "memory_hits"), TIER),
+             _tiers("hits", "memory_hits", less="memory_hits"), TIER),
     _counter("misses", "Blocks a get looked for and did not find in the tier",
-             _tiers(lambda s: s.misses, "memory_misses"), TIER),
+             _tiers("misses", "memory_misses"), TIER),
     _counter("read_bytes", "Bytes of blocks served, by the tier that served them",
-             _tiers(lambda s: s.read_bytes, "memory_read_bytes"), TIER),
+             _tiers("read_bytes", "memory_read_bytes"), TIER),
     _counter("prefetched_blocks", "Blocks brought into the memory tier by prefetch",
              _field("prefetch_blocks")),
     _counter("evicted_blocks", "Blocks evicted from disk to stay within capacity",
@@ -150,21 +174,22 @@ METRICS: tuple[MetricSpec, ...] = (
            "in progress)", _field("scrub_progress")),
     _gauge("scrub_last_complete_timestamp_seconds", "When a scrub pass of this store last "
            "completed, in Unix time (any process; absent: never)",
-           lambda s: {} if s.scrub_last_complete is None else {(): s.scrub_last_complete}),
+           _Read("scrub_last_complete", lambda s: {} if s.scrub_last_complete is None
+                 else {(): s.scrub_last_complete})),
     _counter("deleted_blocks", "Blocks deleted by delete_many", _field("deletes")),
     _counter("index_commits", "Index write transactions committed", _field("commits")),
     _gauge("used_bytes", "Bytes in use per tier (disk: slots stored, quarantined, reserved "
            "or waiting for readers: what capacity bounds)",
-           _tiers(lambda s: s.used_bytes, "memory_used_bytes"), TIER),
+           _tiers("used_bytes", "memory_used_bytes"), TIER),
     _gauge("capacity_bytes", "The most used_bytes may reach, per tier",
-           _tiers(lambda s: s.capacity_bytes, "memory_capacity_bytes"), TIER),
+           _tiers("capacity_bytes", "memory_capacity_bytes"), TIER),
     _gauge("peak_used_bytes", "Highest disk used_bytes since the store was opened",
            _field("peak_used_bytes")),
     _gauge("stored_bytes", "Bytes of the slots in the extent files (not free, extent "
            "headers not counted)", _field("stored_bytes")),
     _gauge("free_bytes", "Free bytes inside the extent files", _field("free_bytes")),
     _gauge("disk_bytes", "Size of the extent files", _field("disk_bytes")),
-    _gauge("blocks", "Blocks stored, per tier", _tiers(lambda s: s.blocks, "memory_blocks"),
+    _gauge("blocks", "Blocks stored, per tier", _tiers("blocks", "memory_blocks"),
            TIER),
     _gauge("pinned_blocks", "Blocks pinned against eviction", _field("pinned_blocks")),
     _gauge("quarantined_blocks", "Blocks in quarantine now: a read failed; read again later "
@@ -181,40 +206,82 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("put_backlog_bytes", "Bytes of puts in flight (past open(backlog_bytes=...) "
            "background puts are dropped, foreground puts wait)", _field("backlog_bytes")),
     _gauge("remote_up", "1 while the remote tier answers (0: breaker open or disabled)",
-           _remote(lambda r: float(r["state"] in ("ok", "probing")))),
+           _remote("state", lambda state: float(state in ("ok", "probing")))),
     _counter("remote_hits", "Blocks fetched from the remote tier and verified",
-             _remote(lambda r: r["hits"])),
+             _remote("hits")),
     _counter("remote_joined", "Blocks a read took from another read's fetch in flight "
-             "(requested once, not once per reader)", _remote(lambda r: r["joined"])),
+             "(requested once, not once per reader)", _remote("joined")),
     _counter("remote_misses", "Blocks looked up in the remote tier and not found (or not "
-             "fetched by the deadline)", _remote(lambda r: r["misses"])),
+             "fetched by the deadline)", _remote("misses")),
     _counter("remote_bad_objects", "Remote objects that failed verification (CRC, key, "
-             "HMAC): answered as misses", _remote(lambda r: r["bad_objects"])),
+             "HMAC): answered as misses", _remote("bad_objects")),
     _counter("remote_fast_misses", "Blocks answered as misses without a request while the "
-             "breaker was open", _remote(lambda r: r["fast_misses"])),
+             "breaker was open", _remote("fast_misses")),
     _counter("remote_breaker_trips", "Times the remote tier's circuit breaker opened",
-             _remote(lambda r: r["breaker_trips"])),
+             _remote("breaker_trips")),
     _counter("remote_uploaded_blocks", "Blocks uploaded to the remote tier",
-             _remote(lambda r: r["uploaded_blocks"])),
+             _remote("uploaded_blocks")),
     _counter("remote_upload_dropped", "Blocks not uploaded (queue full, or queued at close)",
-             _remote(lambda r: r["upload_dropped"])),
+             _remote("upload_dropped")),
     _counter("remote_promoted_blocks", "Blocks fetched from the remote tier and stored "
-             "locally", _remote(lambda r: r["promoted_blocks"])),
+             "locally", _remote("promoted_blocks")),
     _counter("remote_promotion_dropped", "Blocks fetched from the remote tier and not "
              "stored locally (backpressure, full or read-only store)",
-             _remote(lambda r: r["promotion_dropped"])),
+             _remote("promotion_dropped")),
     _gauge("remote_upload_queue_blocks", "Blocks waiting for upload",
-           _remote(lambda r: r["upload_queue_blocks"])),
+           _remote("upload_queue_blocks")),
+    _gauge("store_info", "The store as this process opened it, as labels of one sample "
+           "(1): its I/O engine, O_DIRECT, durability (sync), and its owner id: each "
+           "process (each open Store) sharing a store directory is an owner of its own",
+           _Read("engine, o_direct, durable, owner_id", _info),
+           ("engine", "o_direct", "durable", "owner_id")),
+    _gauge("extents", "Extent files of the store", _field("extents")),
+    _gauge("extent_size_bytes", "Size of each extent file", _field("extent_bytes")),
+    _counter("memory_evicted_blocks", "Blocks the memory tier dropped to make room for "
+             "others (its own LRU; blocks gone from disk are not counted)",
+             _field("memory_evicted_blocks")),
+    _counter("prefetch_read_bytes", "Bytes prefetches read from disk into the memory tier",
+             _field("prefetch_read_bytes")),
+    _counter("dedup_late_blocks", "Blocks a put wrote that another owner of the store "
+             "indexed before its commit: counted as deduplicated, their slots given back",
+             _field("dedup_late")),
+    _counter("owners_recovered", "Owners of the store that did not close (killed "
+             "processes) that this store's open recovered", _field("owners_recovered")),
+    _counter("map_adoptions", "Sizes of the index's memory map that another process grew "
+             "and this process took (per process: the stores of a process share the index)",
+             _field("map_adoptions")),
+    _counter("events_published", "Content events made while a subscriber was on",
+             _field("events_published")),
+    _counter("events_dropped", "Content events lost by slow subscribers (each a gap in "
+             "their stream)", _field("events_dropped")),
+    _gauge("event_subscribers", "Event stream subscriptions open now",
+           _field("event_subscribers")),
     LATENCY,
 )
 """Every metric the collector can export, in exposition order."""
 
+UNEXPORTED: dict[str, str] = {
+    "path": "the `store` label of every sample",
+    "engine_reason": "text: why the I/O engine was chosen",
+    "read_only_reason": "text: why writes stopped (`kvstore_read_only` is the number)",
+    "cuda": "text: the GPU path of the staging arena",
+    "namespaces": "text: the key namespaces recorded in the store",
+    "dedup_ratio": "derived: (put_bytes + dedup_bytes) / put_bytes, from exported counters",
+    "compression_ratio": "derived: put_bytes / written_bytes{tier=\"disk\"}",
+    "totals": "the store's history over all processes and opens: exported by each of "
+              "the processes sharing a store, a sum over them would count it as often; "
+              "`python -m kvstore stats` prints it",
+}
+"""The ``StoreStats`` fields no metric reads, and why (a test keeps this list exact)."""
+
 
 def metric_table() -> str:
-    """The README's metric list (Markdown), made from :data:`METRICS`."""
-    rows = ["| Metric | Type | Labels | Meaning |", "|---|---|---|---|"]
+    """docs/metrics.md's metric list (Markdown), made from :data:`METRICS`, with the
+    ``stats()`` field each metric is read from."""
+    rows = ["| Metric | Type | Labels | From `stats()` | Meaning |", "|---|---|---|---|---|"]
     for spec in METRICS:
         labels = ", ".join(("store", *spec.labels))
-        rows.append(f"| `{spec.name}` | {spec.kind} | {labels} | {spec.help} |")
+        source = f"`{spec.source}`" if spec.source else "-"
+        rows.append(f"| `{spec.name}` | {spec.kind} | {labels} | {source} | {spec.help} |")
     return "\n".join(rows) + "\n"
 
