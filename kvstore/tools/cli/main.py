@@ -22,7 +22,8 @@ commands:
       verified, 1 blocks failed (now quarantined), 2 cannot run, 130 interrupted.
   stats PATH [--json]
       Print what the store holds, its totals since it was created (puts, dedup,
-      evictions, corruption) and its engine. --json: exact numbers.
+      evictions, corruption) and the processes that have it open (read from the index
+      beside them: nothing written, no owner registered). --json: exact numbers.
   demo [--path PATH] [--quick] [--remove]
       The main job: an engine-like workload (sessions sharing system prompts) is
       offloaded, the "engine" restarts (a new process), and every session's prefix is
