@@ -140,3 +140,57 @@ def test_a_check_in_a_process_that_has_the_store_open_is_refused(tmp_path: Path)
         with pytest.raises(kvstore.StoreLockedError, match="open in this process"):
             fsck.check(str(tmp_path))
     assert fsck.check(str(tmp_path)).findings == []  # closed: checked as usual
+
+
+# A live owner that keeps writing: puts (with evictions under its capacity, new extents
+# until it is reached) and deletes, on a thread, until told to stop; then says how many
+# rounds it made.
+CHURN = textwrap.dedent("""
+    import sys, threading, torch, kvstore
+    from tests.conformance import NS, keys
+    store = kvstore.open_blocking(sys.argv[1], namespace=NS, extent_bytes=1 << 20,
+                                  engine="threads", capacity_bytes=3 << 20)
+    stop, rounds = threading.Event(), [0]
+
+    def churn():
+        while not stop.is_set():
+            i = rounds[0]
+            ks = keys(4, 1000 + 4 * i)
+            store.put_many(ks, [torch.full((16384,), (i + j) % 251, dtype=torch.uint8)
+                                for j in range(4)], parents=kvstore.chain_parents(ks))
+            if i % 3 == 0:
+                store.delete_many(ks[2:])
+            rounds[0] += 1
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    print("open", kvstore.__file__, flush=True)
+    sys.stdin.readline()
+    stop.set()
+    worker.join()
+    store.close()
+    print(rounds[0], flush=True)
+""")
+
+
+def test_checks_beside_an_owner_that_keeps_writing_find_nothing(tmp_path: Path) -> None:
+    """Every table is read as of one commit, so a live owner's puts, deletes, evictions
+    and new extents meanwhile never look like damage or leftovers."""
+    build(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path)], cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().split()[:1] == ["open"]
+        reports = [fsck.check(str(tmp_path), deep=i % 2 == 1) for i in range(10)]
+    finally:
+        proc.stdin.write("\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+    rounds = int(proc.stdout.read().split()[-1])
+    proc.stdout.close()
+    assert rounds >= 4  # it wrote while the checks ran
+    for report in reports:
+        assert report.problems == [], report.findings
+        assert report.live_owners == [proc.pid]
+    assert fsck.check(str(tmp_path)).findings == []  # closed: clean, nothing left
