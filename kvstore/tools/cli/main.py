@@ -101,6 +101,9 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     print(f"{verb} {report.path}: {report.blocks} blocks, {report.quarantined} quarantined, "
           f"{report.extents} extents, {report.payloads_verified} payloads verified, "
           f"{report.seconds:.2f} s")
+    if report.slots_changed:
+        print(f"  {report.slots_changed} slot(s) failed after live processes changed their "
+              "keys since the index was read: not damage")
     for f in report.findings:
         state = "FIXED" if f.fixed else "found"
         print(f"  [{state}] {f.severity:<11} {f.kind:<20} {f.detail}")
