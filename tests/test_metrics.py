@@ -1,4 +1,4 @@
-"""Prometheus metrics (kvstore/metrics.py): served over HTTP from real stores, parsed
+"""Prometheus metrics (kvstore/metrics/): served over HTTP from real stores, parsed
 with prometheus_client's own parser, and checked to move as operations happen."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The store's locks: ``PATH/LOCK`` and the owners' lock files (issue 43).
 
 ``PATH/LOCK`` (:class:`StoreLock`) is taken *shared* by every open ``Store`` (the
-default: several processes serve one store directory) and *exclusively* by
-``open(..., exclusive=True)`` and by fsck, whose check and repairs assume nothing else
-runs.  An exclusive holder writes its pid into the file, for the error another opener
+default: several processes serve one store directory) and by fsck's check (which reads
+beside them and writes nothing), and *exclusively* by ``open(..., exclusive=True)`` and
+by fsck's repairs, which assume nothing else runs.  An exclusive holder writes its pid into the file, for the error another opener
 sees; shared holders write nothing: their owner lock files name them.
 
 An owner lock file, ``PATH/owners/NNNNNNNN.lock`` (:class:`OwnerLock`), is held with an
@@ -43,7 +43,8 @@ from kvstore.disk.layout import LOCK_FILE
 from kvstore.disk.store_files import check_file, check_same, open_regular
 from kvstore.errors import StoreLockedError, from_os_error
 
-__all__ = ["LOCK_FILE", "OwnerLock", "StoreLock", "live_owner_pids", "probe_owner"]
+__all__ = ["LOCK_FILE", "OwnerLock", "StoreLock", "held_owner_locks", "live_owner_pids",
+           "probe_owner"]
 
 _FIX = ("Remove it (rm {path}) if it is not a file of another program: the store makes "
         "its LOCK file again.")
@@ -223,14 +224,24 @@ def probe_owner(store_path: str, owner_id: int) -> OwnerLock | None:
 def live_owner_pids(store_path: str) -> list[int]:
     """The pids in the owner lock files that are held now (for messages; a file being
     created or removed at that moment may be missed)."""
+    return [pid for pid in held_owner_locks(store_path).values() if pid is not None]
+
+
+def held_owner_locks(store_path: str) -> dict[int, int | None]:
+    """Owner id -> pid (None if the file names none) of each owner lock file held now:
+    the live owners, seen without writing anything (each file opened read-only and
+    probed with a shared ``flock``, dropped at once; a file being created or removed at
+    that moment may be missed, and a registration probing that owner at that instant
+    sees it alive, which only delays its recovery)."""
     directory = layout.owners_dir(store_path)
     try:
         names = sorted(os.listdir(directory))
     except OSError:
-        return []
-    pids = []
+        return {}
+    held: dict[int, int | None] = {}
     for name in names:
-        if not name.endswith(layout.OWNER_LOCK_SUFFIX):
+        owner_id = layout.owner_id_of(name)
+        if owner_id is None:
             continue
         try:
             fd = open_regular(os.path.join(directory, name), os.O_RDONLY, "")
@@ -241,11 +252,10 @@ def live_owner_pids(store_path: str) -> list[int]:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:  # held: a live owner
                 raw = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                if raw.isdigit():
-                    pids.append(int(raw))
+                held[owner_id] = int(raw) if raw.isdigit() else None
         finally:
             os.close(fd)
-    return pids
+    return held
 
 
 def _before_fork() -> None:

@@ -25,7 +25,7 @@ from kvstore.disk import permissions
 from kvstore.index.index import Index, IndexWriter
 from kvstore.index.journal import JournalSink
 
-__all__ = ["acquire", "open_count", "release"]
+__all__ = ["acquire", "is_open", "open_count", "release"]
 
 S = TypeVar("S", bound=JournalSink)
 
@@ -87,6 +87,14 @@ def release(index: Index) -> None:
             return
     shared.writer.close()
     shared.index.close()
+
+
+def is_open(path: str) -> bool:
+    """Does this process have the index at ``path`` open through the registry (a
+    ``Store`` of it is open here)?"""
+    with _LOCK:
+        key = _key(path)
+        return key is not None and key in _OPEN
 
 
 def open_count() -> int:

@@ -147,6 +147,10 @@ class Index:
         with self._gate.read_transaction(self.env, self.path, buffers=buffers) as txn:
             yield txn
 
+    def one_snapshot(self) -> AbstractContextManager[None]:
+        """Every :meth:`begin` of this thread inside is one (:meth:`MapGate.one_snapshot`)."""
+        return self._gate.one_snapshot(self.env, self.path)
+
     @contextmanager
     def writing(self) -> Iterator[None]:
         """Held by the writer thread around each write transaction (no resize meanwhile)."""

@@ -65,7 +65,12 @@ class MapGate:
         """A read-only transaction of ``env`` inside :meth:`reading`; a map another
         process grew is adopted (:meth:`adopt`) and the transaction begun again.  LMDB's
         errors leave as KVStoreErrors; a transaction LMDB turned bad after a damaged page
-        as damage (``IndexCorruptionError``)."""
+        as damage (``IndexCorruptionError``).  Inside :meth:`one_snapshot` on this
+        thread: that transaction, left open."""
+        held = getattr(self._mine, "held", None)
+        if held is not None:
+            yield held
+            return
         for tries in count(1):
             with self.reading():
                 try:
@@ -84,6 +89,19 @@ class MapGate:
                         raise lmdb_error(e, "cannot read the index", path) from e
                     return
             self.adopt(env, path)  # outside reading(): it waits for every reader to leave
+
+    @contextmanager
+    def one_snapshot(self, env: Any, path: str) -> Iterator[None]:
+        """Every read transaction this thread begins inside the block is one and the
+        same, begun here: every table as of one commit (fsck beside live processes reads
+        all its tables this way, then ends it: LMDB keeps the pages this snapshot sees
+        from reuse until then).  Values are copies (no ``buffers``)."""
+        with self.read_transaction(env, path, buffers=False) as txn:
+            self._mine.held = txn
+            try:
+                yield
+            finally:
+                self._mine.held = None
 
     @contextmanager
     def writing(self) -> Iterator[None]:

@@ -1,12 +1,20 @@
 """Offline check and repair of a store: ``python -m kvstore fsck PATH``.
 
-The store must be closed (fsck takes its lock).  ``check`` runs these steps, each
-finding classified as *reclaimable* (what a crash legitimately leaves behind: space or
-files nobody references) or *damage* (something the store never produces on its own:
-a bad sector, a bug, a file edited by hand):
+The check runs beside live processes that have the store open: it takes ``LOCK``
+shared (a repair cannot start meanwhile), registers no owner and writes nothing to the
+store.  ``repair=True`` (and ``rebuild_index``) take ``LOCK`` exclusively and are refused
+(:class:`~kvstore.errors.StoreLockedError`, naming the pids) while a store is open.
+``check`` runs these steps, each finding classified as *reclaimable* (what a crash
+legitimately leaves behind: space or files nobody references) or *damage* (something
+the store never produces on its own: a bad sector, a bug, a file edited by hand):
 
 1. Take the store lock; open the LMDB index (every page checked before LMDB maps it:
-   kvstore/index/file.py; no link followed: store_files.py); check the format.  (else exit 2)
+   kvstore/index/file.py, walked inside the snapshot below when the store may be in
+   use; no link followed: store_files.py); check the format.  (else exit 2)
+   Every table is read in *one* read transaction (:meth:`Index.one_snapshot`: the
+   state of one commit, however many processes write meanwhile) and what the later
+   steps need is copied; it ends before any slot is read.  Live owners (their lock
+   files held) are listed (note: live-owners).
 2. Extent files: none is a link or not a regular file (damage: unsafe-extent-file; never
    read through; repair removes a link, never its target, and drops the extent's
    blocks).  Every extent in the ``extents`` table exists, has its recorded size and
@@ -17,7 +25,8 @@ a bad sector, a bug, a file edited by hand):
    as it is, its blocks checked one by one, never dropped.  Extent files
    (``NNNNNNNN.kvx``) that the table does not name are left by a crash between creating
    a file and committing it (reclaimable: orphan-extent-file, removed by repair once its
-   header reads: one that cannot be read is unreadable, kept).  Any other file there is
+   header reads: one that cannot be read is unreadable, kept); beside live owners, one
+   that the index read again names in ``extents`` or ``creating`` is theirs.  Any other file there is
    not the store's: listed, never deleted (note: foreign-file).
 3. Allocation map: the ranges of ``blocks`` and ``quarantine`` entries and the runs of the
    ``free``, ``claims`` and ``pending`` tables must tile every extent from 4096 to its
@@ -26,7 +35,11 @@ a bad sector, a bug, a file edited by hand):
    nobody are reclaimable (leaked-space).
 4. Slot headers: each indexed slot's header must decode and agree with its index entry
    (key, sequence number, lengths, dtype, codec, payload CRC) (damage: bad-slot).  With
-   ``deep=True`` every payload's CRC32C is recomputed too (damage: bad-payload).
+   ``deep=True`` every payload's CRC32C is recomputed too (damage: bad-payload).  Slots
+   are read after the snapshot ended, without a read mark: a slot that fails is judged
+   by its key's entry read again now; if that names another slot (deleted, evicted,
+   quarantined or stored again meanwhile) the failure is a race with a live owner, not
+   damage (counted in ``Report.slots_changed``).
 5. Quarantined blocks (a read failed while serving) are read again, whole: one whose
    header and payload verify is put back into the index by ``--repair`` (reclaimable:
    restorable; if its key was stored again meanwhile, the slot is a redundant copy and
@@ -38,6 +51,9 @@ a bad sector, a bug, a file edited by hand):
 6. With ``deep=True``, free space is scanned for slots that still verify: deleted blocks
    and writes of puts that never committed (note: orphan-slot; harmless, as the space is
    free, but ``rebuild_index`` would resurrect them, so ``--repair`` zeroes their headers).
+   Only the ``free`` table's runs (as of the snapshot) are scanned, never a claim: an
+   owner's claimed space holds its writes in flight.  Beside live owners a put in
+   flight may also show as an orphan slot (a note; only the exclusive repair zeroes).
    A range of free space that cannot be read (narrowed to its pages: fsck_files.py) is
    damage with its errno (unreadable), left as it is.
 7. Meta records: the sequence counter is at least every entry's, ``next_extent`` is past
@@ -48,7 +64,10 @@ a bad sector, a bug, a file edited by hand):
    row (fsck's exclusive lock means none is live) is an owner that did not close
    (reclaimable: dead-owner); --repair recovers it as the next open would: its claims
    back to the pool, its rows deleted, its lock file removed (fsck_space.py); a lock
-   file of no owner is a note (stale-owner-lock), removed by --repair.
+   file of no owner is a note (stale-owner-lock), removed by --repair.  Beside live
+   processes an owner is dead only if its lock file is free and its row is still there
+   when read again after that probe (a closing owner drops its row first), so no live
+   owner's claims or ``creating`` rows are called dead.
 
 8. Chain bookkeeping: the ``children`` counts (stored blocks naming each parent) and the
    ``lru`` rows (one per block, at its last use) must equal what the ``blocks`` table
@@ -80,20 +99,21 @@ or read-only disk) is a finding of its own (repair-failed, with its errno) and l
 its finding unfixed; an index transaction that fails changes nothing in the index
 (repair-failed; run it again).
 
-The checks are here; each finding's repair is queued and applied by
+The checks are here (step 1's opening and what live owners may change: fsck_open.py;
+step 7's meta records and step 9: fsck_meta.py; owners and counters: fsck_space.py);
+each finding's repair is queued and applied by
 kvstore/tools/fsck_repairs.py.  ``rebuild_index`` recreates the index from the extent
 files alone: kvstore/tools/fsck_rebuild.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from functools import partial
 from typing import Any
 
-from kvstore.disk import layout, permissions
+from kvstore.disk import layout
 from kvstore.disk.format import (
     EXTENT_HEADER_BYTES,
     PAGE,
@@ -101,14 +121,9 @@ from kvstore.disk.format import (
     IndexEntry,
 )
 from kvstore.disk.layout import extent_path
-from kvstore.disk.lock import StoreLock
-from kvstore.disk.store_files import check_dir, unsafe_reason
+from kvstore.disk.store_files import unsafe_reason
 from kvstore.errors import CorruptionError, IndexCorruptionError, KVStoreError
-from kvstore.index.index import (
-    MAP_LIMIT_BYTES,
-    Index,
-    IndexWriter,
-)
+from kvstore.index.index import Index, IndexWriter
 from kvstore.io.protocol import IOEngine
 from kvstore.tools.fsck_files import (
     ExtentReader,
@@ -120,10 +135,12 @@ from kvstore.tools.fsck_files import (
     verify_slot,
     zero_page,
 )
+from kvstore.tools.fsck_meta import check_meta, check_permissions
+from kvstore.tools.fsck_open import being_made, changed_since, open_for_check, walk_index
 from kvstore.tools.fsck_rebuild import rebuild_index
 from kvstore.tools.fsck_repairs import Repairs, chain_tables
 from kvstore.tools.fsck_report import DAMAGE, NOTE, RECLAIMABLE, Finding, ProgressFn, Report
-from kvstore.tools.fsck_space import check_space, shared_runs
+from kvstore.tools.fsck_space import check_counters, check_owners, shared_runs
 
 
 def check(path: str, *, repair: bool = False, deep: bool = False,
@@ -141,16 +158,13 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
             raise IndexCorruptionError(f"{path} has extent files but no index; run "
                                        f"`python -m kvstore fsck {path} --rebuild-index`")
         raise FileNotFoundError(f"no kvstore at {path}")
-    lock = StoreLock(path)  # exclusively: refused, naming them, while stores are open
-    with lock.released_on_error():  # a link for extents/ or the index, damage: exit 2
-        check_dir(layout.extents_dir(path), "Move the extents directory itself there.")
-        index = Index(layout.index_dir(path), map_size=MAP_LIMIT_BYTES, sync=True, verify=True)
-    writer = IndexWriter(index)
+    index, writer, lock = open_for_check(path, repair)
     try:
         with ExtentReader(engine) as reader:
             _Checker(path, index, writer, reader, report, repair, deep, progress).run()
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         index.close()
         lock.release()
     report.seconds = time.perf_counter() - started
@@ -158,26 +172,37 @@ def check(path: str, *, repair: bool = False, deep: bool = False,
 
 
 class _Checker(Repairs):
-    def __init__(self, path: str, index: Index, writer: IndexWriter, reader: ExtentReader,
-                 report: Report, repair: bool, deep: bool, progress: ProgressFn | None) -> None:
+    def __init__(self, path: str, index: Index, writer: IndexWriter | None,
+                 reader: ExtentReader, report: Report, repair: bool, deep: bool,
+                 progress: ProgressFn | None) -> None:
         super().__init__(report, writer, index, path)
         self.reader, self.repair, self.deep = reader, repair, deep
         self.progress = progress or (lambda stage, done, total: None)
         self.kept: set[int] = set()  # extents that could not be examined: never dropped
+        self.unnamed: list[tuple[int, str]] = []  # extent files the table does not name
+        # the check shares LOCK with live owners; a repair holds it alone
+        self.beside_live = not repair
         self.version = index.meta_records.check_format()  # (older: repair upgrades it)
         self.uuid: bytes = index.meta_records.store_uuid() or b""
 
     def run(self) -> None:
-        extents = self.check_extents()
-        entries = self.load_entries()
-        self.check_allocation(extents, entries)
+        with self.index.one_snapshot():  # step 1: every table as of one commit
+            if self.beside_live:
+                walk_index(self.path)
+            extents = self.check_extents()
+            entries = self.load_entries()
+            self.check_allocation(extents, entries)
+            free = [r for r in self.index.free_runs() if extents.get(r[0], 0)]
+            check_meta(self, extents, entries)
+            check_counters(self, self.version)
+            self.check_chains(entries)
+            self.check_tags()  # (fsck_repairs.py: the finding and its repair)
+        self.check_unnamed()  # (these read the index again, each: fsck_open.py,
+        check_owners(self, beside_live=self.beside_live)  # fsck_space.py)
         self.check_slots(extents, entries)
         if self.deep:
-            self.scan_free_space(extents)
-        self.check_meta(extents, entries)
-        self.check_chains(entries)
-        self.check_tags()  # (fsck_repairs.py: the finding and its repair)
-        self.check_permissions()
+            self.scan_free_space(free)
+        check_permissions(self)
         if self.repair and self.report.findings:
             self.apply_fixes(self.rewrite_derived)
 
@@ -207,19 +232,32 @@ class _Checker(Repairs):
             if not layout.is_extent_name(name) or (unsafe_reason(p) and not os.path.islink(p)):
                 self.find("foreign-file", NOTE, f"{p} is not an extent file; left alone")
             elif layout.extent_id_of(name) not in table:
-                try:  # removed only once it reads: a rebuild may have left it out for that
-                    self.reader.read(p, 0, EXTENT_HEADER_BYTES)
-                except OSError as e:
-                    self.unreadable(f"{p} is not named by the index and cannot be read; "
-                                    "left as it is (rebuild the index once it reads)", e)
-                    continue
-                f = self.find("orphan-extent-file", RECLAIMABLE,
-                              f"{p} is not named by the index (a crash before its commit)")
-                self.file_fixes.append((f, partial(remove_file, p)))
+                self.unnamed.append((layout.extent_id_of(name), p))  # (after the snapshot)
         for extent_id, size in usable.items():
             if size == 0 and extent_id not in self.kept:
                 self.fixes.append(partial(self.index.repairs.drop_extent, extent_id=extent_id))
         return usable
+
+    def check_unnamed(self) -> None:
+        """Step 2's extent files the snapshot's table does not name, judged with the
+        index read again: one an owner is making or has added since is not an orphan."""
+        theirs = being_made(self.index, self.beside_live)
+        for extent_id, p in self.unnamed:
+            if theirs(extent_id):
+                continue
+            try:  # removed only once it reads: a rebuild may have left it out for that
+                self.reader.read(p, 0, EXTENT_HEADER_BYTES)
+            except FileNotFoundError:
+                if self.beside_live:  # (an owner's creation that failed removed it)
+                    continue
+                raise
+            except OSError as e:
+                self.unreadable(f"{p} is not named by the index and cannot be read; "
+                                "left as it is (rebuild the index once it reads)", e)
+                continue
+            f = self.find("orphan-extent-file", RECLAIMABLE,
+                          f"{p} is not named by the index (a crash before its commit)")
+            self.file_fixes.append((f, partial(remove_file, p)))
 
     def check_extent(self, extent_id: int, size: int, p: str) -> int:
         """One extent of the table: its usable size, 0 if it is unusable."""
@@ -353,6 +391,9 @@ class _Checker(Repairs):
                           errno=err.errno, **where)
                 self.quarantine(key, e)
             except KVStoreError as err:
+                if changed_since(self.index, key, e, quarantined=False):
+                    self.report.slots_changed += 1
+                    continue
                 kind = "bad-payload" if "payload" in str(err) else "bad-slot"
                 f = self.find(kind, DAMAGE, f"block {key.hex()}: {err}", **where)
                 self.free_bad_slot(f, key, e, quarantined=False)
@@ -368,6 +409,9 @@ class _Checker(Repairs):
                             "quarantine, read again by the next fsck or scrub", err, **where)
             return
         except KVStoreError as err:
+            if changed_since(self.index, key, e, quarantined=True):
+                self.report.slots_changed += 1
+                return
             f = self.find("quarantined", RECLAIMABLE, f"block {key.hex()} failed a read "
                           f"while serving and fails verification now ({err})", **where)
             self.free_bad_slot(f, key, e, quarantined=True)
@@ -378,8 +422,7 @@ class _Checker(Repairs):
         self.restore(key, e)
 
     # -- step 6
-    def scan_free_space(self, extents: dict[int, int]) -> None:
-        runs = [r for r in self.index.free_runs() if extents.get(r[0], 0)]
+    def scan_free_space(self, runs: list[tuple[int, int, int]]) -> None:
         total = sum(r[2] for r in runs)
         done = 0
         for extent_id, offset, length in runs:
@@ -394,7 +437,9 @@ class _Checker(Repairs):
                 f = self.find("orphan-slot", NOTE,
                               f"free space at {slot_offset} of extent {extent_id} holds a valid "
                               "slot no index entry names (deleted, or written by a put that "
-                              "never committed)", extent=extent_id, offset=slot_offset)
+                              "never committed" + (", or one in flight in a live owner"
+                                                   if self.report.live_owners else "") + ")",
+                              extent=extent_id, offset=slot_offset)
                 self.file_fixes.append((f, partial(zero_page, p, slot_offset)))
             done += length
             self.progress("free space", done, total)
@@ -414,49 +459,6 @@ class _Checker(Repairs):
                   f"chain child counts or LRU rows disagree with the blocks table "
                   f"({len(have_children)} vs {len(want_children)} parents, {len(have_lru)} vs "
                   f"{len(want_lru)} LRU rows)")
-
-    # -- step 9
-    def check_permissions(self) -> None:
-        try:
-            mode = self.index.meta_records.file_mode() or permissions.FILE_MODE
-        except IndexCorruptionError as e:
-            self.find("meta", DAMAGE, str(e))
-            self.fixes.append(self.index.meta_records.drop_file_mode)
-            mode = permissions.FILE_MODE
-        for p in permissions.audit(self.path, mode):
-            if p.foreign:
-                self.unfixable.append(self.find(
-                    "foreign-owner", DAMAGE, f"{p.describe()}: another user can change it; "
-                    f"check it, then {permissions.fix_command(self.path, [p], mode)}"))
-            else:
-                f = self.find("loose-permissions", DAMAGE, f"{p.describe()}: other users can "
-                              f"reach it; --repair sets {p.want:04o}")
-                self.file_fixes.append((f, partial(permissions.set_mode, p.path, p.want,
-                                                   follow=p.path == self.path)))
-
-    # -- step 7
-    def check_meta(self, extents: dict[int, int],
-                   entries: list[tuple[bytes, IndexEntry, bool]]) -> None:
-        meta = self.index.meta_records
-        seq = meta.seq()
-        top = max((e.seq for _, e, _ in entries), default=0)
-        if seq < top:
-            self.find("meta", DAMAGE, f"sequence counter {seq} is below an entry's {top}")
-            self.fixes.append(partial(meta.raise_seq, seq=top))
-        nxt = meta.next_extent()
-        if extents and nxt <= max(extents):
-            self.find("meta", DAMAGE, f"next_extent {nxt} is not past extent {max(extents)}")
-            self.fixes.append(partial(meta.set_next_extent, extent_id=max(extents) + 1))
-        bad = []
-        for k, v in meta.namespace_rows():
-            try:
-                json.loads(v.decode())
-            except (UnicodeDecodeError, ValueError):
-                bad.append(k)
-        for k in bad:
-            self.find("meta", DAMAGE, f"namespace record {k!r} is not valid JSON")
-            self.fixes.append(partial(meta.drop_namespace, key=k))
-        check_space(self, self.version)
 
 
 __all__ = ["DAMAGE", "NOTE", "RECLAIMABLE", "Finding", "Report", "check", "rebuild_index"]

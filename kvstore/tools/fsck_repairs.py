@@ -29,7 +29,8 @@ class Repairs:
     """The report's findings and the repairs they call for: the data-file changes first
     (each durable), then the index's, in one transaction."""
 
-    def __init__(self, report: Report, writer: IndexWriter, index: Index, path: str) -> None:
+    def __init__(self, report: Report, writer: IndexWriter | None, index: Index,
+                 path: str) -> None:
         self.report, self.writer, self.index, self.path = report, writer, index, path
         self.fixes: list[Callable[[Txn], None]] = []
         self.unfixable: list[Finding] = []  # stay unfixed after --repair (foreign-owner)
@@ -62,6 +63,7 @@ class Repairs:
             for fix in fixes:
                 fix(txn)
 
+        assert self.writer is not None, "a repair opens the index with its writer"
         try:
             self.writer.run_sync(apply)
         except KVStoreError as e:  # the index as it was: nothing of it is fixed

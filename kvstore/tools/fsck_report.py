@@ -42,6 +42,10 @@ class Report:
     payloads_verified: int = 0
     chain_holes: int = 0  # stored blocks whose parent is not stored (step 8)
     chain_hole_examples: list[str] = field(default_factory=list)
+    # beside live processes (the check shares the store): their pids, and the slots that
+    # failed but whose key's entry names another slot now (reused meanwhile: not damage)
+    live_owners: list[int] = field(default_factory=list)
+    slots_changed: int = 0
     findings: list[Finding] = field(default_factory=list)
     seconds: float = 0.0
 

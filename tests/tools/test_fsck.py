@@ -280,15 +280,24 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
     assert cli(str(tmp_path / "nothing-here")).returncode == 2
 
 
-def test_cli_refuses_a_store_that_is_open(tmp_path: Path) -> None:
-    async def run() -> subprocess.CompletedProcess[str]:
-        async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT):
-            return await anyio.to_thread.run_sync(cli, str(tmp_path))
+def test_cli_checks_a_store_that_is_open_and_refuses_to_repair_it(tmp_path: Path) -> None:
+    build(tmp_path)
 
-    held = anyio.run(run)
-    # the store is held shared: fsck (which needs it alone) names the process using it
-    assert held.returncode == 2
-    assert f"open in 1 process(es) (pid {os.getpid()}); this needs it alone" in held.stderr
+    async def run() -> list[subprocess.CompletedProcess[str]]:
+        async with kvstore.open(tmp_path, namespace=NS):
+            return [await anyio.to_thread.run_sync(cli, str(tmp_path), *flags)
+                    for flags in ((), ("--repair",), ("--rebuild-index",))]
+
+    checked, repaired, rebuilt = anyio.run(run)
+    # the store is held shared: the check shares it and names the process using it
+    assert checked.returncode == 0, checked.stderr
+    assert "live-owners" in checked.stdout and f"pid {os.getpid()}" in checked.stdout
+    # a repair needs it alone: it names the process and says what can run beside it
+    for refused in (repaired, rebuilt):
+        assert refused.returncode == 2
+        assert f"open in 1 process(es) (pid {os.getpid()}); this needs it alone" \
+            in refused.stderr
+    assert "run fsck without --repair for a read-only check" in repaired.stderr
 
 
 def test_chain_holes_are_counted_not_reported_as_problems(tmp_path: Path) -> None:

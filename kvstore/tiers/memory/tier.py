@@ -92,12 +92,19 @@ class MemoryTier:
              ) -> tuple[Hits, list[IndexEntry | None]]:
         """The hits among ``entries`` (marked as read) and the entries left for the
         disk.  No await: call it in the step of the index lookup (a deleted, evicted or
-        re-put key is never answered)."""
+        re-put key is never answered, whichever owner of the store changed it: the copy
+        must carry the ``seq`` the index names now).  A copy of a key the index no
+        longer holds is dropped (this process's own deletes and evictions drop theirs
+        through :meth:`forget`; another process's are found here)."""
         hits: Hits = []
         from_disk = list(entries)
+        cache = self.cache
         for i, (key, entry) in enumerate(zip(keys, entries)):
-            if entry is not None and (cached := self.cache.lookup(key, entry.seq)):
-                self.cache.begin_read(cached)
+            if entry is None:
+                if key in cache:  # another owner deleted or evicted it: the copy is stale
+                    cache.discard([key])
+            elif cached := cache.lookup(key, entry.seq):  # (another seq: dropped there)
+                cache.begin_read(cached)
                 hits.append((i, cached))
                 from_disk[i] = None
         self._host.count("memory_misses", sum(e is not None for e in from_disk))

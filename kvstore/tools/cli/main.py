@@ -2,7 +2,9 @@
 
 commands:
   fsck PATH [--repair] [--deep] [--json] [--rebuild-index]
-      Check a closed store (the numbered steps are in kvstore/tools/fsck.py): format, extent
+      Check a store, beside processes that have it open (the check shares its lock and
+      writes nothing; --repair and --rebuild-index need it closed everywhere and name the
+      pids using it) (the numbered steps are in kvstore/tools/fsck.py): format, extent
       files, allocation map vs index, every slot header, every quarantined block read
       again whole (--repair puts back what verifies, never erases it); with --deep also
       every payload's CRC32C and free space. --repair fixes what it finds (a second run finds nothing);
@@ -10,7 +12,8 @@ commands:
       What cannot be read (an I/O error: an extent header, a slot, free space) is a
       finding with its errno, never written over by --repair. Exit 0 clean, 1 problems
       found (or fixed with --repair; the output says which were not), 2 cannot run (no
-      store there, store open elsewhere, unreadable index, unknown format version).
+      store there, store open elsewhere for --repair/--rebuild-index, unreadable index,
+      unknown format version).
   scrub PATH [--rate R] [--restart] [--json]
       Read every stored block again and verify it (header, payload CRC32C), and every
       quarantined one, at a bounded rate (default 64M bytes/s; 0: none), with a progress
@@ -19,7 +22,8 @@ commands:
       verified, 1 blocks failed (now quarantined), 2 cannot run, 130 interrupted.
   stats PATH [--json]
       Print what the store holds, its totals since it was created (puts, dedup,
-      evictions, corruption) and its engine. --json: exact numbers.
+      evictions, corruption) and the processes that have it open (read from the index
+      beside them: nothing written, no owner registered). --json: exact numbers.
   demo [--path PATH] [--quick] [--remove]
       The main job: an engine-like workload (sessions sharing system prompts) is
       offloaded, the "engine" restarts (a new process), and every session's prefix is
@@ -97,6 +101,9 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     print(f"{verb} {report.path}: {report.blocks} blocks, {report.quarantined} quarantined, "
           f"{report.extents} extents, {report.payloads_verified} payloads verified, "
           f"{report.seconds:.2f} s")
+    if report.slots_changed:
+        print(f"  {report.slots_changed} slot(s) failed after live processes changed their "
+              "keys since the index was read: not damage")
     for f in report.findings:
         state = "FIXED" if f.fixed else "found"
         print(f"  [{state}] {f.severity:<11} {f.kind:<20} {f.detail}")
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version",
                         version=f"kvstore {__version__} (on-disk format {FORMAT_VERSION})")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("fsck", help="check (and repair) a closed store")
+    p = sub.add_parser("fsck", help="check a store (beside live processes), repair a closed one")
     p.add_argument("path")
     p.add_argument("--repair", action="store_true", help="fix what is found")
     p.add_argument("--deep", action="store_true", help="verify every payload and scan free space")

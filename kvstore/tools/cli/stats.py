@@ -1,5 +1,7 @@
 """``python -m kvstore stats PATH [--json]``: what a store holds, in human units, its
-totals since creation (persisted in the index), and the per-process counters, labelled."""
+totals since creation (persisted in the index) and the processes that have it open.
+Read from the index alone, beside those processes: nothing is written and no owner
+registered (kvstore/tools/index_stats.py)."""
 
 from __future__ import annotations
 
@@ -8,28 +10,14 @@ import json
 import time
 from typing import Any
 
-import anyio
-
 from kvstore.tools.cli.paths import require_store
 from kvstore.tools.cli.units import human_bytes
 
-# Per-process counters: what the Store object opened by this command did (a stats
-# command opens the store afresh, so they are 0 there; a library caller's stats() has
-# its own). The store's history is in StoreStats.totals.
-_THIS_PROCESS = ("puts", "put_blocks", "put_bytes", "put_payload_bytes", "dedup_blocks",
-                 "dedup_bytes", "dedup_ratio", "compression_ratio", "gets", "hits", "misses",
-                 "read_bytes", "corrupt_blocks", "read_errors", "deletes", "evicted_blocks",
-                 "evicted_bytes", "commits", "peak_used_bytes", "read_retries",
-                 "quarantined_blocks", "restored_blocks", "scrubbed_blocks", "scrubbed_bytes",
-                 "scrub_failed_blocks", "scrub_passes")
-
 
 def stats_document(stats: dict[str, Any]) -> dict[str, Any]:
-    """``StoreStats.as_dict()`` for --json: exact numbers, namespaces as objects, the
-    per-process counters under ``this_process``."""
-    doc = {k: v for k, v in stats.items() if k not in _THIS_PROCESS}
+    """What ``index_stats`` read, for --json: exact numbers, namespaces as objects."""
+    doc = dict(stats)
     doc["namespaces"] = [json.loads(n) for n in stats["namespaces"]]
-    doc["this_process"] = {k: stats[k] for k in _THIS_PROCESS}
     return doc
 
 
@@ -39,20 +27,23 @@ def _ratio(offered: int, written: int) -> str:
 
 def format_stats(s: dict[str, Any]) -> list[str]:
     t = s["totals"]
+    capacity = "not recorded (the next open applies the default rule)" \
+        if s["capacity_bytes"] is None else human_bytes(s["capacity_bytes"])
+    owners = s["live_owners"]
     lines = [
-        f"store        {s['path']}",
-        f"engine       {s['engine']}{' + O_DIRECT' if s['o_direct'] else ''} "
-        f"({s['engine_reason']})",
+        f"store        {s['path']} (on-disk format {s['format_version']})",
         f"blocks       {s['blocks']} stored, {s['quarantined']} quarantined, "
         f"{s['pinned_blocks']} pinned",
         _scrub_line(s),
         f"space        {human_bytes(s['stored_bytes'])} in slots, "
         f"{human_bytes(s['free_bytes'])} free, {human_bytes(s['disk_bytes'])} on disk in "
         f"{s['extents']} extent file(s) of {human_bytes(s['extent_bytes'])}",
-        f"capacity     {human_bytes(s['capacity_bytes'])} "
-        f"({human_bytes(s['used_bytes'])} used)",
-        f"state        {'read-only: ' + str(s['read_only_reason']) if s['read_only'] else 'writable'}"
-        f", {'durable (fdatasync + LMDB fsync)' if s['durable'] else 'sync=False'}",
+        f"capacity     {capacity} ({human_bytes(s['used_bytes'])} used; "
+        f"{human_bytes(s['claimed_bytes'])} claimed, {human_bytes(s['pending_free_bytes'])}"
+        " freed, waiting for readers)",
+        "open in      " + (", ".join(f"pid {o['pid']} (owner {o['owner_id']}, "
+                                     f"sync={o['sync']})" for o in owners)
+                           if owners else "no process"),
         "namespaces" + ("   none recorded" if not s["namespaces"] else ""),
         *[f"  {n}" for n in s["namespaces"]],
         "",
@@ -63,10 +54,6 @@ def format_stats(s: dict[str, Any]) -> list[str]:
         f"again; offered / written {_ratio(t['put_bytes'] + t['dedup_bytes'], t['put_bytes'])}",
         f"  evicted    {t['evicted_blocks']} blocks ({human_bytes(t['evicted_bytes'])})",
         f"  corrupt    {t['corrupt_blocks']} blocks failed verification when read",
-        "",
-        "this process (the store as opened by this command, so mostly 0):",
-        f"  gets {s['gets']}, hits {s['hits']}, misses {s['misses']}, "
-        f"read {human_bytes(s['read_bytes'])}, puts {s['puts']}, commits {s['commits']}",
     ]
     return lines
 
@@ -81,15 +68,10 @@ def _scrub_line(s: dict[str, Any]) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    import kvstore
+    from kvstore.tools.index_stats import index_stats
 
     require_store(args.path)
-
-    async def run() -> dict[str, Any]:
-        async with kvstore.open(args.path, create=False) as store:
-            return store.stats().as_dict()
-
-    stats = anyio.run(run)
+    stats = index_stats(args.path)
     if args.json:
         print(json.dumps(stats_document(stats), indent=2))
     else:

@@ -1,5 +1,7 @@
-"""``python -m kvstore stats`` (kvstore/tools/cli/stats.py): human units, the store's totals,
-per-process counters labelled, exact numbers and namespaces as objects in --json."""
+"""``python -m kvstore stats`` (kvstore/tools/cli/stats.py, kvstore/tools/index_stats.py):
+human units, the store's totals, exact numbers and namespaces as objects in --json; read
+from the index beside a live process that has the store open (its pid listed), nothing
+written."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 import kvstore
 from tests.conformance import NS, SMALL_EXTENT, keys, make_tensor
 from tests.tools.cli.conftest import Run
+from tests.tools.test_fsck import N, build
+from tests.tools.test_fsck_live import live_owner, store_state
 
 
 def test_stats_human_units_totals_and_json(cli: Callable[..., Run], tmp_path: Path) -> None:
@@ -31,11 +35,27 @@ def test_stats_human_units_totals_and_json(cli: Callable[..., Run], tmp_path: Pa
     assert "since the store was created (all processes; kept in the index):" in lines
     assert "  puts       2 batches, 3 blocks written (384 KiB)" in lines
     assert "  dedup      2 blocks (256 KiB) not written again; offered / written 1.67x" in lines
-    assert any(line.startswith("this process") for line in lines)
+    assert "open in      no process" in lines
     assert "4.00 MiB on disk in 1 extent file(s) of 4.00 MiB" in text.stdout
 
     doc = json.loads(cli("stats", str(tmp_path), "--json").stdout)
     assert doc["namespaces"] == [json.loads(NS.canonical_json())]
     assert doc["totals"]["put_bytes"] == 3 * 131072 and doc["totals"]["dedup_blocks"] == 2
     assert doc["disk_bytes"] == SMALL_EXTENT  # exact numbers in JSON
-    assert doc["this_process"]["puts"] == 0 and "puts" not in doc
+    assert doc["live_owners"] == [] and "puts" not in doc  # (no counters of its own)
+    assert doc["used_bytes"] == doc["stored_bytes"] == 3 * (131072 + 4096)
+    assert doc["capacity_bytes"] is None  # never given: not recorded
+
+
+def test_stats_beside_a_live_owner_lists_it_and_writes_nothing(
+        cli: Callable[..., Run], tmp_path: Path) -> None:
+    build(tmp_path)
+    with live_owner(tmp_path) as owner:
+        before = store_state(tmp_path)
+        text = cli("stats", str(tmp_path))
+        doc = json.loads(cli("stats", str(tmp_path), "--json").stdout)
+        assert store_state(tmp_path) == before
+    assert text.returncode == 0, text.stderr
+    assert f"open in      pid {owner.proc.pid} (owner " in text.stdout
+    assert [o["pid"] for o in doc["live_owners"]] == [owner.proc.pid]
+    assert doc["blocks"] == N
