@@ -26,8 +26,8 @@ crashes reach each of them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext, suppress
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext, suppress
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -41,6 +41,7 @@ from kvstore.io.transfers import Failed, ReadCounts, read_slot
 if TYPE_CHECKING:
     from kvstore.core.allocator import Allocator
     from kvstore.core.operations import Health
+    from kvstore.core.read_marks import ReadMarks
     from kvstore.index.index import Index, IndexWriter
     from kvstore.io.aligned import AlignedBuffer
     from kvstore.io.transfers import Transfers
@@ -62,14 +63,29 @@ class VerifiedReads:
 
     def __init__(self, *, path: str, index: Index, writer: IndexWriter, allocator: Allocator,
                  transfers: Transfers, health: Health, counters: dict[str, int],
-                 memory: Forgets) -> None:
+                 memory: Forgets, marks: ReadMarks) -> None:
         self._path, self._index, self._writer = path, index, writer
+        self.marks = marks
         self._allocator, self._transfers, self._health = allocator, transfers, health
         self._counters, self._memory = counters, memory
         # Blocks counted as quarantined while the store could not record it (read-only):
         # they stay indexed and fail again; ``quarantined_blocks`` counts each once.
         self._counted: set[tuple[bytes, int]] = set()
         self.on_unreadable: Callable[[], None] = lambda: None  # set by the store: rechecks
+
+    @contextmanager
+    def marked(self) -> Iterator[None]:
+        """Around a lookup and the reads of the slots it found: this owner's read mark
+        (kvstore/core/read_marks.py) is published before the lookup and withdrawn after
+        the last read, so no owner of the store reuses those slots meanwhile."""
+        mark = self.marks.begin()
+        try:
+            yield
+        finally:
+            self.marks.end(mark)
+            # what was freed while it was published (its own quarantine, a delete) may
+            # be free now: nobody else is told that this mark moved
+            self._allocator.epochs.release_ripe()
 
     async def read(self, keys: Sequence[bytes], entries: Sequence[IndexEntry | None],
                    outs: Sequence[torch.Tensor | None], results: list[torch.Tensor | None],
@@ -142,13 +158,14 @@ class VerifiedReads:
         if not self._health.read_only:
             # A key with an older copy in quarantine: read that copy now; the transaction
             # keeps whichever copy verifies (kvstore.index.quarantine).
-            displaced = {k: e for k, (e, _) in
-                         self._index.quarantine_records.of(list(moving)).items()
-                         if not same_slot(e, moving[k][0])}
-            seen = {}
-            if displaced:
-                outcomes = await self._check(list(displaced.items()))
-                seen = {k: (e, outcomes[k] == OK) for k, e in displaced.items()}
+            with self.marked():
+                displaced = {k: e for k, (e, _) in
+                             self._index.quarantine_records.of(list(moving)).items()
+                             if not same_slot(e, moving[k][0])}
+                seen = {}
+                if displaced:
+                    outcomes = await self._check(list(displaced.items()))
+                    seen = {k: (e, outcomes[k] == OK) for k, e in displaced.items()}
             items = [(k, e, unread) for k, (e, unread) in moving.items()]
             with suppress(KVStoreError):
                 done = await self._writer.run(
@@ -249,12 +266,13 @@ class VerifiedReads:
         next use), or None if it is gone (evicted, deleted) or fails verification (then
         fsck / the next get deal with it): :func:`kvstore.io.transfers.read_slot`
         (through the engine, O_DIRECT where the store writes so)."""
-        entry = self._index.get_entries([key])[0]
-        if entry is None:
-            return None
-        epoch = self._allocator.begin_read()
-        try:
-            with as_class(PREFETCH):  # a background read: gets go first
-                return await read_slot(self._transfers, key, entry, buffer)
-        finally:
-            self._allocator.end_read(epoch)
+        with self.marked():
+            entry = self._index.get_entries([key])[0]
+            if entry is None:
+                return None
+            epoch = self._allocator.begin_read()
+            try:
+                with as_class(PREFETCH):  # a background read: gets go first
+                    return await read_slot(self._transfers, key, entry, buffer)
+            finally:
+                self._allocator.end_read(epoch)

@@ -24,6 +24,7 @@ import os
 import struct
 
 from kvstore._native import lib as native_lib
+from kvstore.disk import permissions
 from kvstore.disk.layout import marks_path
 from kvstore.disk.store_files import open_regular
 from kvstore.errors import FormatVersionError, StoreLockedError
@@ -72,8 +73,10 @@ class MarksFile:
             raise StoreLockedError(11, f"sharing {store_path} with another owner needs "
                                    f"the native fence helper: {_reason}")
         path = marks_path(store_path)
-        fd = open_regular(path, os.O_RDWR | os.O_CREAT, "remove it; kvstore makes it again",
-                          mode)
+        # made with exactly the store's mode (whatever the umask), then opened as a
+        # regular file of the store's own (never through a link)
+        os.close(permissions.open_file(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK, mode))
+        fd = open_regular(path, os.O_RDWR, "remove it; kvstore makes it again")
         try:
             size = HEADER_BYTES + 8 * SLOTS
             if os.fstat(fd).st_size < size:
@@ -97,6 +100,12 @@ class MarksFile:
         """Slot ``slot``'s word := ``value`` (0: no mark), then a full fence."""
         assert _lib is not None and 1 <= slot <= SLOTS
         _lib.kvs_mark_publish(self._base + 8 * (slot - 1), value)
+
+    def clear_all(self) -> None:
+        """Every slot's word := 0 (no owner is live: what dead ones left means nothing)."""
+        for slot in range(1, SLOTS + 1):
+            if self.mark(slot):
+                self.publish(slot, 0)
 
     def minimum(self) -> int:
         """After a full fence, the smallest mark of any slot (:data:`NO_MARK` if none)."""

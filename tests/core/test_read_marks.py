@@ -1,0 +1,152 @@
+"""Read marks across the owners of one store (kvstore/core/read_marks.py,
+kvstore/io/marks.py; issue 43's DESIGN 7.1-7.3): a range one owner frees is not reused
+while a read of another owner that looked it up may still copy it, and is reused once
+that read ended; mark slots are taken at registration and cleared by a dead owner's
+recovery; without the native helper a store works alone and refuses a second owner.
+
+Two Stores of this process on one path are two owners (``SHARING_ENABLED`` on: the
+allocator does not claim yet, so only the freeing owner reuses its freed ranges here).
+A read is held at a gate of its owner's engine between its lookup and its slot read."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+import kvstore
+import kvstore.core.owners
+from kvstore.io import marks
+from kvstore.io.marks import NO_MARK, MarksFile
+from kvstore.testing import parts
+from kvstore.tools import fsck
+from tests.concurrency import DEADLINE, GatedEngine, real_engine
+from tests.conformance import NS, keys, same
+from tests.core.test_owners import killed_at
+from tests.core.test_pending_space import pending, slot, tiled
+
+OPEN = {"namespace": NS, "extent_bytes": 1 << 20}
+VALUE = torch.arange(4096, dtype=torch.float32)  # every put here is this size
+
+needs_helper = pytest.mark.skipif(not marks.native()[0], reason=marks.native()[1])
+
+
+@needs_helper
+@pytest.mark.parametrize("reader", ["first", "second"])  # the owner opened first reads, or not
+def test_a_read_in_one_owner_keeps_what_another_freed_pending_until_it_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str) -> None:
+    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
+    k, other, third = keys(3)
+
+    async def scenario() -> None:
+        engine = GatedEngine(real_engine("threads", tmp_path))
+        gated = {"engine": engine, **OPEN}
+        plain = {"engine": "threads", **OPEN}
+        async with kvstore.open(tmp_path, **(gated if reader == "first" else plain)) as s1, \
+                kvstore.open(tmp_path, **(plain if reader == "first" else gated)) as s2:
+            a, b = (s1, s2) if reader == "first" else (s2, s1)  # a reads, b frees
+            index = parts(b).index
+            await b.put(k, VALUE)
+            old = slot(index.get_entries([k])[0])
+            gate = engine.gate("read")
+            got: list[torch.Tensor | None] = []
+            with anyio.fail_after(DEADLINE):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: _get_into(a, k, got))
+                    await gate.entered.wait()  # a looked k up: its mark is published
+                    assert parts(a).owner.marks.published > 0
+                    assert await b.delete(k)
+                    await b.put(other, VALUE)  # the same size: best fit would be old
+                    assert slot(index.get_entries([other])[0]) != old
+                    assert pending(index) == [old] and tiled(index)
+                    gate.open()
+            assert len(got) == 1 and same(got[0], VALUE)  # the bytes it looked up
+            assert parts(a).owner.marks.published == 0  # withdrawn when the read ended
+            assert a.stats().raced_reads == 0 and a.stats().corrupt_blocks == 0
+            await b.put(third, VALUE)  # no read holds it now: reused, and ripened
+            assert slot(index.get_entries([third])[0]) == old
+            assert pending(index) == [] and tiled(index)
+            assert same(await a.get(third), VALUE) and same(await b.get(other), VALUE)
+        report = fsck.check(str(tmp_path))
+        assert report.findings == [], [f.detail for f in report.findings]
+
+    anyio.run(scenario)
+
+
+async def _get_into(store: kvstore.Store, key: bytes, got: list[torch.Tensor | None]) -> None:
+    got.append(await store.get(key))
+
+
+def open_here(path: Path) -> kvstore.BlockingStore:
+    return kvstore.open_blocking(path, engine="threads", **OPEN)
+
+
+def slots_of(store: kvstore.BlockingStore) -> dict[int, int]:
+    """owner id -> mark slot, from the ``owners`` rows."""
+    index = parts(store).index
+    with index.begin() as txn:
+        return {i: r.mark_slot for i, r in index.owner_records.rows(txn).items()}
+
+
+@needs_helper
+def test_owners_take_the_lowest_free_mark_slot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
+    a = open_here(tmp_path)
+    b = open_here(tmp_path)
+    with b:
+        with a:
+            assert slots_of(a) == {parts(a).owner.id: 1, parts(b).owner.id: 2}
+        with open_here(tmp_path) as c:  # a's slot is free again
+            assert slots_of(c) == {parts(b).owner.id: 2, parts(c).owner.id: 1}
+
+
+READER = textwrap.dedent("""
+    import sys, torch, kvstore
+    from kvstore.testing import parts
+    from tests.conformance import NS, keys
+    store = kvstore.open_blocking(sys.argv[1], namespace=NS, extent_bytes=1 << 20,
+                                  engine="threads")
+    store.put_many(keys(1), [torch.ones(16)])
+    parts(store).owner.marks.begin()  # a read in flight, never ended: killed meanwhile
+    print("reading", flush=True)
+    sys.stdin.readline()
+""")
+
+
+@needs_helper
+def test_a_killed_owners_frozen_mark_is_cleared_by_its_recovery(tmp_path: Path) -> None:
+    killed_at(READER, tmp_path, "reading\n")
+    frozen = MarksFile.open(str(tmp_path))
+    try:
+        assert frozen.minimum() != NO_MARK and frozen.mark(1) > 0  # it holds the horizon
+        with open_here(tmp_path) as store:
+            assert parts(store).owner.recovered == 1
+            assert frozen.mark(1) == 0 and frozen.minimum() == NO_MARK
+            assert slots_of(store) == {parts(store).owner.id: 1}
+    finally:
+        frozen.close()
+    assert fsck.check(str(tmp_path)).findings == []
+
+
+def test_without_the_native_helper_a_store_works_alone_and_refuses_a_second_owner(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
+    monkeypatch.setattr(marks, "_lib", None)
+    monkeypatch.setattr(marks, "_reason", "not built (test)")
+    k, other = keys(2)
+    with open_here(tmp_path) as store:
+        p = parts(store)
+        assert not p.owner.marks.enabled and slots_of(store) == {p.owner.id: 0}
+        store.put_many([k], [VALUE])
+        old = slot(p.index.get_entries([k])[0])
+        store.delete_many([k])
+        store.put_many([other], [VALUE])  # today's local rule: no read holds it
+        assert slot(p.index.get_entries([other])[0]) == old
+        with pytest.raises(kvstore.StoreLockedError, match="native fence helper.*not built"):
+            open_here(tmp_path)
+        assert same(store.get_many([other])[0], VALUE)
+    assert fsck.check(str(tmp_path)).findings == []
