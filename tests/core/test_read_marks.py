@@ -10,6 +10,8 @@ A read is held at a gate of its owner's engine between its lookup and its slot r
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -21,11 +23,11 @@ import kvstore
 import kvstore.core.owners
 from kvstore.io import marks
 from kvstore.io.marks import NO_MARK, MarksFile
-from kvstore.testing import parts
+from kvstore.testing import parts, waiting_reserves
 from kvstore.tools import fsck
-from tests.concurrency import DEADLINE, GatedEngine, real_engine
+from tests.concurrency import DEADLINE, GatedEngine, real_engine, until
 from tests.conformance import NS, keys, same
-from tests.core.test_owners import killed_at
+from tests.core.test_owners import ROOT, killed_at
 from tests.core.test_pending_space import pending, slot, tiled
 
 OPEN = {"namespace": NS, "extent_bytes": 1 << 20}
@@ -106,7 +108,7 @@ def test_owners_take_the_lowest_free_mark_slot(
 
 READER = textwrap.dedent("""
     import sys, torch, kvstore
-    from kvstore.testing import parts
+    from kvstore.testing import parts, waiting_reserves
     from tests.conformance import NS, keys
     store = kvstore.open_blocking(sys.argv[1], namespace=NS, extent_bytes=1 << 20,
                                   engine="threads")
@@ -150,3 +152,94 @@ def test_without_the_native_helper_a_store_works_alone_and_refuses_a_second_owne
             open_here(tmp_path)
         assert same(store.get_many([other])[0], VALUE)
     assert fsck.check(str(tmp_path)).findings == []
+
+
+MARKER = textwrap.dedent("""
+    import sys, kvstore, kvstore.core.owners
+    from kvstore.testing import parts, waiting_reserves
+    from tests.conformance import NS
+    kvstore.core.owners.SHARING_ENABLED = True
+    with kvstore.open_blocking(sys.argv[1], namespace=NS, extent_bytes=1 << 20,
+                               engine="threads") as store:
+        marks = parts(store).owner.marks
+        mark = marks.begin()  # what a get of this process publishes before its lookup
+        print("marked", flush=True)
+        sys.stdin.readline()
+        marks.end(mark)
+        print("ended", flush=True)
+        sys.stdin.readline()
+""")
+
+
+@needs_helper
+def test_a_read_mark_of_another_process_keeps_a_freed_range_pending(tmp_path: Path) -> None:
+    """The mark crosses processes through the shared mapping, fenced on both sides."""
+    k, other, third = keys(3)
+    with open_here(tmp_path) as store:
+        index = parts(store).index
+        store.put_many([k], [VALUE])
+        old = slot(index.get_entries([k])[0])
+        child = subprocess.Popen([sys.executable, "-c", MARKER, str(tmp_path)], cwd=ROOT,
+                                 text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            assert child.stdout.readline() == "marked\n"
+            store.delete_many([k])
+            store.put_many([other], [VALUE])  # the child may still copy k's slot
+            assert slot(index.get_entries([other])[0]) != old and pending(index) == [old]
+            child.stdin.write("end\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "ended\n"
+            store.put_many([third], [VALUE])  # no reader anywhere: reused
+            assert slot(index.get_entries([third])[0]) == old and pending(index) == []
+            child.stdin.write("close\n")
+            child.stdin.flush()
+            assert child.wait(timeout=DEADLINE) == 0
+        finally:
+            child.kill()
+            child.wait()
+            child.stdin.close()
+            child.stdout.close()
+    assert fsck.check(str(tmp_path)).findings == []
+
+
+@needs_helper
+def test_a_put_short_of_space_waits_for_another_owners_read_not_evicting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capacity for two blocks: the freed one is pending while the other owner reads
+    it, so the put waits for that read (it polls the horizon) instead of evicting."""
+    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
+    k, kept, new = keys(3)
+
+    async def scenario() -> None:
+        engine = GatedEngine(real_engine("threads", tmp_path))
+        async with kvstore.open(tmp_path, engine=engine, **OPEN) as a, \
+                kvstore.open(tmp_path, engine="threads", capacity_bytes=2 * 20480,
+                             **OPEN) as b:
+            await b.put_many([k, kept], [VALUE, VALUE])
+            old = slot(parts(b).index.get_entries([k])[0])
+            assert old[2] == 20480
+            gate = engine.gate("read")
+            got: list[torch.Tensor | None] = []
+            put_done = anyio.Event()
+
+            async def put() -> None:
+                await b.put(new, VALUE)
+                put_done.set()
+
+            with anyio.fail_after(DEADLINE):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: _get_into(a, k, got))
+                    await gate.entered.wait()
+                    assert await b.delete(k)
+                    tg.start_soon(put)
+                    await until(lambda: waiting_reserves(parts(b).allocator) > 0
+                                or put_done.is_set())
+                    assert not put_done.is_set()
+                    assert parts(b).allocator.pending_free_bytes == 20480
+                    gate.open()
+            assert same(got[0], VALUE)
+            assert slot(parts(b).index.get_entries([new])[0]) == old
+            assert b.stats().evicted_blocks == 0 and await b.contains(kept)
+
+    anyio.run(scenario)
