@@ -93,6 +93,7 @@ class Owner:
         finally:
             self._lock.remove()
             if self._file is not None:
+                self.marks.detach()  # (never a store into an unmapped file)
                 self._file.close()
                 self._file = None
 

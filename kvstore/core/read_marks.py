@@ -67,7 +67,12 @@ class ReadMarks:
         at most this)."""
         return self._newest()
 
+    def detach(self) -> None:
+        """The owner closes its marks file: publish nothing into it from now on (a read
+        ending after that has nothing left to withdraw: the close cleared the slot)."""
+        self._file, self.enabled = None, False
+
     def _publish(self, value: int) -> None:
-        assert self._file is not None
-        self._file.publish(self._slot, value)
+        if self._file is not None:
+            self._file.publish(self._slot, value)
         self.published = value

@@ -18,9 +18,12 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvstore
 import kvstore.core.owners
+from kvstore.core.read_marks import ReadMarks
 from kvstore.io import marks
 from kvstore.io.marks import NO_MARK, MarksFile
 from kvstore.testing import parts, waiting_reserves
@@ -243,3 +246,32 @@ def test_a_put_short_of_space_waits_for_another_owners_read_not_evicting(
             assert b.stats().evicted_blocks == 0 and await b.contains(kept)
 
     anyio.run(scenario)
+
+
+@needs_helper
+@given(steps=st.lists(st.tuples(st.booleans(), st.integers(0, 3)), max_size=40))
+def test_an_owners_mark_is_the_oldest_read_in_flight(
+        tmp_path_factory: pytest.TempPathFactory, steps: list[tuple[bool, int]]) -> None:
+    """Reads begin as the snapshot id grows and end in any order: the slot holds the
+    oldest mark in flight (0: none), and a detached owner publishes nothing more."""
+    path = tmp_path_factory.mktemp("marks")
+    (path / "owners").mkdir()
+    file = MarksFile.open(str(path))
+    try:
+        newest = [1]
+        owner = ReadMarks(file, 5, lambda: newest[0])
+        in_flight: list[int] = []
+        for begin, pick in steps:
+            if begin or not in_flight:
+                newest[0] += pick  # (commits meanwhile, or none)
+                in_flight.append(owner.begin())
+            else:
+                owner.end(in_flight.pop(pick % len(in_flight)))
+            assert file.mark(5) == owner.published == min(in_flight, default=0)
+            assert file.minimum() == min(in_flight, default=NO_MARK)
+        owner.detach()
+        for mark in in_flight:
+            owner.end(mark)
+        assert file.mark(5) == min(in_flight, default=0)  # left for the close to clear
+    finally:
+        file.close()
