@@ -23,7 +23,8 @@ COUNTERS = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes", "g
             "put_replans", "memory_hits", "memory_misses", "memory_read_bytes",
             "prefetch_blocks", "prefetch_read_bytes", "dropped_puts", "dropped_blocks",
             "quarantined_blocks", "read_retries", "restored_blocks", "scrubbed_blocks",
-            "scrubbed_bytes", "scrub_failed_blocks", "scrub_passes", "dedup_late")
+            "scrubbed_bytes", "scrub_failed_blocks", "scrub_passes", "dedup_late",
+            "raced_reads")
 
 
 @dataclass
@@ -104,6 +105,9 @@ class StoreStats:
     owners_recovered: int = 0
     dedup_late: int = 0  # blocks a put wrote that were indexed (another owner) before its commit
     map_adoptions: int = 0
+    # reads whose slot failed verification because the block moved after their lookup
+    # (another owner deleted it and reused its slot): misses, not quarantined; 0 expected
+    raced_reads: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/index/totals.py); the counters above
     # (puts ... evicted_bytes) count only this Store object since it was opened.

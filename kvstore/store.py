@@ -405,7 +405,8 @@ def _open_paths(parts: StoreParts, opts: StoreOptions, ops: Operations, deletes:
     tiers = parts.tiers
     reads = VerifiedReads(
         path=parts.path, index=index, writer=writer, allocator=parts.allocator,
-        transfers=parts.transfers, health=health, counters=counters, memory=tiers)
+        transfers=parts.transfers, health=health, counters=counters, memory=tiers,
+        marks=parts.owner.marks)
     # Quarantine is a suspicion: unreadable blocks are read again later
     # (kvstore/core/rechecks.py), every stored slot by the scrub (kvstore/core/scrub.py).
     rechecks = Rechecks(index=index, reads=reads, ops=ops, health=health, task_group=task_group)

@@ -74,7 +74,7 @@ from typing import Protocol
 
 import anyio
 
-from kvstore.core.free_space import FreeSpace, ReadEpochs
+from kvstore.core.free_space import FreeSpace, ReadEpochs, wait_for_change
 from kvstore.disk.extents import remove_new_extent_file
 from kvstore.disk.format import PAGE, IndexEntry
 from kvstore.errors import CapacityError
@@ -243,6 +243,7 @@ class Allocator:
             if not first:  # its first look (and eviction) did not place it: in line
                 self._wait_in_line(ticket)
             first = False
+            self.epochs.release_ripe()  # (reads of other owners end unseen: look now)
             if self._waiting and self._waiting[0] < ticket:
                 # An earlier reserve waits for space: after it, not around it.
                 self._wait_in_line(ticket)
@@ -318,7 +319,7 @@ class Allocator:
     async def _wait_for_change(self) -> None:
         if self._changed is None:
             self._changed = anyio.Event()
-        await self._changed.wait()
+        await wait_for_change(self._changed, self.epochs)
 
     # ------------------------------------------------------------------ evict, grow
 

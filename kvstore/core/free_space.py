@@ -9,7 +9,11 @@ import bisect
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-__all__ = ["FreeSpace", "ReadEpochs"]
+import anyio
+
+from kvstore.io.marks import NO_MARK
+
+__all__ = ["FreeSpace", "ReadEpochs", "wait_for_change"]
 
 
 class FreeSpace:
@@ -81,15 +85,29 @@ class ReadEpochs:
     (kvstore/index/space_counters.py): each one released here is also kept in
     :attr:`ripe` until a transaction moves its row back to the free pool
     (:meth:`take_ripe`; one that did not commit gives them back with :meth:`unripe`).
-    That transaction must come before the commit of any slot placed in them."""
+    That transaction must come before the commit of any slot placed in them.
+
+    Reads of the other owners of the store are not in these epochs: they publish read
+    marks (kvstore/core/read_marks.py).  A range freed when the newest LMDB snapshot id
+    was ``t`` (:attr:`newest`, read after the freeing transaction committed, so at least
+    its txnid) is released only once ``t <= horizon()`` too, the oldest mark of any
+    owner: no reader anywhere looked it up before the free.  Other owners' reads end
+    unseen here, so :meth:`release_ripe` is called again by whoever needs the space
+    (the allocator, before it reserves and while it waits).  Once ripe by that rule a
+    row stays ripe (a read beginning later marks at least the snapshot the free made),
+    which is why its ``pending`` row may be moved by a later commit without looking
+    again."""
 
     def __init__(self, space: FreeSpace, on_release: Callable[[], None] = lambda: None) -> None:
         self._space = space
         self._on_release = on_release
         self._epoch = 0
         self._active: Counter[int] = Counter()
-        self._held: list[tuple[int, int, int, int]] = []  # (epoch, extent, offset, length)
+        # (epoch, newest snapshot id at the free, extent, offset, length)
+        self._held: list[tuple[int, int, int, int, int]] = []
         self.held_bytes = 0
+        self.horizon: Callable[[], int] = lambda: NO_MARK  # set by the store (its marks)
+        self.newest: Callable[[], int] = lambda: 0
         self.ripe: list[tuple[int, int, int]] = []  # released, still pending in the index
 
     def take_ripe(self) -> list[tuple[int, int, int]]:
@@ -112,21 +130,48 @@ class ReadEpochs:
 
     def free(self, extent: int, offset: int, length: int) -> None:
         """Free a range once every read that began up to now has ended."""
-        self._held.append((self._epoch, extent, offset, length))
+        self._held.append((self._epoch, self.newest(), extent, offset, length))
         self.held_bytes += length
         self._epoch += 1
         self._release()
 
-    def _release(self) -> None:
+    def release_ripe(self) -> bool:
+        """Release what no read of any owner can hold now; whether some held range is
+        waiting for other owners' reads alone (its own have ended)."""
+        if not self._held:
+            return False
+        self._release()
         oldest = min(self._active) if self._active else self._epoch
+        return any(held[0] < oldest for held in self._held)
+
+    def _release(self) -> None:
+        if not self._held:
+            return
+        oldest = min(self._active) if self._active else self._epoch
+        horizon = self.horizon() if any(held[0] < oldest for held in self._held) else 0
         keep = []
         for held in self._held:
-            if held[0] < oldest:
-                self._space.free(*held[1:])
-                self.ripe.append(held[1:])
-                self.held_bytes -= held[3]
+            if held[0] < oldest and held[1] <= horizon:
+                self._space.free(*held[2:])
+                self.ripe.append(held[2:])
+                self.held_bytes -= held[4]
             else:
                 keep.append(held)
         if len(keep) != len(self._held):
             self._held = keep
             self._on_release()
+
+
+async def wait_for_change(changed: anyio.Event, epochs: ReadEpochs) -> None:
+    """Until ``changed`` is set (a read of this owner ended, a put ended, space came
+    back) or, when freed space waits for other owners' reads alone, until some of it
+    is released: their ends are told to nobody here, so look again after a short
+    while, backing off from 0.5 ms to 20 ms (DESIGN 6.4)."""
+    delay = 0.0005
+    while not changed.is_set():
+        if not epochs.release_ripe():  # (what it released, if any, set ``changed``)
+            await changed.wait()
+            return
+        with anyio.move_on_after(delay):
+            await changed.wait()
+        delay = min(delay * 2, 0.02)

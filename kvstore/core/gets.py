@@ -49,32 +49,36 @@ class GetPath:
         outs: list[torch.Tensor | None] = [None] * len(keys) if out is None else list(out)
         if len(outs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} out tensors")
-        entries = self._index.get_entries(keys)
-        # remote tier: what it holds of the misses, now (a promotion may land meanwhile)
-        held = remote.held_blocks(keys, entries) if remote is not None else None
-        for entry, o in zip(entries, outs):  # validate before any I/O
-            if isinstance(o, torch.Tensor):  # (a local miss may be fetched: checked too)
-                check_writable_out(o)
-            if entry is not None:
-                self._limits.check(entry.slot_len)
-            if entry is not None and o is not None:
-                check_out(o, entry.dtype, (entry.raw_len // CODE_DTYPES[entry.dtype].itemsize,))
-        self._counters["gets"] += 1
-        results: list[torch.Tensor | None] = [None] * len(keys)
-        hits: Any = None  # the memory tier's, held until released
-        from_disk = entries
-        if memory is not None:
-            hits, from_disk = memory.take(keys, entries)
-        try:
-            # No await between the lookup above and the read's epoch (begun at the
-            # call): a block deleted or evicted after it keeps its space until it ends.
-            await self._reads.read(keys, from_disk, outs, results)
-            if hits:
-                assert memory is not None
-                await memory.copy_out(hits, outs, results, self._copier)
-        finally:
-            if memory is not None and hits is not None:
-                memory.release(hits)
+        # This owner's read mark from before the lookup until the disk read ended
+        # (kvstore/core/read_marks.py): no owner reuses what it looked up meanwhile.
+        with self._reads.marked():
+            entries = self._index.get_entries(keys)
+            # remote tier: what it holds of the misses, now (a promotion may land meanwhile)
+            held = remote.held_blocks(keys, entries) if remote is not None else None
+            for entry, o in zip(entries, outs):  # validate before any I/O
+                if isinstance(o, torch.Tensor):  # (a local miss may be fetched: checked too)
+                    check_writable_out(o)
+                if entry is not None:
+                    self._limits.check(entry.slot_len)
+                if entry is not None and o is not None:
+                    check_out(o, entry.dtype,
+                              (entry.raw_len // CODE_DTYPES[entry.dtype].itemsize,))
+            self._counters["gets"] += 1
+            results: list[torch.Tensor | None] = [None] * len(keys)
+            hits: Any = None  # the memory tier's, held until released
+            from_disk = entries
+            if memory is not None:
+                hits, from_disk = memory.take(keys, entries)
+            try:
+                # No await between the lookup above and the read's epoch (begun at the
+                # call): a block deleted or evicted after it keeps its space until it ends.
+                await self._reads.read(keys, from_disk, outs, results)
+                if hits:
+                    assert memory is not None
+                    await memory.copy_out(hits, outs, results, self._copier)
+            finally:
+                if memory is not None and hits is not None:
+                    memory.release(hits)
         if remote is not None:  # local misses, fetched and promoted
             assert held is not None
             await remote.fill_misses(keys, outs, results, held)

@@ -210,6 +210,11 @@ class StoreParts:
             lost_extents=self.lost_extents,
             capacity_bytes=capacity, file_mode=self.file_mode,
             counters=self.counters, owner_id=self.owner.id)
+        # Freed space is reused once no read of any owner can hold it (read marks)
+        marks = self.owner.marks
+        if marks.enabled:
+            self.allocator.epochs.horizon, self.allocator.epochs.newest = \
+                marks.horizon, marks.newest
         # Capacity is a bound at every instant: a store reopened with a smaller one
         # evicts down to it now, before it serves (or refuses to open: pinned blocks).
         self.allocator.fit_capacity(ride_along=self.flush_totals_in)

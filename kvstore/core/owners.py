@@ -21,9 +21,13 @@ Registration (:func:`register`, one write transaction on the index writer, after
    naming the live owners' pids).
 4. Until space is shared between processes (claims), a live owner in another process
    refuses the registration (:class:`~kvstore.errors.StoreLockedError`, naming it): the
-   allocator still assumes it owns the free space alone.
-5. Write this owner's row (pid, its start time and PID namespace, ``sync``, when), and
-   lease its first sequence numbers (:mod:`kvstore.core.seq_lease`).
+   allocator still assumes it owns the free space alone.  So does one when the native
+   fence helper of the read marks is not built (DESIGN 5.1 step 2): without marks, an
+   owner's reads are invisible to the others' reuse of freed space.
+5. Take a mark slot in ``PATH/owners/marks`` (:mod:`kvstore.io.marks`): the lowest no
+   live owner's row names (a dead owner's was cleared when it was recovered), its word
+   cleared; write this owner's row (pid, its start time and PID namespace, ``sync``,
+   the slot, when), and lease its first sequence numbers (:mod:`kvstore.core.seq_lease`).
 
 A failure part-way aborts the transaction and releases every lock file it took.  Close
 (:meth:`Owner.close`): one transaction deletes the row and returns its claims to the
@@ -37,15 +41,19 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import replace
 from typing import Any
 
+from kvstore.core.read_marks import ReadMarks
 from kvstore.core.seq_lease import SeqLease
-from kvstore.disk import layout
+from kvstore.disk import layout, permissions
 from kvstore.disk.extents import remove_new_extent_file
 from kvstore.disk.lock import OwnerLock, probe_owner
 from kvstore.errors import OptionMismatchError, StoreLockedError
 from kvstore.index.index import Index, IndexWriter
 from kvstore.index.owners import OwnerRecord
+from kvstore.io import marks as marks_file
+from kvstore.io.marks import MarksFile
 
 __all__ = ["SHARING_ENABLED", "Owner", "forget", "register"]
 
@@ -61,11 +69,14 @@ class Owner:
     """This ``Store``'s registration: its id and lock file, until :meth:`close`."""
 
     def __init__(self, path: str, owner_id: int, lock: OwnerLock, index: Index,
-                 writer: IndexWriter, recovered: int, seqs: SeqLease) -> None:
+                 writer: IndexWriter, recovered: int, seqs: SeqLease,
+                 marks: ReadMarks, file: MarksFile | None) -> None:
         self._path, self.id, self._lock = path, owner_id, lock
         self._index, self._writer = index, writer
         self.recovered = recovered  # dead owners this registration recovered
         self.seqs = seqs  # its sequence numbers (kvstore/core/seq_lease.py)
+        self.marks = marks  # its reads' mark (kvstore/core/read_marks.py)
+        self._file = file
 
     def close(self) -> None:
         """Delete the row (and ``creating`` rows of extents it failed to make; its claims
@@ -75,11 +86,16 @@ class Owner:
         if self._lock.fd < 0:
             return
         try:
-            unmade = self._writer.run_sync(lambda txn: forget(txn, self._index, self.id))
+            unmade = self._writer.run_sync(
+                lambda txn: forget(txn, self._index, self.id, self._file))
             for extent_id in unmade:  # (a failed creation removed its file already)
                 remove_new_extent_file(self._path, extent_id)
         finally:
             self._lock.remove()
+            if self._file is not None:
+                self.marks.detach()  # (never a store into an unmapped file)
+                self._file.close()
+                self._file = None
 
 
 def register(path: str, index: Index, writer: IndexWriter, *, sync: bool,
@@ -90,22 +106,38 @@ def register(path: str, index: Index, writer: IndexWriter, *, sync: bool,
     dead: list[OwnerLock] = []
     unmade: list[int] = []  # extent files dead owners were making
     orphans: list[int] = []  # dead owners whose lock a forked child still holds
-    owner_id, lock, first_seq = writer.run_sync(
-        _registration(path, index, record, file_mode, dead, unmade, orphans))
+    file = _open_marks(path, file_mode)
+    try:
+        owner_id, lock, first_seq, slot = writer.run_sync(
+            _registration(path, index, record, file_mode, dead, unmade, orphans, file))
+    except BaseException:
+        if file is not None:
+            file.close()
+        raise
     for extent_id in unmade:  # no entry names them, no live owner makes them
         remove_new_extent_file(path, extent_id)
     for other in dead:  # their rows are gone for good now
         other.remove()
+    marks = ReadMarks(file, slot, lambda: int(index.env.info()["last_txnid"]))
     return Owner(path, owner_id, lock, index, writer, len(dead) + len(orphans),
-                 SeqLease(first_seq))
+                 SeqLease(first_seq), marks, file)
+
+
+def _open_marks(path: str, file_mode: int) -> MarksFile | None:
+    """The store's marks file, mapped; None without the native helper (then this owner
+    can only be alone: step 4)."""
+    if not marks_file.native()[0]:
+        return None
+    permissions.make_dirs(layout.owners_dir(path), file_mode)
+    return MarksFile.open(path, file_mode)
 
 
 def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
-                  dead: list[OwnerLock], unmade: list[int], orphans: list[int]
-                  ) -> Callable[[Txn], tuple[int, OwnerLock, int]]:
+                  dead: list[OwnerLock], unmade: list[int], orphans: list[int],
+                  file: MarksFile | None) -> Callable[[Txn], tuple[int, OwnerLock, int, int]]:
     table = index.owner_records
 
-    def job(txn: Txn) -> tuple[int, OwnerLock, int]:
+    def job(txn: Txn) -> tuple[int, OwnerLock, int, int]:
         _release(dead)  # (a job the writer runs again after growing the map)
         unmade.clear()
         orphans.clear()
@@ -122,18 +154,21 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
                     orphans.append(other_id)
                 else:
                     dead.append(probe)
-                unmade.extend(forget(txn, index, other_id))
+                unmade.extend(forget(txn, index, other_id, file))
             if not live:  # (runs freed by an owner that closed beside others, or fsck)
                 index.space.ripen_all(txn, index.free_map)
+                if file is not None:  # (marks of owners fsck recovered, if any)
+                    file.clear_all()
             _sweep(path, {owner_id, *live})
-            _check_agreement(path, record, live)
-            table.add(txn, owner_id, record)
+            _check_agreement(path, record, live, file)
+            slot = _mark_slot(path, live, file)
+            table.add(txn, owner_id, replace(record, mark_slot=slot))
             first_seq = SeqLease.lease_in(txn, index)
         except BaseException:
             lock.remove()  # (inside the transaction: nobody else registers meanwhile)
             _release(dead)
             raise
-        return owner_id, lock, first_seq
+        return owner_id, lock, first_seq, slot
 
     return job
 
@@ -155,12 +190,18 @@ def _sweep(path: str, owners: set[int]) -> None:
                 left.remove()
 
 
-def forget(txn: Txn, index: Index, owner_id: int) -> list[int]:
-    """Delete an owner's row and its ``creating`` rows, and return its claims to the
-    pool (kvstore/index/space_counters.py); returns those extent ids (files to delete
-    once the transaction committed).  The last owner gone, no read of a pending run
-    is left: every one ripens."""
+def forget(txn: Txn, index: Index, owner_id: int, file: MarksFile | None = None
+           ) -> list[int]:
+    """Delete an owner's row and its ``creating`` rows, clear its mark slot in ``file``
+    (None: fsck, which deletes the file), and return its claims to the pool
+    (kvstore/index/space_counters.py); returns those extent ids (files to delete once
+    the transaction committed).  The last owner gone, no read of a pending run is
+    left: every one ripens."""
     table = index.owner_records
+    row = table.rows(txn).get(owner_id)
+    if file is not None and row is not None and row.mark_slot:
+        # (before the commit: if it aborts, the owner is dead anyway, its reads gone)
+        file.publish(row.mark_slot, 0)
     table.remove(txn, owner_id)
     index.space.return_claims(txn, index.free_map, owner_id)
     if not table.rows(txn):
@@ -171,7 +212,8 @@ def forget(txn: Txn, index: Index, owner_id: int) -> list[int]:
     return unmade
 
 
-def _check_agreement(path: str, mine: OwnerRecord, live: dict[int, OwnerRecord]) -> None:
+def _check_agreement(path: str, mine: OwnerRecord, live: dict[int, OwnerRecord],
+                     file: MarksFile | None) -> None:
     if not live:
         return
     pids = ", ".join(str(r.pid) for r in live.values())
@@ -187,6 +229,24 @@ def _check_agreement(path: str, mine: OwnerRecord, live: dict[int, OwnerRecord])
         raise StoreLockedError(
             11, f"store {path} {where}; sharing one store between Stores is not enabled yet "
             "(issue 43). Close it there first, or open another path")
+    if file is None:
+        raise StoreLockedError(
+            11, f"store {path} is open (pid {pids}) and sharing it needs the native fence "
+            f"helper of the read marks: {marks_file.native()[1]}. Close it there first, "
+            "or open another path")
+
+
+def _mark_slot(path: str, live: dict[int, OwnerRecord], file: MarksFile | None) -> int:
+    """The lowest mark slot no live owner names, its word cleared (0: no file)."""
+    if file is None:
+        return 0
+    taken = {r.mark_slot for r in live.values()}
+    slot = next((i for i in range(1, marks_file.SLOTS + 1) if i not in taken), 0)
+    if not slot:
+        raise StoreLockedError(11, f"store {path} has {len(live)} owners: every mark slot "
+                               "is taken. Close some first")
+    file.publish(slot, 0)
+    return slot
 
 
 def _release(locks: list[OwnerLock]) -> None:

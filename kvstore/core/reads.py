@@ -26,8 +26,8 @@ crashes reach each of them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext, suppress
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext, suppress
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -41,6 +41,7 @@ from kvstore.io.transfers import Failed, ReadCounts, read_slot
 if TYPE_CHECKING:
     from kvstore.core.allocator import Allocator
     from kvstore.core.operations import Health
+    from kvstore.core.read_marks import ReadMarks
     from kvstore.index.index import Index, IndexWriter
     from kvstore.io.aligned import AlignedBuffer
     from kvstore.io.transfers import Transfers
@@ -62,14 +63,29 @@ class VerifiedReads:
 
     def __init__(self, *, path: str, index: Index, writer: IndexWriter, allocator: Allocator,
                  transfers: Transfers, health: Health, counters: dict[str, int],
-                 memory: Forgets) -> None:
+                 memory: Forgets, marks: ReadMarks) -> None:
         self._path, self._index, self._writer = path, index, writer
+        self.marks = marks
         self._allocator, self._transfers, self._health = allocator, transfers, health
         self._counters, self._memory = counters, memory
         # Blocks counted as quarantined while the store could not record it (read-only):
         # they stay indexed and fail again; ``quarantined_blocks`` counts each once.
         self._counted: set[tuple[bytes, int]] = set()
         self.on_unreadable: Callable[[], None] = lambda: None  # set by the store: rechecks
+
+    @contextmanager
+    def marked(self) -> Iterator[None]:
+        """Around a lookup and the reads of the slots it found: this owner's read mark
+        (kvstore/core/read_marks.py) is published before the lookup and withdrawn after
+        the last read, so no owner of the store reuses those slots meanwhile."""
+        mark = self.marks.begin()
+        try:
+            yield
+        finally:
+            self.marks.end(mark)
+            # what was freed while it was published (its own quarantine, a delete) may
+            # be free now: nobody else is told that this mark moved
+            self._allocator.epochs.release_ripe()
 
     async def read(self, keys: Sequence[bytes], entries: Sequence[IndexEntry | None],
                    outs: Sequence[torch.Tensor | None], results: list[torch.Tensor | None],
@@ -112,57 +128,95 @@ class VerifiedReads:
             self._count(counts)
         finally:
             allocator.end_read(epoch)
-        if corrupt or unreadable:
-            await self.quarantine(corrupt, unreadable)
-        return counts.nbytes, len(corrupt) + len(unreadable)
+        failed = await self.quarantine(corrupt, unreadable) if corrupt or unreadable else 0
+        return counts.nbytes, failed
 
     def _count(self, counts: ReadCounts) -> None:
         self._counters["read_errors"] += counts.errors
         self._counters["read_retries"] += counts.retries
 
     async def quarantine(self, corrupt: Sequence[tuple[bytes, IndexEntry, str]],
-                         unreadable: Sequence[tuple[bytes, IndexEntry, str]] = ()) -> None:
+                         unreadable: Sequence[tuple[bytes, IndexEntry, str]] = ()) -> int:
         """Move blocks that failed verification (``corrupt``) or could not be read at all
         (``unreadable``: I/O error after retries, short read, missing extent) out of the
         index, in the same pass that found them, so that no lookup promises them again
         (a lookup that promised what a load cannot deliver made vLLM retry the load for
         ever).  Their space stays allocated: an unreadable block is read again later
         (:mod:`kvstore.core.rechecks`), every quarantined one by the scrub and fsck, and put
-        back if it verifies.  ``quarantined_blocks`` counts blocks moved (each once,
-        however many reads failed on it).  One warning per pass names the store and the
-        first cause."""
-        bad = [*corrupt, *unreadable]
-        self._counters["corrupt_blocks"] += len(corrupt)
-        self._memory.forget([key for key, _, _ in bad])
-        logger.warning(
-            "kvstore %s: %d block(s) failed verification and %d could not be read; "
-            "quarantined (answered as misses until a re-read verifies them; `python -m "
-            "kvstore fsck %s` lists them). First: key %s: %s", self._path, len(corrupt),
-            len(unreadable), self._path, bad[0][0].hex()[:32], bad[0][2])
-        moving = {key: (entry, False) for key, entry, _ in corrupt}
+        back if it verifies.  A verification failure that a later change of the index
+        explains is no failure (:meth:`_raced`).  ``corrupt_blocks`` and
+        ``quarantined_blocks`` count the blocks moved (each once, however many reads
+        failed on it), and they alone leave the memory tier.  One warning per pass names
+        the store and the first cause.  Returns how many blocks failed under their
+        current entry."""
+        moving = {key: (entry, False) for key, entry, _ in self._raced(corrupt)}
         moving.update((key, (entry, True)) for key, entry, _ in unreadable)
-        if self._health.read_only:  # nothing can be recorded: count each block once
+        if not moving:
+            return 0
+        causes = {key: why for key, _, why in [*corrupt, *unreadable]}
+        done = Quarantined([], [], [])
+        if not self._health.read_only:
+            # A key with an older copy in quarantine: read that copy now; the transaction
+            # keeps whichever copy verifies (kvstore.index.quarantine).
+            with self.marked():
+                displaced = {k: e for k, (e, _) in
+                             self._index.quarantine_records.of(list(moving)).items()
+                             if not same_slot(e, moving[k][0])}
+                seen = {}
+                if displaced:
+                    outcomes = await self._check(list(displaced.items()))
+                    seen = {k: (e, outcomes[k] == OK) for k, e in displaced.items()}
+            items = [(k, e, unread) for k, (e, unread) in moving.items()]
+            with suppress(KVStoreError):
+                done = await self._writer.run(
+                    lambda txn: self._index.quarantine_records.move(txn, items, seen))
+            self._settled(done)
+        moved = done.moved
+        if self._health.read_only:  # nothing could be recorded: count each block once
             fresh = {(k, e.seq) for k, (e, _) in moving.items()} - self._counted
             self._counted |= fresh
-            self._counters["quarantined_blocks"] += len(fresh)
-            return
-        # A key with an older copy in quarantine: read that copy now; the transaction
-        # keeps whichever copy verifies (kvstore.index.quarantine).
-        displaced = {k: e for k, (e, _) in self._index.quarantine_records.of(list(moving)).items()
-                     if not same_slot(e, moving[k][0])}
-        seen = {}
-        if displaced:
-            outcomes = await self._check(list(displaced.items()))
-            seen = {k: (e, outcomes[k] == OK) for k, e in displaced.items()}
-        items = [(k, e, unread) for k, (e, unread) in moving.items()]
-        done = Quarantined([], [], [])
-        with suppress(KVStoreError):
-            done = await self._writer.run(
-                lambda txn: self._index.quarantine_records.move(txn, items, seen))
-        self._settled(done)
-        self._counters["quarantined_blocks"] += len(done.moved)
+            moved = [k for k, _ in fresh]
+        if moved:
+            self._memory.forget(moved)
+            corrupt_moved = sum(not moving[k][1] for k in moved)
+            self._counters["corrupt_blocks"] += corrupt_moved
+            self._counters["quarantined_blocks"] += len(moved)
+            logger.warning(
+                "kvstore %s: %d block(s) failed verification and %d could not be read; "
+                "quarantined (answered as misses until a re-read verifies them; `python -m "
+                "kvstore fsck %s` lists them). First: key %s: %s", self._path, corrupt_moved,
+                len(moved) - corrupt_moved, self._path, moved[0].hex()[:32], causes[moved[0]])
         if any(moving[k][1] for k in done.moved):
             self.on_unreadable()
+        return len(moving)
+
+    def _raced(self, corrupt: Sequence[tuple[bytes, IndexEntry, str]]
+               ) -> list[tuple[bytes, IndexEntry, str]]:
+        """The backstop of slot reuse across processes (DESIGN 7.4, docs/multiprocess.md):
+        of the blocks that failed verification, those whose entry still names the slot
+        that was read.  The others' entry is gone or names another slot or ``seq`` in a
+        fresh read transaction: the block moved after the lookup (another owner deleted
+        it and reused its slot), so the read is a miss, counted ``raced_reads``, neither
+        quarantined nor warned about.  A slot under a current entry is never freed (the
+        free is in the transaction that unindexes it), so no race explains a failure
+        under an unchanged entry: that one is damage.  A block another read of this
+        store has just quarantined (its record names the slot) is neither."""
+        if not corrupt:
+            return []
+        keys = [key for key, _, _ in corrupt]
+        current = self._index.get_entries(keys)
+        gone = [k for k, c in zip(keys, current) if c is None]
+        records = self._index.quarantine_records.of(gone) if gone else {}
+        kept, raced = [], 0
+        for failed, now in zip(corrupt, current):
+            key, entry, _ = failed
+            if now is not None and same_slot(now, entry):
+                kept.append(failed)
+            elif now is not None or key not in records \
+                    or not same_slot(records[key][0], entry):
+                raced += 1
+        self._counters["raced_reads"] += raced
+        return kept
 
     async def recheck(self, rows: Sequence[tuple[bytes, IndexEntry]]) -> Quarantined:
         """Read quarantined slots (``rows``: key, quarantined entry) again: one that
@@ -212,12 +266,13 @@ class VerifiedReads:
         next use), or None if it is gone (evicted, deleted) or fails verification (then
         fsck / the next get deal with it): :func:`kvstore.io.transfers.read_slot`
         (through the engine, O_DIRECT where the store writes so)."""
-        entry = self._index.get_entries([key])[0]
-        if entry is None:
-            return None
-        epoch = self._allocator.begin_read()
-        try:
-            with as_class(PREFETCH):  # a background read: gets go first
-                return await read_slot(self._transfers, key, entry, buffer)
-        finally:
-            self._allocator.end_read(epoch)
+        with self.marked():
+            entry = self._index.get_entries([key])[0]
+            if entry is None:
+                return None
+            epoch = self._allocator.begin_read()
+            try:
+                with as_class(PREFETCH):  # a background read: gets go first
+                    return await read_slot(self._transfers, key, entry, buffer)
+            finally:
+                self._allocator.end_read(epoch)

@@ -95,11 +95,13 @@ class Rechecks:
         """Read every unreadable record again, once; returns how many stay quarantined."""
         left, after = 0, None
         while not self._health.read_only:
-            rows, after = self._index.quarantine_records.rows(after, BATCH, unreadable_only=True)
-            if rows:
-                with as_class(PREFETCH):  # gets first
-                    done = await self._reads.recheck([(k, e) for k, e, _ in rows])
-                left += len(rows) - len(done.restored) - len(done.freed)
+            with self._reads.marked():  # (before the lookup: kvstore/core/read_marks.py)
+                rows, after = self._index.quarantine_records.rows(
+                    after, BATCH, unreadable_only=True)
+                if rows:
+                    with as_class(PREFETCH):  # gets first
+                        done = await self._reads.recheck([(k, e) for k, e, _ in rows])
+                    left += len(rows) - len(done.restored) - len(done.freed)
             if after is None:
                 return left
         return left

@@ -221,11 +221,12 @@ class Scrubber:
         while not self._health.read_only:
             if background:
                 await self._callers_done()
-            rows, after = records.rows(after, BATCH_BLOCKS)
-            if rows:
-                done = await self._reads.recheck([(k, e) for k, e, _ in rows])
-                report.rechecked_blocks += len(rows)
-                report.restored_blocks += len(done.restored)
+            with self._reads.marked():
+                rows, after = records.rows(after, BATCH_BLOCKS)
+                if rows:
+                    done = await self._reads.recheck([(k, e) for k, e, _ in rows])
+                    report.rechecked_blocks += len(rows)
+                    report.restored_blocks += len(done.restored)
             if after is None:
                 return
 
@@ -244,11 +245,12 @@ class Scrubber:
         async with anyio.create_task_group() as tg:
             if scheduler is not None:
                 tg.start_soon(self._impatient, scheduler)
-            # no await from the lookup to verify's read epoch
-            batch = _batch(index.block_rows_after(self.cursor, BATCH_BLOCKS), limit)
-            if batch:
-                nbytes, failed = await self._reads.verify([k for k, _ in batch],
-                                                          [e for _, e in batch])
+            # no await from the lookup to verify's read epoch; the read mark before it
+            with self._reads.marked():
+                batch = _batch(index.block_rows_after(self.cursor, BATCH_BLOCKS), limit)
+                if batch:
+                    nbytes, failed = await self._reads.verify([k for k, _ in batch],
+                                                              [e for _, e in batch])
             tg.cancel_scope.cancel()
         if not batch:
             await self._pass_complete()

@@ -11,6 +11,7 @@
         NNNNNNNN.kvx        one per extent id, 8 decimal digits
       owners/               the open Stores (owners) sharing the store (issue 43)
         NNNNNNNN.lock       one per owner id, flock'd by it for its life (its liveness)
+        marks               the owners' read marks, mapped shared (kvstore.io.marks)
       index.broken-<time>   an index that ``fsck --rebuild-index`` moved aside
       .probe-<kind>-<pid>   a file the I/O probe writes and removes (one a kill left)
       kvstore-demo.json     the manifest of a store ``python -m kvstore demo`` made
@@ -24,9 +25,9 @@ from __future__ import annotations
 import os
 
 __all__ = ["BROKEN_INDEX_PREFIX", "DEMO_MANIFEST", "EXTENT_DIR", "EXTENT_SUFFIX", "INDEX_DIR",
-           "INDEX_FILES", "LOCK_FILE", "OWNERS_DIR", "OWNER_LOCK_SUFFIX", "PROBE_PREFIX",
+           "INDEX_FILES", "LOCK_FILE", "MARKS_FILE", "OWNERS_DIR", "OWNER_LOCK_SUFFIX", "PROBE_PREFIX",
            "STORE_NAMES", "broken_index_dir", "extent_id_of", "extent_name", "extent_path",
-           "extents_dir", "index_dir", "is_extent_name", "lock_path", "owner_id_of",
+           "extents_dir", "index_dir", "is_extent_name", "lock_path", "marks_path", "owner_id_of",
            "owner_lock_path", "owners_dir", "probe_path"]
 
 LOCK_FILE = "LOCK"
@@ -37,6 +38,7 @@ EXTENT_DIR = "extents"
 EXTENT_SUFFIX = ".kvx"
 OWNERS_DIR = "owners"
 OWNER_LOCK_SUFFIX = ".lock"
+MARKS_FILE = "marks"
 BROKEN_INDEX_PREFIX = "index.broken-"
 PROBE_PREFIX = ".probe-"
 DEMO_MANIFEST = "kvstore-demo.json"
@@ -64,6 +66,11 @@ def owners_dir(store_path: str) -> str:
 def owner_lock_path(store_path: str, owner_id: int) -> str:
     """The lock file of owner ``owner_id`` (an open Store), 8 decimal digits."""
     return os.path.join(store_path, OWNERS_DIR, f"{owner_id:08d}{OWNER_LOCK_SUFFIX}")
+
+
+def marks_path(store_path: str) -> str:
+    """The owners' read marks (not durable state: kvstore.io.marks)."""
+    return os.path.join(store_path, OWNERS_DIR, MARKS_FILE)
 
 
 def owner_id_of(name: str) -> int | None:

@@ -245,6 +245,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("dedup_late_blocks", "Blocks a put wrote that another owner of the store "
              "indexed before its commit: counted as deduplicated, their slots given back",
              _field("dedup_late")),
+    _counter("raced_reads", "Reads whose slot failed verification because another owner "
+             "reused it after the lookup (answered as misses; 0 expected: read marks "
+             "prevent it)", _field("raced_reads")),
     _counter("owners_recovered", "Owners of the store that did not close (killed "
              "processes) that this store's open recovered", _field("owners_recovered")),
     _counter("map_adoptions", "Sizes of the index's memory map that another process grew "

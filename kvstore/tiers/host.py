@@ -50,6 +50,11 @@ class TierHost:
     def lookup(self, keys: Sequence[bytes]) -> list[IndexEntry | None]:
         return self._index.get_entries(keys)
 
+    def read_mark(self) -> AbstractContextManager[None]:
+        """Around a :meth:`lookup` and the :meth:`read_blocks` of what it found (the
+        store's read mark: no owner of the store reuses those slots meanwhile)."""
+        return self._reads.marked()
+
     def pinned(self, keys: Sequence[bytes]) -> set[bytes]:
         """Which of ``keys`` are pinned (never evicted, from any tier)."""
         return self._index.pinned(keys)

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvstore.core.owners import forget
 from kvstore.disk.format import FORMAT_VERSION
-from kvstore.disk.layout import owner_id_of, owner_lock_path, owners_dir
+from kvstore.disk.layout import marks_path, owner_id_of, owner_lock_path, owners_dir
 from kvstore.disk.lock import held_owner_locks
 from kvstore.index.index import Index
 from kvstore.index.owners import OwnerRecord
@@ -97,6 +97,9 @@ def check_owners(checker: Repairs, *, beside_live: bool = False) -> None:
                          "--repair recovers it")
         checker.fixes.append(partial(_forget, index=index, owner_id=owner_id))
         checker.file_fixes.append((f, partial(_remove_lock, checker.path, owner_id)))
+        # its read mark may be frozen in owners/marks: no owner is live under fsck's
+        # exclusive lock, and the file is not durable state (the next open makes it)
+        checker.file_fixes.append((f, partial(_remove_marks, checker.path)))
     try:
         names = sorted(os.listdir(owners_dir(checker.path)))
     except FileNotFoundError:
@@ -125,6 +128,11 @@ def _owners(index: Index) -> tuple[dict[int, OwnerRecord], dict[int, int], dict[
 
 def _forget(txn: Any, *, index: Index, owner_id: int) -> None:
     forget(txn, index, owner_id)  # (the files of its creating rows: orphans, step 2)
+
+
+def _remove_marks(path: str) -> None:
+    with suppress(FileNotFoundError):
+        remove_file(marks_path(path))
 
 
 def _remove_lock(path: str, owner_id: int) -> None:

@@ -71,6 +71,13 @@ def holder(path: Path, *, sync: bool = True, exclusive: bool = False
         proc.stdout.close()
 
 
+def lock_files(path: Path) -> list[str]:
+    """The owner lock files in ``PATH/owners`` (the marks file beside them stays: it is
+    mapped by whoever opens the store next, so nobody unlinks it while it may be)."""
+    return sorted(n for n in os.listdir(layout.owners_dir(str(path)))
+                  if n != layout.MARKS_FILE)
+
+
 def other_open(path: Path, *, sync: bool = True, exclusive: bool = False) -> str:
     """What another process's open says: "open" (then it closes) or why it was refused."""
     run = subprocess.run([sys.executable, "-c", HOLDER, str(path), str(int(sync)),
@@ -99,7 +106,7 @@ def test_an_open_store_is_a_registered_owner_until_it_closes(tmp_path: Path) -> 
         assert rows[me.id].pid == os.getpid() and rows[me.id].sync
         assert probe_owner(str(tmp_path), me.id) is None  # its lock is held: alive
         assert live_owner_pids(str(tmp_path)) == [os.getpid()]
-    assert os.listdir(layout.owners_dir(str(tmp_path))) == []
+    assert lock_files(tmp_path) == []
     with open_here(tmp_path) as again:
         assert list(owner_rows(again)) == [me.id + 1]  # ids are never reused
         assert parts(again).owner.recovered == 0
@@ -109,14 +116,14 @@ def test_a_killed_owner_is_recovered_by_the_next_open(tmp_path: Path) -> None:
     with holder(tmp_path) as proc:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
-    [left] = os.listdir(layout.owners_dir(str(tmp_path)))  # its lock file, not held
+    [left] = lock_files(tmp_path)  # its lock file, not held
     assert live_owner_pids(str(tmp_path)) == []
     with open_here(tmp_path) as store:
         assert parts(store).owner.recovered == 1
         assert list(owner_rows(store)) == [parts(store).owner.id]
         stats = store.stats()
         assert (stats.owner_id, stats.owners_recovered) == (parts(store).owner.id, 1)
-        assert left not in os.listdir(layout.owners_dir(str(tmp_path)))
+        assert left not in lock_files(tmp_path)
     assert fsck.check(str(tmp_path)).problems == []
 
 
@@ -127,7 +134,7 @@ def test_a_second_process_is_refused_naming_the_owner_until_sharing_lands(
         assert said.startswith("refused StoreLockedError")
         assert f"open in another process (pid {os.getpid()})" in said
         assert list(owner_rows(store)) == [parts(store).owner.id]  # nothing of it stays
-    assert os.listdir(layout.owners_dir(str(tmp_path))) == []
+    assert lock_files(tmp_path) == []
 
 
 def test_sync_must_agree_among_live_owners(tmp_path: Path) -> None:
@@ -211,7 +218,7 @@ def test_a_lock_file_of_no_owner_is_swept_at_the_next_open(tmp_path: Path) -> No
     left.write_text("12345\n")
     with open_here(tmp_path) as store:
         assert not left.exists()
-        assert os.listdir(layout.owners_dir(str(tmp_path))) == [
+        assert lock_files(tmp_path) == [
             os.path.basename(layout.owner_lock_path(str(tmp_path), parts(store).owner.id))]
 
 
@@ -244,7 +251,7 @@ def test_an_owner_whose_lock_only_a_native_fork_child_holds_is_recovered(
         child = int(proc.stdout.readline())
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
-        [left] = os.listdir(layout.owners_dir(str(tmp_path)))
+        [left] = lock_files(tmp_path)
         assert probe_owner(str(tmp_path), int(left[:8])) is None  # held: by the child
         with open_here(tmp_path) as store:
             assert parts(store).owner.recovered == 1

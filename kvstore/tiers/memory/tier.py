@@ -238,10 +238,11 @@ class MemoryTier:
                     await anyio.lowlevel.checkpoint()
                     if watch is not None:
                         await host.fetch_missing(keys, watch)
-                    entries = host.lookup(keys)
-                    handle.scheduled = sum(e is not None for e in entries)
-                    results: list[torch.Tensor | None] = [None] * len(keys)
-                    await host.read_blocks(keys, entries, results)
+                    with host.read_mark():
+                        entries = host.lookup(keys)
+                        handle.scheduled = sum(e is not None for e in entries)
+                        results: list[torch.Tensor | None] = [None] * len(keys)
+                        await host.read_blocks(keys, entries, results)
                     handle.arrived = await self.fill(
                         [(k, e.parent, r.reshape(-1).view(torch.uint8), r.dtype,
                           tuple(r.shape), e.seq) for k, e, r in zip(keys, entries, results)
