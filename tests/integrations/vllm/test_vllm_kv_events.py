@@ -36,7 +36,16 @@ from kvstore.integrations.vllm import block_tags
 from kvstore.integrations.vllm.block_tags import BlockInfo, scoped_tag
 from kvstore.testing import parts
 from tests.conformance import flip_payload_bit
-from tests.integrations.vllm.test_vllm import BLOCK, HERE, LONG, REPO, VLLM_PYTHON, tiny_model
+from tests.integrations.vllm.test_vllm import (
+    _CPUS,
+    BLOCK,
+    HERE,
+    LONG,
+    REPO,
+    TP_ENV,
+    VLLM_PYTHON,
+    tiny_model,
+)
 from tests.integrations.vllm.test_vllm_metrics import Server, _free_port, _http
 
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM venv")
@@ -116,7 +125,9 @@ def storage_stored(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 @contextmanager
-def serving(tmp: Path, model: Path, store: Path) -> Iterator[tuple[Server, Events]]:
+def serving(tmp: Path, model: Path, store: Path, capacity: int = 7 * SLOT,
+            args: tuple[str, ...] = (), env_extra: dict[str, str] | None = None
+            ) -> Iterator[tuple[Server, Events]]:
     port = _free_port()
     # vLLM binds ipc:// (and tcp://*) endpoints, and connects to any other.
     pub, rep = f"ipc://{tmp}/events", f"ipc://{tmp}/events-replay"
@@ -124,7 +135,7 @@ def serving(tmp: Path, model: Path, store: Path) -> Iterator[tuple[Server, Event
               "kv_connector_module_path": "kvstore.integrations.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"path": str(store), "extent_bytes": 4 << 20,
-                                            "capacity_bytes": 7 * SLOT}}
+                                            "capacity_bytes": capacity}}
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
                      "endpoint": pub, "replay_endpoint": rep}
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
@@ -132,8 +143,8 @@ def serving(tmp: Path, model: Path, store: Path) -> Iterator[tuple[Server, Event
            str(port), "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
            "--max-model-len", "1024", "--max-num-seqs", "4", "--enable-prefix-caching",
            "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config",
-           json.dumps(config), "--kv-events-config", json.dumps(events_config)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_SERVER_DEV_MODE="1")
+           json.dumps(config), "--kv-events-config", json.dumps(events_config), *args]
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_SERVER_DEV_MODE="1", **(env_extra or {}))
     probe = subprocess.Popen(  # subscribed before the engine starts: it misses nothing
         [str(VLLM_PYTHON), str(HERE / "kv_events_probe.py"), pub, rep], env=env,
         stdout=subprocess.PIPE, text=True)
@@ -240,3 +251,34 @@ def test_a_restart_replays_exactly_the_scopes_blocks(lives: dict[str, Any]) -> N
 def test_a_quarantined_block_is_removed(lives: dict[str, Any]) -> None:
     events = lives["life2"]
     assert lives["long"][0] in storage(events, "BlockRemoved")
+
+
+@pytest.fixture(scope="module")
+def tp_life(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> list[dict[str, Any]]:
+    """Tensor parallel 2 (one worker process per rank, each with its own store): LONG,
+    then OTHER, each until kvstore announced its blocks (the ranks' puts finish at
+    different steps)."""
+    if len(_CPUS) < 2:
+        pytest.skip(f"tensor parallel 2 on CPU needs 2 CPUs to bind, this process has {_CPUS}")
+    tmp = tmp_path_factory.mktemp("kv-events-tp")
+    with serving(tmp, tiny_model, tmp / "store", 64 * SLOT,
+                 ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+                 TP_ENV) as (srv, events):
+        srv.complete(LONG)
+        events.wait(lambda ev: (g := gpu_stored(ev)) and set(g) <= set(storage_stored(ev)),
+                    "kvstore announcing LONG's blocks")
+        srv.complete(OTHER)  # later steps: a second announcement of LONG's would show
+        return events.wait(lambda ev: len(gpu_stored(ev)) > 5
+                           and set(gpu_stored(ev)) <= set(storage_stored(ev)),
+                           "kvstore announcing OTHER's blocks")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gives_one_event_per_block(tp_life: list[dict[str, Any]]) -> None:
+    gpu, disk = gpu_stored(tp_life), storage_stored(tp_life)
+    assert set(disk) == set(gpu) and len(disk) > 5
+    for h, block in gpu.items():
+        assert disk[h] == block
+    announced = storage(tp_life, "BlockStored")
+    assert sorted(announced) == sorted(set(announced))  # once, not once per rank
+    assert not storage(tp_life, "BlockRemoved")
