@@ -46,7 +46,7 @@ from tests.integrations.vllm.test_vllm import (
     VLLM_PYTHON,
     tiny_model,
 )
-from tests.integrations.vllm.test_vllm_metrics import Server, _free_port, _http
+from tests.integrations.vllm.test_vllm_metrics import Server, _free_port, _http, serve
 
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM venv")
 __all__ = ["tiny_model"]
@@ -150,20 +150,9 @@ def serving(tmp: Path, model: Path, store: Path, capacity: int = 7 * SLOT,
         stdout=subprocess.PIPE, text=True)
     try:
         events = Events(probe)
-        with subprocess.Popen(cmd, env=env, cwd=str(tmp), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) as proc:
-            srv = Server(proc, f"http://127.0.0.1:{port}")
+        with serve(cmd, env, tmp, port) as srv:
             events.server = srv
-            try:
-                srv.wait_ready()
-                yield srv, events
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            yield srv, events
     finally:
         probe.kill()
         probe.wait()

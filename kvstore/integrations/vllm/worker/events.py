@@ -22,14 +22,7 @@ from collections.abc import Callable, Iterator
 
 from kvstore import BlockEvent, BlockingStore, EventGap, KVStoreError, StoredBlock, Subscription
 from kvstore.integrations.vllm.block_tags import body_in_scope
-from kvstore.integrations.vllm.rank_reports import (
-    BUSY,
-    REMOVED,
-    RESYNC,
-    SETTLED,
-    STORED,
-    Report,
-)
+from kvstore.integrations.vllm.rank_reports import BUSY, REMOVED, RESYNC, SETTLED, STORED, Report
 
 __all__ = ["REPLAY_PAGE_BLOCKS", "WorkerEvents"]
 
