@@ -14,7 +14,8 @@ from the replay endpoint).
   of ``LONG`` is corrupted on disk.
 * Life 2: the start-up replay announces every stored block of the scope and nothing
   else; ``LONG`` is served again, its corrupt block fails its checksum, is quarantined
-  and is announced removed.
+  and is announced removed.  Then a weight update's reset (``reset_prefix_cache``
+  with ``reset_external``) withdraws every block announced.
 """
 
 from __future__ import annotations
@@ -97,6 +98,18 @@ class Events:
 def storage(events: list[dict[str, Any]], kind: str) -> list[int]:
     return [h for e in events if e["type"] == kind and e["medium"] == "STORAGE"
             for h in e["hashes"]]
+
+
+def view(events: list[dict[str, Any]]) -> set[int]:
+    """What a router believes the disk holds, from the events in order."""
+    held: set[int] = set()
+    for e in events:
+        if e["medium"] == "STORAGE":
+            if e["type"] == "BlockStored":
+                held.update(e["hashes"])
+            else:
+                held.difference_update(e["hashes"])
+    return held
 
 
 def gpu_stored(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -204,6 +217,14 @@ def lives(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         srv.complete(LONG)
         out["life2"] = events.wait(lambda ev: out["long"][0] in storage(ev, "BlockRemoved"),
                                    "the quarantined block removed")
+        # A weight update's reset: the key scope moves to a fresh one (the weight files
+        # did not change), every block announced is withdrawn, and nothing is replayed.
+        before = len(events.items)
+        out["view_before_reset"] = view(events.items)
+        assert json.loads(_http(srv.base + "/reset_prefix_cache?reset_external=true",
+                                {}))["success"] is True
+        out["reset"] = events.wait(lambda ev: len(ev) > before and not view(ev),
+                                   "every announced block withdrawn")[before:]
     return out
 
 
@@ -271,3 +292,10 @@ def test_tensor_parallel_gives_one_event_per_block(tp_life: list[dict[str, Any]]
     announced = storage(tp_life, "BlockStored")
     assert sorted(announced) == sorted(set(announced))  # once, not once per rank
     assert not storage(tp_life, "BlockRemoved")
+
+
+def test_a_reset_withdraws_every_announced_block(lives: dict[str, Any]) -> None:
+    reset = lives["reset"]
+    assert lives["view_before_reset"]  # something was announced
+    assert set(storage(reset, "BlockRemoved")) >= lives["view_before_reset"]
+    assert not storage(reset, "BlockStored")  # the fresh scope holds nothing to replay
