@@ -59,6 +59,21 @@ def test_the_replay_lists_the_scope_in_pages_then_settles(tmp_path: Path) -> Non
         events.close()
 
 
+def test_the_replay_lists_each_block_after_its_parent(tmp_path: Path) -> None:
+    with opened(tmp_path / "s") as store:
+        ks = chain(8)  # keys in chain order are not in key order
+        assert sorted(ks) != ks
+        chained = [scoped_tag(SCOPE, block_tags.encode(BlockInfo(
+            bytes([i]) * 32, bytes([i - 1]) * 32 if i else None, ()))) for i in range(8)]
+        store.put_many(ks, [value(i) for i in range(8)], parents=kvstore.chain_parents(ks),
+                       tags=chained)
+        events = WorkerEvents(store, 0, lambda: False, replay=True, page_blocks=3)
+        events.start(SCOPE, 0)
+        replayed = [h for _ in range(3) for h in hashes(events.take(), STORED)]
+        assert replayed == list(range(8))
+        events.close()
+
+
 def test_without_replay_only_changes_are_reported(tmp_path: Path) -> None:
     with opened(tmp_path / "s", capacity_bytes=4 * SLOT) as store:
         put(store, chain(2), SCOPE)

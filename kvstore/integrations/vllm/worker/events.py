@@ -7,8 +7,8 @@ buffer the store fills after each commit and never waits for) and, each step, tu
 events of its key scope (the tag's prefix, :mod:`kvstore.integrations.vllm.block_tags`)
 into reports: ``stored`` and ``restored`` into ``STORED``; ``evicted``, ``deleted`` and
 ``quarantined`` into ``REMOVED``.  With ``replay`` it then lists what the store already
-holds of the scope (``snapshot(tag_prefix=scope)``, subscribed first so nothing falls
-between), one page per step, so that a restarted engine announces its disk.  A gap
+holds of the scope (``snapshot(tag_prefix=scope, order="parents_first")``, subscribed
+first so nothing falls between), one page per step, each block after its parent, so that a restarted engine announces its disk.  A gap
 (the buffer overflowed) subscribes and replays again, after a ``RESYNC``.
 
 ``BUSY`` / ``SETTLED`` say whether more is to come (saves in flight, a replay
@@ -57,7 +57,10 @@ class WorkerEvents:
         self._scope, self._epoch = scope, epoch
         self._sub = self._store.subscribe(max_events=self._max_events)
         if self._replay:
-            self._pages = self._store.snapshot(page_blocks=self._page, tag_prefix=scope)
+            # Parents first: routers (Dynamo's) drop a block whose parent they do not
+            # know.  It reads the scope's listing once (about 300 bytes a block).
+            self._pages = self._store.snapshot(page_blocks=self._page, tag_prefix=scope,
+                                               order="parents_first")
         self._reported_busy = None
 
     def take(self) -> list[Report]:
