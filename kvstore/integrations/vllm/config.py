@@ -85,6 +85,12 @@ class ConnectorConfig:
                         reads and verifies the hit blocks at once (the scheduler waits)
                         and they are copied into the paged KV before the step's forward;
                         the request runs in the step that found the hit.
+    ``kv_events_replay``  with vLLM's KV events on (``--kv-events-config``): at start,
+                        and after a weight update moved the key scope, announce every
+                        block the store already holds of the scope (``BlockStored``,
+                        medium ``STORAGE``), a page of 1024 blocks per engine step, so a
+                        router learns the disk's content after a restart (default True;
+                        docs/events.md).
     ``lookup_wait_ms``  how long vLLM's scheduler waits for a prefix lookup before it
                         schedules other requests and asks about this one again at a later
                         step (the lookup goes on meanwhile; vLLM's "needs more time").
@@ -112,6 +118,7 @@ class ConnectorConfig:
     prefetch: bool = True
     background_saves: bool = True
     async_loads: bool = True
+    kv_events_replay: bool = True
     lookup_wait_ms: float | None = None
 
     @classmethod
@@ -129,7 +136,7 @@ class ConnectorConfig:
         extra["path"] = os.fspath(extra["path"])
         store = store_options(extra, _WHO, _WHERE)
         _check_mover_options(extra)
-        for name in ("prefetch", "background_saves", "async_loads"):
+        for name in ("prefetch", "background_saves", "async_loads", "kv_events_replay"):
             if name in extra and not isinstance(extra[name], bool):
                 raise ValueError(f"{_WHO}: {name} must be true or false, got {extra[name]!r}")
         if extra.get("weights_fingerprint", "sample") not in ("sample", "full"):

@@ -122,6 +122,7 @@ the other.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,6 +137,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.groups import GroupPlan
+from kvstore.integrations.vllm.kv_events import KVStoreKVEvents, SchedulerEvents
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.metrics import (
     STORE_COUNTERS,
@@ -144,12 +146,14 @@ from kvstore.integrations.vllm.metrics import (
     KVStorePromMetrics,
 )
 from kvstore.integrations.vllm.open_store import all_connector_stats, connector_stats
+from kvstore.integrations.vllm.rank_reports import events_enabled
 from kvstore.integrations.vllm.scheduler.side import SchedulerSide
 from kvstore.integrations.vllm.scope import model_scope, scope_digest
 from kvstore.integrations.vllm.worker.side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         PromMetric,
@@ -160,6 +164,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata",
@@ -213,12 +218,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._reported_store: dict[str, int] = {}
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._events: SchedulerEvents | None = None
         if role == KVConnectorRole.WORKER:
             self._worker = WorkerSide(vllm_config, kv_cache_config, config, scope, digest,
                                       engine_id, plan)
         else:
             self._scheduler = SchedulerSide(vllm_config, config, scope, digest, engine_id,
                                             plan)
+            if events_enabled(vllm_config):  # vLLM's KV events (kv_events)
+                self._events = SchedulerEvents(
+                    vllm_config.parallel_config.world_size,
+                    vllm_config.cache_config.block_size, kv_cache_config,
+                    replay=config.kv_events_replay)
 
     @property
     def _sched(self) -> SchedulerSide:
@@ -258,8 +269,33 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         """See :meth:`SchedulerSide.reset_cache`; vLLM resets the scheduler's, and the
-        workers follow the step metadata."""
-        return None if self._scheduler is None else self._scheduler.reset_cache()
+        workers follow the step metadata.  With KV events, every block announced is
+        withdrawn, and the new scope is replayed."""
+        if self._scheduler is None:
+            return None
+        done = self._scheduler.reset_cache()
+        if self._events is not None:
+            self._events.reset(self._scheduler.scope_epoch)
+        return done
+
+    # ------------------------------------------------------------------ KV events
+
+    def get_kv_connector_kv_cache_events(self) -> KVStoreKVEvents | None:
+        """Worker side, every step: this rank's reports (:mod:`kvstore.integrations.vllm.kv_events`)."""
+        reports = None if self._worker is None else self._worker.take_events()
+        return KVStoreKVEvents(reports) if reports else None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._events is not None:
+            self._events.update(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return () if self._events is None else self._events.take()
+
+    def has_pending_push_work(self) -> bool:
+        """Saves in flight or a replay unfinished on some rank: vLLM keeps stepping
+        (forward-less steps) so their events leave without waiting for a request."""
+        return self._events is not None and self._events.pending
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """vLLM's block pool (scheduler side): ``reset_cache`` reads it to know whether

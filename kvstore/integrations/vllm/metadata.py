@@ -35,6 +35,10 @@ class Save:
     block_id: int
     hash: bytes
     parent_hash: bytes | None
+    # The block's tag body for vLLM's KV events (kvstore.integrations.vllm.block_tags:
+    # vLLM's raw hashes, token ids, LoRA name, extra keys, group); the worker puts its
+    # scope in front.  None: stored untagged.
+    info: bytes | None = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterat
            "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(config)]
     env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_SERVER_DEV_MODE="1",
                VLLM_LOG_STATS_INTERVAL="1")
-    with subprocess.Popen(cmd, env=env, cwd=str(HERE), stdout=subprocess.PIPE,
+    with serve(cmd, env, HERE, port) as srv:
+        yield srv
+
+
+@contextmanager
+def serve(cmd: list[str], env: dict[str, str], cwd: Path, port: int) -> Iterator[Server]:
+    """``vllm serve`` (``cmd``) running and ready; stopped at exit."""
+    with subprocess.Popen(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True) as proc:
         srv = Server(proc, f"http://127.0.0.1:{port}")
         try:

@@ -28,6 +28,14 @@ from kvstore.integrations.vllm.metadata import HybridLoad, KVStoreConnectorMetad
 __all__ = ["GroupSaves"]
 
 
+def _no_info(idx: int, group: int) -> bytes | None:
+    return None
+
+
+def _no_state_info(req_id: str, idx: int, group: int) -> bytes | None:
+    return None
+
+
 class GroupSaves:
     """One engine's per-group planning (module docstring)."""
 
@@ -55,8 +63,10 @@ class GroupSaves:
         return None if self._anchor is None else group_hash(hashes[idx], self._anchor)
 
     def save_blocks(self, block_ids: Sequence[Sequence[int]], hashes: Sequence[bytes],
-                    planned: range, meta: KVStoreConnectorMetadata) -> None:
-        """Attention groups' blocks at the planned positions."""
+                    planned: range, meta: KVStoreConnectorMetadata,
+                    info: Callable[[int, int], bytes | None] = _no_info) -> None:
+        """Attention groups' blocks at the planned positions; ``info(idx, group)``: the
+        block's tag body (:mod:`kvstore.integrations.vllm.scheduler.block_info`)."""
         for g in self.plan.groups:
             if g.kind == "state" or g.index >= len(block_ids):
                 continue
@@ -65,13 +75,15 @@ class GroupSaves:
                 if idx < len(ids) and ids[idx] != 0:
                     meta.groups[g.index].saves.append(Save(
                         ids[idx], group_hash(hashes[idx], g.index),
-                        self._parent(g.index, hashes, idx)))
+                        self._parent(g.index, hashes, idx), info(idx, g.index)))
 
     def save_states(self, scheduler_output: Any, meta: KVStoreConnectorMetadata,
-                    hashes_of: Callable[[str], list[bytes]]) -> None:
+                    hashes_of: Callable[[str], list[bytes]],
+                    info_of: Callable[[str, int, int], bytes | None] = _no_state_info
+                    ) -> None:
         """The states vLLM offers this step (``boundary_state_offloads``:
         ``{req_id: [(group, block id, boundary tokens)]}``), valid until the step
-        ends."""
+        ends; ``info_of(req_id, idx, group)``: a state's tag body."""
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
         bs = self.plan.block_size
@@ -84,4 +96,4 @@ class GroupSaves:
                     continue
                 meta.groups[group].saves.append(Save(
                     block_id, group_hash(hashes[idx], group),
-                    self._parent(group, hashes, idx)))
+                    self._parent(group, hashes, idx), info_of(req_id, idx, group)))

@@ -25,6 +25,7 @@ from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, Load, S
 from kvstore.integrations.vllm.metrics import SCHEDULER_COUNTERS
 from kvstore.integrations.vllm.open_store import OpenStore, find, release, warn_once
 from kvstore.integrations.vllm.ranks import rank_dirs
+from kvstore.integrations.vllm.scheduler.block_info import block_tag_body
 from kvstore.integrations.vllm.scheduler.group_saves import GroupSaves
 from kvstore.integrations.vllm.scheduler.lookup_pool import LookupPool
 from kvstore.integrations.vllm.scheduler.save_plan import SaveMark, plan_saves
@@ -215,8 +216,19 @@ class SchedulerSide:
                     have.extend(more)
             self._plan_saves(state, cached.num_computed_tokens[i], scheduled[req_id], meta)
         if self._groups is not None:
-            self._groups.save_states(scheduler_output, meta, self._state_hashes)
+            self._groups.save_states(scheduler_output, meta, self._state_hashes,
+                                     self._state_info)
         return meta
+
+    @property
+    def scope_epoch(self) -> int:
+        """How often the key scope moved (``reset_cache``)."""
+        return self._scope_epoch
+
+    def _state_info(self, req_id: str, idx: int, group: int) -> bytes | None:
+        state = self._requests.get(req_id)
+        return None if state is None else \
+            block_tag_body(state.request, idx, self._block_size, group)
 
     def _state_hashes(self, req_id: str) -> list[bytes]:
         """The hashes of a request whose states may be saved (none once frozen, stale
@@ -235,12 +247,15 @@ class SchedulerSide:
         allocated = max((len(ids) for ids in state.block_ids), default=0)
         planned = plan_saves(state.saves, computed, scheduled, self._block_size,
                              len(hashes), allocated)
+        request, bs = state.request, self._block_size
         if self._groups is not None:
-            self._groups.save_blocks(state.block_ids, hashes, planned, meta)
+            self._groups.save_blocks(state.block_ids, hashes, planned, meta,
+                                     lambda idx, g: block_tag_body(request, idx, bs, g))
             return
         ids = state.block_ids[0] if state.block_ids else []
         for idx in planned:
-            meta.saves.append(Save(ids[idx], hashes[idx], hashes[idx - 1] if idx else None))
+            meta.saves.append(Save(ids[idx], hashes[idx], hashes[idx - 1] if idx else None,
+                                   block_tag_body(request, idx, bs)))
 
     def _is_stale(self, state: _RequestState, local_tokens: int) -> bool:
         """Whether the request uses KV of vLLM's prefix cache from before a weight update

@@ -41,8 +41,8 @@ class BackgroundPuts:
         self._lock = threading.Lock()
         self._pending: list[Future[PutResult]] = []
 
-    def submit_save(self, batch: SaveBatch, keys: list[bytes], parents: list[bytes | None]
-                    ) -> None:
+    def submit_save(self, batch: SaveBatch, keys: list[bytes], parents: list[bytes | None],
+                    tags: list[bytes | None]) -> None:
         """Put a step's blocks once the mover's copy-out of ``batch`` is done (awaited on
         the store's loop through the copy-done eventfd); never waits itself: the staging
         bound is the backpressure (a save that found none was dropped at its start).
@@ -54,11 +54,12 @@ class BackgroundPuts:
                 await batch.wait()
                 start = time.perf_counter_ns()
                 try:
-                    put_keys, values, put_parents = _values(batch, keys, parents)
-                    if len(put_keys) < len(keys):
-                        self._count(save_dropped_blocks=len(keys) - len(put_keys))
-                    return await store.put_many(put_keys, values, parents=put_parents,
-                                                background=background)
+                    values = _values(batch, len(keys))
+                    n = len(values)
+                    if n < len(keys):
+                        self._count(save_dropped_blocks=len(keys) - n)
+                    return await store.put_many(keys[:n], values, parents=parents[:n],
+                                                background=background, tags=tags[:n])
                 finally:
                     self._count(save_io_ns=time.perf_counter_ns() - start)
             finally:
@@ -89,6 +90,11 @@ class BackgroundPuts:
                        "(%s: %s); later saves may fail the same way",
                        n, type(error).__name__, error)
 
+    def busy(self) -> bool:
+        """Whether a save is still in flight (its events are still to come)."""
+        with self._lock:
+            return any(not f.done() for f in self._pending)
+
     def flush(self) -> None:
         """Wait for every save in flight."""
         while True:
@@ -101,22 +107,18 @@ class BackgroundPuts:
                 oldest.result()
 
 
-def _values(batch: SaveBatch, keys: list[bytes], parents: list[bytes | None]
-            ) -> tuple[list[bytes], list[torch.Tensor], list[bytes | None]]:
-    """A finished save's keys, values and parents: its staged blocks, or, quantised on
-    the GPU, their FP8 payloads (``EncodedBlock``: stored as they are, byte-identical to
-    the store's own encoder); a block FP8 cannot take (the codec would store it raw) is
-    left out, and so are the blocks after it in its chain."""
+def _values(batch: SaveBatch, n: int) -> list[torch.Tensor]:
+    """A finished save's values, for its first ``n`` keys: its staged blocks, or,
+    quantised on the GPU, their FP8 payloads (``EncodedBlock``: stored as they are,
+    byte-identical to the store's own encoder); a block FP8 cannot take (the codec
+    would store it raw) is left out, and so are the blocks after it in its chain (the
+    caller puts the leading keys the values cover)."""
     mover = batch.mover
     if not (mover.cuda and mover.codec is not None):
-        return keys, batch.blocks(), parents
-    out_keys: list[bytes] = []
+        return batch.blocks()
     values: list[torch.Tensor] = []
-    out_parents: list[bytes | None] = []
-    for key, parent, payload in zip(keys, parents, batch.payloads()):
+    for payload in batch.payloads()[:n]:
         if payload is None:
             break
-        out_keys.append(key)
-        out_parents.append(parent)
         values.append(encoded_block(payload[0], payload[1], mover.dtype, mover.block_shape))
-    return out_keys, values, out_parents
+    return values

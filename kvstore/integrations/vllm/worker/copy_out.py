@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 from kvstore.cuda.mover import Mover, SaveBatch
 from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm.block_tags import scoped_tag
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata, Save
 from kvstore.integrations.vllm.open_store import warn_once
 from kvstore.integrations.vllm.worker.store import WorkerStore
@@ -141,9 +142,11 @@ class StepCopyOut:
             keys = ns.engine_keys([s.hash for s in saves])
             parents = [None if s.parent_hash is None else ns.engine_key(s.parent_hash)
                        for s in saves]
+            # The scope first: snapshot(tag_prefix=) lists this rank's scope's blocks.
+            tags = [None if s.info is None else scoped_tag(ns.digest, s.info) for s in saves]
             self._open.count(save_blocks=len(keys))
             try:
-                self._store.submit_save(staging, keys, parents)
+                self._store.submit_save(staging, keys, parents, tags)
             except (KVStoreError, RuntimeError) as e:
                 staging.release()
                 warn_once("save", "kvstore connector: save failed: %s", e)

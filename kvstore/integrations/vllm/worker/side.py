@@ -43,9 +43,11 @@ from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.groups import GroupPlan
 from kvstore.integrations.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.open_store import acquire, release, warn_once
+from kvstore.integrations.vllm.rank_reports import Report, events_enabled
 from kvstore.integrations.vllm.ranks import rank_config
 from kvstore.integrations.vllm.scope import Scope
 from kvstore.integrations.vllm.worker.copy_out import StepCopyOut
+from kvstore.integrations.vllm.worker.events import WorkerEvents
 from kvstore.integrations.vllm.worker.groups import GroupWorker
 from kvstore.integrations.vllm.worker.loads import StepLoads
 from kvstore.integrations.vllm.worker.mover import load_blocks, make_mover
@@ -87,6 +89,11 @@ class WorkerSide:
         self.groups: GroupWorker | None = None
         self.clock = time.monotonic  # the copy-out rate cap's (a test sets its own)
         self.saves = StepCopyOut(self.store)  # save_kv_layer and wait_for_save
+        # vLLM's KV events on: the store's content changes of this rank's scope, as
+        # reports for the scheduler (worker.events).
+        self.events = WorkerEvents(self.open.blocking, parallel.rank, self.store.puts.busy,
+                                   replay=config.kv_events_replay) \
+            if events_enabled(vllm_config) else None
         self.loads = StepLoads(self.store, config, self._scatter, self._block_bytes,
                                self._capturing)
 
@@ -138,8 +145,14 @@ class WorkerSide:
         self._dtype = first.dtype
         self.store.layout = (len(names), self._block_shape, self._dtype)
         namespace = self.open.namespace = self._namespace(first, axis, names)
+        self._follow(namespace)
+
+    def _follow(self, namespace: Namespace) -> None:
+        """The namespace is known: the remote tier, the lookup server, the events."""
         self.open.attach_remote(namespace)
         self.open.serve_lookups(self._scope_digest)
+        if self.events is not None:
+            self.events.start(namespace.digest, self.open.scope_epoch)
 
     def _register_groups(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """A hybrid model's tensors: a mover per group (worker.groups)."""
@@ -153,8 +166,7 @@ class WorkerSide:
         first = kv_caches[self._plan.groups[0].layers[0]]
         namespace = self.open.namespace = self._namespace(first, 0, names)
         self.open.groups = self._plan
-        self.open.attach_remote(namespace)
-        self.open.serve_lookups(self._scope_digest)
+        self._follow(namespace)
 
     def _namespace(self, t: torch.Tensor, axis: int, names: list[str]) -> Namespace:
         from vllm.platforms import current_platform
@@ -208,6 +220,8 @@ class WorkerSide:
         if self.groups is not None:
             self.groups.drop_saves()
         self.open.rescope(meta.scope_epoch, namespace)
+        if self.events is not None:  # the new scope's events, and its replay
+            self.events.start(namespace.digest, meta.scope_epoch)
         logger.info("kvstore connector: worker moved to key scope epoch %d (%s)",
                     meta.scope_epoch, namespace.digest.hex()[:16])
 
@@ -298,7 +312,13 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.loads.take_errors()
 
+    def take_events(self) -> list[Report] | None:
+        """This step's reports for vLLM's KV events (None with events off)."""
+        return None if self.events is None else self.events.take()
+
     def shutdown(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self.loads.close()
         self.saves.drop()
         self.store.load_staging = None

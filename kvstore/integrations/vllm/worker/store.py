@@ -208,11 +208,11 @@ class WorkerStore:
 
     # ------------------------------------------------------------------ saves
 
-    def submit_save(self, batch: SaveBatch, keys: list[bytes], parents: list[bytes | None]
-                    ) -> None:
-        """Put a step's blocks once the mover's copy-out of ``batch`` is done
-        (:meth:`BackgroundPuts.submit_save`)."""
-        self.puts.submit_save(batch, keys, parents)
+    def submit_save(self, batch: SaveBatch, keys: list[bytes], parents: list[bytes | None],
+                    tags: list[bytes | None]) -> None:
+        """Put a step's blocks (tagged for vLLM's KV events) once the mover's copy-out
+        of ``batch`` is done (:meth:`BackgroundPuts.submit_save`)."""
+        self.puts.submit_save(batch, keys, parents, tags)
 
     def flush(self) -> None:
         """Wait for every save in flight."""
