@@ -331,26 +331,30 @@ class PutPath:
             health.check_still_writable()
             touched = allocator.take_touched()
             index = self._index
-            ripe = allocator.epochs.take_ripe()
+            space = allocator.for_commit()  # (the claims' ride-alongs: kvstore/core/claiming.py)
 
             def commit(txn: Txn) -> list[bytes] | ChainCut:
                 health.check_still_writable()
-                # Freed ranges no read of ours can still copy leave ``pending`` first,
-                # even if this commit is cut: a commit queued after this one may have
-                # placed slots in them.
-                index.space.ripen(txn, index.free_map, ripe)
+                # Freed ranges no read of ours can still copy leave ``pending`` (into
+                # this owner's claims) first, even if this commit is cut: a commit
+                # queued after this one may have placed slots in them.
+                space.before(txn)
                 try:
-                    skipped = index.commit_puts(txn, entries, touched, relies_on, tag_of)
+                    skipped = index.commit_puts(txn, entries, touched, relies_on, tag_of,
+                                                space=space.owned)
                 except ChainCut as cut:  # (it wrote nothing: the ripening stays)
+                    space.after(txn)
                     return cut
+                space.after(txn)
                 ride_along(txn)
                 return skipped
 
             try:
                 done = await self._writer.run(commit)
             except BaseException:
-                allocator.epochs.unripe(ripe)  # not committed: still pending
+                space.failed()  # not committed: still pending, still claimed
                 raise
+            space.done()
             if isinstance(done, ChainCut):
                 raise done
             late = set(done)

@@ -315,8 +315,10 @@ class Index:
 
     def commit_puts(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]],
                     touched: Touched, relies_on: Sequence[bytes] = (),
-                    tags: Mapping[bytes, bytes] | None = None) -> list[bytes]:
-        """Index written blocks: their ranges leave the free map in the same transaction
+                    tags: Mapping[bytes, bytes] | None = None,
+                    space: FreeMap | None = None) -> list[bytes]:
+        """Index written blocks: their ranges leave ``space`` (the owner's claims; the
+        pool if None) in the same transaction
         (their sequence numbers came from the owner's lease, which raised ``seq``), and
         their ``tags`` (key -> tag, for the keys that have one) go in with them.
 
@@ -333,7 +335,7 @@ class Index:
             raise ChainCut(gone)
         entries = [(k, e) for k, e in entries if k not in late]
         self.apply_touched(txn, touched)
-        self.free_map.take_slots(txn, entries)
+        (space or self.free_map).take_slots(txn, entries)
         for key, entry in entries:
             self.add_block(txn, key, entry, tag=tags.get(key) if tags else None)
         return list(late)
