@@ -148,7 +148,7 @@ class Allocator:
             path=path, index=index, writer=writer, engine=engine, owner=owner_id,
             space=self.space, epochs=self.epochs, extent_bytes=extent_bytes,
             store_uuid=store_uuid, file_mode=file_mode, capacity=lambda: self.capacity_bytes,
-            on_extent=self._changes_extent)
+            on_extent=self._changes_extent, on_change=self._notify)
         self.reserved_bytes = 0
         self._protected: Counter[bytes] = Counter()
         self._touched: dict[bytes, int] = {}
@@ -271,22 +271,28 @@ class Allocator:
                 self._wait_in_line(ticket)
                 await self._wait_for_change()
                 continue
+            # Inside its own claims a batch is within the capacity (each claim was
+            # checked against it; unless the store uses more, as last seen: a smaller
+            # capacity recorded meanwhile): placed with no look at the index.
+            if self.claims.seen_used() <= self.capacity_bytes and self._place(items):
+                return
+            if self.claims.busy:  # (its claims are changing: see OwnClaims.busy)
+                await self._wait_for_change()
+                continue
+            seen = self._generation
             store_used = self.claims.used()
             short = self._used(store_used) + total - self.capacity_bytes
             if short <= 0:
-                if self._place(items, store_used):
-                    return
                 short, claimed = await self.claims.more(
                     total, largest, self.capacity_bytes - store_used, grow=claimed)
                 if short <= 0:
                     continue
             evict = short - self.pending_free_bytes
-            seen = self._generation
             if evict > 0 and await self._evict(evict, ride_along):
                 continue
             if seen != self._generation:
-                # Puts ended or space came back while the eviction ran (it saw their
-                # blocks still protected): look again before concluding anything.
+                # Puts ended or space came back while the claim or eviction ran (it saw
+                # their blocks still protected): look again before concluding anything.
                 continue
             if self.pending_free_bytes or self.reserved_bytes:
                 # Space comes back when a reader ends its epoch or another put ends.  We
@@ -300,7 +306,7 @@ class Allocator:
                 "pinned, has stored children or is being written. Unpin blocks, delete "
                 "some, or raise capacity_bytes.")
 
-    def _place(self, items: Sequence[Slot], store_used: int) -> bool:
+    def _place(self, items: Sequence[Slot]) -> bool:
         """Allocate every item, or none (no await in between: all-or-nothing)."""
         placed: list[Slot] = []
         for item in items:
@@ -311,7 +317,7 @@ class Allocator:
             item.extent, item.offset = where
             placed.append(item)
         self.reserved_bytes += sum(item.slot_len for item in items)
-        self.peak_used_bytes = max(self.peak_used_bytes, self._used(store_used))
+        self.peak_used_bytes = max(self.peak_used_bytes, self._used(self.claims.seen_used()))
         return True
 
     def _give_back(self, items: Sequence[Slot]) -> None:
@@ -397,6 +403,10 @@ class Allocator:
             self._evicted(evicted)
             blocks += len(evicted)
             freed += sum(e.slot_len for _, e in evicted)
+        # No read holds what it evicted yet: to the pool, not this owner's claims.
+        ripe, _ = self.epochs.take_ripe(), self.space.take_runs()
+        self._writer.run_sync(lambda txn: self._index.space.ripen(txn, self._index.free_map, ripe))
+        self.claims.changed()
         self.peak_used_bytes = self.used_bytes
         logger.info("kvstore %s: evicted %d blocks (%d bytes) at open to fit capacity_bytes=%d",
                     self._path, blocks, freed, self.capacity_bytes)

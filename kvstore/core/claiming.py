@@ -75,6 +75,10 @@ class CommitSpace:
     claimed: list[Run] = field(default_factory=list)
     kept: list[Run] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.want or self.returning:
+            self.claims.busy += 1  # (its claims change: see OwnClaims.busy)
+
     def before(self, txn: Txn) -> None:
         """Ranges no read of this owner holds any more join its claims first: a slot
         this commit indexes may lie in one."""
@@ -88,10 +92,16 @@ class CommitSpace:
 
     def done(self) -> None:
         self.claims.give([*self.claimed, *self.kept])
+        self._settled()
 
     def failed(self) -> None:
         self.claims.epochs.unripe(self.ripe)  # still pending
         self.claims.give(self.returning)
+        self._settled()
+
+    def _settled(self) -> None:
+        if self.want or self.returning:
+            self.claims.settled()
 
 
 class OwnClaims:
@@ -99,12 +109,18 @@ class OwnClaims:
     docstring).  ``capacity``: the allocator's capacity, read when needed;
     ``on_extent``: told of each extent the first time space in it becomes this owner's
     (before any of it can be placed: its owner opens the file, see
-    :class:`~kvstore.core.allocator.Changes`)."""
+    :class:`~kvstore.core.allocator.Changes`); ``on_change``: told when a change of
+    the claims settled.
+
+    ``busy``: transactions in flight that change this owner's claims.  Meanwhile the
+    counters and the runtime free space disagree (runs claimed and committed, not yet
+    free here; runs taken out to return, not yet returned), so a reserve that would
+    decide from them (evict, refuse) waits for them to settle instead."""
 
     def __init__(self, *, path: str, index: Index, writer: IndexWriter, engine: IOEngine,
                  owner: int, space: FreeSpace, epochs: ReadEpochs, extent_bytes: int,
                  store_uuid: bytes, file_mode: int, capacity: Callable[[], int],
-                 on_extent: Callable[[int], None]) -> None:
+                 on_extent: Callable[[int], None], on_change: Callable[[], None]) -> None:
         self._path, self.index, self._writer, self._engine = path, index, writer, engine
         self.owner, self.space, self.epochs, self.capacity = owner, space, epochs, capacity
         self._extent_bytes, self._uuid, self._file_mode = extent_bytes, store_uuid, file_mode
@@ -113,6 +129,8 @@ class OwnClaims:
         self.grown = 0  # extents this owner added
         self._grow_lock: anyio.Lock | None = None
         self._on_extent, self._reported = on_extent, set[int]()
+        self._seen: int | None = None  # the store's used bytes, last read
+        self.busy, self._on_change = 0, on_change
 
     def start(self) -> None:
         self._grow_lock = anyio.Lock()
@@ -120,7 +138,22 @@ class OwnClaims:
     def used(self) -> int:
         """The store's used bytes, every owner's claims included (the counters)."""
         with self.index.begin() as txn:
-            return used_bytes(txn, self.index, self.space.lost)
+            self._seen = used_bytes(txn, self.index, self.space.lost)
+        return self._seen
+
+    def seen_used(self) -> int:
+        """:meth:`used` as last read, unless this owner's claims changed since (other
+        owners' claims may have: a statistic's value, no capacity decision)."""
+        return self.used() if self._seen is None else self._seen
+
+    def changed(self) -> None:
+        self._seen = None  # (this owner claimed or returned space)
+
+    def settled(self) -> None:
+        """A change of the claims counted in ``busy`` is over (done or not)."""
+        self.busy -= 1
+        self.changed()
+        self._on_change()
 
     def pool_free(self) -> int:
         with self.index.begin() as txn:
@@ -155,6 +188,7 @@ class OwnClaims:
         spare = self.space.take_runs() if room < total else []
         want = self.quantum(total)
         ripe = self.epochs.take_ripe()
+        self.busy += 1
         index, owner, capacity, lost = self.index, self.owner, self.capacity(), self.space.lost
 
         def job(txn: Txn) -> tuple[Claimed, list[Run]]:
@@ -171,7 +205,10 @@ class OwnClaims:
             self.epochs.unripe(ripe)
             self.give(spare)
             raise
-        self.give([*claimed.runs, *kept])
+        else:
+            self.give([*claimed.runs, *kept])
+        finally:
+            self.settled()
         return claimed
 
     async def grow(self, total: int, room: int) -> int | None:
@@ -198,15 +235,18 @@ class OwnClaims:
                 return claim_new_extent(txn, index, owner, extent_id, extent_bytes,
                                         want=want, capacity=capacity, lost=lost), kept
 
+            self.busy += 1
             try:
                 run, kept = await self._writer.run(job)
             except BaseException:
                 # Not indexed (the commit failed: e.g. no room for the index on a full
                 # disk): the file goes, and with it the space it took from the index.
                 self.give(spare)
+                self.settled()
                 await anyio.to_thread.run_sync(remove_new_extent_file, self._path, extent_id)
                 raise
             self.give([*kept, *([run] if run else [])])
+            self.settled()
             self.grown += 1
             return extent_id
 
@@ -222,8 +262,12 @@ class OwnClaims:
         docstring); take it in the step that submits the commit."""
         q, free = self.quantum(), self.space.free_bytes
         returning = self.space.take_runs(free - q) if free > 2 * q else []
-        return CommitSpace(self, self.epochs.take_ripe(), q if free < q // 2 else 0,
-                           returning, self.index.space.owned(self.owner))
+        # (no top-up while the capacity had no room at the last look: a full store
+        # would try in every commit; the claim a reserve runs when it must stays)
+        room = self.capacity() - self.seen_used()
+        want = min(q, room) if free < q // 2 and room >= PAGE else 0
+        return CommitSpace(self, self.epochs.take_ripe(), want, returning,
+                           self.index.space.owned(self.owner))
 
     def give(self, runs: Sequence[Run]) -> None:
         """``runs`` are this owner's free space (again)."""

@@ -100,12 +100,11 @@ def claim_space(txn: Txn, index: Index, owner: int, *, want: int, largest: int,
 
 
 def ripen_into(txn: Txn, index: Index, owner: int, runs: list[tuple[int, int, int]]) -> None:
-    """Pending ``runs`` no read of ``owner`` can still copy, into its claims (through the
-    pool: :meth:`~kvstore.index.space_counters.SpaceCounters.ripen`); ``used`` is
-    unchanged (pending and claimed both count)."""
-    index.space.ripen(txn, index.free_map, runs)
-    for run in runs:
-        index.space.claim(txn, index.free_map, owner, *run)
+    """Pending ``runs`` no read of ``owner`` can still copy, into its claims
+    (:meth:`~kvstore.index.space_counters.SpaceCounters.ripen` into the owner's claims
+    as the map it gives them to); ``used`` is unchanged (pending and claimed both
+    count)."""
+    index.space.ripen(txn, index.space.owned(owner), runs)
 
 
 def return_runs(txn: Txn, index: Index, owner: int, runs: Iterable[tuple[int, int, int]]

@@ -41,6 +41,8 @@ class FreeMap:
 
     def _run(self, cur: Any) -> Run | None:
         """The run at the cursor, if it is one of this map's (its key has the prefix)."""
+        if not self._prefix:  # (the pool: every row is one)
+            return (*decode_free_key(cur.key()), unpack_u64(cur.value()))
         key, n = bytes(cur.key()), len(self._prefix)
         if key[:n] != self._prefix:
             return None

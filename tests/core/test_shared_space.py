@@ -171,3 +171,4 @@ def test_a_killed_claimers_claims_come_back(tmp_path: Path) -> None:
         assert all(same(g, v) for g, v in
                    zip(store.get_many(keys(2)), [torch.ones(1000), torch.zeros(1000)]))
     assert fsck.check(str(tmp_path)).findings == []
+
