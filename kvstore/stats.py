@@ -23,7 +23,8 @@ COUNTERS = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes", "g
             "put_replans", "memory_hits", "memory_misses", "memory_read_bytes",
             "prefetch_blocks", "prefetch_read_bytes", "dropped_puts", "dropped_blocks",
             "quarantined_blocks", "read_retries", "restored_blocks", "scrubbed_blocks",
-            "scrubbed_bytes", "scrub_failed_blocks", "scrub_passes", "dedup_late")
+            "scrubbed_bytes", "scrub_failed_blocks", "scrub_passes", "dedup_late",
+            "evicted_at_commit")
 
 
 @dataclass
@@ -103,6 +104,7 @@ class StoreStats:
     owner_id: int = 0
     owners_recovered: int = 0
     dedup_late: int = 0  # blocks a put wrote that were indexed (another owner) before its commit
+    evicted_at_commit: int = 0  # blocks whose parent another owner evicted before their commit
     map_adoptions: int = 0
     namespaces: list[str] = field(default_factory=list)
     # Since the store was created, all processes (kvstore/index/totals.py); the counters above

@@ -1,7 +1,8 @@
 """Several owners on one path allocate only inside their own claims (issue 43,
 kvstore/core/claiming.py): one capacity for all of them, evictions by any owner in
 LMDB's LRU order, no two owners ever placing slots in overlapping ranges, and a killed
-claimer's claims back in the pool.  Two Stores of one process are two owners (the
+claimer's claims back in the pool; a child whose parent another owner removed while
+its put was writing is not indexed.  Two Stores of one process are two owners (the
 interim guard turned off here); the killed claimer is a real process."""
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,6 +24,7 @@ import kvstore.core.owners
 from kvstore.index.claims import used_bytes
 from kvstore.index.index import Index
 from kvstore.index.space_counters import CLAIMED
+from kvstore.io.slots import PutItem
 from kvstore.testing import parts
 from kvstore.tools import fsck
 from kvstore.tools.fsck import _Checker
@@ -172,3 +176,37 @@ def test_a_killed_claimers_claims_come_back(tmp_path: Path) -> None:
                    zip(store.get_many(keys(2)), [torch.ones(1000), torch.zeros(1000)]))
     assert fsck.check(str(tmp_path)).findings == []
 
+
+@pytest.mark.anyio
+async def test_a_child_whose_parent_another_owner_removed_meanwhile_is_not_indexed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B's put of a chain under A's block decided while the parent was stored; A removes
+    the parent while B's put writes (B's own protections do not reach A): B's commit
+    indexes neither child (no chain hole), gives their slots back to its claims and
+    counts them evicted at once (``evicted_at_commit``, DESIGN 8.2 step 2)."""
+    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
+    ks = keys(3)
+    held, go = anyio.Event(), anyio.Event()
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=EXTENT,
+                            engine="threads") as a, \
+            kvstore.open(tmp_path, namespace=NS, extent_bytes=EXTENT, engine="threads") as b:
+        await a.put(ks[0], value(0))
+        write = parts(b).transfers.write
+
+        async def held_write(items: list[PutItem]) -> None:
+            held.set()
+            await go.wait()
+            await write(items)
+
+        monkeypatch.setattr(parts(b).transfers, "write", held_write)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(b.put_many, ks[1:], [value(1), value(2)],
+                                  parents=kvstore.chain_parents(ks[1:], ks[0])))
+            await held.wait()  # B decided: the parent is stored
+            assert await a.delete(ks[0])
+            go.set()
+        assert await b.contains_many(ks) == [False] * 3
+        stats = b.stats()
+        assert stats.evicted_at_commit == 2 and stats.evicted_blocks == 2
+        assert allocation_findings(parts(b).index, tmp_path) == []
+    assert fsck.check(str(tmp_path)).findings == []
