@@ -19,9 +19,10 @@ Registration (:func:`register`, one write transaction on the index writer, after
    Lock files of no owner (a registration or close killed at the wrong moment) go too.
 3. Options every owner must agree on: ``sync`` (:class:`~kvstore.errors.OptionMismatchError`
    naming the live owners' pids).
-4. Until space is shared between processes (claims), a live owner in another process
-   refuses the registration (:class:`~kvstore.errors.StoreLockedError`, naming it): the
-   allocator still assumes it owns the free space alone.
+4. Until freed space waits for every owner's reads (marks, horizon: issue 43's
+   DESIGN.md, section 7), a live owner in another process refuses the registration
+   (:class:`~kvstore.errors.StoreLockedError`, naming it): each owner allocates inside
+   its own claims, but reuses what it freed once its own reads are done.
 5. Write this owner's row (pid, its start time and PID namespace, ``sync``, when), and
    lease its first sequence numbers (:mod:`kvstore.core.seq_lease`).
 
@@ -53,8 +54,9 @@ Txn = Any  # lmdb.Transaction (untyped module)
 
 SHARING_ENABLED = False
 """Whether a second process may register beside a live owner (step 4).  False until
-space is shared across processes (issue 43's DESIGN.md, section 6: claims, sequence
-number leases); tests of the owners' bookkeeping turn it on in their own process."""
+freed space waits for every owner's reads (issue 43's DESIGN.md, section 7; claims and
+sequence number leases are in); tests of the owners' bookkeeping turn it on in their
+own process."""
 
 
 class Owner:
