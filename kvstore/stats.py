@@ -24,7 +24,7 @@ COUNTERS = ("puts", "put_blocks", "put_bytes", "dedup_blocks", "dedup_bytes", "g
             "prefetch_blocks", "prefetch_read_bytes", "dropped_puts", "dropped_blocks",
             "quarantined_blocks", "read_retries", "restored_blocks", "scrubbed_blocks",
             "scrubbed_bytes", "scrub_failed_blocks", "scrub_passes", "dedup_late",
-            "raced_reads")
+            "raced_reads", "evicted_at_commit")
 
 
 @dataclass
@@ -104,6 +104,7 @@ class StoreStats:
     owner_id: int = 0
     owners_recovered: int = 0
     dedup_late: int = 0  # blocks a put wrote that were indexed (another owner) before its commit
+    evicted_at_commit: int = 0  # blocks whose parent another owner evicted before their commit
     map_adoptions: int = 0
     # reads whose slot failed verification because the block moved after their lookup
     # (another owner deleted it and reused its slot): misses, not quarantined; 0 expected

@@ -4,7 +4,9 @@ eviction follow when they run at the same time live here and nowhere else.
 Every byte of an extent's usable area (everything after its header page) is in exactly
 one of these states:
 
-``free``          in the runtime free map (:class:`FreeSpace`), ready to allocate;
+``free``          in the runtime free map (:class:`FreeSpace`): this owner's claims
+                  (kvstore/core/claiming.py), ready to allocate; or in the store's pool,
+                  which any owner may claim;
 ``reserved``      allocated to a put in flight, not yet indexed;
 ``stored``        named by an index entry (or kept in quarantine for fsck);
 ``pending-free``  unindexed (delete, eviction) but possibly still being read by a get
@@ -12,7 +14,10 @@ one of these states:
                   has ended (read epochs, LevelDB's "obsolete files no live version
                   references").
 
-``used_bytes`` is everything but ``free``; it never exceeds ``capacity_bytes``.
+``used_bytes`` is everything but ``free``; it never exceeds ``capacity_bytes``.  The
+capacity is the store's, shared by every owner: the counters in the index count every
+owner's claims as used, and a claim checks the capacity in its transaction; this owner's
+``used_bytes`` leaves its own unreserved claims out.
 
 Reserving (:meth:`Allocator.reserve`) is all-or-nothing per batch and never waits while
 holding space, so puts cannot deadlock one another.  When a batch does not fit the
@@ -52,10 +57,12 @@ lost).  The owner opens the extents it added before any of their space is writte
 memory tier.  The writes its owner wants in an eviction's transaction (the persisted
 totals) are an argument of ``reserve`` and ``fit_capacity``.
 
-The LMDB ``free`` table is the durable free map; this module keeps its runtime mirror.
-A reserved range leaves the durable map in the transaction that indexes its block, so a
-crash before that commit leaves the space free in the index and the written bytes as
-reclaimable orphans (FORMAT.md, "Allocation").  Pending-free space is a ``pending`` row
+The owner's rows of the LMDB ``claims`` table are the durable map of its space; this
+module keeps their runtime mirror.  A batch that does not fit it claims more, or adds an
+extent and claims from it (kvstore/core/claiming.py).  A reserved range leaves the
+owner's claims in the transaction that indexes its block, so a crash before that commit
+leaves the space claimed by a dead owner (back to the pool when it is recovered) and the
+written bytes as reclaimable orphans (FORMAT.md, "Allocation").  Pending-free space is a ``pending`` row
 in the index; once no read holds it, the put path's next commit moves it back to
 ``free`` before taking any slot (:class:`~kvstore.core.free_space.ReadEpochs`).
 """
@@ -74,13 +81,12 @@ from typing import Protocol
 
 import anyio
 
+from kvstore.core.claiming import CommitSpace, OwnClaims
 from kvstore.core.free_space import FreeSpace, ReadEpochs, wait_for_change
-from kvstore.disk.extents import remove_new_extent_file
 from kvstore.disk.format import PAGE, IndexEntry
 from kvstore.errors import CapacityError
 from kvstore.index.eviction import evictable_bytes
 from kvstore.index.index import Index, IndexWriter, Touched, Txn
-from kvstore.io.extent_files import create_extent_file
 from kvstore.io.protocol import IOEngine
 
 logger = logging.getLogger("kvstore.store")
@@ -98,8 +104,9 @@ def _nothing(txn: Txn) -> None:
 class Changes:
     """What the allocator did that its owner acts on (see the module docstring).
 
-    ``new_extents``: extents added (file created, fdatasynced, indexed) whose files the
-    owner has not been told to open.  Their space is free from the moment they are
+    ``new_extents``: extents added (file created, fdatasynced, indexed), or first
+    claimed from (another owner added them), whose files the owner has not been told
+    to open.  Their space is free from the moment they are
     added, yet no put can write there before the owner opened them: the space is handed
     out only by ``_place``, and a reserve returns in the same step as its ``_place``
     (no await between them), carrying every extent not reported yet; its caller opens
@@ -126,24 +133,22 @@ class Allocator:
     """Owns the extent files' space: free, reserved and pending-free; reserve, evict, grow."""
 
     def __init__(self, *, path: str, index: Index, writer: IndexWriter, engine: IOEngine,
-                 extent_bytes: int,
-                 store_uuid: bytes, extents: Iterable[int],
-                 free_runs: Iterable[tuple[int, int, int]], capacity_bytes: int | None,
+                 extent_bytes: int, store_uuid: bytes, capacity_bytes: int | None,
                  lost_extents: Iterable[int] = (),
                  file_mode: int, counters: dict[str, int], owner_id: int = 0) -> None:
         self._path, self._index, self._writer = path, index, writer
-        self._owner_id = owner_id  # the store's, among its owners (kvstore/core/owners.py)
-        self._engine = engine  # new extent files are made through it
-        self.extent_bytes, self._uuid, self._file_mode = extent_bytes, store_uuid, file_mode
+        self.extent_bytes = extent_bytes
         self._counters = counters  # the store's: evicted_blocks, evicted_bytes
         self._changes = Changes()  # what its owner has not taken yet (take_changes)
-        self._extents = len(list(extents))
         # Extents whose file is missing: their space is never handed out (a slot there
         # could not be written) and stays counted as used until fsck --repair drops them.
-        self.space = FreeSpace(lost=lost_extents)
-        for run in free_runs:
-            self.space.free(*run)
+        self.space = FreeSpace(lost=lost_extents)  # empty: this owner claims nothing yet
         self.epochs = ReadEpochs(self.space, self._notify)
+        self.claims = OwnClaims(  # owner_id: the store's (kvstore/core/owners.py)
+            path=path, index=index, writer=writer, engine=engine, owner=owner_id,
+            space=self.space, epochs=self.epochs, extent_bytes=extent_bytes,
+            store_uuid=store_uuid, file_mode=file_mode, capacity=lambda: self.capacity_bytes,
+            on_extent=self._changes_extent, on_change=self._notify)
         self.reserved_bytes = 0
         self._protected: Counter[bytes] = Counter()
         self._touched: dict[bytes, int] = {}
@@ -151,7 +156,6 @@ class Allocator:
         self._generation = 0  # bumped by every change a waiting reserve could use
         self._tickets = count()  # reserves in arrival order
         self._waiting: list[int] = []  # sorted tickets of reserves that had to wait
-        self._grow_lock: anyio.Lock | None = None  # made on the event loop, in start()
         self.capacity_bytes = self.default_capacity() if capacity_bytes is None \
             else int(capacity_bytes)
         if self.capacity_bytes < PAGE:
@@ -159,14 +163,27 @@ class Allocator:
         self.peak_used_bytes = self.used_bytes
 
     def start(self) -> None:
-        self._grow_lock = anyio.Lock()
+        self.claims.start()  # (its lock is made on the event loop)
 
     # ------------------------------------------------------------------ accounting
 
     @property
     def used_bytes(self) -> int:
-        """Stored, quarantined, reserved and pending-free bytes: what capacity bounds."""
-        return self._extents * (self.extent_bytes - PAGE) - self.space.free_bytes
+        """Stored, quarantined, reserved and pending-free bytes, and other owners'
+        claims: what capacity bounds (the module docstring)."""
+        return self._used(self.claims.used())
+
+    def _used(self, store_used: int) -> int:
+        return store_used - self.space.free_bytes - self.claims.withdrawn
+
+    @property
+    def free_bytes(self) -> int:
+        """The pool's free bytes and this owner's unreserved claimed ones."""
+        return self.claims.pool_free() + self.space.free_bytes
+
+    def for_commit(self) -> CommitSpace:
+        """What a put's commit does to this owner's claims (kvstore/core/claiming.py)."""
+        return self.claims.for_commit()
 
     @property
     def pending_free_bytes(self) -> int:
@@ -186,6 +203,7 @@ class Allocator:
     def release(self, entries: Iterable[IndexEntry]) -> None:
         """Space of unindexed blocks: free once no earlier reader can still be reading it."""
         for e in entries:
+            self.claims.note(e.extent)  # (another owner's extent: opened before reuse)
             self.epochs.free(e.extent, e.offset, e.slot_len)
 
     def touch(self, keys: Iterable[bytes], when: int) -> None:
@@ -197,6 +215,10 @@ class Allocator:
     def take_touched(self) -> Touched:
         touched, self._touched = self._touched, {}
         return touched
+
+    def _changes_extent(self, extent_id: int) -> None:
+        self._changes.new_extents.append(extent_id)  # opened by the owner: Changes
+        self._notify()  # (its space may be what a waiting reserve needs)
 
     def take_changes(self) -> Changes:
         """What was done since it was last taken (extents added, blocks evicted)."""
@@ -238,7 +260,8 @@ class Allocator:
 
     async def _reserve(self, items: Sequence[Slot], total: int, ticket: int,
                        ride_along: Callable[[Txn], None]) -> None:
-        first = True
+        first, claimed = True, False
+        largest = max((item.slot_len for item in items), default=0)
         while True:
             if not first:  # its first look (and eviction) did not place it: in line
                 self._wait_in_line(ticket)
@@ -249,19 +272,28 @@ class Allocator:
                 self._wait_in_line(ticket)
                 await self._wait_for_change()
                 continue
-            short = self.used_bytes + total - self.capacity_bytes
-            if short <= 0:
-                if self._place(items):
-                    return
-                await self._grow()
+            # Inside its own claims a batch is within the capacity (each claim was
+            # checked against it; unless the store uses more, as last seen: a smaller
+            # capacity recorded meanwhile): placed with no look at the index.
+            if self.claims.seen_used() <= self.capacity_bytes and self._place(items):
+                return
+            if self.claims.busy:  # (its claims are changing: see OwnClaims.busy)
+                await self._wait_for_change()
                 continue
-            evict = short - self.pending_free_bytes
             seen = self._generation
+            store_used = self.claims.used()
+            short = self._used(store_used) + total - self.capacity_bytes
+            if short <= 0:
+                short, claimed = await self.claims.more(
+                    total, largest, self.capacity_bytes - store_used, grow=claimed)
+                if short <= 0:
+                    continue
+            evict = short - self.pending_free_bytes
             if evict > 0 and await self._evict(evict, ride_along):
                 continue
             if seen != self._generation:
-                # Puts ended or space came back while the eviction ran (it saw their
-                # blocks still protected): look again before concluding anything.
+                # Puts ended or space came back while the claim or eviction ran (it saw
+                # their blocks still protected): look again before concluding anything.
                 continue
             if self.pending_free_bytes or self.reserved_bytes:
                 # Space comes back when a reader ends its epoch or another put ends.  We
@@ -286,7 +318,7 @@ class Allocator:
             item.extent, item.offset = where
             placed.append(item)
         self.reserved_bytes += sum(item.slot_len for item in items)
-        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+        self.peak_used_bytes = max(self.peak_used_bytes, self._used(self.claims.seen_used()))
         return True
 
     def _give_back(self, items: Sequence[Slot]) -> None:
@@ -372,6 +404,10 @@ class Allocator:
             self._evicted(evicted)
             blocks += len(evicted)
             freed += sum(e.slot_len for _, e in evicted)
+        # No read holds what it evicted yet: to the pool, not this owner's claims.
+        ripe, _ = self.epochs.take_ripe(), self.space.take_runs()
+        self._writer.run_sync(lambda txn: self._index.space.ripen(txn, self._index.free_map, ripe))
+        self.claims.changed()
         self.peak_used_bytes = self.used_bytes
         logger.info("kvstore %s: evicted %d blocks (%d bytes) at open to fit capacity_bytes=%d",
                     self._path, blocks, freed, self.capacity_bytes)
@@ -386,35 +422,8 @@ class Allocator:
         self._counters["evicted_bytes"] += freed
         return freed
 
-    async def _grow(self) -> None:
-        """Add one extent file (durably), then record it and its free run in the index."""
-        assert self._grow_lock is not None, "Allocator.start() was not called"
-        before = self._extents
-        async with self._grow_lock:
-            if self._extents != before:
-                return  # another task grew the store while we waited
-            # Reserved in a transaction first: another process sharing the store may
-            # grow it at the same moment, and must get another id (issue 43).
-            extent_id = await self._writer.run(
-                lambda txn: self._index.reserve_extent_id(txn, self._owner_id))
-            await create_extent_file(self._engine, self._path, extent_id, self.extent_bytes,
-                                     self._uuid, self._file_mode)
-            try:
-                await self._writer.run(
-                    lambda txn: self._index.add_extent(txn, extent_id, self.extent_bytes))
-            except BaseException:
-                # Not indexed (the commit failed: e.g. no room for the index on a full
-                # disk): the file goes, and with it the space it took from the index.
-                await anyio.to_thread.run_sync(remove_new_extent_file, self._path, extent_id)
-                raise
-            self._changes.new_extents.append(extent_id)  # opened by the owner: Changes
-            self._extents += 1
-            self.space.free(extent_id, PAGE, self.extent_bytes - PAGE)
-            self._notify()
-
     def withdraw_extent(self, extent_id: int) -> None:
         """An added extent its owner could not open: its space goes out of use, as if
         it had never been added (it is indexed: the next open finds it).  Call it once
         every slot reserved in it was given back (``unreserve``)."""
-        self.space.withdraw(extent_id, PAGE, self.extent_bytes - PAGE)
-        self._extents -= 1
+        self.claims.withdraw_extent(extent_id)

@@ -60,6 +60,21 @@ class FreeSpace:
             raise AssertionError(f"extent {extent} offset {offset}: no free run of {length}")
         self._remove(extent, offset)
 
+    def runs(self) -> list[tuple[int, int, int]]:
+        """Every free run (extent, offset, length), largest first."""
+        return [(extent, offset, length) for length, extent, offset in reversed(self._sizes)]
+
+    def take_runs(self, most: int | None = None) -> list[tuple[int, int, int]]:
+        """Take free runs out, largest first, until ``most`` bytes (every run if None;
+        a run that would go past ``most`` stays): what an owner gives back."""
+        taken, left = [], self.free_bytes if most is None else most
+        for extent, offset, length in self.runs():
+            if length <= left:
+                self._remove(extent, offset)
+                taken.append((extent, offset, length))
+                left -= length
+        return taken
+
     def free(self, extent: int, offset: int, length: int) -> None:
         """Return a range; it must not overlap a free run (checked: overlap is a bug).
         A range of a lost extent stays used (its file is gone: nothing can go there)."""

@@ -206,8 +206,7 @@ class StoreParts:
         self.allocator = Allocator(
             path=self.path, index=self.index, writer=self.writer,
             engine=self.scheduler or self.engine, extent_bytes=self.extent_bytes,
-            store_uuid=self.store_uuid, extents=self.extents, free_runs=self.index.free_runs(),
-            lost_extents=self.lost_extents,
+            store_uuid=self.store_uuid, lost_extents=self.lost_extents,
             capacity_bytes=capacity, file_mode=self.file_mode,
             counters=self.counters, owner_id=self.owner.id)
         # Freed space is reused once no read of any owner can hold it (read marks)

@@ -61,8 +61,9 @@ Txn = Any  # lmdb.Transaction (untyped module)
 
 SHARING_ENABLED = False
 """Whether a second process may register beside a live owner (step 4).  False until
-space is shared across processes (issue 43's DESIGN.md, section 6: claims, sequence
-number leases); tests of the owners' bookkeeping turn it on in their own process."""
+freed space waits for every owner's reads (issue 43's DESIGN.md, section 7; claims and
+sequence number leases are in); tests of the owners' bookkeeping turn it on in their
+own process."""
 
 
 class Owner:

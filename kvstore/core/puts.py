@@ -44,7 +44,7 @@ from kvstore.core.key_order import KeyOrder, Turn
 from kvstore.core.seq_lease import SeqLease
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
 from kvstore.errors import BlockTooLargeError, StoreIOError
-from kvstore.index.index import ChainCut, Txn
+from kvstore.index.index import ChainCut, Skipped, Txn
 from kvstore.index.tags import check_tags
 from kvstore.io.slots import PlanMismatch, PutItem
 from kvstore.keys import check_key, check_keys
@@ -189,7 +189,11 @@ class PutPath:
         # Wait out the puts and deletes of these keys that started earlier, then decide
         # without yielding.
         await self.order.wait_earlier(turn, self._health.check_writable)
-        present = self._index.present(keys)
+        # (parents outside the batch looked up with it: one gone at the commit was
+        # evicted by another process meanwhile, Index.commit_puts)
+        outside = {p for p in parent_list if p is not None}.difference(keys)
+        present = self._index.present([*keys, *outside])
+        seen = [p for p in outside if p in present]
         chosen: list[tuple[bytes, bytes | None, torch.Tensor, int]] = []
         deduplicated: dict[bytes, None] = {}
         dedup_bytes = 0
@@ -221,13 +225,13 @@ class PutPath:
             if not all([item.plan(spec) for item in items]):
                 await self._encode(items, spec)
             try:
-                late = await self._put_items(items, list(deduplicated), tag_of)
+                late = await self._put_items(items, list(deduplicated), tag_of, seen)
             except PlanMismatch:
                 self._counters["put_replans"] += 1
                 await self._encode(items, spec)
-                late = await self._put_items(items, list(deduplicated), tag_of)
+                late = await self._put_items(items, list(deduplicated), tag_of, seen)
         else:
-            late = await self._put_items(items, list(deduplicated), tag_of)
+            late = await self._put_items(items, list(deduplicated), tag_of, seen)
         if late:  # indexed by another owner (or restored) since the decision: not ours
             self._counters["dedup_late"] += len(late)
             dedup_bytes += sum(item.raw_len for item in items if item.key in late)
@@ -307,7 +311,7 @@ class PutPath:
                 raise
 
     async def _put_items(self, items: list[PutItem], relies_on: list[bytes],
-                         tag_of: dict[bytes, bytes]) -> set[bytes]:
+                         tag_of: dict[bytes, bytes], seen: list[bytes]) -> set[bytes]:
         """Reserve, number, write, sync and commit ``items``; returns the keys the
         commit skipped (indexed meanwhile: ``Index.commit_puts``), whose slots went back."""
         health, allocator, ride_along = self._health, self._allocator, self._ride_along
@@ -331,33 +335,38 @@ class PutPath:
             health.check_still_writable()
             touched = allocator.take_touched()
             index = self._index
-            ripe = allocator.epochs.take_ripe()
+            space = allocator.for_commit()  # (the claims' ride-alongs: kvstore/core/claiming.py)
 
-            def commit(txn: Txn) -> list[bytes] | ChainCut:
+            def commit(txn: Txn) -> Skipped | ChainCut:
                 health.check_still_writable()
-                # Freed ranges no read of ours can still copy leave ``pending`` first,
-                # even if this commit is cut: a commit queued after this one may have
-                # placed slots in them.
-                index.space.ripen(txn, index.free_map, ripe)
+                # Freed ranges no read of ours can still copy leave ``pending`` (into
+                # this owner's claims) first, even if this commit is cut: a commit
+                # queued after this one may have placed slots in them.
+                space.before(txn)
                 try:
-                    skipped = index.commit_puts(txn, entries, touched, relies_on, tag_of)
+                    skipped = index.commit_puts(txn, entries, touched, relies_on, tag_of,
+                                                space=space.owned, parents_seen=seen)
                 except ChainCut as cut:  # (it wrote nothing: the ripening stays)
+                    space.after(txn)
                     return cut
+                space.after(txn)
                 ride_along(txn)
                 return skipped
 
             try:
                 done = await self._writer.run(commit)
             except BaseException:
-                allocator.epochs.unripe(ripe)  # not committed: still pending
+                space.failed()  # not committed: still pending, still claimed
                 raise
+            space.done()
             if isinstance(done, ChainCut):
                 raise done
-            late = set(done)
+            late, cut = set(done.late), set(done.evicted)
             committed = True
-            if late:  # their slots were never indexed: free again (no reader can hold them)
-                allocator.unreserve([item for item in items if item.key in late])
-                items = [item for item in items if item.key not in late]
+            if late or cut:  # never indexed: their slots are free again (no reader holds them)
+                allocator.unreserve([item for item in items if item.key in late | cut])
+                _count_cut(self._counters, [item for item in items if item.key in cut])
+                items = [item for item in items if item.key not in late | cut]
             allocator.committed(items)
             memory, remote = self._tiers.memory, self._tiers.remote
             if remote is not None:  # uploaded in the background
@@ -373,3 +382,11 @@ class PutPath:
             if not committed:
                 allocator.unreserve(items)
         return late
+
+
+def _count_cut(counters: dict[str, int], items: Sequence[PutItem]) -> None:
+    """Blocks whose parent another process evicted before the commit: stored and
+    evicted at once (no chain hole; not uploaded, not cached)."""
+    counters["evicted_at_commit"] += len(items)
+    counters["evicted_blocks"] += len(items)
+    counters["evicted_bytes"] += sum(item.slot_len for item in items)

@@ -21,8 +21,12 @@ commit, in every process.
    pool held less than ``want`` (a new extent's id is reserved in a transaction, its
    file made outside any: kvstore/index/index.py).
 
-The store's allocator does not call it yet (one process allocates: the interim guard
-of kvstore/core/owners.py); tests hold it to the bound with several owners of one index.
+The other transactions on an owner's claims (the allocator runs them through
+kvstore/core/claiming.py): :func:`ripen_into` (pending runs its reads no longer hold
+join its claims: they are in its runtime free space already), :func:`return_runs`
+(unreserved claimed runs back to the pool), :func:`claim_new_extent` (a new extent
+recorded and claimed from in one transaction) and :func:`top_up` (riding along in a put's
+commit: never short, never a new extent).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from kvstore.disk.format import PAGE, round_up
 if TYPE_CHECKING:
     from kvstore.index.index import Index
 
-__all__ = ["Claimed", "claim_space", "used_bytes"]
+__all__ = ["Claimed", "claim_new_extent", "claim_space", "return_runs", "ripen_into",
+           "top_up", "used_bytes"]
 
 Txn = Any  # lmdb.Transaction (untyped module)
 
@@ -92,3 +97,53 @@ def claim_space(txn: Txn, index: Index, owner: int, *, want: int, largest: int,
         claimed.append((extent, offset, take))
         left -= take
     return Claimed(runs=claimed, grow=left > 0, pending=pending)
+
+
+def ripen_into(txn: Txn, index: Index, owner: int, runs: list[tuple[int, int, int]]) -> None:
+    """Pending ``runs`` no read of ``owner`` can still copy, into its claims
+    (:meth:`~kvstore.index.space_counters.SpaceCounters.ripen` into the owner's claims
+    as the map it gives them to); ``used`` is unchanged (pending and claimed both
+    count)."""
+    index.space.ripen(txn, index.space.owned(owner), runs)
+
+
+def return_runs(txn: Txn, index: Index, owner: int, runs: Iterable[tuple[int, int, int]]
+                ) -> list[tuple[int, int, int]]:
+    """``owner``'s unreserved ``runs`` back to the pool; returns those not wholly in its
+    claims (left as they are: a range still pending, its ripening not committed)."""
+    mine, kept = index.space.owned(owner), []
+    for run in runs:
+        if mine.holds(txn, *run):
+            mine.take(txn, *run)
+            index.free_map.give(txn, *run)
+        else:
+            kept.append(run)
+    return kept
+
+
+def _room(txn: Txn, index: Index, capacity: int, lost: Iterable[int]) -> int:
+    return (capacity - used_bytes(txn, index, lost)) // PAGE * PAGE
+
+
+def claim_new_extent(txn: Txn, index: Index, owner: int, extent_id: int, extent_bytes: int,
+                     *, want: int, capacity: int, lost: Iterable[int] = ()
+                     ) -> tuple[int, int, int] | None:
+    """Record the new extent (its file durable, its id reserved) and claim up to
+    ``want`` bytes from its start, as far as the capacity has room: the run claimed."""
+    index.add_extent(txn, extent_id, extent_bytes)
+    take = min(round_up(want, PAGE), extent_bytes - PAGE, _room(txn, index, capacity, lost))
+    if take <= 0:
+        return None
+    index.space.claim(txn, index.free_map, owner, extent_id, PAGE, take)
+    return extent_id, PAGE, take
+
+
+def top_up(txn: Txn, index: Index, owner: int, *, want: int, capacity: int,
+           lost: Iterable[int] = ()) -> list[tuple[int, int, int]]:
+    """Claim up to ``want`` bytes from the pool as far as the capacity has room (nothing
+    evicted, no extent added): the runs claimed."""
+    want = min(want, _room(txn, index, capacity, lost))
+    if want < PAGE:
+        return []
+    return claim_space(txn, index, owner, want=want, largest=PAGE, capacity=capacity,
+                       lost=lost).runs

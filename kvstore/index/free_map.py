@@ -8,6 +8,10 @@ index disagree: :class:`~kvstore.errors.IndexCorruptionError` (fsck repairs it).
 change runs in the caller's write transaction (:class:`kvstore.index.index.Index` owns it), in
 the same one as the index change it belongs to, and is reported to ``changed`` with the
 bytes it added or removed (the ``free_bytes`` counter: kvstore/index/space_counters.py).
+
+The same runs with a key ``prefix`` are one owner's claims (the ``claims`` table: owner
+u32 BE before the same key, kvstore/index/claims.py): a table of several owners' runs,
+each owner's kept maximal among its own rows.
 """
 
 from __future__ import annotations
@@ -26,26 +30,56 @@ class FreeMap:
     """The free runs in ``table`` (an LMDB database handle of the index's environment)."""
 
     def __init__(self, table: Any,
-                 changed: Callable[[Txn, int], None] = lambda txn, delta: None) -> None:
+                 changed: Callable[[Txn, int], None] = lambda txn, delta: None,
+                 prefix: bytes = b"") -> None:
         self.table = table
         self._changed = changed
+        self._prefix = prefix
+
+    def _key(self, extent: int, offset: int) -> bytes:
+        return self._prefix + free_key(extent, offset)
+
+    def _run(self, cur: Any) -> Run | None:
+        """The run at the cursor, if it is one of this map's (its key has the prefix)."""
+        if not self._prefix:  # (the pool: every row is one)
+            return (*decode_free_key(cur.key()), unpack_u64(cur.value()))
+        key, n = bytes(cur.key()), len(self._prefix)
+        if key[:n] != self._prefix:
+            return None
+        return (*decode_free_key(key[n:]), unpack_u64(cur.value()))
 
     def runs(self, txn: Txn) -> list[Run]:
         with txn.cursor(self.table) as cur:
-            return [(*decode_free_key(k), unpack_u64(v)) for k, v in cur]
+            if not self._prefix:
+                return [(*decode_free_key(k), unpack_u64(v)) for k, v in cur]
+            out: list[Run] = []
+            if cur.set_range(self._prefix):
+                while (run := self._run(cur)) is not None:
+                    out.append(run)
+                    if not cur.next():
+                        break
+            return out
 
     def _neighbours(self, txn: Txn, extent: int, offset: int) -> tuple[Run | None, Run | None]:
         """Free runs (extent, offset, length) at-or-after and before ``(extent, offset)``."""
         cur = txn.cursor(self.table)
         at_or_after = before = None
-        if cur.set_range(free_key(extent, offset)):
-            at_or_after = (*decode_free_key(cur.key()), unpack_u64(cur.value()))
+        if cur.set_range(self._key(extent, offset)):
+            at_or_after = self._run(cur)
             moved = cur.prev()
         else:
             moved = cur.last()
         if moved:
-            before = (*decode_free_key(cur.key()), unpack_u64(cur.value()))
+            before = self._run(cur)
         return at_or_after, before
+
+    def holds(self, txn: Txn, extent: int, offset: int, length: int) -> bool:
+        """Whether ``[offset, offset + length)`` of ``extent`` lies within one run."""
+        at_or_after, before = self._neighbours(txn, extent, offset)
+        run = at_or_after if at_or_after is not None and at_or_after[:2] == (extent, offset) \
+            else before
+        return run is not None and run[0] == extent and \
+            run[1] <= offset < offset + length <= run[1] + run[2]
 
     def take(self, txn: Txn, extent: int, offset: int, length: int) -> None:
         """Remove [offset, offset+length) from the free map (it must be free)."""
@@ -56,12 +90,12 @@ class FreeMap:
                 run[1] <= offset < offset + length <= run[1] + run[2]:
             raise drift(extent, offset, length)
         _, run_offset, run_len = run
-        txn.delete(free_key(extent, run_offset), db=self.table)
+        txn.delete(self._key(extent, run_offset), db=self.table)
         if run_offset < offset:
-            txn.put(free_key(extent, run_offset), pack_u64(offset - run_offset), db=self.table)
+            txn.put(self._key(extent, run_offset), pack_u64(offset - run_offset), db=self.table)
         end, run_end = offset + length, run_offset + run_len
         if end < run_end:
-            txn.put(free_key(extent, end), pack_u64(run_end - end), db=self.table)
+            txn.put(self._key(extent, end), pack_u64(run_end - end), db=self.table)
         self._changed(txn, -length)
 
     def take_slots(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]]) -> None:
@@ -82,23 +116,23 @@ class FreeMap:
             if nxt[1] < end:
                 raise drift(extent, offset, length)
             if nxt[1] == end:
-                txn.delete(free_key(extent, end), db=self.table)
+                txn.delete(self._key(extent, end), db=self.table)
                 length += nxt[2]
         if prev is not None and prev[0] == extent:
             if prev[1] + prev[2] > offset:
                 raise drift(extent, offset, length)
             if prev[1] + prev[2] == offset:
-                txn.delete(free_key(extent, prev[1]), db=self.table)
+                txn.delete(self._key(extent, prev[1]), db=self.table)
                 offset, length = prev[1], length + prev[2]
-        txn.put(free_key(extent, offset), pack_u64(length), db=self.table)
+        txn.put(self._key(extent, offset), pack_u64(length), db=self.table)
 
     def put_run(self, txn: Txn, extent: int, offset: int, length: int) -> None:
         """Record a run as it is, no merging (fsck's ``--rebuild-index``)."""
-        txn.put(free_key(extent, offset), pack_u64(length), db=self.table)
+        txn.put(self._key(extent, offset), pack_u64(length), db=self.table)
         self._changed(txn, length)
 
     def delete_run(self, txn: Txn, extent: int, offset: int) -> None:
-        raw = txn.pop(free_key(extent, offset), db=self.table)
+        raw = txn.pop(self._key(extent, offset), db=self.table)
         if raw is not None:
             self._changed(txn, -unpack_u64(bytes(raw)))
 

@@ -42,12 +42,12 @@ eviction victims (:mod:`kvstore.index.eviction`, ``evict`` here, over ``chains``
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from functools import cached_property
 from itertools import compress, count, islice
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstore.disk import permissions
 from kvstore.disk.format import (
@@ -88,7 +88,7 @@ from kvstore.index.writer import IndexWriter
 
 __all__ = ["INITIAL_MAP_BYTES", "MAP_LIMIT_BYTES", "META_EXTENT_BYTES", "META_FORMAT", "META_NAMESPACE_PREFIX",
            "META_NEXT_EXTENT", "META_SCRUB_COMPLETED", "META_SCRUB_CURSOR", "META_SEQ",
-           "META_UUID", "ChainCut", "Index", "IndexWriter", "Touched", "Txn",
+           "META_UUID", "ChainCut", "Index", "IndexWriter", "Skipped", "Touched", "Txn",
            "init_meta", "namespace_key", "record_namespace"]
 
 Txn = Any  # lmdb.Transaction (untyped module)
@@ -319,28 +319,32 @@ class Index:
 
     def commit_puts(self, txn: Txn, entries: Sequence[tuple[bytes, IndexEntry]],
                     touched: Touched, relies_on: Sequence[bytes] = (),
-                    tags: Mapping[bytes, bytes] | None = None) -> list[bytes]:
-        """Index written blocks: their ranges leave the free map in the same transaction
-        (their sequence numbers came from the owner's lease, which raised ``seq``), and
-        their ``tags`` (key -> tag, for the keys that have one) go in with them.
+                    tags: Mapping[bytes, bytes] | None = None, space: FreeMap | None = None,
+                    parents_seen: Collection[bytes] = ()) -> Skipped:
+        """Index written blocks: their ranges leave ``space`` (the owner's claims; the
+        pool if None) in the same transaction (their sequence numbers came from the
+        owner's lease), and their ``tags`` (key -> tag) go in with them.
 
         ``relies_on`` are the stored blocks the put deduplicated against; if one of them
         was unindexed since the put decided (an eviction that chose it before the put
         protected it, or a delete), nothing is applied and :class:`ChainCut` names them.
-        A block the put writes that was indexed since it decided (another process
-        committed it, or a re-read restored its quarantined copy) is skipped: its slot
-        stays free, and it is returned (the put counts it as deduplicated, late)."""
+        Not indexed (:class:`Skipped`, their slots stay the owner's): a block indexed
+        since the put decided (another process, a restore from quarantine), and a block
+        whose parent, one of ``parents_seen`` (outside the batch, stored when the put
+        decided), is gone (another process evicted it), with its batch descendants."""
         with txn.cursor(self.blocks) as cur:
             gone = [k for k in relies_on if not cur.set_key(k)]
             late = {k for k, _ in entries if cur.set_key(k)}
+            vanished = {p for p in parents_seen if not cur.set_key(p)}
         if gone:
             raise ChainCut(gone)
-        entries = [(k, e) for k, e in entries if k not in late]
+        cut = _below(entries, vanished) - late if vanished else set()
+        entries = [(k, e) for k, e in entries if k not in late and k not in cut]
         self.apply_touched(txn, touched)
-        self.free_map.take_slots(txn, entries)
+        (space or self.free_map).take_slots(txn, entries)
         for key, entry in entries:
             self.add_block(txn, key, entry, tag=tags.get(key) if tags else None)
-        return list(late)
+        return Skipped(list(late), list(cut))
 
     def delete_blocks(self, txn: Txn, keys: Sequence[bytes]) -> list[IndexEntry]:
         """Unindex ``keys`` (those stored); returns their entries, whose space is free."""
@@ -416,6 +420,26 @@ def _rows_after(begin: Callable[[], AbstractContextManager[Txn]], table: Any,
         if not (cur.set_range(after) if after is not None else cur.first()):
             return []
         return list(islice(((bytes(k), bytes(v)) for k, v in cur if k != after), limit))
+
+
+class Skipped(NamedTuple):
+    """The blocks a put's commit did not index (:meth:`Index.commit_puts`): ``late``,
+    indexed meanwhile (deduplicated, late); ``evicted``, under a parent evicted
+    meanwhile (counted evicted at once: ``evicted_at_commit``)."""
+
+    late: list[bytes]
+    evicted: list[bytes]
+
+
+def _below(entries: Sequence[tuple[bytes, IndexEntry]], vanished: set[bytes]) -> set[bytes]:
+    """Keys of ``entries`` whose parent is in ``vanished``, and their descendants."""
+    cut: set[bytes] = set()
+    while True:
+        more = {k for k, e in entries if k not in cut and e.parent is not None
+                and (e.parent in vanished or e.parent in cut)}
+        if not more:
+            return cut
+        cut |= more
 
 
 class ChainCut(Exception):

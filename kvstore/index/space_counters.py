@@ -13,8 +13,8 @@ owner took from the free pool to allocate in alone.  ``pending``: txnid u64 BE |
 u32 BE || offset u64 BE -> run length u64 LE: space freed by that transaction, not
 reusable while a reader may still copy it.  An owner's claims go back to the pool when
 it closes or when another owner finds it dead (kvstore/core/owners.py).  The store's
-allocator does not claim yet (one process allocates: the interim guard of
-kvstore/core/owners.py).  Every range a running store unindexes goes to ``pending``
+allocator places slots only inside its owner's claims (kvstore/core/claiming.py), and a
+put's commit takes them out of them (:meth:`SpaceCounters.owned`).  Every range a running store unindexes goes to ``pending``
 (:meth:`SpaceCounters.hold`); the owner that freed it moves it back to the pool once
 none of its reads can still copy it (:meth:`SpaceCounters.ripen`, in its next commit),
 and every pending run ripens when no owner is left (:meth:`SpaceCounters.ripen_all`:
@@ -132,8 +132,13 @@ class SpaceCounters:
         """Take ``[offset, offset + length)`` of ``extent`` from the pool (it must be
         free) into ``owner``'s claims, counters with it."""
         pool.take(txn, extent, offset, length)
-        txn.put(_CLAIM.pack(owner, extent, offset), pack_u64(length), db=self.claims)
-        self.add(txn, CLAIMED, length)
+        self.owned(owner).give(txn, extent, offset, length)
+
+    def owned(self, owner: int) -> FreeMap:
+        """``owner``'s claims as a free map of its own (runs kept maximal, the
+        ``claimed_bytes`` counter with them): its put commits take their slots from it."""
+        return FreeMap(self.claims, lambda txn, delta: self.add(txn, CLAIMED, delta),
+                       prefix=_CLAIM.pack(owner, 0, 0)[:4])
 
     def claims_of(self, txn: Txn, owner: int) -> list[tuple[int, int, int]]:
         """``owner``'s claims: (extent, offset, length)."""

@@ -47,8 +47,8 @@ SECOND = textwrap.dedent("""
     writer = IndexWriter(index)
     allocator = Allocator(
         path=path, index=index, writer=writer, engine=ThreadPoolEngine(direct=False),
-        extent_bytes=17 * PAGE, store_uuid=b"u" * 16, extents=index.extents_list(),
-        free_runs=index.free_runs(), capacity_bytes=64 * PAGE, file_mode=0o600,
+        extent_bytes=17 * PAGE, store_uuid=b"u" * 16, capacity_bytes=64 * PAGE,
+        file_mode=0o600,
         counters={"evicted_blocks": 0, "evicted_bytes": 0})
     async def main():
         allocator.start()
@@ -105,8 +105,7 @@ async def test_two_processes_growing_at_once_get_two_extents(tmp_path: Path) -> 
         engine = HeldInitialise()
         allocator = Allocator(
             path=str(tmp_path), index=index, writer=writer, engine=engine,
-            extent_bytes=EXTENT, store_uuid=UUID, extents=[], free_runs=[],
-            capacity_bytes=64 * PAGE, file_mode=0o600,
+            extent_bytes=EXTENT, store_uuid=UUID, capacity_bytes=64 * PAGE, file_mode=0o600,
             counters={"evicted_blocks": 0, "evicted_bytes": 0})
         allocator.start()
         mine = _Slot()
@@ -128,9 +127,12 @@ async def test_two_processes_growing_at_once_get_two_extents(tmp_path: Path) -> 
         assert header_id(tmp_path, their_extent) == their_extent
         assert sorted(os.listdir(tmp_path / "extents")) == sorted(
             os.path.basename(extent_path(str(tmp_path), e)) for e in (mine.extent, their_extent))
-        # the free map holds each extent's run once (theirs; ours minus nothing: the
-        # reservation is not committed)
-        assert index.free_runs() == sorted(
+        # the free map and the claims (each grower claimed from its extent; owner 0
+        # both: these allocators are no registered owners) hold each extent's run once
+        # (ours minus nothing: the reservation is not committed)
+        with index.begin() as txn:
+            claimed = index.space.claims_of(txn, 0)
+        assert sorted(index.free_runs() + claimed) == sorted(
             [(mine.extent, PAGE, EXTENT - PAGE), (their_extent, PAGE, EXTENT - PAGE)])
     finally:
         writer.close()

@@ -1,6 +1,6 @@
 """Space a store unindexes (a delete, an eviction) is a ``pending`` row in the index
 until no read of the owner that freed it can still copy it; that owner's next commit
-moves it back to the free pool, before it takes any slot placed there; the last owner
+moves it into its claims, before it takes any slot placed there; the last owner
 to leave (its close, or the next open after it was killed) moves every pending run
 back (kvstore/index/space_counters.py, kvstore/core/free_space.py; issue 43)."""
 
@@ -16,7 +16,7 @@ import kvstore
 import kvstore.core.owners
 from kvstore.disk.format import IndexEntry
 from kvstore.index.index import Index
-from kvstore.index.space_counters import FREE, PENDING
+from kvstore.index.space_counters import CLAIMED, FREE, PENDING
 from kvstore.testing import parts
 from kvstore.tools import fsck
 from tests.conformance import NS, keys, same
@@ -45,12 +45,13 @@ def pending(index: Index) -> list[tuple[int, int, int]]:
 
 
 def tiled(index: Index) -> bool:
-    """Counters equal their tables, and free + pending + stored tile the extents."""
+    """Counters equal their tables, and free + claimed + pending + stored tile the
+    extents."""
     with index.begin() as txn:
         have, want = index.space.read(txn), index.space.actual(txn)
     stored = sum(e.slot_len for _, e in index.iter_entries())
     usable = sum(size - 4096 for size in index.extents_list().values())
-    return have == want and want[FREE] + want[PENDING] + stored == usable
+    return have == want and want[FREE] + want[CLAIMED] + want[PENDING] + stored == usable
 
 
 def slot(entry: IndexEntry | None) -> tuple[int, int, int]:
