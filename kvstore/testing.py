@@ -11,6 +11,7 @@ allocator, the I/O engine and the open extent files, the call paths) asks for th
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,16 @@ def parts(store: Store | BlockingStore) -> Parts:
 def waiting_reserves(allocator: Allocator) -> int:
     """Reserves in line (kvstore/core/allocator.py's module docstring)."""
     return len(allocator._waiting)  # noqa: SLF001
+
+
+def next_ticket(allocator: Allocator) -> int:
+    """The place in line the allocator's next reserve call will take."""
+    return next(copy.copy(allocator._tickets))  # noqa: SLF001
+
+
+def in_line(allocator: Allocator, ticket: int) -> bool:
+    """Whether the reserve holding ``ticket`` waits in line now."""
+    return ticket in allocator._waiting  # noqa: SLF001
 
 
 def waiting_on(order: KeyOrder, key: bytes) -> int:

@@ -278,6 +278,7 @@ class Allocator:
             if self.claims.seen_used() <= self.capacity_bytes and self._place(items):
                 return
             if self.claims.busy:  # (its claims are changing: see OwnClaims.busy)
+                self._wait_in_line(ticket)  # its look did not place it: in line
                 await self._wait_for_change()
                 continue
             seen = self._generation

@@ -21,7 +21,7 @@ from kvstore.errors import IndexCorruptionError, StoreIOError
 from kvstore.index.index import META_SEQ, Index, IndexWriter, init_meta
 from kvstore.io.simulated import SimulatedDisk, SimulatedEngine
 from kvstore.io.threads import ThreadPoolEngine
-from kvstore.testing import free_runs, parts, waiting_reserves
+from kvstore.testing import free_runs, in_line, next_ticket, parts, waiting_reserves
 from tests.concurrency import run_within, until
 
 ops = st.lists(st.tuples(st.booleans(), st.integers(1, 8)), min_size=1, max_size=60)
@@ -228,7 +228,7 @@ def test_a_waiting_reserve_is_not_overtaken_by_a_stream_of_smaller_ones(
     eviction ended (issue 31).  Counted, not timed: the stream runs ROUNDS more per task
     once it is in line, and the test counts small reserves *started after* that and
     *placed before* it."""
-    state = {"waiting": False, "placed": False}
+    state = {"waiting": False, "placed": False, "ticket": -1}
     counts = {"overtook": 0, "placed": 0}
 
     async def stream(task: int) -> None:
@@ -248,16 +248,19 @@ def test_a_waiting_reserve_is_not_overtaken_by_a_stream_of_smaller_ones(
     async def whole() -> None:
         await until(lambda: counts["placed"] >= 8)
         big = _Slot(b"big", 16 * PAGE)
+        state["ticket"] = next_ticket(allocator)  # (no await before the call takes it)
         await allocator.reserve([big])
         state["placed"] = True
         await anyio.lowlevel.checkpoint()
         allocator.unreserve([big])
 
-    async def in_line() -> None:
+    async def watch_line() -> None:
         # From its first wait (or once its first eviction did not place it): counted
         # from there.  (An allocator without a line: from the start.)
         await until(lambda: counts["placed"] >= 8)
-        await until(lambda: waiting_reserves(allocator) >= 1)
+        # The big one (a small reserve can be in line too: behind its owner's claim
+        # transaction)
+        await until(lambda: in_line(allocator, state["ticket"]))
         state["waiting"] = True
 
     async def scenario() -> None:
@@ -266,7 +269,7 @@ def test_a_waiting_reserve_is_not_overtaken_by_a_stream_of_smaller_ones(
             for task in range(4):
                 tg.start_soon(stream, task)
             tg.start_soon(whole)
-            tg.start_soon(in_line)
+            tg.start_soon(watch_line)
 
     with _sixteen_page_allocator(tmp_path) as allocator:
         run_within(scenario, backend)
