@@ -69,15 +69,6 @@ VIS_BLOCK = 64 << 10  # the smallest block benchmarks.data makes
 QD = 64  # kvstore's default queue_depth, per process (one ring each)
 
 
-def share() -> None:
-    """Lets a second live process in where this build still refuses one (issue 43's
-    interim guard); nothing where sharing is on by default."""
-    import kvstore.core.owners
-
-    if hasattr(kvstore.core.owners, "SHARING_ENABLED"):
-        kvstore.core.owners.SHARING_ENABLED = True
-
-
 # --------------------------------------------------------------------------- workers
 
 
@@ -85,7 +76,6 @@ def worker_main(argv: Sequence[str]) -> None:
     """``--worker put|get|watch|ack PATH BLOCK N LO HI [PACE_MS]``: one process's part;
     prints ``ready`` once open, waits for a line on stdin, runs, prints JSON."""
     op, path, block, n, lo, hi, *rest = argv
-    share()
     ds = Dataset.make(int(block), int(n), seed=13)
     anyio.run(_worker, op, path, ds, int(lo), int(hi), float(rest[0]) if rest else 0.0)
 

@@ -60,13 +60,11 @@ class StoreForkedError(StoreClosedError):
 
 class StoreLockedError(KVStoreError, BlockingIOError):
     """Raised by ``open()`` when the store is held in a way this open cannot share: open
-    exclusively (``open(..., exclusive=True)`` or fsck) by another process, open in
-    another process while this open asks for it exclusively, or already open in this
-    process.  fsck (``--repair``, ``--rebuild-index``) raises it when the store is in use.
+    exclusively (``open(..., exclusive=True)`` or fsck's repairs) by another owner, open
+    by another owner while this open asks for it exclusively, or (where the native fence
+    helper of the read marks is not built) open at all by another owner.  fsck (``--repair``, ``--rebuild-index``) raises it when the store is in use.
     The message names the holders' pids.  Close the other owner, or open another path.
-
-    (Issue 43, in progress: until stores share space across processes, a second process
-    opening a store that another one has open is refused with it too.)
+    (A store open by default, without ``exclusive``, is shared: other opens succeed.)
     """
 
 

@@ -47,11 +47,10 @@ class StoreOptions:
                    Every process sharing a store must open it with the same ``sync``
                    (``OptionMismatchError`` otherwise).
     ``exclusive``  False (default): the store's ``LOCK`` is taken shared, so other
-                   processes (and a read-only fsck, later) may open the store beside
-                   this one; True: taken exclusively (as fsck's repairs do): every other
-                   open is refused with ``StoreLockedError`` while this store is open.
-                   (Issue 43, in progress: sharing one store between processes is not
-                   enabled yet; a second process's open is refused either way.)
+                   processes (and other Stores of this one, and fsck's check) may open the
+                   store beside this one, sharing its capacity and its blocks; True:
+                   taken exclusively (as fsck's repairs do): every other open is refused
+                   with ``StoreLockedError`` while this store is open.
     ``extent_bytes``  size of each preallocated extent file (fixed at creation).
     ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
                    memory used by transfers in flight and the largest block.  Resident

@@ -293,7 +293,7 @@ other = subprocess.run(
      "import sys, kvstore\\n"
      "from tests.conformance import NS\\n"
      "try:\\n"
-     "    kvstore.open_blocking(sys.argv[1], namespace=NS, create=False)\\n"
+     "    kvstore.open_blocking(sys.argv[1], namespace=NS, create=False, exclusive=True)\\n"
      "except kvstore.StoreLockedError:\\n"
      "    print('locked')\\n", path],
     capture_output=True, text=True, timeout=60)

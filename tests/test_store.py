@@ -61,30 +61,37 @@ async def test_closed_store_refuses_calls(tmp_path: Path) -> None:
         store.stats()
 
 
-async def test_second_open_in_this_process_is_refused(tmp_path: Path) -> None:
+async def test_a_second_open_in_this_process_shares_the_store(tmp_path: Path) -> None:
+    """Two Stores on one path are two owners of one store (issue 43): each sees what the
+    other stored at its next lookup; closing one leaves the other open."""
     async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as store:
-        await store.put(keys(1)[0], torch.ones(3))
-        with pytest.raises(kvstore.StoreLockedError, match="already open"):
-            async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT):
-                pass
-        assert same(await store.get(keys(1)[0]), torch.ones(3))  # the owner is unaffected
+        await store.put(keys(2)[0], torch.ones(3))
+        async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT) as other:
+            assert same(await other.get(keys(2)[0]), torch.ones(3))
+            await other.put(keys(2)[1], torch.full((3,), 2.0))
+            assert same(await store.get(keys(2)[1]), torch.full((3,), 2.0))
+        assert same(await store.get(keys(2)[0]), torch.ones(3))  # the first is unaffected
 
 
 async def test_open_while_another_process_holds_the_store(tmp_path: Path) -> None:
+    probe = """
+        import sys, anyio, kvstore
+        async def main():
+            try:
+                async with kvstore.open(sys.argv[1]):
+                    print("opened")
+            except kvstore.StoreLockedError as e:
+                print("locked:", e)
+        anyio.run(main)
+    """
     async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT):
-        probe = """
-            import sys, anyio, kvstore
-            async def main():
-                try:
-                    async with kvstore.open(sys.argv[1]):
-                        print("opened")
-                except kvstore.StoreLockedError as e:
-                    print("locked:", e)
-            anyio.run(main)
-        """
-        out = run_python(probe, str(tmp_path)).stdout
-    # named by its pid (from its owner lock file: the store is held shared)
-    assert out.startswith("locked:") and f"pid {os.getpid()}" in out
+        shared = run_python(probe, str(tmp_path)).stdout
+    async with kvstore.open(tmp_path, namespace=NS, extent_bytes=SMALL_EXTENT,
+                            exclusive=True):
+        refused = run_python(probe, str(tmp_path)).stdout
+    assert shared.strip() == "opened"  # a store is shared by default
+    # an exclusive owner is named by its pid
+    assert refused.startswith("locked:") and f"pid {os.getpid()}" in refused
 
 
 @pytest.mark.parametrize("bad", [b"short", "a" * 16, 12345, bytes(17), None])

@@ -19,11 +19,9 @@ Registration (:func:`register`, one write transaction on the index writer, after
    Lock files of no owner (a registration or close killed at the wrong moment) go too.
 3. Options every owner must agree on: ``sync`` (:class:`~kvstore.errors.OptionMismatchError`
    naming the live owners' pids).
-4. Until space is shared between processes (claims), a live owner in another process
-   refuses the registration (:class:`~kvstore.errors.StoreLockedError`, naming it): the
-   allocator still assumes it owns the free space alone.  So does one when the native
-   fence helper of the read marks is not built (DESIGN 5.1 step 2): without marks, an
-   owner's reads are invisible to the others' reuse of freed space.
+4. Without the native fence helper of the read marks (DESIGN 5.1 step 2), a live owner
+   refuses the registration (:class:`~kvstore.errors.StoreLockedError`, naming it):
+   without marks, an owner's reads are invisible to the others' reuse of freed space.
 5. Take a mark slot in ``PATH/owners/marks`` (:mod:`kvstore.io.marks`): the lowest no
    live owner's row names (a dead owner's was cleared when it was recovered), its word
    cleared; write this owner's row (pid, its start time and PID namespace, ``sync``,
@@ -55,15 +53,9 @@ from kvstore.index.owners import OwnerRecord
 from kvstore.io import marks as marks_file
 from kvstore.io.marks import MarksFile
 
-__all__ = ["SHARING_ENABLED", "Owner", "forget", "register"]
+__all__ = ["Owner", "forget", "register"]
 
 Txn = Any  # lmdb.Transaction (untyped module)
-
-SHARING_ENABLED = False
-"""Whether a second process may register beside a live owner (step 4).  False until
-freed space waits for every owner's reads (issue 43's DESIGN.md, section 7; claims and
-sequence number leases are in); tests of the owners' bookkeeping turn it on in their
-own process."""
 
 
 class Owner:
@@ -224,12 +216,6 @@ def _check_agreement(path: str, mine: OwnerRecord, live: dict[int, OwnerRecord],
             f"store {path} is open with sync={differ[0].sync} (pid "
             f"{', '.join(str(r.pid) for r in differ)}); every process sharing a store must "
             f"open it with the same sync, and this open asks for sync={mine.sync}")
-    if not SHARING_ENABLED:
-        where = ("is already open in this process" if mine.pid in [r.pid for r in live.values()]
-                 else f"is open in another process (pid {pids})")
-        raise StoreLockedError(
-            11, f"store {path} {where}; sharing one store between Stores is not enabled yet "
-            "(issue 43). Close it there first, or open another path")
     if file is None:
         raise StoreLockedError(
             11, f"store {path} is open (pid {pids}) and sharing it needs the native fence "

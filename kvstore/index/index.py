@@ -221,17 +221,10 @@ class Index:
         with self.begin() as txn:
             return self.free_map.runs(txn)
 
-    def next_extent(self) -> int:
-        return self.meta_records.next_extent()
-
     def namespaces(self) -> dict[bytes, str]:
         return self.meta_records.namespaces()
 
     # ------------------------------------------------------------------ writes (writer thread)
-
-    def take_range(self, txn: Txn, extent: int, offset: int, length: int) -> None:
-        """Remove [offset, offset+length) from the durable free map (it must be free)."""
-        self.free_map.take(txn, extent, offset, length)
 
     def give_range(self, txn: Txn, extent: int, offset: int, length: int) -> None:
         """Add [offset, offset+length) to the durable free map, merging neighbours."""

@@ -59,7 +59,7 @@ def test_double_free_is_caught() -> None:
 @given(ops)
 def test_durable_free_map_mirrors_memory(tmp_path_factory: pytest.TempPathFactory,
                                          script: list[tuple[bool, int]]) -> None:
-    """take_range/give_range on LMDB produce exactly the in-memory runs."""
+    """FreeMap.take and Index.give_range on LMDB produce exactly the in-memory runs."""
     index = Index(str(tmp_path_factory.mktemp("idx")), map_size=1 << 26, sync=False)
     writer = IndexWriter(index)
     try:
@@ -74,7 +74,7 @@ def test_durable_free_map_mirrors_memory(tmp_path_factory: pytest.TempPathFactor
                     continue
                 rng = (*where, pages * PAGE)
                 held.append(rng)
-                writer.run_sync(lambda txn, r=rng: index.take_range(txn, *r))
+                writer.run_sync(lambda txn, r=rng: index.free_map.take(txn, *r))
             else:
                 rng = held.pop(0)
                 space.free(*rng)
@@ -91,7 +91,7 @@ def test_taking_space_that_is_not_free_is_index_corruption(tmp_path: Path) -> No
     try:
         writer.run_sync(lambda txn: index.give_range(txn, 1, PAGE, 4 * PAGE))
         with pytest.raises(IndexCorruptionError, match="fsck"):
-            writer.run_sync(lambda txn: index.take_range(txn, 1, 4 * PAGE, 2 * PAGE))
+            writer.run_sync(lambda txn: index.free_map.take(txn, 1, 4 * PAGE, 2 * PAGE))
         with pytest.raises(IndexCorruptionError):
             writer.run_sync(lambda txn: index.give_range(txn, 1, 2 * PAGE, PAGE))
         assert index.free_runs() == [(1, PAGE, 4 * PAGE)]  # failed jobs changed nothing
@@ -126,7 +126,7 @@ def test_a_batch_commit_takes_exactly_its_slots_from_the_free_map(
 def _free_runs_after(path: str, entries: list[tuple[bytes, IndexEntry]], *, batch: bool
                      ) -> list[tuple[int, int, int]]:
     """Free runs of two 64-page extents after taking the entries' slots: in one
-    ``commit_puts`` or (the reference) one ``take_range`` per slot."""
+    ``commit_puts`` or (the reference) one ``FreeMap.take`` per slot."""
     index = Index(path, map_size=1 << 26, sync=False)
     writer = IndexWriter(index)
     try:
@@ -136,7 +136,7 @@ def _free_runs_after(path: str, entries: list[tuple[bytes, IndexEntry]], *, batc
         if batch:
             writer.run_sync(lambda txn: index.commit_puts(txn, entries, {}))
         for _, e in [] if batch else entries:
-            writer.run_sync(lambda txn, e=e: index.take_range(txn, e.extent, e.offset,
+            writer.run_sync(lambda txn, e=e: index.free_map.take(txn, e.extent, e.offset,
                                                               e.slot_len))
         return index.free_runs()
     finally:

@@ -136,7 +136,6 @@ def test_an_owner_closing_beside_another_ripens_what_it_freed(
     """Its reads have all ended when it closes: its own pending runs go back to the
     pool in its close, while the other owner stays (that one only reads here: the
     allocator does not claim yet)."""
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     a = open_here(tmp_path)
     with a:
         a.put_many(keys(4), VALUES)

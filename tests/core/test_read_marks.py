@@ -4,8 +4,7 @@ while a read of another owner that looked it up may still copy it, and is reused
 that read ended; mark slots are taken at registration and cleared by a dead owner's
 recovery; without the native helper a store works alone and refuses a second owner.
 
-Two Stores of this process on one path are two owners (``SHARING_ENABLED`` on: the
-allocator does not claim yet, so only the freeing owner reuses its freed ranges here).
+Two Stores of this process on one path are two owners.
 A read is held at a gate of its owner's engine between its lookup and its slot read."""
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ needs_helper = pytest.mark.skipif(not marks.native()[0], reason=marks.native()[1
 @pytest.mark.parametrize("reader", ["first", "second"])  # the owner opened first reads, or not
 def test_a_read_in_one_owner_keeps_what_another_freed_pending_until_it_ends(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str) -> None:
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     k, other, third = keys(3)
 
     async def scenario() -> None:
@@ -99,7 +97,6 @@ def slots_of(store: kvstore.BlockingStore) -> dict[int, int]:
 @needs_helper
 def test_owners_take_the_lowest_free_mark_slot(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     a = open_here(tmp_path)
     b = open_here(tmp_path)
     with b:
@@ -139,7 +136,6 @@ def test_a_killed_owners_frozen_mark_is_cleared_by_its_recovery(tmp_path: Path) 
 
 def test_without_the_native_helper_a_store_works_alone_and_refuses_a_second_owner(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     monkeypatch.setattr(marks, "_lib", None)
     monkeypatch.setattr(marks, "_reason", "not built (test)")
     k, other = keys(2)
@@ -161,7 +157,6 @@ MARKER = textwrap.dedent("""
     import sys, kvstore, kvstore.core.owners
     from kvstore.testing import parts, waiting_reserves
     from tests.conformance import NS
-    kvstore.core.owners.SHARING_ENABLED = True
     with kvstore.open_blocking(sys.argv[1], namespace=NS, extent_bytes=1 << 20,
                                engine="threads") as store:
         marks = parts(store).owner.marks
@@ -211,7 +206,6 @@ def test_a_put_short_of_space_waits_for_another_owners_read_not_evicting(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Capacity for two blocks: the freed one is pending while the other owner reads
     it, so the put waits for that read (it polls the horizon) instead of evicting."""
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     k, kept, new = keys(3)
 
     async def scenario() -> None:

@@ -6,7 +6,7 @@ under an unchanged entry is still damage.
 
 The race is real and made deterministic: owner A's read is held at a gate of its engine
 between its lookup and its slot read while owner B (a second Store of this process on
-the same path, ``SHARING_ENABLED`` on) deletes the block and writes another into its
+the same path) deletes the block and writes another into its
 slot.  A's read marks are turned off (a test seam, ``ReadMarks.enabled``): with them B
 would not reuse the slot (tests/core/test_read_marks.py); without them B does, which is
 the case the backstop exists for (a bug in the marks)."""
@@ -48,7 +48,6 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_a_read_racing_a_reuse_by_another_owner_is_a_miss_not_a_quarantine(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         rewrite: str, form: str) -> None:
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     caplog.set_level(logging.WARNING, logger="kvstore.store")
     k, other = keys(2)
     again = k if rewrite == "the same key" else other

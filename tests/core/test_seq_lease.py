@@ -25,7 +25,6 @@ SECOND_OWNER = textwrap.dedent("""
     from tests.conformance import NS
     from kvstore.testing import parts
     # Registration only: this owner writes nothing (space is not shared yet).
-    kvstore.core.owners.SHARING_ENABLED = True
     with kvstore.open_blocking(sys.argv[1], namespace=NS, engine="threads") as store:
         lease = parts(store).owner.seqs
         print(lease.next, lease.end)

@@ -44,7 +44,6 @@ def open_here(path: Path, capacity: int | None = None) -> kvstore.BlockingStore:
 @contextmanager
 def owners(path: Path, n: int, capacity: int, monkeypatch: pytest.MonkeyPatch
            ) -> Iterator[list[kvstore.BlockingStore]]:
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     with ExitStack() as stack:
         yield [stack.enter_context(open_here(path, capacity)) for _ in range(n)]
 
@@ -184,7 +183,6 @@ async def test_a_child_whose_parent_another_owner_removed_meanwhile_is_not_index
     the parent while B's put writes (B's own protections do not reach A): B's commit
     indexes neither child (no chain hole), gives their slots back to its claims and
     counts them evicted at once (``evicted_at_commit``, DESIGN 8.2 step 2)."""
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     ks = keys(3)
     held, go = anyio.Event(), anyio.Event()
     async with kvstore.open(tmp_path, namespace=NS, extent_bytes=EXTENT,

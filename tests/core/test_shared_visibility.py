@@ -4,9 +4,7 @@ when an entry first names it; only a file that does not exist is missing.  Befor
 every extent unknown to this process was "missing": the block was answered as a miss
 and quarantined.
 
-The other process is a real one.  Sharing space is not enabled yet
-(``kvstore.core.owners.SHARING_ENABLED``): it turns it on for itself, and this process
-stays idle (no put of its own) while it writes, which is what keeps that safe here.
+The other process is a real one.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ OTHER = textwrap.dedent("""
     import sys, torch, kvstore, kvstore.core.owners
     from tests.conformance import NS, keys
     from kvstore.testing import parts
-    kvstore.core.owners.SHARING_ENABLED = True
     with kvstore.open_blocking(sys.argv[1], namespace=NS, engine="threads") as store:
         ks = keys(8)[1:]
         store.put_many(ks, [torch.full((300_000,), i, dtype=torch.uint8)
@@ -62,7 +59,6 @@ def test_a_block_another_process_stored_in_a_new_extent_is_a_hit(tmp_path: Path)
 LIVE_WRITER = textwrap.dedent("""
     import sys, torch, kvstore, kvstore.core.owners
     from tests.conformance import NS, keys
-    kvstore.core.owners.SHARING_ENABLED = True
     with kvstore.open_blocking(sys.argv[1], namespace=NS) as store:
         for i, k in enumerate(keys(int(sys.argv[2]))):
             sys.stdin.readline()

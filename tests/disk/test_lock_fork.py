@@ -39,9 +39,9 @@ def test_a_running_child_neither_keeps_the_lock_nor_takes_it(tmp_path: Path) -> 
                 finally:
                     os._exit(0)
             assert os.read(report_r, 2) == b"up"
-            # Still the parent's: another opener is refused while it is open.
+            # Still the parent's: an exclusive opener is refused while it is open.
             with pytest.raises(kvstore.StoreLockedError):
-                async with kvstore.open(tmp_path):
+                async with kvstore.open(tmp_path, exclusive=True):
                     pass
         try:
             # Closed by the parent while the child still runs: free for the next one.

@@ -1,9 +1,7 @@
 """Two Stores of one process on one path share one LMDB environment and its writer
 (issue 43, kvstore/index/environments.py): LMDB forbids opening one environment twice
 in a process.  Each BlockingStore runs its own event loop on its own thread, so the
-shared writer serves two loops.  Until space is shared between owners, the second
-open is refused (``SHARING_ENABLED``) and leaves the first's environment alone; the
-sharing test turns it on and keeps the second store reading only."""
+shared writer serves two loops."""
 
 from __future__ import annotations
 
@@ -26,8 +24,9 @@ def open_here(path: Path) -> kvstore.BlockingStore:
 def test_a_refused_second_open_leaves_the_environment_to_the_first(tmp_path: Path) -> None:
     before = environments.open_count()
     with open_here(tmp_path) as first:
-        with pytest.raises(kvstore.StoreLockedError, match="already open in this process"):
-            open_here(tmp_path)
+        with pytest.raises(kvstore.OptionMismatchError, match="sync"):
+            kvstore.open_blocking(tmp_path, namespace=NS, extent_bytes=1 << 20,
+                                  engine="threads", sync=False)
         assert environments.open_count() == before + 1
         first.put_many(keys(1), [torch.ones(4)])
         assert first.get_many(keys(1))[0] is not None
@@ -36,7 +35,6 @@ def test_a_refused_second_open_leaves_the_environment_to_the_first(tmp_path: Pat
 
 def test_two_stores_of_one_process_share_the_environment(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     before = environments.open_count()
     ks = keys(4)
     a = open_here(tmp_path)

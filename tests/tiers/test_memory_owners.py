@@ -3,9 +3,7 @@ its own memory tier, and a memory hit is served only if the index still names th
 block (its ``seq``), so another owner's delete or rewrite of a key is never answered
 from memory; a copy whose key the index no longer holds is dropped by the get that
 finds it gone.  Two Stores of one process on one path stand in for two processes (the
-index and its writer are shared exactly as across processes; ``SHARING_ENABLED`` is
-turned on as in tests/index/test_environments.py; the second store only deletes and
-puts while the first only reads, as claims are not wired into the allocator yet)."""
+index and its writer are shared exactly as across processes)."""
 
 from __future__ import annotations
 
@@ -33,7 +31,6 @@ def open_here(path: Path, **options: object) -> kvstore.BlockingStore:
 
 def test_another_owners_delete_and_rewrite_are_never_served_from_memory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvstore.core.owners, "SHARING_ENABLED", True)
     k, other = keys(2)
     with open_here(tmp_path, memory_bytes=8 * BLOCK) as a:
         a.put_many([k, other], [block(1), block(2)])

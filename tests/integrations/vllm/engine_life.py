@@ -14,6 +14,7 @@ aborted, then served as usual, without a prefix-cache reset in between),
 ``outputs_after_update``, ``reset``), ``"abort_in_flight": [I, J]`` (prompt I's kvstore load is held in flight by a gate while
 the request is aborted and prompt J is served; see ``abort_in_flight``) and ``"hold":
 true`` (after writing RESULT, print KVSTORE-ENGINE-LIFE-READY and keep the engine alive until stdin closes),
+``"kill_at_commit": N`` (SIGKILL itself inside its N-th index commit of saved blocks),
 ``"group_count": N`` (a hybrid model's KV cache groups, for the per-group keys when the
 engine core is a child process), ``"batch": true`` (after the prompts, vLLM's prefix cache reset, all prompts submitted at
 once: ``batch_outputs``; with no other prompts when ``"prompts_in_turn": false``) and
@@ -233,9 +234,31 @@ def update_while_running(llm: Any, spec: dict[str, Any], params: Any) -> dict[st
         result["again_counters"] = _counters(spec)
     return result
 
+def kill_at_commit(n: int) -> None:
+    """SIGKILL this process inside its ``n``-th index commit of saved blocks: their slots
+    are written and synced, the transaction that would index them is not committed (an
+    engine killed mid-save)."""
+    import signal
+
+    from kvstore.index.index import Index
+
+    commit = Index.commit_puts
+    calls = [0]
+
+    def commit_or_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] >= n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return commit(self, *args, **kwargs)
+
+    Index.commit_puts = commit_or_die  # type: ignore[method-assign]
+
+
 def main(spec_path: str, result_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
+    if spec.get("kill_at_commit"):
+        kill_at_commit(int(spec["kill_at_commit"]))
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = {}
