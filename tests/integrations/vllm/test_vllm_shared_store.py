@@ -24,6 +24,7 @@ import pytest
 from kvstore.tools import fsck
 from tests.integrations.vllm.test_vllm import (  # noqa: F401 - tiny_model: a fixture
     BLOCK,
+    LONG,
     SP_A,
     SP_B,
     VLLM_PYTHON,
@@ -41,9 +42,10 @@ PROMPTS = [SP_A, SP_B]
 
 
 def killed_life(tmp: Path, name: str, model: Path, store: Path) -> int:
-    """An engine life that SIGKILLs itself mid-save; its return code."""
+    """An engine life that SIGKILLs itself mid-save (of a prompt no other engine served:
+    its blocks are new); its return code."""
     cmd, env, _ = _life_command(tmp, name, model, store, False, [], None,
-                                prompts=PROMPTS, kill_at_commit=1)
+                                prompts=[LONG], kill_at_commit=1)
     return subprocess.run(cmd, env=env, capture_output=True, timeout=900).returncode
 
 
