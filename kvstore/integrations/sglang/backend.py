@@ -94,11 +94,6 @@ class KVStoreHiCache(HybridCalls):
         if getattr(storage_config, "dcp_size", 1) > 1:
             raise NotImplementedError(f"{_P}: decode context parallel (dcp_size > 1) is not "
                                       "supported")
-        if self.is_mla and storage_config.tp_size > 1:
-            raise NotImplementedError(
-                f"{_P}: MLA with tp_size > 1 is not supported: SGLang writes an MLA page "
-                "from TP rank 0 only, and each rank process has a kvstore directory of its "
-                "own (a store is served by one process), so the other ranks would never hit")
         self.model = self.config.model or storage_config.model_name
         if not self.model:
             raise ValueError(f'{_P}: no model name: SGLang passed none; set "model" in the '

@@ -125,14 +125,17 @@ class BackendConfig:
 
 
 def rank_dir(path: str, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-             attn_cp_rank: int, attn_cp_size: int, dp_rank: int, replicated: bool) -> str:
+             attn_cp_rank: int, attn_cp_size: int, replicated: bool) -> str:
     """The store directory of one SGLang scheduler process.
 
-    A store directory is served by one process (its lock, its LMDB writer, its
-    allocator), and SGLang runs one scheduler process per TP x PP x CP rank (and per
-    data-parallel attention group): each gets ``path/<its ranks>``, e.g. ``path/tp1of2``;
-    a single process uses ``path`` itself.  ``replicated`` (MLA: every TP rank holds
-    the same KV) leaves the TP rank out."""
+    SGLang runs one scheduler process per TP x PP x CP rank (and per data-parallel
+    attention group).  Ranks that hold different shards of a page get a directory each,
+    ``path/<its ranks>``, e.g. ``path/tp1of2`` (they never read each other's pages, and
+    would only contend on one index); a single process uses ``path`` itself.  Processes
+    that hold the same KV share one directory, as several processes may (issue 43):
+    data-parallel attention groups, several servers on one path, and the TP ranks of an
+    MLA model (``replicated``: every TP rank holds the same KV; SGLang writes it from
+    rank 0, every rank reads it)."""
     parts = []
     if tp_size > 1 and not replicated:
         parts.append(f"tp{tp_rank}of{tp_size}")
@@ -140,8 +143,6 @@ def rank_dir(path: str, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: in
         parts.append(f"pp{pp_rank}of{pp_size}")
     if attn_cp_size > 1:
         parts.append(f"cp{attn_cp_rank}of{attn_cp_size}")
-    if dp_rank:
-        parts.append(f"dp{dp_rank}")
     return os.path.join(path, "-".join(parts)) if parts else path
 
 
@@ -151,12 +152,10 @@ def rank_store(config: BackendConfig, storage_config: Any, *, replicated: bool
     options: the engine's capacity and memory tier split between the rank processes
     that share the disk (TP x PP x attention CP), by the rule of every integration
     (:func:`kvstore.integrations.common.ranks.rank_options`).  Data-parallel attention
-    groups are not counted: SGLang does not tell a backend how many there are (give
-    ``capacity_bytes`` per group with them)."""
+    groups are not counted: they share one directory, and so its capacity."""
     sc = storage_config
     path = rank_dir(config.path, tp_rank=sc.tp_rank, tp_size=sc.tp_size,
                     pp_rank=sc.pp_rank, pp_size=sc.pp_size, attn_cp_rank=sc.attn_cp_rank,
-                    attn_cp_size=sc.attn_cp_size, dp_rank=getattr(sc, "dp_rank", 0),
-                    replicated=replicated)
+                    attn_cp_size=sc.attn_cp_size, replicated=replicated)
     ranks = (1 if replicated else sc.tp_size) * sc.pp_size * sc.attn_cp_size
     return path, rank_options(config.store, path, ranks, _P)

@@ -436,9 +436,6 @@ def test_get_stats_and_clear(tmp_path: Path) -> None:
 
 
 def test_unsupported_set_ups_fail_clearly(tmp_path: Path) -> None:
-    config = storage_config({**DYNAMIC, "path": str(tmp_path)}, mla=True, tp_rank=1, tp_size=2)
-    with pytest.raises(NotImplementedError, match="MLA with tp_size > 1"):
-        KVStoreHiCache(config)
     config = storage_config({**DYNAMIC, "path": str(tmp_path)}, model="")
     with pytest.raises(ValueError, match='set "model"'):
         KVStoreHiCache(config)
@@ -462,6 +459,43 @@ def test_tp_ranks_get_directories_of_their_own(tmp_path: Path) -> None:
     finally:
         for b in ranks:
             b.close()
+
+
+def _rank_backend(path: Path, pool: Any, *, mla: bool = False, tp_rank: int = 0,
+                  tp_size: int = 1, dp_rank: int = 0) -> KVStoreHiCache:
+    """One SGLang rank process's backend (all of them in this process: one store
+    directory shared by several backends, as by several processes)."""
+    config = storage_config({**DYNAMIC, "path": str(path), **SMALL}, mla=mla,
+                            tp_rank=tp_rank, tp_size=tp_size)
+    config.dp_rank = dp_rank  # type: ignore[attr-defined]  (SGLang's DP attention rank)
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)
+    assert isinstance(backend, KVStoreHiCache)
+    return backend
+
+
+@pytest.mark.parametrize("how", ["mla tp=2", "dp attention", "two servers"])
+def test_ranks_that_hold_the_same_kv_share_one_store(tmp_path: Path, how: str) -> None:
+    """MLA with TP 2: SGLang writes a page from rank 0 only and every rank reads it;
+    DP-attention ranks, and two servers on one path, hit each other's pages."""
+    mla = how == "mla tp=2"
+    kind = "mla" if mla else "mha"
+    writer_pool, reader_pool = new_pool(kind, "page_first"), new_pool(kind, "page_first")
+    fill(writer_pool, 11)
+    reader_args = ({"tp_rank": 1, "tp_size": 2} if mla
+                   else {"dp_rank": 1} if how == "dp attention" else {})
+    writer = _rank_backend(tmp_path, writer_pool, mla=mla, tp_size=2 if mla else 1)
+    reader = _rank_backend(tmp_path, reader_pool, mla=mla, **reader_args)
+    try:
+        assert writer.path == reader.path == str(tmp_path)
+        assert writer.batch_set_v1(hashes(4), indices([0, 1, 2, 3])) == [True] * 4
+        assert reader.batch_exists(hashes(4)) == 4  # at its next lookup
+        assert reader.batch_get_v1(hashes(4), indices([4, 5, 6, 7])) == [True] * 4
+        assert all(page_bytes(reader_pool, (4 + p) * PAGE) == page_bytes(writer_pool, p * PAGE)
+                   for p in range(4))
+    finally:
+        writer.close()
+        reader.close()
 
 
 def test_concurrent_calls_from_threads(tmp_path: Path) -> None:

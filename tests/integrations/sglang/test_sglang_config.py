@@ -62,7 +62,7 @@ def test_extra_config_must_be_an_object() -> None:
 
 def _dir(**over: int | bool) -> str:
     args: dict[str, int | bool] = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1,
-                                   "attn_cp_rank": 0, "attn_cp_size": 1, "dp_rank": 0,
+                                   "attn_cp_rank": 0, "attn_cp_size": 1,
                                    "replicated": False, **over}
     return rank_dir("/p", **args)  # type: ignore[arg-type]
 
@@ -71,6 +71,6 @@ def test_rank_directories() -> None:
     assert _dir() == "/p"
     assert _dir(tp_rank=1, tp_size=2) == os.path.join("/p", "tp1of2")
     assert _dir(tp_rank=1, tp_size=2, replicated=True) == "/p"
-    assert _dir(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2, dp_rank=3) == \
-        os.path.join("/p", "tp1of2-pp1of2-dp3")
+    assert _dir(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2) == \
+        os.path.join("/p", "tp1of2-pp1of2")
     assert _dir(attn_cp_rank=1, attn_cp_size=4) == os.path.join("/p", "cp1of4")
