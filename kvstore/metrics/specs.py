@@ -245,6 +245,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("dedup_late_blocks", "Blocks a put wrote that another owner of the store "
              "indexed before its commit: counted as deduplicated, their slots given back",
              _field("dedup_late")),
+    _counter("evicted_at_commit_blocks", "Blocks a put wrote whose parent another owner "
+             "evicted or deleted before its commit: not indexed (counted evicted too)",
+             _field("evicted_at_commit")),
     _counter("raced_reads", "Reads whose slot failed verification because another owner "
              "reused it after the lookup (answered as misses; 0 expected: read marks "
              "prevent it)", _field("raced_reads")),
