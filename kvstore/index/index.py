@@ -324,11 +324,12 @@ class Index:
         Not indexed (:class:`Skipped`, their slots stay the owner's): a block indexed
         since the put decided (another process, a restore from quarantine), and a block
         whose parent, one of ``parents_seen`` (outside the batch, stored when the put
-        decided), is gone (another process evicted it), with its batch descendants."""
+        decided), is gone (another process evicted or deleted it; not quarantined), with its
+        batch descendants."""
         with txn.cursor(self.blocks) as cur:
             gone = [k for k in relies_on if not cur.set_key(k)]
             late = {k for k, _ in entries if cur.set_key(k)}
-            vanished = {p for p in parents_seen if not cur.set_key(p)}
+        vanished = _vanished(txn, self.blocks, self.quarantine, parents_seen)
         if gone:
             raise ChainCut(gone)
         cut = _below(entries, vanished) - late if vanished else set()
@@ -422,6 +423,15 @@ class Skipped(NamedTuple):
 
     late: list[bytes]
     evicted: list[bytes]
+
+
+def _vanished(txn: Txn, blocks: Any, quarantine: Any, parents: Collection[bytes]
+              ) -> set[bytes]:
+    """``parents`` neither stored nor quarantined (a quarantined parent is not gone:
+    restored or put again it is the same block, as for a put whose parent was
+    quarantined before it decided)."""
+    with txn.cursor(blocks) as cur, txn.cursor(quarantine) as held:
+        return {p for p in parents if not cur.set_key(p) and not held.set_key(p)}
 
 
 def _below(entries: Sequence[tuple[bytes, IndexEntry]], vanished: set[bytes]) -> set[bytes]:
