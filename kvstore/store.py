@@ -457,6 +457,8 @@ async def open(  # noqa: A001 - mirrors builtins.open / lmdb.open
         store._background = background
         await store._start()
         store._start_checks()
+        if (requests := store._parts.allocator.requests) is not None:  # other owners ask
+            background.start_soon(requests.listen, lambda: store._ops.closed)
         if store.remote is not None:  # remote tier: its upload workers
             await background.start(store.remote.run)
         yield store

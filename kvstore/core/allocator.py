@@ -81,6 +81,7 @@ from typing import Protocol
 
 import anyio
 
+from kvstore.core.claim_requests import ClaimRequests
 from kvstore.core.claiming import CommitSpace, OwnClaims
 from kvstore.core.free_space import FreeSpace, ReadEpochs, wait_for_change
 from kvstore.disk.format import PAGE, IndexEntry
@@ -149,6 +150,7 @@ class Allocator:
             space=self.space, epochs=self.epochs, extent_bytes=extent_bytes,
             store_uuid=store_uuid, file_mode=file_mode, capacity=lambda: self.capacity_bytes,
             on_extent=self._changes_extent, on_change=self._notify)
+        self.requests: ClaimRequests | None = None  # other owners' idle claims (the store's)
         self.reserved_bytes = 0
         self._protected: Counter[bytes] = Counter()
         self._touched: dict[bytes, int] = {}
@@ -302,11 +304,14 @@ class Allocator:
                 self._wait_in_line(ticket)
                 await self._wait_for_change()
                 continue
-            raise CapacityError(
-                28, f"a batch of {total} bytes does not fit capacity_bytes="
-                f"{self.capacity_bytes} ({self.used_bytes} used): every other block is "
-                "pinned, has stored children or is being written. Unpin blocks, delete "
-                "some, or raise capacity_bytes.")
+            self._wait_in_line(ticket)  # (asking other owners for claims takes a while)
+            if self.requests is not None and await self.requests.make_room(
+                    store_used, partial(self._changed_since, seen)):
+                continue
+            raise _refused(total, self.capacity_bytes, self.used_bytes, self.requests)
+
+    def _changed_since(self, generation: int) -> bool:
+        return generation != self._generation
 
     def _place(self, items: Sequence[Slot]) -> bool:
         """Allocate every item, or none (no await in between: all-or-nothing)."""
@@ -386,14 +391,7 @@ class Allocator:
         with self._index.begin() as txn:
             freeable = evictable_bytes(txn, self._index.chains, self.space.lost)
         if freeable < over:
-            raise CapacityError(
-                28, f"store {self._path} uses {self.used_bytes} bytes, more than "
-                f"capacity_bytes={self.capacity_bytes}, and evicting every block it may "
-                f"evict frees only {freeable}: the other {self.used_bytes - freeable} bytes are "
-                "pinned blocks (and the blocks of their chains), quarantined blocks or extents "
-                "whose file is missing. Nothing was evicted. Open it with capacity_bytes >= "
-                f"{self.used_bytes - freeable} (then unpin or delete blocks), or run `python "
-                f"-m kvstore fsck {self._path} --repair` to reclaim quarantined and lost space.")
+            raise _too_pinned_to_fit(self._path, self.used_bytes, self.capacity_bytes, freeable)
         blocks, freed = 0, 0
         while self.used_bytes > self.capacity_bytes:
             need = min(self.used_bytes - self.capacity_bytes, _FIT_STEP)
@@ -428,3 +426,22 @@ class Allocator:
         it had never been added (it is indexed: the next open finds it).  Call it once
         every slot reserved in it was given back (``unreserve``)."""
         self.claims.withdraw_extent(extent_id)
+
+
+def _refused(total: int, capacity: int, used: int, requests: ClaimRequests | None
+             ) -> CapacityError:
+    return CapacityError(
+        28, f"a batch of {total} bytes does not fit capacity_bytes={capacity} ({used} "
+        "used): every other block is pinned, has stored children or is being written"
+        f"{requests.unanswered_note() if requests is not None else ''}. Unpin blocks, "
+        "delete some, or raise capacity_bytes.")
+
+
+def _too_pinned_to_fit(path: str, used: int, capacity: int, freeable: int) -> CapacityError:
+    return CapacityError(
+        28, f"store {path} uses {used} bytes, more than capacity_bytes={capacity}, and "
+        f"evicting every block it may evict frees only {freeable}: the other "
+        f"{used - freeable} bytes are pinned blocks (and the blocks of their chains), "
+        "quarantined blocks or extents whose file is missing. Nothing was evicted. Open it "
+        f"with capacity_bytes >= {used - freeable} (then unpin or delete blocks), or run "
+        f"`python -m kvstore fsck {path} --repair` to reclaim quarantined and lost space.")

@@ -22,6 +22,7 @@ from contextlib import suppress
 from typing import Any
 
 from kvstore.core.allocator import Allocator
+from kvstore.core.claim_requests import ClaimRequests
 from kvstore.core.events import EventHub
 from kvstore.core.extent_files import ExtentFiles
 from kvstore.core.operations import Health
@@ -214,6 +215,11 @@ class StoreParts:
         if marks.enabled:
             self.allocator.epochs.horizon, self.allocator.epochs.newest = \
                 marks.horizon, marks.newest
+        # Other owners' idle claims come back when a put needs them, and this owner's
+        # go back when another one asks (its listener runs once the store serves).
+        self.allocator.requests = ClaimRequests(
+            claims=self.allocator.claims, file=self.owner.file,
+            recover=self.owner.recover_dead)
         # Capacity is a bound at every instant: a store reopened with a smaller one
         # evicts down to it now, before it serves (or refuses to open: pinned blocks).
         self.allocator.fit_capacity(ride_along=self.flush_totals_in)

@@ -42,6 +42,8 @@ from contextlib import suppress
 from dataclasses import replace
 from typing import Any
 
+import anyio
+
 from kvstore.core.read_marks import ReadMarks
 from kvstore.core.seq_lease import SeqLease
 from kvstore.disk import layout, permissions
@@ -70,6 +72,49 @@ class Owner:
         self.seqs = seqs  # its sequence numbers (kvstore/core/seq_lease.py)
         self.marks = marks  # its reads' mark (kvstore/core/read_marks.py)
         self._file = file
+
+    @property
+    def file(self) -> MarksFile | None:
+        """The store's marks file, mapped (None: no native helper, this owner is alone)."""
+        return self._file
+
+    async def recover_dead(self) -> int:
+        """A live owner's recovery of the dead ones (DESIGN 5.4): the registration's
+        probe (step 2) in one transaction of this owner's writer, then LMDB's
+        ``reader_check`` (a process killed inside a read transaction leaves a reader
+        slot that holds back page reuse); returns the owners recovered.  Called when a
+        put finds no room while other owners hold claims (a dead owner's are space
+        nobody can use until it is recovered)."""
+        dead: list[OwnerLock] = []
+        unmade: list[int] = []
+        orphans: list[int] = []
+        path, index, file, me = self._path, self._index, self._file, self.id
+        record = OwnerRecord(pid=os.getpid(), sync=False, start_time=_start_time(),
+                             pid_namespace=_pid_namespace(), opened_us=0)
+
+        def job(txn: Txn) -> None:
+            _release(dead)  # (a job the writer runs again after growing the map)
+            unmade.clear()
+            orphans.clear()
+            try:
+                _recover_dead(txn, path, index, record, file, dead, unmade, orphans, me)
+            except BaseException:
+                _release(dead)
+                raise
+
+        await self._writer.run(job)
+        await anyio.to_thread.run_sync(self._after_recovery, dead, unmade)
+        found = len(dead) + len(orphans)
+        self.recovered += found
+        return found
+
+    def _after_recovery(self, dead: list[OwnerLock], unmade: list[int]) -> None:
+        for extent_id in unmade:  # no entry names them, no live owner makes them
+            remove_new_extent_file(self._path, extent_id)
+        for other in dead:  # their rows are gone for good now
+            other.remove()
+        with suppress(Exception):  # (py-lmdb raises lmdb.Error; nothing to undo)
+            self._index.env.reader_check()
 
     def close(self) -> None:
         """Delete the row (and ``creating`` rows of extents it failed to make; its claims
@@ -137,17 +182,7 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
         owner_id = table.take_id(txn)
         lock = OwnerLock(path, owner_id, file_mode)
         try:
-            live: dict[int, OwnerRecord] = {}
-            for other_id, other in table.rows(txn).items():
-                probe = probe_owner(path, other_id)
-                if probe is None and not _orphaned(other, record):
-                    live[other_id] = other
-                    continue
-                if probe is None:  # its lock file stays (held), swept once free
-                    orphans.append(other_id)
-                else:
-                    dead.append(probe)
-                unmade.extend(forget(txn, index, other_id, file))
+            live = _recover_dead(txn, path, index, record, file, dead, unmade, orphans)
             if not live:  # (runs freed by an owner that closed beside others, or fsck)
                 index.space.ripen_all(txn, index.free_map)
                 if file is not None:  # (marks of owners fsck recovered, if any)
@@ -164,6 +199,28 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
         return owner_id, lock, first_seq, slot
 
     return job
+
+
+def _recover_dead(txn: Txn, path: str, index: Index, mine: OwnerRecord,
+                  file: MarksFile | None, dead: list[OwnerLock], unmade: list[int],
+                  orphans: list[int], skip: int | None = None) -> dict[int, OwnerRecord]:
+    """Probe every owner row but ``skip``'s (step 2): the dead ones are forgotten (their
+    locks into ``dead``, or their ids into ``orphans``; the extent files they were
+    making into ``unmade``); returns the live ones."""
+    live: dict[int, OwnerRecord] = {}
+    for other_id, other in index.owner_records.rows(txn).items():
+        if other_id == skip:
+            continue
+        probe = probe_owner(path, other_id)
+        if probe is None and not _orphaned(other, mine):
+            live[other_id] = other
+            continue
+        if probe is None:  # its lock file stays (held), swept once free
+            orphans.append(other_id)
+        else:
+            dead.append(probe)
+        unmade.extend(forget(txn, index, other_id, file))
+    return live
 
 
 def _sweep(path: str, owners: set[int]) -> None:

@@ -7,7 +7,10 @@ flight may have looked its entries up under, 0 when none is in flight.  A freed 
 whose ``pending`` row was written by transaction ``t`` may go back to the free pool only
 when ``t <= min(marks)`` (the *horizon*): no reader of any owner can still copy it.
 
-Only the slot's owner publishes into it; whoever finds the owner dead clears it.  The file
+Only the slot's owner publishes into it; whoever finds the owner dead clears it.  One
+header word counts claim requests: an owner whose put finds no room while other owners
+hold claims raises it, and every owner's listener gives its unused claims back when it
+sees it change (kvstore/core/claim_requests.py).  The file
 is not durable state: nothing is synced, its words mean nothing after every owner is gone,
 and an exclusive operation (fsck ``--repair``, ``--rebuild-index``) may delete it.
 
@@ -35,7 +38,9 @@ __all__ = ["HEADER_BYTES", "MAGIC", "MARKS_VERSION", "NO_MARK", "SLOTS", "MarksF
 MAGIC = b"KVSMARKS"
 MARKS_VERSION = 1
 SLOTS = 1024
-HEADER_BYTES = 64  # magic, version u32 LE, slots u32 LE, durable txnid u64 LE, zeros
+HEADER_BYTES = 64  # magic, version u32 LE, slots u32 LE, durable txnid u64 LE,
+# claim requests u64 LE (kvstore/core/claim_requests.py), zeros
+_REQUESTS = 24  # (the claim requests word's offset)
 NO_MARK = 2**64 - 1  # the minimum when no read is in flight anywhere
 _HEADER = struct.Struct("<8sII")
 _ABI = 1
@@ -115,6 +120,19 @@ class MarksFile:
     def mark(self, slot: int) -> int:
         """Slot ``slot``'s word, as last seen (tests, fsck)."""
         return int(struct.unpack_from("<Q", self._map, HEADER_BYTES + 8 * (slot - 1))[0])
+
+    def claim_requests(self) -> int:
+        """The claim requests word: raised by an owner whose put found no room while
+        other owners held claims (kvstore/core/claim_requests.py)."""
+        return int(struct.unpack_from("<Q", self._map, _REQUESTS)[0])
+
+    def request_claims(self) -> int:
+        """Raise the claim requests word; returns its new value.  Not atomic: two owners
+        raising it at once may write one value, which every listener still sees change
+        (a listener only compares it with the value it saw last)."""
+        value = (self.claim_requests() + 1) % 2**64 or 1
+        struct.pack_into("<Q", self._map, _REQUESTS, value)
+        return value
 
     def close(self) -> None:
         del self._words  # (the mapping cannot close while a ctypes view holds it)
