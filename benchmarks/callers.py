@@ -116,17 +116,22 @@ def sample(system: str, callers: int, op: str, block: int, rep: int, n: int,
 # --------------------------------------------------------------------------- kvstore
 
 
-async def put_chain(store: Any, ds: Dataset, lo: int, hi: int, batch: int) -> int:
+async def put_chain(store: Any, ds: Dataset, lo: int, hi: int, batch: int,
+                    latencies: list[float] | None = None) -> int:
     """One caller: blocks ``lo..hi-1`` as ``put_many`` batches, one after another, one
-    chain (a request's blocks); how many were written."""
+    chain (a request's blocks); how many were written.  ``latencies``: each batch's
+    seconds appended."""
     import kvstore
 
     written, prev = 0, None
     for start in range(lo, hi, batch):
         keys = ds.keys[start:min(start + batch, hi)]
         values = [ds.block(i) for i in range(start, start + len(keys))]
+        t0 = time.monotonic()
         res = await store.put_many(keys, values,
                                    parents=kvstore.chain_parents(keys, first_parent=prev))
+        if latencies is not None:
+            latencies.append(time.monotonic() - t0)
         written += res.written
         prev = keys[-1]
     return int(written)

@@ -12,6 +12,10 @@ repetitions, in one run:
   Then every process closes; ``P`` new ones open the store again and, cold (reads are
   O_DIRECT), read their blocks back with ``get_many(out=)``.  Time is the first process's
   start to the last one's last acknowledgement (CLOCK_MONOTONIC, one clock for all).
+* ``kvstore P stores`` (``P`` > 1): the same, but each process opens a store of its own
+  (``PATH/rankI``): TP ranks with one store per rank, against one store shared by the
+  ranks (issue 43: which should TP ranks use?).  Both record each ``put_many``'s latency
+  (p50/p99 over every batch of every process: a TP step waits for its slowest rank).
 * ``kvstore 1 process, P callers``: the same blocks, ``P`` tasks on one store in one
   process (:mod:`benchmarks.callers`' shape).
 * ``fio P jobs``: io_uring, O_DIRECT, ``--numjobs=P``, writes with ``--end_fsync=1`` per
@@ -92,9 +96,9 @@ async def _worker(op: str, path: str, ds: Dataset, lo: int, hi: int, pace_ms: fl
         sys.stdin.readline()
         result: dict[str, Any] = {}
         if op == "put":
-            t0 = time.monotonic()
-            result["written"] = await put_chain(store, ds, lo, hi, BATCH)
-            result.update(start=t0, end=time.monotonic())
+            t0, latencies = time.monotonic(), list[float]()
+            result["written"] = await put_chain(store, ds, lo, hi, BATCH, latencies)
+            result.update(start=t0, end=time.monotonic(), latencies=latencies)
         elif op == "get":
             t0 = time.monotonic()
             result["missing"] = await get_chain(store, ds, lo, hi, BATCH, outs)
@@ -147,19 +151,26 @@ class Worker:
         return out
 
 
-def in_processes(op: str, path: str, ds: Dataset, procs: int) -> dict[str, Any]:
-    """``op`` over all of ``ds`` by ``procs`` processes started together; one sample."""
-    workers = [Worker(op, path, ds.block_bytes, ds.n, lo, hi)
-               for lo, hi in ranges(ds.n, procs)]  # each opened: the timing starts after
+def in_processes(op: str, path: str, ds: Dataset, procs: int, *, separate: bool = False
+                 ) -> dict[str, Any]:
+    """``op`` over all of ``ds`` by ``procs`` processes started together; one sample.
+    ``separate``: each process has a store of its own (``PATH/rankI``), as TP ranks
+    with one store per rank."""
+    workers = [Worker(op, os.path.join(path, f"rank{i}") if separate else path,
+                      ds.block_bytes, ds.n, lo, hi)
+               for i, (lo, hi) in enumerate(ranges(ds.n, procs))]  # opened: timing after
     for w in workers:
         w.go()
     results = [w.result() for w in workers]
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
     bad = sum(r.get("missing", 0) + r.get("wrong", 0) for r in results)
+    latencies = [t for r in results for t in r.get("latencies", [])]
     if op == "put" and sum(r["written"] for r in results) != ds.n:
         raise RuntimeError(f"{procs} processes wrote {sum(r['written'] for r in results)} "
                            f"of {ds.n} blocks")
-    return {"seconds": seconds, "bad": bad}
+    return {"seconds": seconds, "bad": bad, **({"batch_ms": {
+        "p50": percentile(latencies, 50) * 1e3, "p99": percentile(latencies, 99) * 1e3}}
+        if latencies else {})}
 
 
 async def one_process(path: str, ds: Dataset, callers: int) -> dict[str, dict[str, Any]]:
@@ -189,17 +200,19 @@ def throughput(root: str, procs_list: list[int], block: int, volume: int, reps: 
     ds = Dataset.make(block, n, seed=13)
     samples: list[dict[str, Any]] = []
     runs = [(system, p) for p in procs_list
-            for system in ("kvstore processes", "kvstore callers", "fio", "fio qd64")
-            if fio or not system.startswith("fio")]
+            for system in ("kvstore processes", "kvstore stores", "kvstore callers", "fio",
+                           "fio qd64")
+            if (fio or not system.startswith("fio")) and (p > 1 or system != "kvstore stores")]
     for rep in range(reps):
         k = rep % len(runs)
         for system, procs in runs[k:] + runs[:k]:
             path = os.path.join(root, f"s{rep}-{procs}-{system.replace(' ', '_')}")
             syncfs(root)
             got: dict[str, dict[str, Any]]
-            if system == "kvstore processes":
-                got = {"put": in_processes("put", path, ds, procs),
-                       "get": in_processes("get", path, ds, procs)}
+            if system in ("kvstore processes", "kvstore stores"):
+                separate = system == "kvstore stores"
+                got = {op: in_processes(op, path, ds, procs, separate=separate)
+                       for op in ("put", "get")}
             elif system == "kvstore callers":
                 got = anyio.run(one_process, path, ds, procs)
             else:
@@ -244,9 +257,10 @@ def report(doc: dict[str, Any]) -> str:
     lines = [f"# Several processes on one store, at {doc['commit']}", "",
              f"Load average at start: {doc['loadavg']}; block {human(doc['block_bytes'])}, "
              f"{doc['reps']} repetitions (min / median / max of GB/s).", "",
-             "| processes | op | kvstore P processes | kvstore 1 process P callers | "
-             "fio P jobs (qd 64/P) | fio P jobs (qd 64 each) | processes / fio |",
-             "|---|---|---|---|---|---|---|"]
+             "| processes | op | kvstore P processes, one store | kvstore P processes, a "
+             "store each | kvstore 1 process P callers | fio P jobs (qd 64/P) | "
+             "fio P jobs (qd 64 each) | one store / fio | one store / a store each |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def col(system: str, procs: int, op: str) -> tuple[str, float]:
         v = [s["GB_s"] for s in doc["samples"]
@@ -259,11 +273,25 @@ def report(doc: dict[str, Any]) -> str:
     for procs in doc["processes"]:
         for op in ("put", "get"):
             kp, kpm = col("kvstore processes", procs, op)
+            ks, ksm = col("kvstore stores", procs, op)
             kc, _ = col("kvstore callers", procs, op)
             f1, f1m = col("fio", procs, op)
             f2, _ = col("fio qd64", procs, op)
             ratio = f"{kpm / f1m:.2f}x" if f1m else "-"
-            lines.append(f"| {procs} | {op} | {kp} | {kc} | {f1} | {f2} | {ratio} |")
+            shared = f"{kpm / ksm:.2f}x" if ksm else "-"
+            lines.append(f"| {procs} | {op} | {kp} | {ks} | {kc} | {f1} | {f2} | {ratio} "
+                         f"| {shared} |")
+    lines += ["", "Latency of one `put_many` (32 blocks), ms, p50 / p99 over every batch of "
+              "every process, median of the repetitions' values:", ""]
+    for procs in doc["processes"]:
+        for system, name in (("kvstore processes", "one store"),
+                             ("kvstore stores", "a store each")):
+            got = [s["batch_ms"] for s in doc["samples"] if s["system"] == system
+                   and s["processes"] == procs and s["op"] == "put" and "batch_ms" in s]
+            if got:
+                p50 = summary([g["p50"] for g in got])["median"]
+                p99 = summary([g["p99"] for g in got])["median"]
+                lines.append(f"- {procs} processes, {name}: {p50:.1f} / {p99:.1f}")
     lines += ["", "Visibility: microseconds from A's acknowledgement to B's first hit "
               "(p50 / p99 / max)", ""]
     for mode, v in doc["visibility"].items():
