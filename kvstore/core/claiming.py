@@ -277,7 +277,9 @@ class OwnClaims:
 
     def note(self, extent_id: int) -> None:
         """Space of ``extent_id`` becomes this owner's (claimed, or freed by it: it may
-        have been another owner's extent)."""
-        if extent_id not in self._reported:
+        have been another owner's extent).  An extent whose file is missing is never
+        reported: none of its space is handed out, and the open a report asks of the put
+        path would fail that put (a freed slot of it: a delete, a displaced quarantine)."""
+        if extent_id not in self._reported and extent_id not in self.space.lost:
             self._reported.add(extent_id)
             self._on_extent(extent_id)
