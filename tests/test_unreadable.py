@@ -240,3 +240,39 @@ def test_a_block_deleted_in_a_missing_extent_never_makes_a_put_open_it(
         assert {f.kind for f in check(str(tmp_path)).findings} == {"missing-extent"}
 
     anyio.run(scenario)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_an_extent_deleted_while_the_store_is_open_fails_one_put_with_a_typed_error(
+        tmp_path: Path, kind: str) -> None:
+    """Another owner of the store added the extent and closed (its claims back in the
+    pool), then the file was deleted while this owner stays open: the first put placed
+    in it fails with StoreIOError (ENOENT), stores nothing, and the extent is lost from
+    then on as if it had been missing at open: the retry and every later put (claiming
+    the rest of the pool, which the extent's free space was part of) store their
+    blocks elsewhere, and read back."""
+    opts = dict(OPEN, extent_bytes=32 << 20)  # more than one claim (16 MiB): the pool keeps some
+
+    async def scenario() -> None:
+        async with kvstore.open(tmp_path, engine=_engine(kind, tmp_path), **opts) as store:
+            async with kvstore.open(tmp_path, engine=_engine(kind, tmp_path), **opts) as other:
+                await other.put(CHAIN[0], _value(0))
+                (e,) = parts(other).index.get_entries([CHAIN[0]])
+            assert e is not None
+            os.unlink(extent_path(str(tmp_path), e.extent))
+            with pytest.raises(kvstore.errors.StoreIOError) as failed:
+                await store.put(CHAIN[1], _value(1))
+            assert failed.value.errno == errno.ENOENT
+            assert extent_path(str(tmp_path), e.extent) in str(failed.value)
+            assert await store.contains_many([CHAIN[1]]) == [False]
+            keys = [bytes([0x80 + i]) * 16 for i in range(60)]  # ~19 MiB: another claim
+            for i, key in enumerate(keys):
+                assert await store.put(key, _value(10 + i))
+            entries = parts(store).index.get_entries(keys)
+            assert all(x is not None and x.extent != e.extent for x in entries)
+            got = await store.get_many(keys)
+            assert all(g is not None and torch.equal(g, _value(10 + i))
+                       for i, g in enumerate(got))
+        assert {f.kind for f in check(str(tmp_path)).findings} == {"missing-extent"}
+
+    anyio.run(scenario)

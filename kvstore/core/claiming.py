@@ -250,12 +250,17 @@ class OwnClaims:
             self.grown += 1
             return extent_id
 
-    def withdraw_extent(self, extent_id: int) -> None:
+    def withdraw_extent(self, extent_id: int, *, missing: bool = False) -> None:
         """An added extent its owner could not open: its claimed space goes out of use
-        (still claimed: it goes back to the pool when this owner closes)."""
+        (still claimed: it goes back to the pool when this owner closes).  ``missing``:
+        its file is gone (deleted while the store was open), so, as for an extent found
+        missing at open, none of its space is claimed or handed out again (the pool's
+        runs of it included)."""
         for run in [r for r in self.space.runs() if r[0] == extent_id]:
             self.space.withdraw(*run)
             self.withdrawn += run[2]
+        if missing:
+            self.space.lose(extent_id)
 
     def for_commit(self) -> CommitSpace:
         """What the next put commit does to the claims (top-up, returns: the module
