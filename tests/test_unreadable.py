@@ -169,3 +169,110 @@ def test_a_missing_extent_opens_and_quarantines_its_blocks_as_they_are_read(
         assert any(f.kind == "missing-extent" for f in report.findings)
 
     anyio.run(scenario)
+
+
+async def _lost_extent_with_a_displaced_copy(path: Path, kind: str) -> int:
+    """CHAIN[:2] in one extent, CHAIN[1] quarantined there once (a short read past a
+    truncation) and put again (the recompute), then the extent file deleted: its record
+    and its current copy both in the lost extent, as an engine's store has them after
+    a truncation and a deleted file."""
+    opts = dict(OPEN, extent_bytes=4 << 20)  # one extent holds every copy
+    async with kvstore.open(path, engine=_engine(kind, path), **opts) as store:
+        await store.put_many(CHAIN[:2], [_value(0), _value(1)], parents=[None, CHAIN[0]])
+        (e,) = {x.extent for x in parts(store).index.get_entries(CHAIN[:2]) if x is not None}
+        second = parts(store).index.get_entries([CHAIN[1]])[0]
+    assert second is not None
+    os.truncate(extent_path(str(path), e), second.offset + second.slot_len // 2)
+    async with kvstore.open(path, engine=_engine(kind, path), **opts) as store:
+        assert (await store.get_many([CHAIN[1]])) == [None]
+        await store.put(CHAIN[1], _value(1), parent=CHAIN[0])
+        again = parts(store).index.get_entries([CHAIN[1]])[0]
+        assert again is not None and again.extent == e
+    os.unlink(extent_path(str(path), e))
+    return e
+
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_quarantined_copy_freed_in_a_missing_extent_never_makes_a_put_open_it(
+        tmp_path: Path, kind: str) -> None:
+    """What an engine does after the file was deleted: its load quarantines the blocks
+    (the older record of CHAIN[1], re-read, fails too and is freed: its slot is in the
+    lost extent), it recomputes them and saves them again.  That space is never handed
+    out, so every save stores its blocks (elsewhere) instead of failing to open the
+    missing file, and after a restart they are hits."""
+    async def scenario() -> None:
+        lost = await _lost_extent_with_a_displaced_copy(tmp_path, kind)
+        opts = dict(OPEN, extent_bytes=4 << 20)
+        async with kvstore.open(tmp_path, engine=_engine(kind, tmp_path), **opts) as store:
+            assert parts(store).lost_extents == {lost}
+            assert (await store.get_many(CHAIN[:2])) == [None, None]
+            for i in range(len(CHAIN)):  # one save per step, as the connector's
+                assert await store.put(CHAIN[i], _value(i), parent=CHAIN[i - 1] if i else None)
+            entries = parts(store).index.get_entries(CHAIN)
+            assert all(e is not None and e.extent != lost for e in entries)
+        async with kvstore.open(tmp_path, engine=_engine(kind, tmp_path), **opts) as store:
+            assert await store.match_prefix(CHAIN) == len(CHAIN)
+            got = await store.get_many(CHAIN)
+            assert all(g is not None and torch.equal(g, _value(i)) for i, g in enumerate(got))
+        # The lost extent is all fsck finds: the freed space is accounted for.
+        assert {f.kind for f in check(str(tmp_path)).findings} == {"missing-extent"}
+
+    anyio.run(scenario)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_block_deleted_in_a_missing_extent_never_makes_a_put_open_it(
+        tmp_path: Path, kind: str) -> None:
+    async def scenario() -> None:
+        entries = await _fill(tmp_path, kind)
+        last = max(range(len(CHAIN)), key=lambda i: (entries[i].extent, entries[i].offset))
+        lost = entries[last].extent
+        os.unlink(extent_path(str(tmp_path), lost))
+        async with kvstore.open(tmp_path, engine=_engine(kind, tmp_path), **OPEN) as store:
+            assert await store.delete_many([CHAIN[last]]) == 1  # its slot is freed
+            keys = [bytes([0x80 + i]) * 16 for i in range(4)]
+            result = await store.put_many(keys, [_value(10 + i) for i in range(4)])
+            assert result.written == len(keys)
+            got = await store.get_many(keys)
+            assert all(g is not None and torch.equal(g, _value(10 + i))
+                       for i, g in enumerate(got))
+        assert {f.kind for f in check(str(tmp_path)).findings} == {"missing-extent"}
+
+    anyio.run(scenario)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_an_extent_deleted_while_the_store_is_open_fails_one_put_with_a_typed_error(
+        tmp_path: Path, kind: str) -> None:
+    """Another owner of the store added the extent and closed (its claims back in the
+    pool), then the file was deleted while this owner stays open: the first put placed
+    in it fails with StoreIOError (ENOENT), stores nothing, and the extent is lost from
+    then on as if it had been missing at open: the retry and every later put (claiming
+    the rest of the pool, which the extent's free space was part of) store their
+    blocks elsewhere, and read back."""
+    opts = dict(OPEN, extent_bytes=32 << 20)  # more than one claim (16 MiB): the pool keeps some
+
+    async def scenario() -> None:
+        async with kvstore.open(tmp_path, engine=_engine(kind, tmp_path), **opts) as store:
+            async with kvstore.open(tmp_path, engine=_engine(kind, tmp_path), **opts) as other:
+                await other.put(CHAIN[0], _value(0))
+                (e,) = parts(other).index.get_entries([CHAIN[0]])
+            assert e is not None
+            os.unlink(extent_path(str(tmp_path), e.extent))
+            with pytest.raises(kvstore.errors.StoreIOError) as failed:
+                await store.put(CHAIN[1], _value(1))
+            assert failed.value.errno == errno.ENOENT
+            assert extent_path(str(tmp_path), e.extent) in str(failed.value)
+            assert await store.contains_many([CHAIN[1]]) == [False]
+            keys = [bytes([0x80 + i]) * 16 for i in range(60)]  # ~19 MiB: another claim
+            for i, key in enumerate(keys):
+                assert await store.put(key, _value(10 + i))
+            entries = parts(store).index.get_entries(keys)
+            assert all(x is not None and x.extent != e.extent for x in entries)
+            got = await store.get_many(keys)
+            assert all(g is not None and torch.equal(g, _value(10 + i))
+                       for i, g in enumerate(got))
+        assert {f.kind for f in check(str(tmp_path)).findings} == {"missing-extent"}
+
+    anyio.run(scenario)

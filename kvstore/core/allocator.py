@@ -421,11 +421,12 @@ class Allocator:
         self._counters["evicted_bytes"] += freed
         return freed
 
-    def withdraw_extent(self, extent_id: int) -> None:
+    def withdraw_extent(self, extent_id: int, *, missing: bool = False) -> None:
         """An added extent its owner could not open: its space goes out of use, as if
-        it had never been added (it is indexed: the next open finds it).  Call it once
-        every slot reserved in it was given back (``unreserve``)."""
-        self.claims.withdraw_extent(extent_id)
+        it had never been added (it is indexed: the next open finds it); ``missing``:
+        for good (:meth:`OwnClaims.withdraw_extent`).  Call it once every slot reserved
+        in it was given back (``unreserve``)."""
+        self.claims.withdraw_extent(extent_id, missing=missing)
 
 
 def _refused(total: int, capacity: int, used: int, requests: ClaimRequests | None

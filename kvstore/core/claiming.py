@@ -278,12 +278,17 @@ class OwnClaims:
             self.grown += 1
             return extent_id
 
-    def withdraw_extent(self, extent_id: int) -> None:
+    def withdraw_extent(self, extent_id: int, *, missing: bool = False) -> None:
         """An added extent its owner could not open: its claimed space goes out of use
-        (still claimed: it goes back to the pool when this owner closes)."""
+        (still claimed: it goes back to the pool when this owner closes).  ``missing``:
+        its file is gone (deleted while the store was open), so, as for an extent found
+        missing at open, none of its space is claimed or handed out again (the pool's
+        runs of it included)."""
         for run in [r for r in self.space.runs() if r[0] == extent_id]:
             self.space.withdraw(*run)
             self.withdrawn += run[2]
+        if missing:
+            self.space.lose(extent_id)
 
     def for_commit(self) -> CommitSpace:
         """What the next put commit does to the claims (top-up, returns: the module
@@ -305,7 +310,9 @@ class OwnClaims:
 
     def note(self, extent_id: int) -> None:
         """Space of ``extent_id`` becomes this owner's (claimed, or freed by it: it may
-        have been another owner's extent)."""
-        if extent_id not in self._reported:
+        have been another owner's extent).  An extent whose file is missing is never
+        reported: none of its space is handed out, and the open a report asks of the put
+        path would fail that put (a freed slot of it: a delete, a displaced quarantine)."""
+        if extent_id not in self._reported and extent_id not in self.space.lost:
             self._reported.add(extent_id)
             self._on_extent(extent_id)

@@ -7,11 +7,12 @@ extent another process sharing the store added when an entry first names it
 
 from __future__ import annotations
 
+import errno
 import os
 
 from kvstore.disk import store_files
 from kvstore.disk.extents import extent_path
-from kvstore.errors import from_os_error
+from kvstore.errors import StoreIOError, from_os_error
 from kvstore.io.protocol import IOEngine
 
 __all__ = ["ExtentFiles"]
@@ -62,6 +63,15 @@ class ExtentFiles:
         except FileNotFoundError:
             return False
         return True
+
+    def missing_error(self, extent_id: int) -> StoreIOError:
+        """The put's error when an extent another owner added is gone (deleted while
+        the store was open; :meth:`open` raised FileNotFoundError)."""
+        return StoreIOError(errno.ENOENT, f"extent file {extent_path(self._path, extent_id)} "
+                            "is missing (deleted while the store was open): nothing of this "
+                            "put was stored; retry it (its blocks go elsewhere). The "
+                            f"extent's blocks are lost (misses); `python -m kvstore fsck "
+                            f"{self._path}` lists them.")
 
     def close(self) -> None:
         for fd in self.fds.values():

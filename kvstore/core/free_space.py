@@ -54,6 +54,11 @@ class FreeSpace:
             self._insert(extent, offset + length, run_len - length)
         return extent, offset
 
+    def lose(self, extent: int) -> None:
+        """``extent``'s file turned out missing after the open: as one missing at open
+        (its runs must be out already: ``withdraw``)."""
+        self.lost = self.lost | {extent}
+
     def withdraw(self, extent: int, offset: int, length: int) -> None:
         """Take the free run ``(extent, offset)`` of exactly ``length`` bytes out."""
         if self._by_start.get((extent, offset)) != length:

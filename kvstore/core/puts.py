@@ -302,12 +302,10 @@ class PutPath:
         for i, extent_id in enumerate(changes.new_extents):
             try:
                 self._files.open(extent_id)
-            except BaseException:
-                # Unusable: this put's slots (the only ones in it yet) go back, and the
-                # extents not opened go out of use, as when growth itself fails.
-                self._allocator.unreserve(placed)
-                for lost in changes.new_extents[i:]:
-                    self._allocator.withdraw_extent(lost)
+            except BaseException as e:
+                _unopened(self._allocator, changes.new_extents[i:], placed, e)
+                if isinstance(e, FileNotFoundError):
+                    raise self._files.missing_error(extent_id) from e
                 raise
 
     async def _put_items(self, items: list[PutItem], relies_on: list[bytes],
@@ -390,3 +388,16 @@ def _count_cut(counters: dict[str, int], items: Sequence[PutItem]) -> None:
     counters["evicted_at_commit"] += len(items)
     counters["evicted_blocks"] += len(items)
     counters["evicted_bytes"] += sum(item.slot_len for item in items)
+
+
+def _unopened(allocator: Allocator, extents: Sequence[int], placed: Sequence[PutItem],
+              error: BaseException) -> None:
+    """``extents[0]``, an extent the allocator reported, could not be opened (``error``):
+    the put's slots (the only ones in them yet) go back, and ``extents`` (it and those
+    after it, not opened) go out of use, as when growth itself fails.  A file that is
+    gone (deleted while the store was open; another owner had added it) is lost for
+    good, as one missing at open."""
+    allocator.unreserve(placed)
+    gone = isinstance(error, FileNotFoundError)
+    for n, extent_id in enumerate(extents):
+        allocator.withdraw_extent(extent_id, missing=gone and n == 0)

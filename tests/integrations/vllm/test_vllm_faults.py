@@ -149,11 +149,6 @@ def test_a_deleted_extent_opens_and_every_request_finishes(faults: dict[str, Any
     assert "missing" in d1["stderr"]
 
 
-@pytest.mark.xfail(reason="known defect since the allocator takes space from claims (issue "
-                   "43): after the extent file was deleted, D1 fails some of its saves of "
-                   "the recomputed blocks (save_failed_blocks 5 of 9), so D2 loads fewer "
-                   "blocks than its prompts hold; outputs stay identical (no wrong byte)",
-                   strict=False)
 def test_after_the_deleted_extent_a_restart_loads_no_failed_block(
         faults: dict[str, Any]) -> None:
     d2, ref = faults["D2"], faults["ref"]
