@@ -357,7 +357,8 @@ class Allocator:
     async def _wait_for_change(self) -> None:
         if self._changed is None:
             self._changed = anyio.Event()
-        await wait_for_change(self._changed, self.epochs)
+        await wait_for_change(self._changed, self.epochs,
+                              self.requests.recover_dead if self.requests else None)
 
     # ------------------------------------------------------------------ evict, grow
 

@@ -68,6 +68,11 @@ class ClaimRequests:
         self.answered = 0  # requests of others this owner answered by giving claims back
         self.unanswered = 0  # other owners' claimed bytes its last request left unreturned
 
+    async def recover_dead(self) -> int:
+        """Recover the dead owners (their claims back in the pool, their marks cleared:
+        the space a dead owner's frozen mark held ripens); how many there were."""
+        return await self._recover()
+
     def others_claimed(self) -> int:
         """Bytes claimed by other owners (the counter less this owner's rows), one read
         transaction."""
@@ -89,7 +94,7 @@ class ClaimRequests:
         others = self.others_claimed()
         if not others:
             return False
-        if await self._recover():  # (dead owners' claims are back in the pool)
+        if await self.recover_dead():  # (dead owners' claims are back in the pool)
             return True
         if self._file is None:
             return False

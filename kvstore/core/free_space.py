@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 
@@ -97,6 +97,10 @@ class FreeSpace:
         self._insert(extent, offset, length)
 
 
+STALLED_S = 0.1
+"""How long a reserve waits for other owners' reads before it probes for dead owners."""
+
+
 class ReadEpochs:
     """Reads in flight, so that freed ranges are reused only once no reader can still be
     transferring them.  ``on_release`` is told when held space became free.
@@ -182,16 +186,25 @@ class ReadEpochs:
             self._on_release()
 
 
-async def wait_for_change(changed: anyio.Event, epochs: ReadEpochs) -> None:
+async def wait_for_change(changed: anyio.Event, epochs: ReadEpochs,
+                          stalled: Callable[[], Awaitable[object]] | None = None) -> None:
     """Until ``changed`` is set (a read of this owner ended, a put ended, space came
     back) or, when freed space waits for other owners' reads alone, until some of it
     is released: their ends are told to nobody here, so look again after a short
-    while, backing off from 0.5 ms to 20 ms (DESIGN 6.4)."""
-    delay = 0.0005
+    while, backing off from 0.5 ms to 20 ms (DESIGN 6.4).  Once such a wait has lasted
+    :data:`STALLED_S`, ``stalled`` runs once (the owner probes for dead owners, whose
+    marks would hold the space for ever: kvstore/core/claim_requests.py)."""
+    delay, waited, probed = 0.0005, 0.0, stalled is None
     while not changed.is_set():
         if not epochs.release_ripe():  # (what it released, if any, set ``changed``)
             await changed.wait()
             return
+        if not probed and waited >= STALLED_S:
+            probed = True
+            assert stalled is not None
+            await stalled()
+            continue
         with anyio.move_on_after(delay):
             await changed.wait()
+        waited += delay
         delay = min(delay * 2, 0.02)

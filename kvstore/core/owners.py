@@ -48,7 +48,7 @@ from kvstore.core.read_marks import ReadMarks
 from kvstore.core.seq_lease import SeqLease
 from kvstore.disk import layout, permissions
 from kvstore.disk.extents import remove_new_extent_file
-from kvstore.disk.lock import OwnerLock, probe_owner
+from kvstore.disk.lock import OwnerLock, held_owner_locks, probe_owner
 from kvstore.errors import OptionMismatchError, StoreLockedError
 from kvstore.index.index import Index, IndexWriter
 from kvstore.index.owners import OwnerRecord
@@ -91,6 +91,8 @@ class Owner:
         path, index, file, me = self._path, self._index, self._file, self.id
         record = OwnerRecord(pid=os.getpid(), sync=False, start_time=_start_time(),
                              pid_namespace=_pid_namespace(), opened_us=0)
+        if not await anyio.to_thread.run_sync(self._any_dead, record):
+            return 0  # (no write transaction: a waiting reserve probes every 100 ms)
 
         def job(txn: Txn) -> None:
             _release(dead)  # (a job the writer runs again after growing the map)
@@ -107,6 +109,15 @@ class Owner:
         found = len(dead) + len(orphans)
         self.recovered += found
         return found
+
+    def _any_dead(self, mine: OwnerRecord) -> bool:
+        """Whether some other owner looks dead (a look in a read transaction; the
+        recovery's own transaction probes again)."""
+        with self._index.begin() as txn:
+            rows = self._index.owner_records.rows(txn)
+        held = held_owner_locks(self._path)  # (read-only probes: nothing is made)
+        return any(other_id not in held or _orphaned(other, mine)
+                   for other_id, other in rows.items() if other_id != self.id)
 
     def _after_recovery(self, dead: list[OwnerLock], unmade: list[int]) -> None:
         for extent_id in unmade:  # no entry names them, no live owner makes them

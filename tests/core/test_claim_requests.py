@@ -1,7 +1,9 @@
 """Other owners' idle claims come back when a put needs them (issue 43,
 kvstore/core/claim_requests.py): a live owner gives them back when asked, a dead one is
 recovered by the asking owner (no reopen), and one that cannot answer (stopped) leaves
-the put refused with an error that names what it holds, until it runs again."""
+the put refused with an error that names what it holds, until it runs again.  A put
+waiting for space that a dead owner's read mark holds probes for dead owners after
+100 ms (kvstore/core/free_space.py) and goes on."""
 
 from __future__ import annotations
 
@@ -147,4 +149,47 @@ def test_an_owner_that_cannot_answer_leaves_the_put_refused_naming_its_claims(
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert proc.stdout.readline() == "closed\n"
+    assert fsck.check(str(tmp_path)).findings == []
+
+
+MARKER = textwrap.dedent("""
+    import sys, kvstore
+    from kvstore.testing import parts
+    from tests.conformance import NS
+    store = kvstore.open_blocking(sys.argv[1], namespace=NS, extent_bytes=64 << 10,
+                                  engine="threads")
+    parts(store).owner.marks.begin()  # a read that never ends: its mark stays
+    print("marked", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_space_a_dead_owners_mark_holds_comes_back_to_a_waiting_put(tmp_path: Path
+                                                                      ) -> None:
+    """Another process publishes a read mark and is SIGKILLed with it in place; A's
+    blocks, deleted after the mark, stay pending (a reader may still copy them), and
+    A's next put needs their space (nothing else to evict: it waits for them).  After
+    100 ms of waiting it finds the dead owner, recovers it (its mark cleared), and the
+    put is stored; before, it waited for ever."""
+    with open_here(tmp_path) as a:
+        old = keys(7)
+        a.put_many(old, [value(i) for i in range(7)])
+        proc = subprocess.Popen([sys.executable, "-c", MARKER, str(tmp_path)], cwd=ROOT,
+                                text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdin is not None
+        try:
+            assert proc.stdout.readline() == "marked\n"
+            assert a.delete_many(old) == 7
+            assert parts(a).allocator.pending_free_bytes == 7 * 3 * 4096
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+            proc.stdout.close()
+            proc.stdin.close()
+        new = keys(14)[7:]
+        a.put_many(new, [value(10 + i) for i in range(7)])
+        assert parts(a).owner.recovered == 1
+        assert parts(a).counters["evicted_blocks"] == 0  # it waited, it did not evict
+        assert all(same(g, value(10 + i)) for i, g in enumerate(a.get_many(new)))
+        assert a.contains_many(old) == [False] * 7
     assert fsck.check(str(tmp_path)).findings == []
