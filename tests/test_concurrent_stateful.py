@@ -35,7 +35,13 @@ cleanly.  Invariants after every round, on asyncio and trio:
   at most its puts' shortfall plus one block per put;
 * fsck finds no damage after close (a crash may leave only reclaimable space);
 * a forked child opens the store once the parent has closed it and reads what the
-  parent read.
+  parent read;
+* processes as actors (issue 43): on one machine in two on a real engine, another
+  process has the store open for the machine's whole life and reads its blocks a few
+  milliseconds apart (``tests/peer_reader.py``), beside every round and check; one round
+  in four SIGKILLs it at a drawn scheduling point (mid-read, most likely: its read mark
+  stays, so space the round frees waits for it until a reserve finds it dead) and a new
+  one takes its place.  It never reads wrong bytes and none of its reads fails.
 
 Size: the machines follow the Hypothesis profile (``tests/conftest.py``): derandomised
 under ``ci``, a new seed under ``default`` and CI's ``random`` pass (which selects this
@@ -86,6 +92,7 @@ from kvstore.tiers.remote.config import RemoteConfig
 from kvstore.tools import fsck
 from tests.concurrency import LiveChild, SnapshotReader, lock_descriptors, run_within
 from tests.conformance import NS, make_tensor, same
+from tests.peer_reader import PeerReader
 from tests.read_faults import ReadFaults, _FailingOps, faulty_engine
 from tests.test_full_disk import Filler, small_fs  # noqa: F401 - small_fs: a fixture
 from tests.tiers.remote.slow_s3 import SlowS3
@@ -100,7 +107,8 @@ STATS: dict[str, int] = {"machines": 0, "rounds": 0, "tasks": 0, "cancellations"
                          "real_engine_machines": 0, "read_faults": 0, "read_faults_hit": 0,
                          "round_promotions": 0,
                          "persistent_read_faults": 0, "blocks_restored": 0, "scrubs": 0,
-                         "read_evictions": 0, "tag_checks": 0}
+                         "read_evictions": 0, "tag_checks": 0, "peers": 0, "peer_reads": 0,
+                         "peer_hits": 0, "peers_killed": 0, "owners_recovered": 0}
 
 CHAINS = [NS.chain_keys(list(range(10_000 * c, 10_000 * c + 4 * 6))) for c in range(3)]
 POOL = [k for chain in CHAINS for k in chain]
@@ -217,9 +225,9 @@ class ConcurrentMachine(RuleBasedStateMachine):
                 slow=st.sampled_from([3, 100, 400]),
                 memory=st.sampled_from([0, 12 << 10, 64 << 10]),  # tier off / evicting / roomy
                 remote=st.integers(0, 1), engine=st.sampled_from(ENGINES),
-                on_small_fs=st.integers(0, 2))
+                on_small_fs=st.integers(0, 2), peer=st.integers(0, 1))
     def setup(self, deletes: bool, seed: int, slow: int, memory: int, remote: int = 0,
-              engine: str = "simulated", on_small_fs: int = 1) -> None:
+              engine: str = "simulated", on_small_fs: int = 1, peer: int = 1) -> None:
         # One machine in three lives on a small real file system that rounds can fill.
         self.mount = ConcurrentMachine.small_fs if on_small_fs == 0 else None
         STATS["small_fs_machines"] += self.mount is not None
@@ -258,8 +266,18 @@ class ConcurrentMachine(RuleBasedStateMachine):
                 await store.pin(PINNED)
 
         run_within(pin, self.backend)
+        # One machine on a real engine in two has another process on its store for its
+        # whole life, reading (tests/peer_reader.py); rounds may SIGKILL it mid-read.
+        self.peer: PeerReader | None = None
+        self.peer_seen = (0, 0)  # its reads and hits counted so far
+        if peer == 0 and self.kind != "simulated":
+            self.peer = PeerReader(self.path, self.kind, seed)
+            STATS["peers"] += 1
 
     def teardown(self) -> None:
+        peer = getattr(self, "peer", None)
+        if peer is not None and not peer.killed:
+            self.check_peer(peer.stop())
         if getattr(self, "s3", None) is not None:
             assert self.s3 is not None
             self.s3.__exit__(None, None, None)
@@ -320,11 +338,13 @@ class ConcurrentMachine(RuleBasedStateMachine):
                                    st.integers(0, 40))),
           read_fault=st.one_of(st.none(), st.none(),  # 1 in 3
                                st.tuples(st.sampled_from(READ_FAULTS), st.integers(0, 17))),
-          full=st.one_of(st.none(), st.none(), st.integers(0, 80)))  # 1 in 3
+          full=st.one_of(st.none(), st.none(), st.integers(0, 80)),  # 1 in 3
+          peer_kill=st.one_of(st.none(), st.none(), st.none(), st.integers(0, 40)))
     def concurrent_round(self, tasks: list[tuple[tuple[Any, ...], int | None]], close_after: int | None,
               crash: tuple[int, str] | None, sync_fault: int = 0,
               slow_remote: bool = False, fork: tuple[str, int] | None = None,
-              read_fault: tuple[str, int] | None = None, full: int | None = None) -> None:
+              read_fault: tuple[str, int] | None = None, full: int | None = None,
+              peer_kill: int | None = None) -> None:
         if not self.deletes:
             tasks = [t for t in tasks if t[0][0] != "delete"] or [(("match", 0), None)]
         if self.kind != "simulated":  # crashes and failed syncs are the simulated disk's
@@ -405,6 +425,11 @@ class ConcurrentMachine(RuleBasedStateMachine):
             children.append((LiveChild(lambda: lock_descriptors(self.path),
                                        child_reads(self.path, self.backend)), state[0]))
 
+        async def kill_peer_later(peer: PeerReader, after: int) -> None:
+            for _ in range(after):
+                await anyio.lowlevel.checkpoint()
+            peer.kill()  # (most likely mid-read: its mark stays, a waiting put recovers it)
+
         async def body(round_forks: int | None) -> None:
             crashed = False
             if crash is not None:
@@ -429,6 +454,8 @@ class ConcurrentMachine(RuleBasedStateMachine):
                                 tg.start_soon(fork_later, round_forks)
                             if full is not None and full < 40:  # else: full to the end
                                 tg.start_soon(free_later, full)
+                            if peer_kill is not None and self.peer is not None:
+                                tg.start_soon(kill_peer_later, self.peer, peer_kill)
                         if self.full is not None and state[0] == "open":
                             self.full.free()
                             await self.put_again(store, tasks, outcomes, extra)
@@ -448,6 +475,9 @@ class ConcurrentMachine(RuleBasedStateMachine):
                     round_stats["evicted"] = parts(store).counters["evicted_blocks"]
                     round_stats["evicted_bytes"] = parts(store).counters["evicted_bytes"]
                     round_stats["peak"] = parts(store).allocator.peak_used_bytes
+                    # dead peers this round's store recovered (at its open, or while a
+                    # put waited for space a killed peer's mark held)
+                    STATS["owners_recovered"] += parts(store).owner.recovered
                     # the round's gets promote blocks fetched from the remote tier: puts
                     # of their own, which make room under pressure like the tasks' puts
                     round_stats["promoted"] = (store.remote.stats().promoted_blocks
@@ -501,7 +531,13 @@ class ConcurrentMachine(RuleBasedStateMachine):
             self.account(tasks + [t for t, _ in extra], outcomes + [o for _, o in extra],
                          round_stats)
             self.check_quarantine()
+            if self.peer is not None and self.peer.killed:  # replaced: the checks beside it
+                STATS["peers_killed"] += 1
+                self.peer = PeerReader(self.path, self.kind, STATS["peers_killed"])
+                self.peer_seen = (0, 0)
             present = self.verify()  # reopens and checks the store while a forked child still runs
+            if self.peer is not None:
+                self.check_peer(self.peer.ask("report"))
             for child, at_fork in children:  # the parent has closed the store
                 self.check_child(child, at_fork, present)
         finally:
@@ -678,6 +714,7 @@ class ConcurrentMachine(RuleBasedStateMachine):
         # Reading evicts too: blocks fetched from the remote tier are promoted into the
         # store (a put), which makes room under capacity pressure like any other.
         read_evictions = parts(opened[0]).counters["evicted_blocks"]
+        STATS["owners_recovered"] += parts(opened[0]).owner.recovered  # (killed peers)
         self.evicted += read_evictions
         STATS["evictions"] += read_evictions
         STATS["read_evictions"] += read_evictions
@@ -720,6 +757,15 @@ class ConcurrentMachine(RuleBasedStateMachine):
         for k, tag in run_within(listed, self.backend, ROUND_DEADLINE).items():
             assert tag == TAGS[k] or (tag is None and self.s3 is not None), "a tag was lost"
         STATS["tag_checks"] += 1
+
+    def check_peer(self, seen: dict[str, Any]) -> None:
+        """The peer process never read wrong bytes (the machine's deletes, evictions and
+        reuse of freed space raced its reads) and no read of it failed."""
+        assert not seen["wrong"], f"G2: the peer process read wrong bytes of {seen['wrong']}"
+        assert not seen["errors"], f"the peer process's reads failed: {seen['errors']}"
+        STATS["peer_reads"] += seen["reads"] - self.peer_seen[0]
+        STATS["peer_hits"] += seen["hits"] - self.peer_seen[1]
+        self.peer_seen = (seen["reads"], seen["hits"])
 
     def check_child(self, child: LiveChild, at_fork: str, present: set[bytes]) -> None:
         """A forked child, now that the parent has closed the store, opens it itself.
