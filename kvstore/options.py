@@ -50,7 +50,9 @@ class StoreOptions:
                    processes (and other Stores of this one, and fsck's check) may open the
                    store beside this one, sharing its capacity and its blocks; True:
                    taken exclusively (as fsck's repairs do): every other open is refused
-                   with ``StoreLockedError`` while this store is open.
+                   with ``StoreLockedError`` while this store is open.  A store on a
+                   network file system (NFS, SMB, 9p, ...) is always opened so: its
+                   locks do not hold across hosts (kvstore/disk/network_fs.py).
     ``extent_bytes``  size of each preallocated extent file (fixed at creation).
     ``staging_bytes`` size of the aligned host arena all I/O is staged through; bounds the
                    memory used by transfers in flight and the largest block.  Resident

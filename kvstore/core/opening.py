@@ -32,7 +32,13 @@ from kvstore.disk import permissions, store_files
 from kvstore.disk.format import FORMAT_VERSION, new_store_uuid
 from kvstore.disk.layout import EXTENT_DIR, INDEX_DIR, extent_path
 from kvstore.disk.lock import StoreLock
-from kvstore.errors import IndexCorruptionError, NamespaceMismatchError, from_os_error
+from kvstore.disk.network_fs import network_fs
+from kvstore.errors import (
+    IndexCorruptionError,
+    NamespaceMismatchError,
+    StoreLockedError,
+    from_os_error,
+)
 from kvstore.index import environments
 from kvstore.index.index import Touched, Txn, init_meta, record_namespace
 from kvstore.index.totals import Totals
@@ -54,6 +60,24 @@ __all__ = ["INDEX_DIR", "StoreParts"]
 logger = logging.getLogger("kvstore.store")
 
 
+def _lock(path: str, exclusive: bool) -> StoreLock:
+    """``PATH/LOCK``, shared unless ``exclusive``, or on a network file system, where a
+    store is never shared (kvstore/disk/network_fs.py)."""
+    network = network_fs(path)
+    if network is None:
+        return StoreLock(path, exclusive=exclusive)
+    if not exclusive:
+        logger.warning("kvstore %s: on a network file system (%s), the store is opened in "
+                       "this process alone (exclusive=True)", path, network)
+    try:
+        return StoreLock(path, exclusive=True)
+    except StoreLockedError as e:
+        raise StoreLockedError(
+            11, f"{e}. The store is on a network file system ({network}), where kvstore "
+            "opens it in one process at a time: LMDB's locks, the read marks and flock do "
+            "not hold across hosts there. Keep a shared store on a local disk") from None
+
+
 class StoreParts:
     """The open parts of one store (see the module docstring); ``close()`` releases
     them.  Attributes are the parts themselves (``Store`` keeps them private;
@@ -73,7 +97,7 @@ class StoreParts:
                 raise from_os_error(e, f"cannot create the store directory {path}") from e
         elif not os.path.isdir(os.path.join(path, INDEX_DIR)):
             raise FileNotFoundError(f"no kvstore at {path} (open with create=True to make one)")
-        lock = StoreLock(path, exclusive=opts.exclusive)
+        lock = _lock(path, opts.exclusive)
         self._cleanups: list[Callable[[], Any]] = [lock.release]
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.health = Health(path)
