@@ -10,10 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from kvstore.index.space_counters import CLAIMED
 from kvstore.testing import parts
 from kvstore.tools import fsck
 from tests.conformance import NS, keys, same
-from tests.core.test_owners import ROOT
+from tests.core.test_owners import script_running
 
 EXTENT = 64 << 10
 CAPACITY = 24 * 4096  # a quantum is a quarter of it: 6 pages
@@ -88,22 +86,10 @@ CLAIMER = textwrap.dedent("""
 """)
 
 
-@contextmanager
-def claimer(path: Path) -> Iterator[subprocess.Popen[str]]:
+def claimer(path: Path) -> AbstractContextManager[subprocess.Popen[str]]:
     """Another process that put keys(1)[0] (holding 3 idle claimed pages) and waits on
     its stdin; killed at the end if it is still running."""
-    proc = subprocess.Popen([sys.executable, "-c", CLAIMER, str(path)], cwd=ROOT,
-                            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stdin is not None
-    try:
-        assert proc.stdout.readline() == "claimed\n"
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        proc.stdout.close()
-        proc.stdin.close()
+    return script_running(CLAIMER, path, "claimed\n")
 
 
 def test_a_dead_owners_claims_are_recovered_by_the_owner_that_needs_them(
@@ -174,18 +160,10 @@ def test_space_a_dead_owners_mark_holds_comes_back_to_a_waiting_put(tmp_path: Pa
     with open_here(tmp_path) as a:
         old = keys(7)
         a.put_many(old, [value(i) for i in range(7)])
-        proc = subprocess.Popen([sys.executable, "-c", MARKER, str(tmp_path)], cwd=ROOT,
-                                text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert proc.stdout is not None and proc.stdin is not None
-        try:
-            assert proc.stdout.readline() == "marked\n"
+        with script_running(MARKER, tmp_path, "marked\n") as proc:
             assert a.delete_many(old) == 7
             assert parts(a).allocator.pending_free_bytes == 7 * 3 * 4096
-        finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-            proc.stdout.close()
-            proc.stdin.close()
+            os.kill(proc.pid, signal.SIGKILL)  # its mark stays in place
         new = keys(14)[7:]
         a.put_many(new, [value(10 + i) for i in range(7)])
         assert parts(a).owner.recovered == 1

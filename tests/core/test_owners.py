@@ -174,19 +174,29 @@ MAKER = textwrap.dedent("""
 """)
 
 
-def killed_at(script: str, path: Path, line: str) -> None:
-    """Run ``script`` on the store in another process and SIGKILL it once it printed
-    ``line`` (it waits on its stdin meanwhile)."""
+@contextmanager
+def script_running(script: str, path: Path, line: str) -> Iterator[subprocess.Popen[str]]:
+    """Run ``script`` on the store in another process; yields it once it printed
+    ``line`` (it waits on its stdin meanwhile); SIGKILLed at the end if still running."""
     proc = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=ROOT,
                             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdin is not None
     try:
         assert proc.stdout.readline() == line
+        yield proc
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stdout.close()
         proc.stdin.close()
+
+
+def killed_at(script: str, path: Path, line: str) -> None:
+    """Run ``script`` on the store in another process and SIGKILL it once it printed
+    ``line``."""
+    with script_running(script, path, line):
+        pass
 
 
 def test_an_extent_file_a_killed_owner_was_making_is_removed_by_its_recovery(
