@@ -40,7 +40,6 @@ from kvstore.codecs.pipeline import CODEC_RAW, CodecSpec
 from kvstore.codecs.tensors import CODE_DTYPES, check_value, host_bytes
 from kvstore.core.backlog import Backlog
 from kvstore.core.deletes import DeleteWatch
-from kvstore.core.durable_dedup import DurableDedup
 from kvstore.core.key_order import KeyOrder, Turn
 from kvstore.core.seq_lease import SeqLease
 from kvstore.disk.format import PAGE, SLOT_HEADER_BYTES, IndexEntry, round_up
@@ -104,7 +103,6 @@ class PutPath:
         self._seqs = seqs
         self.codec = codec  # the store's default
         self.durable = durable
-        self.durable_dedup = DurableDedup(index)
         # puts in flight beyond backlog_bytes drop background puts (kvstore/core/backlog.py)
         self.backlog = Backlog(backlog_bytes)
         self._tiers = tiers  # the memory tier caches what is durable, the remote uploads it
@@ -216,8 +214,6 @@ class PutPath:
         # (a key twice in the batch and skipped counts once per occurrence)
         n_skipped = sum(k in skipped for k in keys)
         if not chosen:
-            if deduplicated and self.durable:  # (no commit of its own makes them durable)
-                await self.durable_dedup.barrier()
             self._count_dedup(len(keys) - n_skipped, dedup_bytes)
             return PutResult(0, len(keys) - n_skipped, 0, dropped=n_skipped)
         items = await self._items(chosen)
