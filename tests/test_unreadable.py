@@ -276,3 +276,30 @@ def test_an_extent_deleted_while_the_store_is_open_fails_one_put_with_a_typed_er
         assert {f.kind for f in check(str(tmp_path)).findings} == {"missing-extent"}
 
     anyio.run(scenario)
+
+
+def test_a_batch_that_lacks_room_beside_a_lost_extents_claims_is_refused(
+        tmp_path: Path) -> None:
+    """After an extent deleted while the store is open is lost, this owner's claims
+    there are withdrawn (claimed, unusable: used, as the claim transaction counts
+    them).  A batch that fits only if they were free, under a parent nothing may evict,
+    is refused with CapacityError; before, the reserve counted them as free, claimed,
+    found the capacity short, evicted nothing and tried again for ever."""
+    opts = dict(namespace=None, extent_bytes=64 << 10, capacity_bytes=24 * 4096)
+    block = [torch.full((2048,), float(i)) for i in range(6)]  # 12 KiB slots
+
+    async def scenario() -> None:
+        async with kvstore.open(tmp_path, engine="threads", **opts) as store:
+            async with kvstore.open(tmp_path, engine="threads", **opts) as other:
+                await other.put(CHAIN[0], block[0])  # extent 1; its claims back at close
+            os.unlink(extent_path(str(tmp_path), 1))
+            with pytest.raises(kvstore.errors.StoreIOError):
+                await store.put(CHAIN[1], block[1])  # claims 6 pages in extent 1: lost
+            assert parts(store).allocator.claims.withdrawn == 6 * 4096
+            batch = [bytes([0x40 + i]) * 16 for i in range(4)]  # 12 pages; 9 have room
+            with anyio.fail_after(60), pytest.raises(kvstore.CapacityError):
+                await store.put_many(batch, block[2:6],
+                                     parents=kvstore.chain_parents(batch, CHAIN[0]))
+            assert await store.contains_many(batch) == [False] * 4
+
+    anyio.run(scenario)

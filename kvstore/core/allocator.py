@@ -285,7 +285,8 @@ class Allocator:
                 continue
             seen = self._generation
             store_used = self.claims.used()
-            short = self._used(store_used) + total - self.capacity_bytes
+            # (withdrawn claims count here: the claim transaction counts them as used)
+            short = store_used - self.space.free_bytes + total - self.capacity_bytes
             if short <= 0:
                 short, claimed = await self.claims.more(
                     total, largest, self.capacity_bytes - store_used, grow=claimed)
@@ -306,7 +307,7 @@ class Allocator:
                 continue
             self._wait_in_line(ticket)  # (asking other owners for claims takes a while)
             if self.requests is not None and await self.requests.make_room(
-                    store_used, partial(self._changed_since, seen)):
+                    ticket, store_used, partial(self._changed_since, seen)):
                 continue
             raise _refused(total, self.capacity_bytes, self.used_bytes, self.requests)
 

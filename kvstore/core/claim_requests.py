@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from kvstore.errors import KVStoreError
 from kvstore.index.space_counters import CLAIMED
 
 if TYPE_CHECKING:
@@ -63,15 +62,29 @@ class ClaimRequests:
                  recover: Callable[[], Awaitable[int]]) -> None:
         self._claims, self._file, self._recover = claims, file, recover
         self._seen = file.claim_requests() if file is not None else 0
+        self._mine = 0  # the value of this owner's last request (its listener skips it)
         self.answer_wait_s = ANSWER_WAIT_S  # (tests shorten it)
         self.asked = 0  # requests this owner made
         self.answered = 0  # requests of others this owner answered by giving claims back
         self.unanswered = 0  # other owners' claimed bytes its last request left unreturned
+        # (ticket, deadline): the reserve asking now (reserves ask one at a time: the
+        # others wait in line behind it) waits this long in all, however many looks
+        self._asking = (-1, 0.0)
+        # what the last unanswered request saw (others' claims, used): while nothing
+        # changed, the next reserve asks again but does not wait
+        self._stuck: tuple[int, int] | None = None
 
     async def recover_dead(self) -> int:
         """Recover the dead owners (their claims back in the pool, their marks cleared:
-        the space a dead owner's frozen mark held ripens); how many there were."""
-        return await self._recover()
+        the space a dead owner's frozen mark held ripens); how many there were.  A
+        failure (a lock file it may not open, a full disk at the commit) is logged and
+        counts as none: the put that asked goes on as if no owner were dead."""
+        try:
+            return await self._recover()
+        except Exception as e:  # noqa: BLE001 - a probe's failure must not fail a put
+            logger.warning("kvstore %s: recovering dead owners failed: %r",
+                           self._claims.index.path, e)
+            return 0
 
     def others_claimed(self) -> int:
         """Bytes claimed by other owners (the counter less this owner's rows), one read
@@ -82,15 +95,19 @@ class ClaimRequests:
             mine = sum(length for _, _, length in index.space.claims_of(txn, owner))
         return total - mine
 
-    async def make_room(self, used: int, changed: Callable[[], bool]) -> bool:
-        """A reserve found no room and nothing else to wait for: True when other
-        owners' claims may have made some (look again), False when none can (refuse).
-        ``used``: the store's used bytes at the reserve's look (other owners may have
-        given claims back since: look again); ``changed``: whether this owner's
-        allocator changed meanwhile (look again too)."""
+    async def make_room(self, ticket: int, used: int, changed: Callable[[], bool]) -> bool:
+        """Reserve ``ticket`` found no room and nothing else to wait for: True when
+        other owners' claims may have made some (look again), False when none can
+        (refuse).  ``used``: the store's used bytes at the reserve's look (other owners
+        may have given claims back since: look again); ``changed``: whether this
+        owner's allocator changed meanwhile (look again too).  One reserve waits
+        :attr:`answer_wait_s` in all, however many looks it takes."""
         self.unanswered = 0
-        if self._claims.used() != used:
-            return True
+        if self._asking[0] != ticket:
+            self._asking = (ticket, anyio.current_time() + self.answer_wait_s)
+        deadline = self._asking[1]
+        if anyio.current_time() < deadline and self._claims.used() != used:
+            return True  # (e.g. claims given back since its look)
         others = self.others_claimed()
         if not others:
             return False
@@ -98,15 +115,19 @@ class ClaimRequests:
             return True
         if self._file is None:
             return False
-        self._seen = self._file.request_claims()  # (its own listener skips it)
+        self._mine = self._file.request_claims()
         self.asked += 1
-        delay, deadline = 0.001, anyio.current_time() + self.answer_wait_s
+        if self._stuck == (others, used):
+            deadline = 0.0  # (asked, so that an owner that runs again answers; no wait)
+        delay = 0.001
         while anyio.current_time() < deadline:
             await anyio.sleep(delay)
             delay = min(2 * delay, LISTEN_S)
             if changed() or self.others_claimed() < others:
+                self._stuck = None
                 return True
         self.unanswered = others
+        self._stuck = (others, self._claims.used())
         return False
 
     def unanswered_note(self) -> str:
@@ -126,12 +147,12 @@ class ClaimRequests:
             if closed():  # (its marks file may be closed by now)
                 return
             now = file.claim_requests()
-            if now == self._seen:
+            if now in (self._seen, self._mine):
                 continue
             self._seen = now
             try:
                 if await self._claims.give_back_all():
                     self.answered += 1
-            except KVStoreError as e:  # (the claims stay this owner's: nothing lost)
-                logger.warning("kvstore %s: could not give claims back to a request: %s",
+            except Exception as e:  # noqa: BLE001 - (the claims stay this owner's)
+                logger.warning("kvstore %s: could not give claims back to a request: %r",
                                self._claims.index.path, e)

@@ -131,6 +131,7 @@ class OwnClaims:
         self._on_extent, self._reported = on_extent, set[int]()
         self._seen: int | None = None  # the store's used bytes, last read
         self.busy, self._on_change = 0, on_change
+        self.gave_back = False  # it answered a request since it last claimed (no top-up)
 
     def start(self) -> None:
         self._grow_lock = anyio.Lock()
@@ -189,6 +190,7 @@ class OwnClaims:
         want = self.quantum(total)
         ripe = self.epochs.take_ripe()
         self.busy += 1
+        self.gave_back = False  # (its own reserve needs space: top-ups again)
         index, owner, capacity, lost = self.index, self.owner, self.capacity(), self.space.lost
 
         def job(txn: Txn) -> tuple[Claimed, list[Run]]:
@@ -217,6 +219,7 @@ class OwnClaims:
         its reads released join the claims first in the same transaction, so they go
         back too."""
         spare = self.space.take_runs()
+        self.gave_back = True
         if not spare:
             return 0
         ripe = self.epochs.take_ripe()
@@ -298,7 +301,9 @@ class OwnClaims:
         # (no top-up while the capacity had no room at the last look: a full store
         # would try in every commit; the claim a reserve runs when it must stays)
         room = self.capacity() - self.seen_used()
-        want = min(q, room) if free < q // 2 and room >= PAGE else 0
+        # (nor after it gave its claims back to another owner's request: that owner
+        # needs them; this one claims again when one of its own reserves must)
+        want = min(q, room) if free < q // 2 and room >= PAGE and not self.gave_back else 0
         return CommitSpace(self, self.epochs.take_ripe(), want, returning,
                            self.index.space.owned(self.owner))
 

@@ -73,7 +73,7 @@ def _lock(path: str, exclusive: bool) -> StoreLock:
         return StoreLock(path, exclusive=True)
     except StoreLockedError as e:
         raise StoreLockedError(
-            11, f"{e}. The store is on a network file system ({network}), where kvstore "
+            11, f"{e.strerror}. The store is on a network file system ({network}), where kvstore "
             "opens it in one process at a time: LMDB's locks, the read marks and flock do "
             "not hold across hosts there. Keep a shared store on a local disk") from None
 

@@ -104,8 +104,15 @@ class Owner:
                 _release(dead)
                 raise
 
-        await self._writer.run(job)
-        await anyio.to_thread.run_sync(self._after_recovery, dead, unmade)
+        # Not cancellable once it began: a committed recovery whose files and locks
+        # were left behind would leak them (the rows naming them are gone).
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._writer.run(job)
+            except BaseException:
+                _release(dead)  # (the commit failed: the next probe finds them again)
+                raise
+            await anyio.to_thread.run_sync(self._after_recovery, dead, unmade)
         found = len(dead) + len(orphans)
         self.recovered += found
         return found
@@ -116,7 +123,8 @@ class Owner:
         with self._index.begin() as txn:
             rows = self._index.owner_records.rows(txn)
         held = held_owner_locks(self._path)  # (read-only probes: nothing is made)
-        return any(other_id not in held or _orphaned(other, mine)
+        return any((other_id not in held and not _still_running(other, mine))
+                   or _orphaned(other, mine)
                    for other_id, other in rows.items() if other_id != self.id)
 
     def _after_recovery(self, dead: list[OwnerLock], unmade: list[int]) -> None:
@@ -191,7 +199,7 @@ def _registration(path: str, index: Index, record: OwnerRecord, file_mode: int,
         unmade.clear()
         orphans.clear()
         owner_id = table.take_id(txn)
-        lock = OwnerLock(path, owner_id, file_mode)
+        lock = OwnerLock(path, owner_id, file_mode, wait_s=1.0)  # (probers: briefly)
         try:
             live = _recover_dead(txn, path, index, record, file, dead, unmade, orphans)
             if not live:  # (runs freed by an owner that closed beside others, or fsck)
@@ -223,6 +231,12 @@ def _recover_dead(txn: Txn, path: str, index: Index, mine: OwnerRecord,
         if other_id == skip:
             continue
         probe = probe_owner(path, other_id)
+        if probe is not None and _still_running(other, mine):
+            # Its lock is free but its process runs on (its lock file was removed or
+            # replaced under it): alive.  Forgetting it would hand its claims, slots
+            # it is writing included, to others.
+            probe.release()
+            probe = None
         if probe is None and not _orphaned(other, mine):
             live[other_id] = other
             continue
@@ -310,13 +324,41 @@ def _release(locks: list[OwnerLock]) -> None:
     locks.clear()
 
 
+def _still_running(other: OwnerRecord, mine: OwnerRecord) -> bool:
+    """Whether the process that registered ``other`` provably runs: same PID namespace
+    (and ``/proc`` is this namespace's), the pid exists and has the recorded start
+    time.  What cannot be told is not running (the lock alone decides, as before), and
+    so is this process: a Store of its own that still runs holds its lock (``flock``
+    locks of two open files conflict in one process too), so a free one was closed
+    without its row (a close whose transaction failed)."""
+    if not other.start_time or not other.pid_namespace or not _own_proc() \
+            or other.pid_namespace != mine.pid_namespace or other.pid == os.getpid():
+        return False
+    try:
+        os.kill(other.pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # EPERM: it exists, another user's
+    return _start_time(other.pid) == other.start_time
+
+
+def _own_proc() -> bool:
+    """Whether ``/proc`` shows this process's PID namespace (a process moved into a new
+    one without remounting ``/proc`` reads another namespace's pids there)."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
 def _orphaned(other: OwnerRecord, mine: OwnerRecord) -> bool:
     """An owner whose lock file is held, yet whose process is gone: a child forked
     without the at-fork hooks (by native code) keeps a copy of the lock's descriptor
     (DESIGN.md 10.2).  Told only in this process's PID namespace, by the pid and its
     start time (a reused pid has another); what cannot be told (no record, another
     user's process hidden by ``hidepid``) counts as alive."""
-    if not other.start_time or not other.pid_namespace \
+    if not other.start_time or not other.pid_namespace or not _own_proc() \
             or other.pid_namespace != mine.pid_namespace:
         return False
     try:

@@ -3,8 +3,9 @@
 Every disk read of a stored slot (a get, a prefetch, the scrub, a re-read of a
 quarantined slot, the remote tier's upload read) runs between :meth:`ReadMarks.begin`,
 called *before* the index lookup that names the slot, and :meth:`ReadMarks.end`, after
-its last byte was copied.  ``begin`` takes ``h`` = the newest LMDB snapshot id (read
-from the environment before the lookup, so the lookup's snapshot is ``>= h``) and, if
+its last byte was copied.  ``begin`` takes ``h`` = the newest LMDB transaction id less one
+(read from the environment's meta pages before the lookup: the lookup's snapshot is at
+least the transaction before the newest, whose meta page may still be being written) and, if
 ``h`` lowers this owner's published mark, publishes it with a full fence; ``end``
 publishes the oldest ``h`` still in flight, or 0.  So while a read runs the owner's
 slot holds a mark no newer than the snapshot it looked up under, and a range a later
@@ -42,7 +43,11 @@ class ReadMarks:
         """A read is about to look its slots up: returns its mark (pass it to :meth:`end`)."""
         if not self.enabled:
             return 0
-        h = self._newest()
+        # One below the newest meta page: a commit's meta page is seen here before its
+        # O_DSYNC write returns, while a read transaction begun meanwhile still takes
+        # the snapshot before it (LMDB publishes mti_txnid after the write), and at
+        # most one commit is in flight (LMDB's write mutex).
+        h = max(self._newest() - 1, 1)
         self._held[h] += 1
         if not self.published or h < self.published:
             self._publish(h)

@@ -34,6 +34,7 @@ import errno
 import fcntl
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -170,7 +171,10 @@ class OwnerLock(_Flock):
     exclusive ``flock`` until ``release`` (which removes the file); it holds the pid.
     :class:`StoreLockedError` if another live process holds it."""
 
-    def __init__(self, store_path: str, owner_id: int, file_mode: int) -> None:
+    def __init__(self, store_path: str, owner_id: int, file_mode: int, *,
+                 wait_s: float = 0.0) -> None:
+        """``wait_s``: how long a lock held by someone else is tried again (an owner
+        taking its own new id: only a prober's brief shared lock can be in the way)."""
         self.path = layout.owner_lock_path(store_path, owner_id)
         fix = f"Remove {self.path} if it is not a file of another program."
         with _FORK_GUARD:
@@ -184,7 +188,7 @@ class OwnerLock(_Flock):
             try:
                 check_same(self.path, os.fstat(fd), None, fix)
                 os.set_blocking(fd, True)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _lock_within(fd, wait_s)
             except BlockingIOError:
                 os.close(fd)
                 raise StoreLockedError(11, f"owner lock file {self.path} is held by another "
@@ -208,6 +212,20 @@ class OwnerLock(_Flock):
         with suppress(FileNotFoundError):
             os.unlink(self.path)
         self.release()
+
+
+def _lock_within(fd: int, wait_s: float) -> None:
+    """An exclusive ``flock`` on ``fd``, tried again every millisecond for ``wait_s``;
+    :class:`BlockingIOError` if still held by then."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.001)
 
 
 def probe_owner(store_path: str, owner_id: int) -> OwnerLock | None:

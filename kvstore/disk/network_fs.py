@@ -5,11 +5,13 @@ Sharing rests on three things that hold only among the processes of one kernel: 
 lock table (``lock.mdb``: a shared memory map and robust mutexes), the read marks
 (``owners/marks``: fenced stores into a shared map) and the owners' ``flock`` locks
 (which NFS emulates with byte-range locks, and other network file systems may not hold
-at all).  Two hosts opening one store on NFS, SMB or 9p would each see a store nobody
-else writes.  LMDB's own documentation says not to use it on a remote file system.  So
-an open on one takes ``LOCK`` exclusively (one owner, as ``exclusive=True``) and says
-why when a second open is refused; keeping a store there at all is the operator's
-choice (a local NVMe is what kvstore is for).
+at all).  Two hosts sharing one store on NFS, SMB or 9p would write one index, each
+under locks the other does not see: it would be corrupted.  LMDB's own documentation
+says not to use it on a remote file system.  So an open on one takes ``LOCK``
+exclusively (one owner, as ``exclusive=True``) and says why when a second open is
+refused (a second host is refused only where the file system honours ``flock`` across
+clients); keeping a store there at all is the operator's choice (a local NVMe is what
+kvstore is for).
 
 The file system is the one ``/proc/self/mountinfo`` names for the longest mount point
 above the store's real path (with FUSE's subtype: ``fuse.sshfs``).
@@ -23,7 +25,7 @@ __all__ = ["NETWORK_FS_TYPES", "network_fs"]
 
 NETWORK_FS_TYPES = frozenset({
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "afs", "lustre", "gpfs",
-    "glusterfs", "beegfs", "orangefs", "fuse.sshfs", "fuse.glusterfs", "fuse.s3fs",
+    "glusterfs", "beegfs", "orangefs", "gfs2", "ocfs2", "fuse.sshfs", "fuse.glusterfs", "fuse.s3fs",
     "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs", "fuse.ceph-fuse"})
 
 

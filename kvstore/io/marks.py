@@ -127,10 +127,11 @@ class MarksFile:
         return int(struct.unpack_from("<Q", self._map, _REQUESTS)[0])
 
     def request_claims(self) -> int:
-        """Raise the claim requests word; returns its new value.  Not atomic: two owners
-        raising it at once may write one value, which every listener still sees change
-        (a listener only compares it with the value it saw last)."""
-        value = (self.claim_requests() + 1) % 2**64 or 1
+        """Write a new, random value into the claim requests word; returns it.  A
+        listener compares it with the value it saw last, so two owners writing at once
+        are both seen (the later value differs from whatever a listener saw before);
+        a counter raised by read-modify-write could write a value already seen."""
+        value = int.from_bytes(os.urandom(8), "little") or 1
         struct.pack_into("<Q", self._map, _REQUESTS, value)
         return value
 

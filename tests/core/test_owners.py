@@ -270,3 +270,37 @@ def test_an_owner_whose_lock_only_a_native_fork_child_holds_is_recovered(
             os.kill(child, signal.SIGKILL)
         proc.stdout.close()
         proc.stdin.close()
+
+
+LIVE = textwrap.dedent("""
+    import sys, torch, kvstore
+    from tests.conformance import NS, keys
+    store = kvstore.open_blocking(sys.argv[1], namespace=NS, extent_bytes=1 << 20,
+                                  engine="threads")
+    store.put_many(keys(1), [torch.ones(1000)])
+    print("open", flush=True)
+    sys.stdin.readline()
+    store.put_many(keys(2)[1:], [torch.zeros(1000)])  # in the claims it kept
+    store.close()
+    print("done", flush=True)
+""")
+
+
+def test_a_live_owner_whose_lock_file_was_removed_is_not_recovered(tmp_path: Path
+                                                                   ) -> None:
+    """Another process's lock file is removed under it (an operator, a tmp cleaner): its
+    lock is free, but its process runs with the recorded start time, so an open (and a
+    live owner's probe, the same code) keeps it: its claims stay its own, and its next
+    put, into them, is stored and reads back."""
+    with script_running(LIVE, tmp_path, "open\n") as proc:
+        [name] = lock_files(tmp_path)
+        os.unlink(os.path.join(layout.owners_dir(str(tmp_path)), name))
+        with open_here(tmp_path) as store:
+            assert parts(store).owner.recovered == 0
+            assert len(owner_rows(store)) == 2
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == "done\n"
+            assert store.contains_many(keys(2)) == [True, True]
+    assert fsck.check(str(tmp_path)).findings == []
