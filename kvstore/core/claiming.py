@@ -19,8 +19,10 @@ Top-up and returns ride along in the put's commit (:class:`CommitSpace`): a clai
 ``Q`` when the unreserved claimed space fell below ``Q/2`` (within the room the capacity
 has: never an eviction, never an extent), the largest runs beyond ``Q`` back to the pool
 when it exceeds ``2Q``.  ``Q`` = clamp(4 x the largest batch, 16 MiB, 256 MiB), at most
-a quarter of the capacity (at least the batch): idle claims of one owner cannot hold the
-room another one needs (they count as used, DESIGN 6.3).
+a quarter of the capacity shared by the owners counted in its last claim transaction
+(capacity / (4 x owners); at least the batch): idle claims of the owners cannot hold
+the room another one needs (they count as used, DESIGN 6.3; and they come back when
+asked: kvstore/core/claim_requests.py).
 
 ``used`` for the capacity is the counters' (claims count as used, whoever holds them);
 what this owner reports (:attr:`Allocator.used_bytes
@@ -132,6 +134,7 @@ class OwnClaims:
         self._seen: int | None = None  # the store's used bytes, last read
         self.busy, self._on_change = 0, on_change
         self.gave_back = False  # it answered a request since it last claimed (no top-up)
+        self.owners = 1  # owners of the store, counted in its last claim transaction
 
     def start(self) -> None:
         self._grow_lock = anyio.Lock()
@@ -163,7 +166,8 @@ class OwnClaims:
     def quantum(self, total: int = 0) -> int:
         """``Q`` (the module docstring), for a batch of ``total`` bytes."""
         self._largest = max(self._largest, total)
-        q = min(max(4 * self._largest, QUANTUM_MIN), QUANTUM_MAX, self.capacity() // 4)
+        share = self.capacity() // (4 * max(1, self.owners))  # (the owners seen last)
+        q = min(max(4 * self._largest, QUANTUM_MIN), QUANTUM_MAX, share)
         return round_up(max(q, total, PAGE), PAGE)
 
     async def more(self, total: int, largest: int, room: int, *, grow: bool
@@ -194,6 +198,7 @@ class OwnClaims:
         index, owner, capacity, lost = self.index, self.owner, self.capacity(), self.space.lost
 
         def job(txn: Txn) -> tuple[Claimed, list[Run]]:
+            self.owners = index.owner_records.count(txn)  # (sizes the next quanta)
             ripen_into(txn, index, owner, ripe)
             kept = return_runs(txn, index, owner, spare)
             room_now = capacity - used_bytes(txn, index, lost)

@@ -80,6 +80,10 @@ class OwnersTable:
         """A new owner id (``next_owner``, raised in ``txn``)."""
         return self._meta.take_next_owner(txn)
 
+    def count(self, txn: Txn) -> int:
+        """How many owners have a row (live ones, and dead ones not recovered yet)."""
+        return int(txn.stat(self._table)["entries"])
+
     def rows(self, txn: Txn) -> dict[int, OwnerRecord]:
         with txn.cursor(self._table) as cur:
             return {_KEY.unpack(bytes(k))[0]: OwnerRecord.decode(bytes(v)) for k, v in cur}

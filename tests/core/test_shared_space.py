@@ -208,3 +208,22 @@ async def test_a_child_whose_parent_another_owner_removed_meanwhile_is_not_index
         assert stats.evicted_at_commit == 2 and stats.evicted_blocks == 2
         assert allocation_findings(parts(b).index, tmp_path) == []
     assert fsck.check(str(tmp_path)).findings == []
+
+
+def test_the_quantum_is_a_share_of_the_capacity_per_owner(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Alone, an owner's quantum is at most a quarter of the capacity; beside three
+    others, a sixteenth: the owners counted in its last claim transaction (so four idle
+    owners hold at most half the capacity between them, two quanta each)."""
+    capacity = 64 * 4096
+    with owners(tmp_path, 1, capacity, monkeypatch) as (a,):
+        a.put_many(keys(1), [value(0)])
+        assert parts(a).allocator.claims.quantum() == capacity // 4
+        with owners(tmp_path, 3, capacity, monkeypatch):
+            # 15 pages: more than its claims hold (13 of 16 left): it claims again
+            a.put_many(keys(6)[1:], [value(i) for i in range(1, 6)])
+            claims = parts(a).allocator.claims
+            assert claims.owners == 4
+            assert claims.quantum() == capacity // 16
+    assert fsck.check(str(tmp_path)).findings == []
