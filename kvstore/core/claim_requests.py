@@ -8,9 +8,10 @@ owners hold claims, :meth:`ClaimRequests.make_room`
 
 1. recovers the dead owners among them (:meth:`~kvstore.core.owners.Owner.recover_dead`:
    their claims go back to the pool at once);
-2. raises the claim requests word of ``owners/marks`` (:mod:`kvstore.io.marks`) and
-   polls the counters, backing off from 1 ms to :data:`LISTEN_S`, until the other
-   owners' claims shrink, its own allocator changes, or :data:`ANSWER_WAIT_S` passed.
+2. writes a new random value into the claim requests word of ``owners/marks``
+   (:mod:`kvstore.io.marks`) and polls the counters, backing off from 1 ms to
+   :data:`LISTEN_S`, until the other owners' claims shrink, its own allocator changes,
+   or :data:`ANSWER_WAIT_S` passed (in all, however many looks the reserve takes).
 
 Every owner listens (:meth:`ClaimRequests.listen`, a background task of the open store):
 every :data:`LISTEN_S` it reads the word, and when it changed it gives every unreserved
