@@ -325,22 +325,37 @@ def _release(locks: list[OwnerLock]) -> None:
 
 
 def _still_running(other: OwnerRecord, mine: OwnerRecord) -> bool:
-    """Whether the process that registered ``other`` provably runs: same PID namespace
-    (and ``/proc`` is this namespace's), the pid exists and has the recorded start
-    time.  What cannot be told is not running (the lock alone decides, as before), and
-    so is this process: a Store of its own that still runs holds its lock (``flock``
-    locks of two open files conflict in one process too), so a free one was closed
-    without its row (a close whose transaction failed)."""
+    """Whether the process that registered ``other`` provably runs (:func:`_running`).
+    What cannot be told is not running (the lock alone decides, as before), and so is
+    this process: a Store of its own that still runs holds its lock (``flock`` locks of
+    two open files conflict in one process too), so a free one was closed without its
+    row (a close whose transaction failed)."""
+    return other.pid != os.getpid() and _running(other, mine) is True
+
+
+def _orphaned(other: OwnerRecord, mine: OwnerRecord) -> bool:
+    """An owner whose lock file is held, yet whose process is gone: a child forked
+    without the at-fork hooks (by native code) keeps a copy of the lock's descriptor
+    (DESIGN.md 10.2).  What cannot be told counts as alive (:func:`_running`)."""
+    return _running(other, mine) is False
+
+
+def _running(other: OwnerRecord, mine: OwnerRecord) -> bool | None:
+    """Whether the process that registered ``other`` runs (True), is gone (False: its
+    pid is gone, or reused: another start time), or None when that cannot be told: no
+    record, another PID namespace (or a ``/proc`` that is not this namespace's), a
+    start time that cannot be read (another user's process hidden by ``hidepid``)."""
     if not other.start_time or not other.pid_namespace or not _own_proc() \
-            or other.pid_namespace != mine.pid_namespace or other.pid == os.getpid():
-        return False
+            or other.pid_namespace != mine.pid_namespace:
+        return None
     try:
-        os.kill(other.pid, 0)
+        os.kill(other.pid, 0)  # (signal 0: only whether the pid exists)
     except ProcessLookupError:
         return False
     except OSError:
         pass  # EPERM: it exists, another user's
-    return _start_time(other.pid) == other.start_time
+    now = _start_time(other.pid)
+    return None if not now else now == other.start_time
 
 
 def _own_proc() -> bool:
@@ -350,25 +365,6 @@ def _own_proc() -> bool:
         return os.readlink("/proc/self") == str(os.getpid())
     except OSError:
         return False
-
-
-def _orphaned(other: OwnerRecord, mine: OwnerRecord) -> bool:
-    """An owner whose lock file is held, yet whose process is gone: a child forked
-    without the at-fork hooks (by native code) keeps a copy of the lock's descriptor
-    (DESIGN.md 10.2).  Told only in this process's PID namespace, by the pid and its
-    start time (a reused pid has another); what cannot be told (no record, another
-    user's process hidden by ``hidepid``) counts as alive."""
-    if not other.start_time or not other.pid_namespace or not _own_proc() \
-            or other.pid_namespace != mine.pid_namespace:
-        return False
-    try:
-        os.kill(other.pid, 0)  # (signal 0: only whether the pid exists)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        pass  # EPERM: it exists, another user's
-    now = _start_time(other.pid)
-    return bool(now) and now != other.start_time
 
 
 def _start_time(pid: int | str = "self") -> int:
